@@ -1,0 +1,1 @@
+"""The fedfleet coordinator: fleet config, planning, strategies, rounds, broker management, CLI."""

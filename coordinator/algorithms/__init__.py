@@ -1,0 +1,1 @@
+"""Pure tensor code: state dicts in, state dicts out. No MQTT, files or clocks in here."""

@@ -1,0 +1,199 @@
+"""FedHM aggregation (Eq. 2) as a streaming accumulator.
+
+Every weighting is a per-client score normalized over the round's clients, so an update can be
+folded in the moment it arrives and dropped: memory is one float64 copy of the model however
+many clients report. Scores are kept in log space with a running maximum (log-sum-exp), so a
+weighting that gives tiny weights (the reference's exp(-1/gamma) at small gamma) neither
+underflows nor loses precision.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from enum import Enum
+
+import torch
+from torch import Tensor
+
+from coordinator.algorithms.lowrank import factor_keys
+from device_agent.factorized import reconstruct
+from device_agent.hybrid import LayerSpec
+
+
+class Weighting(str, Enum):
+    """How clients of different rank ratios are weighted in the average."""
+
+    PAPER = "paper"
+    """FedHM paper Eq. 2: alpha_p = softmax(gamma_p / tau). The default."""
+    REFERENCE = "reference"
+    """CGCL-codes/FedHM code: softmax(-(1 / gamma_p) / tau); favours full-rank clients strongly."""
+    SAMPLES = "samples"
+    """FedAvg: proportional to the client's number of training samples."""
+    UNIFORM = "uniform"
+    """Every client counts the same."""
+
+
+class UpdateRejected(ValueError):
+    """A client update that cannot be aggregated; the message names the offending key."""
+
+
+def parse_weighting(value: Weighting | str) -> Weighting:
+    try:
+        return Weighting(value)
+    except ValueError:
+        choices = ", ".join(w.value for w in Weighting)
+        raise ValueError(f"unknown weighting {value!r}; choose one of: {choices}") from None
+
+
+def log_score(weighting: Weighting | str, gamma: float, num_samples: int, temperature: float = 1.0) -> float:
+    """Unnormalized log-weight of one client; softmax over the round's clients gives alpha."""
+    weighting = parse_weighting(weighting)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0 < gamma <= 1:
+        raise ValueError(f"rank ratio gamma must be in (0, 1], got {gamma}")
+    if weighting is Weighting.PAPER:
+        return gamma / temperature
+    if weighting is Weighting.REFERENCE:
+        return -(1.0 / gamma) / temperature
+    if weighting is Weighting.SAMPLES:
+        if num_samples <= 0:
+            raise ValueError(f"sample-count weighting needs num_samples > 0, got {num_samples}")
+        return math.log(num_samples)
+    return 0.0
+
+
+def aggregation_weights(
+    weighting: Weighting | str,
+    gammas: Sequence[float],
+    num_samples: Sequence[int] | None = None,
+    temperature: float = 1.0,
+) -> list[float]:
+    """Normalized alpha_p for a round's clients (for logs, reports and tests)."""
+    samples = num_samples if num_samples is not None else [1] * len(gammas)
+    scores = [log_score(weighting, g, n, temperature) for g, n in zip(gammas, samples, strict=True)]
+    top = max(scores)
+    exp = [math.exp(s - top) for s in scores]
+    total = sum(exp)
+    return [e / total for e in exp]
+
+
+class StreamingAggregator:
+    """Weighted average of client updates into full-rank weights, one update at a time.
+
+    ``global_state`` is the current full-rank model: it fixes the keys and shapes updates must
+    match, and any key no client sent (e.g. BatchNorm statistics kept local) keeps its value.
+    Integer buffers are never averaged. Updates may hold a layer as factors
+    (``<layer>.reduce`` / ``<layer>.expand``, at the rank the client's gamma implies) or dense.
+
+    ``global_as_pseudo_client`` adds the previous global model as one more client with gamma = 1
+    when no full-rank client took part, as the reference code does (off by default).
+    """
+
+    def __init__(
+        self,
+        global_state: Mapping[str, Tensor],
+        plan: Mapping[str, LayerSpec],
+        weighting: Weighting | str = Weighting.PAPER,
+        temperature: float = 1.0,
+        global_as_pseudo_client: bool = False,
+    ) -> None:
+        self.global_state = dict(global_state)
+        self.plan = dict(plan)
+        self.weighting = parse_weighting(weighting)
+        self.temperature = temperature
+        self.global_as_pseudo_client = global_as_pseudo_client
+        self._sums: dict[str, Tensor] = {}
+        self._totals: dict[str, float] = {}
+        self._shift = -math.inf
+        self._sample_total = 0
+        self.num_clients = 0
+        self.saw_full_rank = False
+        self._layer_of = {key: name for name in self.plan for key in factor_keys(name)}
+
+    def add(self, update: Mapping[str, Tensor], gamma: float, num_samples: int = 1) -> None:
+        """Validate the whole update, then fold it in; a rejected update changes nothing."""
+        score = log_score(self.weighting, gamma, num_samples, self.temperature)
+        dense = self._validated(update, gamma)
+        self._fold(dense, score)
+        self.num_clients += 1
+        self._sample_total += num_samples
+        self.saw_full_rank |= gamma == 1
+
+    def result(self) -> dict[str, Tensor]:
+        """The aggregated full-rank state (the global state where no client contributed)."""
+        if self.global_as_pseudo_client and self.num_clients and not self.saw_full_rank:
+            samples = max(1, round(self._sample_total / self.num_clients))
+            score = log_score(self.weighting, 1.0, samples, self.temperature)
+            floats = {k: v for k, v in self.global_state.items() if v.is_floating_point()}
+            self._fold({k: (lambda v=v: v.to(torch.float64)) for k, v in floats.items()}, score)
+            self.saw_full_rank = True
+        out = dict(self.global_state)
+        for key, total in self._sums.items():
+            out[key] = (total / self._totals[key]).to(self.global_state[key].dtype)
+        return out
+
+    def _validated(self, update: Mapping[str, Tensor], gamma: float) -> dict[str, Callable[[], Tensor]]:
+        """Key -> callable producing the dense float64 tensor: lazy, so folding holds one layer at a time."""
+        dense: dict[str, Callable[[], Tensor]] = {}
+        seen_factors: set[str] = set()
+        for key, value in update.items():
+            if not isinstance(value, Tensor):
+                raise UpdateRejected(f"{key!r}: expected a tensor, got {type(value).__name__}")
+            layer = self._layer_of.get(key)
+            expected = self.global_state.get(key)
+            if layer is None and expected is None:
+                raise UpdateRejected(f"{key!r}: not a parameter of this model")
+            if expected is not None and not expected.is_floating_point():
+                continue
+            if not value.is_floating_point():
+                raise UpdateRejected(f"{key!r}: expected a floating-point tensor, got {value.dtype}")
+            if not bool(torch.isfinite(value).all()):
+                raise UpdateRejected(f"{key!r}: contains NaN or infinite values")
+            if layer is not None:
+                seen_factors.add(layer)
+                continue
+            if gamma < 1 and key.endswith(".weight") and key[: -len(".weight")] in self.plan:
+                raise UpdateRejected(f"{key!r}: a client at gamma={gamma} must send this layer as factors")
+            if value.shape != expected.shape:
+                raise UpdateRejected(f"{key!r}: shape {tuple(value.shape)}, expected {tuple(expected.shape)}")
+            dense[key] = lambda v=value: v.to(torch.float64)
+        for layer in seen_factors:
+            spec = self.plan[layer]
+            reduce_key, expand_key = factor_keys(layer)
+            if reduce_key not in update or expand_key not in update:
+                raise UpdateRejected(f"{layer!r}: got only one of {reduce_key!r} / {expand_key!r}")
+            if f"{layer}.weight" in update:
+                raise UpdateRejected(f"{layer!r}: sent both factors and a dense weight")
+            want_reduce, want_expand = spec.factor_shapes(gamma)
+            for key, want in ((reduce_key, want_reduce), (expand_key, want_expand)):
+                if tuple(update[key].shape) != want:
+                    raise UpdateRejected(
+                        f"{key!r}: shape {tuple(update[key].shape)}, expected {want} for gamma={gamma}"
+                    )
+            reduce, expand = update[reduce_key], update[expand_key]
+            dense[f"{layer}.weight"] = lambda r=reduce, e=expand, s=spec.shape: reconstruct(
+                r.to(torch.float64), e.to(torch.float64), s
+            )
+        if not dense:
+            raise UpdateRejected("update holds no parameters of this model")
+        return dense
+
+    def _fold(self, dense: Mapping[str, Callable[[], Tensor]], score: float) -> None:
+        if score > self._shift:
+            rescale = math.exp(self._shift - score) if self._shift > -math.inf else 0.0
+            for key in self._sums:
+                self._sums[key].mul_(rescale)
+                self._totals[key] *= rescale
+            self._shift = score
+        weight = math.exp(score - self._shift)
+        for key, make in dense.items():
+            tensor = make()
+            if key in self._sums:
+                self._sums[key].add_(tensor, alpha=weight)
+                self._totals[key] += weight
+            else:
+                self._sums[key] = tensor * weight
+                self._totals[key] = weight
+            del tensor

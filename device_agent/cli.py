@@ -1,0 +1,140 @@
+"""``device-agent``: the command line of the runtime flashed onto Jetsons, Raspberry Pis and laptops.
+
+This first version only probes the device. Joining a fleet and training arrive with the MQTT
+transport; until then there are deliberately no placeholder subcommands for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from device_agent import __version__
+from device_agent.probe import DeviceProfile, probe_device
+
+_GIB = 1024**3
+
+_DESCRIPTION = """\
+The fedfleet device agent: the small runtime that lets this device take part in federated
+learning. The coordinator sizes each device's share of the work (its FedHM rank, its round
+deadline) from a profile the agent measures on the device itself, since a throttled Raspberry Pi
+or a Jetson in a low power mode is far from its datasheet.
+
+This version can only measure that profile ("probe"). Joining a fleet and training arrive with
+the MQTT transport and are not part of this version.
+"""
+
+_EPILOG = """\
+examples:
+  device-agent probe                    measure and print the profile as JSON
+  device-agent probe --human            the same, as a short readable summary
+  device-agent probe --device cpu --seconds 2
+                                        benchmark the CPU only, for longer
+"""
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type: a finite budget above zero, so the benchmark always terminates."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser, separate from ``main`` so its help can be tested and documented."""
+    parser = argparse.ArgumentParser(
+        prog="device-agent",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"device-agent {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    probe = commands.add_parser(
+        "probe",
+        help="measure this device (memory, accelerator, fp32 matmul throughput) and print its profile",
+        description=(
+            "Measure this device as it is right now and print the profile the agent will send to the "
+            "coordinator: host and software versions, CPU count, total and available memory, the "
+            "accelerator in use and a short fp32 matmul benchmark on it. Prints JSON unless --human is given."
+        ),
+    )
+    probe.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda", "mps"],
+        default="auto",
+        help="device to profile; auto prefers cuda, then mps, then cpu (default: %(default)s). "
+        "Asking for a device this machine lacks is an error, not a silent fallback to the CPU.",
+    )
+    probe.add_argument(
+        "--seconds",
+        type=_positive_seconds,
+        default=0.5,
+        metavar="FLOAT",
+        help="time budget for the matmul benchmark; at least three repeats run even if it is exceeded "
+        "(default: %(default)s)",
+    )
+    probe.add_argument(
+        "--human",
+        action="store_true",
+        help="print a short readable summary instead of JSON",
+    )
+    return parser
+
+
+def format_human(profile: DeviceProfile) -> str:
+    """A summary for someone at the device's console; JSON stays the machine format."""
+    accelerator = profile.accelerator
+    if profile.accelerator_name:
+        accelerator += f" ({profile.accelerator_name}"
+        if profile.accelerator_memory_bytes is not None:
+            accelerator += f", {profile.accelerator_memory_bytes / _GIB:.1f} GiB"
+        accelerator += ")"
+    lines = [
+        f"host:        {profile.hostname} ({profile.platform})",
+        f"cpus:        {profile.cpu_count}",
+        f"memory:      {profile.memory_total_bytes / _GIB:.1f} GiB total, "
+        f"{profile.memory_available_bytes / _GIB:.1f} GiB available",
+        f"accelerator: {accelerator}",
+        f"matmul fp32: {profile.matmul_gflops:.1f} GFLOPS",
+        f"software:    python {profile.python}, torch {profile.torch}",
+    ]
+    return "\n".join(lines)
+
+
+def _run_probe(args: argparse.Namespace) -> int:
+    try:
+        profile = probe_device(benchmark_seconds=args.seconds, device=args.device)
+    except ValueError as exc:
+        print(f"device-agent: error: {exc}", file=sys.stderr)
+        return 1
+    print(format_human(profile) if args.human else profile.model_dump_json(indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``device-agent`` console script; returns the process exit code.
+
+    argparse's own exits (``--help``, ``--version``, usage errors) are turned into return codes so
+    that callers and tests get an ``int`` back in every case.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 2
+    if args.command == "probe":
+        return _run_probe(args)
+    # No command: help rather than a guess, and a usage-error status so scripts notice.
+    parser.print_help(sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The model zoo: every architecture a fleet can train, with its FedHM full-rank set.
+
+``full_rank`` lists fnmatch patterns of module names that stay dense in a hybrid model; every
+other Conv2d / Linear is factorized when gamma < 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from device_agent.models.cnn import small_cnn
+from device_agent.models.resnet import resnet18, resnet34
+from device_agent.models.resnet9 import resnet9
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    name: str
+    builder: Callable[..., nn.Module]
+    full_rank: tuple[str, ...]
+    in_channels: int
+    image_size: int
+    summary: str
+
+
+MODELS: dict[str, ModelCard] = {
+    card.name: card
+    for card in (
+        ModelCard(
+            "resnet18",
+            resnet18,
+            ("conv1", "layer1.0.*", "*.downsample.*", "fc"),
+            3,
+            32,
+            "CIFAR ResNet-18 (FedHM Table B.8): stem, layer1 block 0, downsamples, classifier full rank",
+        ),
+        ModelCard(
+            "resnet34",
+            resnet34,
+            ("conv1", "layer1.*", "layer2.*", "*.downsample.*", "fc"),
+            3,
+            32,
+            "CIFAR ResNet-34 (FedHM Table B.9): stem, layer1-2, downsamples, classifier full rank",
+        ),
+        ModelCard(
+            "resnet9",
+            resnet9,
+            ("conv1.conv", "fc"),
+            3,
+            32,
+            "Factorized-FL ResNet-9 (seed 000 Table 3): first conv and classifier full rank",
+        ),
+        ModelCard(
+            "cnn",
+            small_cnn,
+            ("conv1", "fc"),
+            1,
+            8,
+            "Small 3-conv CNN for 8x8-32x32 inputs on CPU: first conv and classifier full rank",
+        ),
+    )
+}
+
+
+def model_card(name: str) -> ModelCard:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(sorted(MODELS))}") from None
+
+
+def build_model(name: str, num_classes: int = 10, in_channels: int | None = None) -> nn.Module:
+    """The plain (gamma = 1) model; ``in_channels`` defaults to the model card's."""
+    if num_classes < 1:
+        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+    card = model_card(name)
+    return card.builder(num_classes=num_classes, in_channels=in_channels or card.in_channels)
+
+
+__all__ = ["MODELS", "ModelCard", "build_model", "model_card"]

@@ -1,0 +1,34 @@
+"""A small CNN for fast CPU work on 8x8 to 32x32 inputs (scikit-learn digits, emulated fleets).
+
+Three conv-BN-ReLU layers (32, 64, 128 channels, a 2x2 max-pool after the second), global
+average pool and a linear classifier: about 0.1 M parameters, a few MFLOPs per 8x8 sample.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, num_classes: int = 10, in_channels: int = 1, width: int = 32) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(2 * width)
+        self.conv3 = nn.Conv2d(2 * width, 4 * width, 3, padding=1, bias=False)
+        self.bn3 = nn.BatchNorm2d(4 * width)
+        self.relu = nn.ReLU(inplace=True)
+        self.pool = nn.MaxPool2d(2)
+        self.global_pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(4 * width, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.pool(self.relu(self.bn2(self.conv2(x))))
+        x = self.relu(self.bn3(self.conv3(x)))
+        return self.fc(self.global_pool(x).flatten(1))
+
+
+def small_cnn(num_classes: int = 10, in_channels: int = 1) -> SmallCNN:
+    return SmallCNN(num_classes, in_channels)
