@@ -78,7 +78,26 @@ def reconstruct(reduce: Tensor, expand: Tensor, shape: torch.Size | tuple[int, .
     return matrix_to_weight(a @ b, shape)
 
 
-class FactorizedConv2d(nn.Module):
+class LowRankLayer(nn.Module):
+    """What both factorized layers share: ``reduce`` / ``expand`` factors of a dense weight."""
+
+    reduce: nn.Parameter
+    expand: nn.Parameter
+    rank: int
+    weight_shape: tuple[int, ...]
+
+    @torch.no_grad()
+    def load_dense_(self, weight: Tensor) -> None:
+        """Set the factors to the optimal rank-``rank`` approximation of a dense weight."""
+        if weight.device.type == "meta":
+            return
+        a, b = spectral_factors(weight_to_matrix(weight), self.rank)
+        reduce, expand = matrices_to_factors(a, b, self.weight_shape)
+        self.reduce.copy_(reduce)
+        self.expand.copy_(expand)
+
+
+class FactorizedConv2d(LowRankLayer):
     """A k x k convolution as a (1 x k) conv to ``rank`` channels then a (k x 1) conv."""
 
     def __init__(
@@ -98,26 +117,16 @@ class FactorizedConv2d(nn.Module):
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel_size, self.rank = kernel_size, rank
         self.stride, self.padding = stride, padding
+        self.weight_shape = (out_channels, in_channels, kernel_size, kernel_size)
         self.reduce = nn.Parameter(torch.empty(rank, in_channels, 1, kernel_size, device=device))
         self.expand = nn.Parameter(torch.empty(out_channels, rank, kernel_size, 1, device=device))
         self.bias = nn.Parameter(torch.zeros(out_channels, device=device)) if bias else None
         self.reset_parameters()
 
-    @property
-    def weight_shape(self) -> tuple[int, int, int, int]:
-        return (self.out_channels, self.in_channels, self.kernel_size, self.kernel_size)
-
     def reset_parameters(self) -> None:
         """Spectral init of a Kaiming-initialized dense weight, so training starts as FedHM's does."""
-        if self.reduce.device.type == "meta":
-            return
-        dense = torch.empty(self.weight_shape)
-        nn.init.kaiming_normal_(dense, mode="fan_out", nonlinearity="relu")
-        a, b = spectral_factors(weight_to_matrix(dense), self.rank)
-        reduce, expand = matrices_to_factors(a, b, self.weight_shape)
-        with torch.no_grad():
-            self.reduce.copy_(reduce)
-            self.expand.copy_(expand)
+        dense = torch.empty(self.weight_shape, device=self.reduce.device)
+        self.load_dense_(nn.init.kaiming_normal_(dense, mode="fan_out", nonlinearity="relu"))
 
     def forward(self, x: Tensor) -> Tensor:
         s, p = self.stride, self.padding
@@ -131,7 +140,7 @@ class FactorizedConv2d(nn.Module):
         )
 
 
-class FactorizedLinear(nn.Module):
+class FactorizedLinear(LowRankLayer):
     """A linear layer as ``in -> rank -> out``."""
 
     def __init__(
@@ -146,33 +155,21 @@ class FactorizedLinear(nn.Module):
         if rank < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
         self.in_features, self.out_features, self.rank = in_features, out_features, rank
+        self.weight_shape = (out_features, in_features)
         self.reduce = nn.Parameter(torch.empty(rank, in_features, device=device))
         self.expand = nn.Parameter(torch.empty(out_features, rank, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
         self.reset_parameters()
 
-    @property
-    def weight_shape(self) -> tuple[int, int]:
-        return (self.out_features, self.in_features)
-
     def reset_parameters(self) -> None:
-        if self.reduce.device.type == "meta":
-            return
-        dense = torch.empty(self.weight_shape)
-        nn.init.kaiming_uniform_(dense, a=math.sqrt(5))
-        a, b = spectral_factors(dense, self.rank)
-        with torch.no_grad():
-            self.reduce.copy_(b)
-            self.expand.copy_(a)
+        dense = torch.empty(self.weight_shape, device=self.reduce.device)
+        self.load_dense_(nn.init.kaiming_uniform_(dense, a=math.sqrt(5)))
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(F.linear(x, self.reduce), self.expand, self.bias)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, rank={self.rank}, bias={self.bias is not None}"
-
-
-FactorizedLayer = FactorizedConv2d | FactorizedLinear
 
 
 def spectral_factors(matrix: Tensor, rank: int) -> tuple[Tensor, Tensor]:

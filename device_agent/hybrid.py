@@ -14,14 +14,7 @@ import torch
 from torch import nn
 from torch.nn.utils import skip_init
 
-from device_agent.factorized import (
-    FactorizedConv2d,
-    FactorizedLinear,
-    matrices_to_factors,
-    rank_for,
-    spectral_factors,
-    weight_to_matrix,
-)
+from device_agent.factorized import FactorizedConv2d, FactorizedLinear, LowRankLayer, rank_for
 from device_agent.models import build_model, model_card
 
 
@@ -131,7 +124,7 @@ def _factorize_module(dense: nn.Module, spec: LayerSpec, gamma: float) -> nn.Mod
     weight = dense.weight.detach()
     if spec.is_conv:
         c_out, c_in, k, _ = spec.shape
-        layer: nn.Module = skip_init(
+        layer: LowRankLayer = skip_init(
             FactorizedConv2d,
             c_in,
             c_out,
@@ -145,13 +138,8 @@ def _factorize_module(dense: nn.Module, spec: LayerSpec, gamma: float) -> nn.Mod
     else:
         out_features, in_features = spec.shape
         layer = skip_init(FactorizedLinear, in_features, out_features, rank, bias=spec.bias, device=weight.device)
-    if weight.device.type == "meta":
-        return layer
-    a, b = spectral_factors(weight_to_matrix(weight), rank)
-    reduce, expand = matrices_to_factors(a, b, spec.shape)
-    with torch.no_grad():
-        layer.reduce.copy_(reduce)
-        layer.expand.copy_(expand)
-        if spec.bias:
-            layer.bias.copy_(dense.bias.detach())
+    layer.load_dense_(weight)
+    if spec.bias and weight.device.type != "meta":
+        with torch.no_grad():
+            layer.bias.copy_(dense.bias)
     return layer

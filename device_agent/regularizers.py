@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from device_agent.factorized import FactorizedConv2d, FactorizedLinear, factors_to_matrices, matrices_to_factors
+from device_agent.factorized import LowRankLayer, factors_to_matrices, matrices_to_factors
 
 
-def factorized_layers(model: nn.Module) -> list[FactorizedConv2d | FactorizedLinear]:
-    return [m for m in model.modules() if isinstance(m, FactorizedConv2d | FactorizedLinear)]
+def factorized_layers(model: nn.Module) -> list[LowRankLayer]:
+    return [m for m in model.modules() if isinstance(m, LowRankLayer)]
 
 
 def frobenius_penalty(model: nn.Module, strength: float) -> Tensor:
