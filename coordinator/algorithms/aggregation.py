@@ -196,4 +196,3 @@ class StreamingAggregator:
             else:
                 self._sums[key] = tensor * weight
                 self._totals[key] = weight
-            del tensor
