@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--in-channels", type=_positive, help="input channels (default: the model's)")
     models.add_argument("--image-size", type=_positive, help="input height = width for MACs (default: the model's)")
     models.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    models.set_defaults(handler=_models)
     return parser
 
 
@@ -91,4 +92,4 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    return _models(args)
+    return args.handler(args)
