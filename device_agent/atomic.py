@@ -1,0 +1,66 @@
+"""Crash-safe file writes shared by the agent's outbox and the coordinator's run directory.
+
+A reader must only ever see the old file or the complete new one, even if the writer is killed or
+the machine loses power mid-write. So every write goes to a temporary file in the same directory
+(same file system, so the rename is atomic), is fsynced, renamed over the target, and the directory
+is fsynced so the rename itself survives a power cut. Appends (journals) fsync each line; a reader
+treats a final line without its newline as never written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+TEMP_PREFIX = ".tmp-"
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or a new file in ``directory`` durable (POSIX needs the directory fsynced too)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so that no crash can leave a partial file behind."""
+    path = Path(path)
+    temp = path.with_name(f"{TEMP_PREFIX}{os.getpid()}-{path.name}")
+    try:
+        with open(temp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            temp.unlink()
+        raise
+    fsync_dir(path.parent)
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one line and fsync it: once this returns, the line survives a crash."""
+    if "\n" in line:
+        raise ValueError("a journal line must not contain a newline")
+    path = Path(path)
+    new = not path.exists()
+    with open(path, "ab") as f:
+        f.write(line.encode() + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+    if new:
+        fsync_dir(path.parent)
+
+
+def remove_temp_files(directory: Path) -> list[Path]:
+    """Delete what killed writers left behind; returns the removed paths."""
+    removed = []
+    for temp in Path(directory).glob(f"{TEMP_PREFIX}*"):
+        with contextlib.suppress(FileNotFoundError):
+            temp.unlink()
+            removed.append(temp)
+    return removed
