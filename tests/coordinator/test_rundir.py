@@ -175,7 +175,7 @@ def test_opening_what_is_not_a_run_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(RunDirError, match="does not exist"):
         RunDir.open(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(RunDirError, match="has no run.json"):
+    with pytest.raises(RunDirError, match=r"has no run\.json"):
         RunDir.open(tmp_path / "empty")
 
 
