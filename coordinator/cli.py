@@ -7,6 +7,7 @@ import json
 import sys
 from fractions import Fraction
 
+from coordinator import report_cli
 from coordinator.model_stats import model_stats
 from device_agent.models import MODELS
 
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--image-size", type=_positive, help="input height = width for MACs (default: the model's)")
     models.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     models.set_defaults(handler=_models)
+    report_cli.add_parser(commands)
     return parser
 
 

@@ -121,16 +121,37 @@ def _read_yaml(path: Path) -> Any:
         raise RunDirError(f"{path}: not valid YAML: {exc}") from None
 
 
+def read_run_file(file: Path) -> dict[str, Any]:
+    """``run.json``, checked: run id, seed and the last completed round (the commit point)."""
+    try:
+        run = json.loads(Path(file).read_text())
+    except FileNotFoundError:
+        raise RunDirError(f"{file} does not exist; this is not a fedfleet run directory") from None
+    except json.JSONDecodeError as exc:
+        raise RunDirError(f"{file} line {exc.lineno}: not valid JSON ({exc.msg})") from None
+    if not isinstance(run, dict):
+        raise RunDirError(f"{file}: expected a JSON object")
+    for key, kind in (("run_id", str), ("seed", int), ("last_completed_round", int)):
+        if not isinstance(run.get(key), kind):
+            raise RunDirError(f"{file}: '{key}' is missing or not a {kind.__name__}")
+    if run.get("format") != FORMAT:
+        raise RunDirError(f"{file}: format {run.get('format')!r} is not supported (expected {FORMAT})")
+    return run
+
+
 def read_metrics(path: Path) -> list[RoundMetrics]:
     """Parse and validate ``metrics.jsonl``; a bad line is reported as ``file line N: problem``."""
     path = Path(path)
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    lines = path.read_text().splitlines(keepends=True)
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             rows.append(RoundMetrics.model_validate_json(line))
         except ValidationError as exc:
+            if number == len(lines) and not line.endswith("\n"):
+                break  # torn by a crash mid-append: the round it belongs to was never committed
             problems = "; ".join(
                 f"{'.'.join(str(p) for p in err['loc']) or 'line'}: {err['msg']}" for err in exc.errors()
             )
@@ -211,7 +232,7 @@ class RunDir:
             raise RunDirError(f"run directory {path} {what}; it is not a fedfleet run")
         lock_fd = cls._lock(path)
         try:
-            run = cls._read_run(path)
+            run = read_run_file(path / RUN_FILE)
             if fleet_file is not None:
                 cls._check_snapshot(path, Path(fleet_file))
             rundir = cls(path, lock_fd, run, keep_states)
@@ -233,20 +254,6 @@ class RunDir:
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         return fd
-
-    @staticmethod
-    def _read_run(path: Path) -> dict[str, Any]:
-        file = path / RUN_FILE
-        try:
-            run = json.loads(file.read_text())
-        except json.JSONDecodeError as exc:
-            raise RunDirError(f"{file} line {exc.lineno}: not valid JSON ({exc.msg})") from None
-        for key, kind in (("run_id", str), ("seed", int), ("last_completed_round", int)):
-            if not isinstance(run.get(key), kind):
-                raise RunDirError(f"{file}: '{key}' is missing or not a {kind.__name__}")
-        if run.get("format") != FORMAT:
-            raise RunDirError(f"{file}: format {run.get('format')!r} is not supported (expected {FORMAT})")
-        return run
 
     @staticmethod
     def _check_snapshot(path: Path, fleet_file: Path) -> None:

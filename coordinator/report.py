@@ -1,0 +1,267 @@
+"""``report.html`` for a run directory: a summary table and four PNG plots, regenerated from files only.
+
+The report reads nothing but the run directory (run.json, fleet.yaml, metrics.jsonl), so it can be
+rebuilt at any time, on any machine, while a run is going or long after. The HTML has its style
+inline and no scripts; its plots are PNG files next to it in ``plots/``.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from fractions import Fraction
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+from coordinator.metrics import RoundMetrics
+from coordinator.rundir import FLEET_FILE, METRICS_FILE, RUN_FILE, RunDirError, read_metrics, read_run_file
+from device_agent.atomic import atomic_write
+
+REPORT_FILE = "report.html"
+PLOTS_DIR = "plots"
+_MIB = 2**20
+
+
+class ReportError(Exception):
+    """A run directory the report cannot be built from; the message names the file (and line)."""
+
+
+def _ratio(value: float) -> str:
+    return str(Fraction(value).limit_denominator(64))
+
+
+def _mib(value: float) -> str:
+    return f"{value / _MIB:.2f} MiB"
+
+
+def _png(figure: Figure) -> bytes:
+    FigureCanvasAgg(figure)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110)
+    return buffer.getvalue()
+
+
+def _device_order(rounds: list[RoundMetrics]) -> list[tuple[str, str]]:
+    """(device, class) pairs sorted by class then name, so devices of a class sit together."""
+    classes = {name: device.device_class for row in rounds for name, device in row.devices.items()}
+    return sorted(classes.items(), key=lambda item: (item[1], item[0]))
+
+
+def plot_accuracy(rounds: list[RoundMetrics]) -> Figure:
+    figure = Figure(figsize=(7, 3.6), layout="constrained")
+    axes = figure.add_subplot()
+    numbers = [row.round for row in rounds]
+    axes.plot(numbers, [row.accuracy for row in rounds], marker="o", color="tab:blue", label="accuracy")
+    axes.set(xlabel="round", ylabel="global test accuracy", ylim=(0, 1), title="Accuracy vs round")
+    axes.grid(alpha=0.3)
+    loss = axes.twinx()
+    loss.plot(numbers, [row.loss for row in rounds], marker=".", color="tab:orange", alpha=0.7, label="loss")
+    loss.set_ylabel("test loss")
+    figure.legend(loc="outside lower center", ncols=2)
+    return figure
+
+
+def plot_bytes_per_class(rounds: list[RoundMetrics]) -> Figure:
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0])
+    for row in rounds:
+        for device in row.devices.values():
+            entry = totals[device.device_class]
+            entry[0] += device.bytes_up
+            entry[1] += device.bytes_down
+            entry[2] += device.payload_bytes
+            entry[3] += 1
+    classes = sorted(totals)
+    figure = Figure(figsize=(7, 3.6), layout="constrained")
+    axes = figure.add_subplot()
+    positions = range(len(classes))
+    up = [totals[c][0] / totals[c][3] / _MIB for c in classes]
+    down = [totals[c][1] / totals[c][3] / _MIB for c in classes]
+    axes.bar([p - 0.2 for p in positions], up, width=0.4, label="upload", color="tab:green")
+    axes.bar([p + 0.2 for p in positions], down, width=0.4, label="download", color="tab:purple")
+    for p, c in zip(positions, classes, strict=True):
+        if totals[c][2]:
+            axes.annotate(f"x{totals[c][0] / totals[c][2]:.3f}", (p - 0.2, up[p]), ha="center", va="bottom", size=8)
+    axes.set_xticks(list(positions), classes)
+    axes.set(ylabel="MiB per device per round", title="Bytes per device class (upload / payload ratio on top)")
+    axes.legend()
+    return figure
+
+
+def plot_rank_assignment(rounds: list[RoundMetrics]) -> Figure:
+    devices = _device_order(rounds)
+    numbers = [row.round for row in rounds]
+    figure = Figure(figsize=(7, 1.6 + 0.28 * len(devices)), layout="constrained")
+    axes = figure.add_subplot()
+    ratios = sorted({d.ratio for row in rounds for d in row.devices.values()}, reverse=True)
+    colors = {ratio: f"C{index % 10}" for index, ratio in enumerate(ratios)}
+    for y, (name, _) in enumerate(devices):
+        for row in rounds:
+            device = row.devices.get(name)
+            if device is None:
+                continue
+            marker = "s" if device.status == "accepted" else "x"
+            axes.scatter(row.round, y, s=60, marker=marker, color=colors[device.ratio])
+    handles = [
+        Line2D([], [], marker="s", linestyle="", color=colors[ratio], label=rf"$\gamma$ = {_ratio(ratio)}")
+        for ratio in ratios
+    ]
+    handles.append(Line2D([], [], marker="x", linestyle="", color="grey", label="not accepted"))
+    figure.legend(handles=handles, loc="outside right upper")
+    axes.set_yticks(range(len(devices)), [f"{name} ({cls})" for name, cls in devices], size=8)
+    axes.set_xticks(numbers if len(numbers) <= 30 else numbers[:: math.ceil(len(numbers) / 30)])
+    axes.set(xlabel="round", title="Rank ratio assigned to each device", ylim=(-0.7, len(devices) - 0.3))
+    axes.invert_yaxis()
+    axes.grid(alpha=0.2)
+    return figure
+
+
+def plot_time_breakdown(rounds: list[RoundMetrics]) -> Figure:
+    phases = list(dict.fromkeys(phase for row in rounds for phase in row.phases))
+    figure = Figure(figsize=(7, 3.6), layout="constrained")
+    axes = figure.add_subplot()
+    numbers = [row.round for row in rounds]
+    bottom = [0.0] * len(rounds)
+    for phase in [*phases, "other"]:
+        if phase == "other":
+            heights = [max(0.0, row.seconds - math.fsum(row.phases.values())) for row in rounds]
+            if not any(heights):
+                continue
+        else:
+            heights = [row.phases.get(phase, 0.0) for row in rounds]
+        axes.bar(numbers, heights, bottom=bottom, label=phase)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    axes.set(xlabel="round", ylabel="seconds", title="Round time breakdown")
+    figure.legend(loc="outside right upper")
+    return figure
+
+
+PLOTS = {
+    "accuracy.png": ("Accuracy vs round", plot_accuracy),
+    "bytes_per_class.png": ("Bytes per device class", plot_bytes_per_class),
+    "rank_assignment.png": ("Rank assignment per device", plot_rank_assignment),
+    "time_breakdown.png": ("Round time breakdown", plot_time_breakdown),
+}
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 60em; color: #222; padding: 0 1em; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }
+th, td { border: 1px solid #ddd; padding: 0.3em 0.7em; text-align: right; }
+th { background: #f4f4f4; } td:first-child, th:first-child { text-align: left; }
+img { max-width: 100%; display: block; margin: 1em 0; } pre { background: #f7f7f7; padding: 1em; overflow-x: auto; }
+"""
+
+
+def _table(header: Iterable[str], rows: Iterable[Iterable[object]]) -> str:
+    head = "".join(f"<th>{html.escape(str(cell))}</th>" for cell in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _summary(run: dict, rounds: list[RoundMetrics]) -> str:
+    best = max(rounds, key=lambda row: row.accuracy)
+    devices = _device_order(rounds)
+    up = sum(row.bytes_up for row in rounds)
+    payload = sum(d.payload_bytes for row in rounds for d in row.devices.values() if d.status == "accepted")
+    accepted_up = sum(d.bytes_up for row in rounds for d in row.devices.values() if d.status == "accepted")
+    rows = [
+        ("run", run["run_id"]),
+        ("seed", run["seed"]),
+        ("rounds completed", len(rounds)),
+        ("final accuracy", f"{rounds[-1].accuracy:.4f} (round {rounds[-1].round})"),
+        ("best accuracy", f"{best.accuracy:.4f} (round {best.round})"),
+        ("final loss", f"{rounds[-1].loss:.4f}"),
+        ("devices", f"{len(devices)} in {len({cls for _, cls in devices})} classes"),
+        ("rank ratios", ", ".join(_ratio(r) for r in sorted({d.ratio for x in rounds for d in x.devices.values()}))),
+        ("bytes up / down", f"{_mib(up)} / {_mib(sum(row.bytes_down for row in rounds))}"),
+        ("upload / payload (accepted)", f"{accepted_up / payload:.4f}" if payload else "n/a"),
+        ("total time", f"{sum(row.seconds for row in rounds):.1f} s"),
+    ]
+    return _table(("", "value"), rows)
+
+
+def _per_device(rounds: list[RoundMetrics]) -> str:
+    rows = []
+    for name, cls in _device_order(rounds):
+        seen = [row.devices[name] for row in rounds if name in row.devices]
+        accepted = [d for d in seen if d.status == "accepted"]
+        payload = sum(d.payload_bytes for d in accepted)
+        train = [d.train_seconds for d in accepted if d.train_seconds is not None]
+        rows.append(
+            (
+                name,
+                cls,
+                " ".join(sorted({_ratio(d.ratio) for d in seen}, key=lambda r: -float(Fraction(r)))),
+                len(seen),
+                len(accepted),
+                ", ".join(sorted({d.status for d in seen} - {"accepted"})) or "-",
+                _mib(sum(d.bytes_up for d in seen)),
+                f"{sum(d.bytes_up for d in accepted) / payload:.4f}" if payload else "n/a",
+                f"{sum(train) / len(train):.2f}" if train else "-",
+            )
+        )
+    header = ("device", "class", "ratios", "selected", "accepted", "other outcomes", "bytes up", "up / payload")
+    return _table((*header, "mean train s"), rows)
+
+
+def _sizes(row: RoundMetrics) -> tuple[str, str, str]:
+    return _mib(row.bytes_up), _mib(row.bytes_down), f"{row.seconds:.1f}"
+
+
+def _per_round(rounds: list[RoundMetrics]) -> str:
+    rows = [
+        (row.round, f"{row.accuracy:.4f}", f"{row.loss:.4f}", row.participants, len(row.devices), *_sizes(row))
+        for row in rounds
+    ]
+    return _table(("round", "accuracy", "loss", "participants", "selected", "up", "down", "seconds"), rows)
+
+
+def load_run(run_dir: Path) -> tuple[dict, list[RoundMetrics]]:
+    """run.json and the validated rounds, or a :class:`ReportError` naming what is wrong."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ReportError(f"run directory {run_dir} does not exist")
+    if not any(run_dir.iterdir()):
+        raise ReportError(f"run directory {run_dir} is empty: no run has started there")
+    try:
+        run = read_run_file(run_dir / RUN_FILE)
+        metrics = run_dir / METRICS_FILE
+        rounds = read_metrics(metrics) if metrics.exists() else []
+    except RunDirError as exc:
+        raise ReportError(str(exc)) from None
+    if not rounds:
+        raise ReportError(f"{run_dir / METRICS_FILE} has no completed round yet: nothing to report")
+    return run, rounds
+
+
+def write_report(run_dir: Path) -> Path:
+    """(Re)write ``report.html`` and ``plots/*.png`` in ``run_dir``; returns the report's path."""
+    run_dir = Path(run_dir)
+    run, rounds = load_run(run_dir)
+    (run_dir / PLOTS_DIR).mkdir(exist_ok=True)
+    figures = []
+    for name, (title, plot) in PLOTS.items():
+        atomic_write(run_dir / PLOTS_DIR / name, _png(plot(rounds)))
+        figures.append(f'<h2>{html.escape(title)}</h2><img src="{PLOTS_DIR}/{name}" alt="{html.escape(title)}">')
+    fleet = run_dir / FLEET_FILE
+    snapshot = html.escape(fleet.read_text()) if fleet.exists() else "(no snapshot)"
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>fedfleet run {html.escape(run["run_id"])}</title>
+<style>{_STYLE}</style></head><body>
+<h1>fedfleet run {html.escape(run["run_id"])}</h1>
+<h2>Summary</h2>{_summary(run, rounds)}
+{"".join(figures)}
+<h2>Devices</h2>{_per_device(rounds)}
+<h2>Rounds</h2>{_per_round(rounds)}
+<h2>Configuration</h2><details><summary>{FLEET_FILE} snapshot</summary><pre>{snapshot}</pre></details>
+</body></html>
+"""
+    report = run_dir / REPORT_FILE
+    atomic_write(report, page.encode())
+    return report
