@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -173,6 +174,7 @@ class RunDir:
         self._lock_fd = lock_fd
         self._run = run
         self._keep_states = keep_states
+        self._writing = threading.Lock()  # uploads may be accepted from the transport's thread
 
     # ---- opening -------------------------------------------------------------------------------
 
@@ -374,6 +376,17 @@ class RunDir:
         carries what folding it needs again after a crash (ratio, samples, ...). The caller folds the
         upload only when this returns True, so a retransmission after a lost ack is never counted twice.
         """
+        with self._writing:
+            return self._accept_upload(round_, device, transfer_id, payload, meta)
+
+    def _accept_upload(
+        self,
+        round_: int,
+        device: str,
+        transfer_id: str,
+        payload: bytes | Mapping[str, torch.Tensor],
+        meta: Mapping[str, Any] | None,
+    ) -> bool:
         if round_ != self.last_completed_round + 1:
             raise RunDirError(f"round {round_} is not open (last completed round is {self.last_completed_round})")
         journal = self.journal_path(round_)
@@ -435,12 +448,16 @@ class RunDir:
 
     def complete_round(self, round_: int, state: Mapping[str, torch.Tensor], metrics: RoundMetrics) -> None:
         """Close the open round: its new global state and metrics become durable, then its journal goes."""
+        metrics = RoundMetrics.model_validate(metrics.model_dump())
+        with self._writing:
+            self._complete_round(round_, state, metrics)
+
+    def _complete_round(self, round_: int, state: Mapping[str, torch.Tensor], metrics: RoundMetrics) -> None:
         if round_ != self.last_completed_round + 1 or metrics.round != round_:
             raise RunDirError(
                 f"cannot complete round {round_} with metrics of round {metrics.round}: "
                 f"the open round is {self.last_completed_round + 1}"
             )
-        metrics = RoundMetrics.model_validate(metrics.model_dump())
         self._write_state(round_, state)
         append_line(self.path / METRICS_FILE, metrics.model_dump_json())
         run = {**self._run, "last_completed_round": round_, "updated": _now()}

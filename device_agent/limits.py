@@ -136,8 +136,10 @@ class Throttle:
     """Stretch compute to ``factor`` x its measured duration with duty-cycle sleeps.
 
     After each step of measured duration t the agent owes (factor - 1) x t of idle time; the debt is
-    slept off once it reaches ``min_sleep`` (fewer, longer sleeps are more accurate), and oversleeping
-    is credited to the next steps. Sleeping, unlike busy work, leaves the shared cores to the other
+    slept off once it reaches ``min_sleep`` and oversleeping is credited to the next steps. Sleeping
+    after every step would overshoot: the step after a sleep runs on cold caches and measures slower,
+    and that inflation is multiplied too (x2 came out as x3 on the 2-core CI host); sleeping every
+    50 ms amortizes it. Sleeping, unlike busy work, leaves the shared cores to the other
     emulated devices, so a slowed device does not slow the rest. Pass ``sync`` on a GPU so t covers
     the kernels, not their launch.
     """
@@ -147,7 +149,7 @@ class Throttle:
         factor: float,
         *,
         sync: Callable[[], None] | None = None,
-        min_sleep: float = 0.005,
+        min_sleep: float = 0.05,
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:

@@ -54,9 +54,14 @@ class Outbox:
     """Updates waiting for an ack, in one directory owned by one agent process."""
 
     def __init__(self, directory: Path) -> None:
+        """Open (or create) the outbox at agent start-up and clear what a crash left half-written."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         remove_temp_files(self.directory)
+        committed = {path.with_suffix(".safetensors") for path in self.directory.glob("*.json")}
+        for payload in self.directory.glob("*.safetensors"):
+            if payload not in committed:
+                payload.unlink()
 
     def _stem(self, run: str, round_: int, transfer_id: str) -> str:
         return f"{_check_name('run', run)}.r{round_:06d}.{_check_name('transfer id', transfer_id)}"
@@ -89,8 +94,7 @@ class Outbox:
     def pending(self) -> list[OutboxItem]:
         """Updates still waiting for an ack (e.g. after a restart), oldest round first.
 
-        Payloads a crash left without a sidecar are deleted; a sidecar that cannot be read is an error
-        naming the file rather than an update silently forgotten.
+        A sidecar that cannot be read is an error naming the file, not an update silently forgotten.
         """
         items = []
         for sidecar in self.directory.glob("*.json"):
@@ -108,10 +112,6 @@ class Outbox:
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                 raise OutboxCorrupt(f"{sidecar}: not an outbox entry ({exc})") from None
             items.append(item)
-        committed = {item.payload_path for item in items}
-        for payload in self.directory.glob("*.safetensors"):
-            if payload not in committed:
-                payload.unlink()
         return sorted(items, key=lambda item: (item.run, item.round, item.transfer_id))
 
     def payload(self, item: OutboxItem) -> bytes:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,18 @@ def test_journal_replay_after_a_crash_keeps_every_accepted_upload_once(run: RunD
         assert not reopened.accept_upload(1, "pi-2", "b", upload(2.0))
         assert reopened.accept_upload(1, "pi-3", "c", upload(3.0))
         assert [e.device for e in reopened.resume().journal] == ["pi-1", "pi-2", "pi-3"]
+
+
+def test_uploads_accepted_from_several_threads_are_each_journaled_once(run: RunDir) -> None:
+    def deliver(device: str) -> bool:
+        return run.accept_upload(1, device, "t", upload(float(device[-1])))
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        accepted = list(pool.map(deliver, [f"dev-{n % 6}" for n in range(12)]))  # every upload arrives twice
+    assert sum(accepted) == 6
+    entries = run.resume().journal
+    assert sorted(e.device for e in entries) == [f"dev-{n}" for n in range(6)]
+    assert all(run.load_upload(e)["conv.reduce"][0, 0, 0, 0] == float(e.device[-1]) for e in entries)
 
 
 def test_a_torn_journal_append_is_dropped_and_the_committed_entries_survive(run: RunDir, fleet_file: Path) -> None:

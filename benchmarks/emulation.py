@@ -1,0 +1,149 @@
+"""How closely an emulated agent is held to its profile: slowdown, link rate, usable memory.
+
+- slowdown: blocks of the same training steps run plainly and under ``Throttle(factor)``, alternating
+  so both see the same machine load; reports throttled wall time over the throttle's own measured
+  compute (the control itself) and over the plain blocks (end to end, noisy on shared cores).
+- link: 256 KiB chunks through a ``TokenBucket``; reports achieved / configured bytes per second.
+- memory: in a fresh process, ``cap_cpu_memory(budget)`` then the largest single tensor that can
+  still be allocated; reports it as a fraction of the budget (what address-space accounting costs).
+
+    python -m benchmarks.emulation --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+
+import torch
+
+from device_agent.limits import Throttle
+from device_agent.shaping import TokenBucket
+
+_CHUNK = 256 * 1024
+
+
+def slowdown(factor: float, steps: int, blocks: int = 5) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    batch, labels = torch.randn(128, 512), torch.randint(0, 10, (128,))
+
+    def step() -> None:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(batch), labels).backward()
+        optimizer.step()
+
+    for _ in range(3):
+        step()
+    throttle = Throttle(factor)
+    plain, throttled = [], []
+    for _ in range(blocks):  # alternating blocks, so both see the same machine load
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        plain.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for _ in range(steps):
+            with throttle.step():
+                step()
+        throttle.flush()
+        throttled.append(time.perf_counter() - start)
+    return {
+        "factor": factor,
+        "measured_vs_own_compute": round(sum(throttled) / throttle.busy_seconds, 3),
+        "measured_vs_plain": round(statistics.median(throttled) / statistics.median(plain), 3),
+        "plain_step_ms": round(statistics.median(plain) / steps * 1e3, 2),
+    }
+
+
+def link(rate: float, megabytes: float) -> dict:
+    bucket = TokenBucket(rate, burst_bytes=_CHUNK)
+    bucket.consume(_CHUNK)
+    chunks = max(1, int(megabytes * 1e6 / _CHUNK))
+    start = time.monotonic()
+    for _ in range(chunks):
+        bucket.consume(_CHUNK)
+    elapsed = time.monotonic() - start
+    return {"rate_bytes_per_s": rate, "measured_vs_configured": round(chunks * _CHUNK / elapsed / rate, 4)}
+
+
+_PROBE = """
+import torch
+from device_agent.limits import cap_cpu_memory
+budget = {budget}
+cap_cpu_memory(budget)
+low, high = 0, 2 * budget // 2**20
+while low < high:
+    mid = (low + high + 1) // 2
+    try:
+        torch.empty(mid * 2**20, dtype=torch.uint8)
+        low = mid
+    except RuntimeError:
+        high = mid - 1
+print(low * 2**20)
+"""
+
+
+def usable_memory(budget: int) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_PROBE.format(budget=budget))],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    largest = int(done.stdout.strip())
+    return {"budget_bytes": budget, "largest_tensor_vs_budget": round(largest / budget, 4)}
+
+
+def run(factors: list[float], steps: int, rates: list[float], megabytes: float, budgets: list[int]) -> dict:
+    torch.set_num_threads(1)  # as each emulated agent on a small host runs
+    return {
+        "benchmark": "emulation",
+        "torch_threads": torch.get_num_threads(),
+        "slowdown": [slowdown(f, steps) for f in factors],
+        "link": [link(r, megabytes) for r in rates],
+        "memory": [usable_memory(b) for b in budgets],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.emulation", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--factors", default="2,4,8", help="slowdown factors (default: 2,4,8)")
+    parser.add_argument(
+        "--steps", type=int, default=20, help="steps per timed block; 5 blocks per factor (default: 20)"
+    )
+    parser.add_argument("--rates", default="1e6,1e7", help="link rates in bytes/s (default: 1e6,1e7)")
+    parser.add_argument("--megabytes", type=float, default=2.0, help="data sent per link rate (default: 2)")
+    parser.add_argument("--budgets-mib", default="256,1024", help="memory budgets in MiB (default: 256,1024)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    result = run(
+        [float(x) for x in args.factors.split(",")],
+        args.steps,
+        [float(x) for x in args.rates.split(",")],
+        args.megabytes,
+        [int(x) * 2**20 for x in args.budgets_mib.split(",")],
+    )
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    for row in result["slowdown"]:
+        print(
+            f"slowdown x{row['factor']:g}: vs own compute {row['measured_vs_own_compute']}, "
+            f"vs plain steps {row['measured_vs_plain']}"
+        )
+    for row in result["link"]:
+        print(f"link {row['rate_bytes_per_s']:.0f} B/s: achieved / configured {row['measured_vs_configured']}")
+    for row in result["memory"]:
+        print(f"memory cap {row['budget_bytes'] >> 20} MiB: largest tensor / budget {row['largest_tensor_vs_budget']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
