@@ -58,6 +58,10 @@ class RunDirError(Exception):
     """A run directory that cannot be used as asked; the message names the file (and line)."""
 
 
+class RoundNotOpen(RunDirError):
+    """An upload for a round that is already closed (late) or not started; answer it, do not journal it."""
+
+
 @dataclass(frozen=True)
 class JournalEntry:
     """One accepted upload of the open round, as persisted before it was acknowledged."""
@@ -375,6 +379,7 @@ class RunDir:
         ``payload`` is the upload's safetensors bytes as received, or its tensors. ``meta`` (JSON)
         carries what folding it needs again after a crash (ratio, samples, ...). The caller folds the
         upload only when this returns True, so a retransmission after a lost ack is never counted twice.
+        Raises :class:`RoundNotOpen` for an upload that arrives after its round closed.
         """
         with self._writing:
             return self._accept_upload(round_, device, transfer_id, payload, meta)
@@ -388,7 +393,7 @@ class RunDir:
         meta: Mapping[str, Any] | None,
     ) -> bool:
         if round_ != self.last_completed_round + 1:
-            raise RunDirError(f"round {round_} is not open (last completed round is {self.last_completed_round})")
+            raise RoundNotOpen(f"round {round_} is not open (last completed round is {self.last_completed_round})")
         journal = self.journal_path(round_)
         entries = self._read_journal(journal)
         if any(entry.device == device for entry in entries):

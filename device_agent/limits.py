@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -93,6 +94,8 @@ def _mapped_bytes() -> int:
 
 def cap_cpu_memory(budget_bytes: int) -> MemoryCap:
     """Let this process map at most ``budget_bytes`` more than it has mapped now (RLIMIT_AS, Linux)."""
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError(f"CPU memory caps use RLIMIT_AS and /proc, which need Linux (this is {sys.platform})")
     import resource
 
     if budget_bytes <= 0:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from coordinator.metrics import DeviceRoundMetrics, RoundMetrics
-from coordinator.rundir import RunDir, RunDirError, read_metrics
+from coordinator.rundir import RoundNotOpen, RunDir, RunDirError, read_metrics
 
 FLEET = "fleet: lab\nrounds:\n  count: 5\n  deadline_s: 30\ndevices:\n  - {class: pi4, count: 4}\n"
 
@@ -195,7 +195,7 @@ def test_opening_what_is_not_a_run_is_a_clear_error(tmp_path: Path) -> None:
 def test_rounds_close_in_order(run: RunDir) -> None:
     with pytest.raises(RunDirError, match="the open round is 1"):
         run.complete_round(2, model_state(), round_metrics(2, {}))
-    with pytest.raises(RunDirError, match="round 3 is not open"):
+    with pytest.raises(RoundNotOpen, match="round 3 is not open"):
         run.accept_upload(3, "pi-1", "a", upload(1.0))
 
 
