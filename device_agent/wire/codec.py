@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-from safetensors import SafetensorsError
+from safetensors import SafetensorError
 from safetensors.torch import load, save
 from torch import Tensor
 
@@ -67,7 +67,7 @@ def decode_tensors(data: bytes, expected: Mapping[str, TensorSpec] | None = None
     """
     try:
         tensors = load(bytes(data))
-    except (SafetensorsError, ValueError, RuntimeError) as exc:
+    except (SafetensorError, ValueError, RuntimeError) as exc:
         raise CodecError(f"not a safetensors payload: {exc}") from None
     narrowed = _narrowed(data)
     for name, dtype in narrowed.items():

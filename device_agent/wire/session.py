@@ -265,6 +265,11 @@ class Session:
     def connected(self) -> bool:
         return self._connected.is_set()
 
+    def receiving(self) -> list[str]:
+        """Ids of inbound transfers started but not yet complete."""
+        with self._lock:
+            return [tid for transfers in self._incoming.values() for tid in transfers.pending()]
+
     def wait_connected(self, timeout: float) -> bool:
         return self._connected.wait(timeout)
 
