@@ -95,11 +95,19 @@ def measure_broker(kind: str, payload: bytes, chunk_size: int, repeats: int, wor
     coordinator_addr, device_addr = broker.address, broker.address_for(creds["dev"])
     received = threading.Event()
     device, _ = device_session(
-        _FLEET, "dev", device_addr, on_payload=lambda _t, _c: received.set(), protocol=protocol,
+        _FLEET,
+        "dev",
+        device_addr,
+        on_payload=lambda _t, _c: received.set(),
+        protocol=protocol,
         max_inflight=_MAX_INFLIGHT,
     )
     coordinator = coordinator_session(
-        _FLEET, coordinator_addr, protocol=protocol, chunk_size=chunk_size, max_inflight=_MAX_INFLIGHT,
+        _FLEET,
+        coordinator_addr,
+        protocol=protocol,
+        chunk_size=chunk_size,
+        max_inflight=_MAX_INFLIGHT,
         limits=Limits(max_packet_bytes=settings.max_packet_bytes),
     )
     view = memoryview(payload)
@@ -125,12 +133,19 @@ def measure_broker(kind: str, payload: bytes, chunk_size: int, repeats: int, wor
     return {name: len(payload) / statistics.median(values) / 1e6 for name, values in times.items()}
 
 
-def run(size_mib: float = 45, chunk_size: int = DEFAULT_CHUNK_SIZE, repeats: int = 3,
-        brokers: tuple[str, ...] = ("mosquitto", "amqtt")) -> dict:
+def run(
+    size_mib: float = 45,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    repeats: int = 3,
+    brokers: tuple[str, ...] = ("mosquitto", "amqtt"),
+) -> dict:
     payload = os.urandom(int(size_mib * 2**20))
     result: dict = {
-        "benchmark": "transport", "size_mib": size_mib, "chunk_size": chunk_size,
-        "chunks": -(-len(payload) // chunk_size), "repeats": repeats,
+        "benchmark": "transport",
+        "size_mib": size_mib,
+        "chunk_size": chunk_size,
+        "chunks": -(-len(payload) // chunk_size),
+        "repeats": repeats,
     }
     with tempfile.TemporaryDirectory(prefix="fedfleet-bench-") as tmp:
         os.chmod(tmp, 0o711)  # a managed mosquitto runs as the mosquitto user and must enter it

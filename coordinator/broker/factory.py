@@ -24,8 +24,12 @@ class ExternalBroker:
 
     def address_for(self, credentials: Credentials) -> BrokerAddress:
         return BrokerAddress(
-            self.address.host, self.address.port, credentials.username, credentials.password,
-            self.address.tls, self.address.ca_file,
+            self.address.host,
+            self.address.port,
+            credentials.username,
+            credentials.password,
+            self.address.tls,
+            self.address.ca_file,
         )
 
     def start(self, timeout: float = 10.0) -> None:

@@ -6,9 +6,18 @@ from device_agent.probe import DeviceProfile
 from device_agent.wire.messages import Ack, Hello, Manifest, ProtocolError, Status, encode, parse_message
 
 PROFILE = DeviceProfile(
-    hostname="pi", platform="Linux", machine="aarch64", python="3.11", torch="2.13", cpu_count=4,
-    memory_total_bytes=4 << 30, memory_available_bytes=2 << 30, accelerator="cpu", accelerator_name=None,
-    accelerator_memory_bytes=None, matmul_gflops=5.0,
+    hostname="pi",
+    platform="Linux",
+    machine="aarch64",
+    python="3.11",
+    torch="2.13",
+    cpu_count=4,
+    memory_total_bytes=4 << 30,
+    memory_available_bytes=2 << 30,
+    accelerator="cpu",
+    accelerator_name=None,
+    accelerator_memory_bytes=None,
+    matmul_gflops=5.0,
 )
 
 

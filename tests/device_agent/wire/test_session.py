@@ -34,8 +34,13 @@ def pair(broker, device="dev-a", protocol="5", session_class=Session, **config):
     """A started coordinator session and device session, plus the device's inbox and topics."""
     inbox = Inbox()
     dev, topics = device_session(
-        broker.fleet, device, broker.address(device), on_message=inbox.on_message, on_payload=inbox.on_payload,
-        protocol=protocol, **config,
+        broker.fleet,
+        device,
+        broker.address(device),
+        on_message=inbox.on_message,
+        on_payload=inbox.on_payload,
+        protocol=protocol,
+        **config,
     )
     coord = session_class(
         SessionConfig(client_id="test-coordinator", broker=broker.address(), protocol=protocol, **config),
@@ -114,8 +119,9 @@ class FaultySession(Session):
 
 @pytest.mark.parametrize("protocol", ["5", "3.1.1"])
 def test_loss_duplication_reordering_and_corruption_are_all_repaired(mosquitto, protocol):
-    coord, dev, inbox, topics = pair(mosquitto, protocol=protocol, session_class=FaultySession, nack_after_s=0.3,
-                                     chunk_size=16 * 1024)
+    coord, dev, inbox, topics = pair(
+        mosquitto, protocol=protocol, session_class=FaultySession, nack_after_s=0.3, chunk_size=16 * 1024
+    )
     coord.seen, coord.held = set(), []
     try:
         payload = os.urandom(40 * 16 * 1024 + 123)
@@ -204,7 +210,11 @@ def test_the_same_delivery_works_on_the_amqtt_fallback(amqtt):
 def test_broker_urls():
     address = BrokerAddress.from_url("mqtts://pi%40lab:s3cret@broker.example:9999", ca_file="/etc/ca.pem")
     assert (address.host, address.port, address.tls, address.username, address.password) == (
-        "broker.example", 9999, True, "pi@lab", "s3cret",
+        "broker.example",
+        9999,
+        True,
+        "pi@lab",
+        "s3cret",
     )
     assert BrokerAddress.from_url("mqtt://localhost").port == 1883
     assert BrokerAddress.from_url("mqtts://h", username="u").username == "u"

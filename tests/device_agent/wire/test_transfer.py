@@ -115,7 +115,9 @@ def test_a_finished_transfer_is_re_acked_and_never_delivered_twice():
     completed = []
     deliver(sender.start(), receiver, sender, 0.0, completed)
     replies, again = receiver.on_manifest(manifest, 1.0)
-    assert again is None and replies == [Ack(transfer=manifest.transfer, digest=manifest.digest, sent_at=replies[0].sent_at)]
+    assert again is None and replies == [
+        Ack(transfer=manifest.transfer, digest=manifest.digest, sent_at=replies[0].sent_at)
+    ]
     replies, late = receiver.on_chunk(*parse_chunk_frame(sender.frame(0)), 1.0)
     assert (replies, late) == ([], None) and receiver.stats.late == 1
     assert len(completed) == 1
