@@ -8,8 +8,19 @@ from typing import Any
 from pydantic import ValidationError
 
 from coordinator.strategies.base import Assignment, ClientSlot, ModelSpec, RoundAggregate, Strategy
+from coordinator.strategies.fedhm import FedHM
+from coordinator.strategies.width import FedAvg, FedAvgSmall, FedRolex, HeteroFL
 
-STRATEGIES: dict[str, type[Strategy]] = {}
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls
+    for cls in (
+        FedHM,
+        FedAvg,
+        FedAvgSmall,
+        HeteroFL,
+        FedRolex,
+    )
+}
 
 
 def build_strategy(name: str, model: ModelSpec, params: Mapping[str, Any] | None = None, seed: int = 0) -> Strategy:

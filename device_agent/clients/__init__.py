@@ -12,8 +12,16 @@ from typing import Any
 import torch
 
 from device_agent.clients.base import ClientProgram
+from device_agent.clients.fedhm import FedHMProgram
+from device_agent.clients.width import WidthProgram
 
-CLIENTS: dict[str, type[ClientProgram]] = {}
+CLIENTS: dict[str, type[ClientProgram]] = {
+    "fedhm": FedHMProgram,
+    "fedavg": WidthProgram,
+    "fedavg_small": WidthProgram,
+    "heterofl": WidthProgram,
+    "fedrolex": WidthProgram,
+}
 
 
 def build_program(
