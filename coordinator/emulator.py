@@ -1,0 +1,110 @@
+"""``coordinator emulate``: a whole fleet on one host, the real coordinator plus one real agent per device.
+
+Every device of the fleet.yaml becomes a ``device-agent run`` process with its own agent.yaml in
+``RUN_DIR/agents/<device>/``: held to its profile (after the fleet's per-device overrides) by the
+limits of :mod:`device_agent.emulation`, given shard ``index`` of ``count`` of the fleet's data set
+(``dataset.partition`` and ``dataset.seed``; shards are disjoint and cover the training set) and
+its own broker login, passed in its environment so no secret is written into its agent.yaml.
+The coordinator is the same code as ``coordinator start``; only the agents are added, so a run
+that works here works on a real fleet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from coordinator.fleet import REPORTED, Fleet, Partition
+from coordinator.planner import effective_profile
+from device_agent.emulation import (
+    PASSWORD_ENV,
+    DataShare,
+    EmulationLimits,
+    ProfileSpec,
+    agent_config,
+    limits_for,
+    write_agent_config,
+)
+from device_agent.launcher import AgentSpec
+from profiles.schema import DeviceClass
+
+AGENTS_DIR = "agents"
+
+
+class EmulatorError(ValueError):
+    """A fleet that cannot be emulated; the message names the key path."""
+
+
+def partition_text(partition: Partition) -> str:
+    """fleet.yaml's partition as agent.yaml writes it (``dirichlet(0.5)``, ``iid``...)."""
+    return f"dirichlet({partition.alpha:g})" if partition.kind == "dirichlet" else partition.kind
+
+
+def device_limits(
+    fleet: Fleet, catalog: Mapping[str, DeviceClass], host_gflops: float, threads: int = 1
+) -> dict[str, EmulationLimits]:
+    """Limits of every device, from its profile with the fleet's overrides applied (as the planner sees it)."""
+    limits = {}
+    for index, device in enumerate(fleet.devices):
+        if device.profile == REPORTED:
+            raise EmulatorError(
+                f"devices[{index}].profile: {device.id} is '{REPORTED}', which has no profile to emulate; name one"
+            )
+        profile = effective_profile(device, catalog[device.profile], None)
+        assert profile is not None  # a static profile is always there
+        limits[device.id] = limits_for(ProfileSpec.model_validate(profile.model_dump()), host_gflops, threads)
+    return limits
+
+
+def write_agent_specs(
+    fleet: Fleet,
+    catalog: Mapping[str, DeviceClass],
+    run_dir: Path,
+    broker_url: str,
+    passwords: Mapping[str, str],
+    host_gflops: float,
+    *,
+    threads: int = 1,
+    device_type: str = "cpu",
+    ca_file: str | None = None,
+) -> list[AgentSpec]:
+    """Write ``RUN_DIR/agents/<device>/agent.yaml`` for every device and return what to launch.
+
+    ``passwords`` maps device id to its broker password; it reaches the agent as ``$FEDFLEET_PASSWORD``.
+    """
+    missing = [device.id for device in fleet.devices if device.id not in passwords]
+    if missing:
+        raise EmulatorError(f"no broker credentials for device(s) {', '.join(missing)}")
+    limits = device_limits(fleet, catalog, host_gflops, threads)
+    dataset = fleet.dataset
+    specs = []
+    for index, device in enumerate(fleet.devices):
+        folder = Path(run_dir) / AGENTS_DIR / device.id
+        share = DataShare(
+            dataset.name,
+            partition_text(dataset.partition),
+            dataset.seed,
+            index,
+            len(fleet.devices),
+            None if dataset.path is None else str(dataset.path),
+        )
+        config = agent_config(
+            device.id,
+            fleet.fleet,
+            broker_url,
+            share,
+            (folder / "state").resolve(),
+            limits[device.id],
+            ca_file=ca_file,
+            device_type=device_type,
+        )
+        specs.append(
+            AgentSpec(
+                device.id,
+                write_agent_config(folder / "agent.yaml", config),
+                folder / "agent.log",
+                threads,
+                {PASSWORD_ENV: passwords[device.id]},
+            )
+        )
+    return specs
