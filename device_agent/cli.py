@@ -1,7 +1,6 @@
 """``device-agent``: the command line of the runtime flashed onto Jetsons, Raspberry Pis and laptops.
 
-This first version only probes the device. Joining a fleet and training arrive with the MQTT
-transport; until then there are deliberately no placeholder subcommands for them.
+``probe`` measures the device; ``run`` (device_agent.run_cli) joins a fleet and trains.
 """
 
 from __future__ import annotations
@@ -10,7 +9,7 @@ import argparse
 import math
 import sys
 
-from device_agent import __version__
+from device_agent import __version__, run_cli
 from device_agent.probe import DeviceProfile, probe_device
 
 _GIB = 1024**3
@@ -21,12 +20,12 @@ learning. The coordinator sizes each device's share of the work (its FedHM rank,
 deadline) from a profile the agent measures on the device itself, since a throttled Raspberry Pi
 or a Jetson in a low power mode is far from its datasheet.
 
-This version can only measure that profile ("probe"). Joining a fleet and training arrive with
-the MQTT transport and are not part of this version.
+"probe" measures that profile; "run" joins a fleet and trains the rounds it is assigned.
 """
 
 _EPILOG = """\
 examples:
+  device-agent run --config agent.yaml  join the fleet described in agent.yaml
   device-agent probe                    measure and print the profile as JSON
   device-agent probe --broker mqtt://broker.local:1883
                                         also measure latency and throughput to the broker
@@ -95,6 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="also measure latency and throughput to this MQTT broker (mqtt://[user:pass@]host[:port] or "
         "mqtts://...) by echoing messages on a scratch topic; off by default",
     )
+    probe.set_defaults(handler=_run_probe)
+    run_cli.add_parser(commands)
     return parser
 
 
@@ -145,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 2
-    if args.command == "probe":
-        return _run_probe(args)
+    if args.command is not None:
+        return args.handler(args)
     # No command: help rather than a guess, and a usage-error status so scripts notice.
     parser.print_help(sys.stderr)
     return 2

@@ -125,7 +125,33 @@ class Error(_Message):
     transfer: str | None = None
 
 
-Message = Annotated[Hello | Assignment | Manifest | Ack | Nack | Status | Error, Field(discriminator="type")]
+class Receipt(_Message):
+    """The coordinator journaled an update (or no longer needs it): the device may delete its copy.
+
+    A transfer ``Ack`` only says the bytes arrived intact; a receipt says the update is durable in
+    the run (``accepted``/``duplicate``) or will never be used (``late``: its round has closed).
+    """
+
+    type: Literal["receipt"] = "receipt"
+    run: Annotated[str, Field(pattern=_NAME)]
+    round: Annotated[int, Field(ge=0)]
+    transfer: Annotated[str, Field(pattern=_TRANSFER_ID)]
+    status: Literal["accepted", "duplicate", "late"]
+
+
+class RoundFailed(_Message):
+    """A device could not do its round (out of memory, bad data, ...): the coordinator stops waiting for it."""
+
+    type: Literal["round_failed"] = "round_failed"
+    run: Annotated[str, Field(pattern=_NAME)]
+    round: Annotated[int, Field(ge=0)]
+    reason: Literal["out_of_memory", "error"]
+    detail: str = ""
+
+
+Message = Annotated[
+    Hello | Assignment | Manifest | Ack | Nack | Status | Error | Receipt | RoundFailed, Field(discriminator="type")
+]
 _ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)
 
 

@@ -134,6 +134,9 @@ class SessionStats:
     rejected: int = 0
     connects: int = 0
     publish_denied: int = 0
+    # Bytes of every MQTT payload by topic, retransmissions included: the true protocol cost.
+    bytes_in: dict[str, int] = field(default_factory=dict)
+    bytes_out: dict[str, int] = field(default_factory=dict)
 
 
 class Delivery:
@@ -312,6 +315,7 @@ class Session:
         # Never called with self._lock held: paho holds its own message lock while it runs
         # on_publish, which takes self._lock; publishing under self._lock would deadlock.
         self._check_packet(len(data), "message")
+        self.stats.bytes_out[topic] = self.stats.bytes_out.get(topic, 0) + len(data)
         info = self._client.publish(topic, data, qos=1, retain=retain)
         if transfer is not None and info.mid:
             self._mids[info.mid] = transfer
@@ -387,6 +391,7 @@ class Session:
     def _handle_message(self, _client: mqtt.Client, _userdata: Any, msg: mqtt.MQTTMessage) -> None:
         data = msg.payload
         now = time.monotonic()
+        self.stats.bytes_in[msg.topic] = self.stats.bytes_in.get(msg.topic, 0) + len(data)
         try:
             if is_chunk_frame(data):
                 transfer, index, chunk = parse_chunk_frame(data)

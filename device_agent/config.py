@@ -1,0 +1,195 @@
+"""agent.yaml: how one device agent joins a fleet, what data it trains on, how it is held to a profile.
+
+The file never holds the broker password itself, only where to find it (``env:NAME`` or
+``file:PATH``), so agent.yaml can be copied around, committed or baked into an image. Every field
+has a default except ``device`` and ``fleet``; command-line flags override the file (see
+``device_agent.run_cli``). A bad value is reported with its key path, e.g. ``data.partition``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from device_agent.data.partition import PartitionSpec
+
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+_PARTITION = re.compile(r"^(iid|permuted_labels|dirichlet\((?P<alpha>[0-9.eE+-]+)\)|domains(\((?P<domains>\d+)\))?)$")
+DATASETS = ("digits", "cifar10", "cifar100", "image_folder", "npz")
+
+
+class ConfigError(ValueError):
+    """agent.yaml (or a flag) that cannot be used; the message names the key path."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class BrokerConfig(_Section):
+    url: str = "mqtt://127.0.0.1:1883"
+    password: str | None = None
+    ca_file: str | None = None
+    protocol: Literal["5", "3.1.1"] = "5"
+
+    @field_validator("url")
+    @classmethod
+    def _scheme(cls, url: str) -> str:
+        if not url.startswith(("mqtt://", "mqtts://")):
+            raise ValueError(f"must start with mqtt:// or mqtts://, got {url!r}")
+        return url
+
+    @field_validator("password")
+    @classmethod
+    def _reference(cls, ref: str | None) -> str | None:
+        if ref is not None and not ref.startswith(("env:", "file:")):
+            raise ValueError("must be a reference, env:NAME or file:PATH, never the secret itself")
+        return ref
+
+    @field_validator("protocol", mode="before")
+    @classmethod
+    def _protocol_text(cls, value: Any) -> Any:
+        # YAML reads an unquoted 5 as an int; accept it rather than make users quote it.
+        return str(value) if isinstance(value, int | float) else value
+
+    def resolve_password(self) -> str | None:
+        """The secret the reference points at; a missing variable or file is an error naming it."""
+        if self.password is None:
+            return None
+        kind, _, where = self.password.partition(":")
+        if kind == "env":
+            if where not in os.environ:
+                raise ConfigError(f"broker.password: environment variable {where!r} is not set")
+            return os.environ[where]
+        path = Path(where).expanduser()
+        try:
+            return path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"broker.password: cannot read {path}: {exc.strerror}") from None
+
+
+class DataConfig(_Section):
+    dataset: Literal["digits", "cifar10", "cifar100", "image_folder", "npz"] = "digits"
+    path: str | None = None
+    partition: str = "iid"
+    seed: int = 0
+    index: int | None = Field(default=None, ge=0)
+    count: int | None = Field(default=None, ge=1)
+
+    @field_validator("partition")
+    @classmethod
+    def _partition_syntax(cls, value: str) -> str:
+        match = _PARTITION.match(value.replace(" ", ""))
+        if not match or (match["alpha"] is not None and not float(match["alpha"]) > 0):
+            raise ValueError(f"expected iid, dirichlet(ALPHA > 0), permuted_labels or domains[(N)], got {value!r}")
+        return value.replace(" ", "")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DataConfig:
+        if self.dataset != "digits" and self.path is None:
+            raise ValueError(f"dataset {self.dataset!r} needs data.path (a folder or file on this device)")
+        if (self.index is None) != (self.count is None):
+            raise ValueError("data.index and data.count go together (this device's share of `count` shares)")
+        if self.index is not None and self.count is not None and self.index >= self.count:
+            raise ValueError(f"data.index must be < data.count={self.count}, got {self.index}")
+        return self
+
+    @property
+    def source(self) -> str:
+        """What ``device_agent.data.datasets.load_dataset`` reads."""
+        return "digits" if self.dataset == "digits" else str(self.path)
+
+    def partition_spec(self) -> PartitionSpec | None:
+        """The split this device takes one share of; None when all local data is this device's."""
+        if self.index is None or self.count is None:
+            return None
+        match = _PARTITION.match(self.partition)
+        assert match is not None  # checked by the validator
+        if match["alpha"] is not None:
+            return PartitionSpec("dirichlet", self.count, self.seed, alpha=float(match["alpha"]))
+        if self.partition.startswith("domains"):
+            domains = int(match["domains"] or 2)
+            return PartitionSpec("domains", self.count, self.seed, num_domains=min(domains, self.count))
+        return PartitionSpec("iid", self.count, self.seed, permute_labels=self.partition == "permuted_labels")
+
+
+class EmulationConfig(_Section):
+    profile: str | None = None
+    threads: int | None = Field(default=None, ge=1)
+    memory_bytes: int | None = Field(default=None, gt=0)
+    slowdown: float = Field(default=1.0, ge=1.0)
+    uplink_bytes_per_s: float | None = Field(default=None, gt=0)
+    downlink_bytes_per_s: float | None = Field(default=None, gt=0)
+    latency_s: float = Field(default=0.0, ge=0.0)
+
+
+class AgentConfig(_Section):
+    device: str = Field(pattern=_NAME)
+    fleet: str = Field(pattern=_NAME)
+    broker: BrokerConfig = Field(default_factory=BrokerConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    device_type: str = "auto"
+    state_dir: Path = Path("./agent-state")
+    emulation: EmulationConfig | None = None
+    # Not in the lead's sample file: how often the agent refreshes its retained status (seconds).
+    heartbeat_s: float = Field(default=10.0, gt=0)
+
+    @field_validator("device_type")
+    @classmethod
+    def _device_type(cls, value: str) -> str:
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", value):
+            raise ValueError(f"expected auto, cpu, cuda, cuda:N or mps, got {value!r}")
+        return value
+
+
+def _problems(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<file>'}: {err['msg']}" for err in exc.errors())
+
+
+def parse_config(raw: dict[str, Any], where: str = "agent config") -> AgentConfig:
+    """Validate a mapping (from YAML and/or flags) into an AgentConfig, or ``ConfigError`` with key paths."""
+    try:
+        return AgentConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{where}: {_problems(exc)}") from None
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The raw mapping of an agent.yaml; flags are merged into it before validation."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys (device, fleet, broker, ...), got {type(raw).__name__}")
+    return raw
+
+
+def load_config(path: Path, overrides: dict[str, Any] | None = None) -> AgentConfig:
+    """agent.yaml with ``overrides`` (dotted keys, e.g. ``{"broker.url": ...}``) applied on top."""
+    return parse_config(merge_overrides(read_config_file(path), overrides or {}), str(path))
+
+
+def merge_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``raw`` with each dotted key of ``overrides`` set (None values are skipped)."""
+    merged: dict[str, Any] = {key: dict(value) if isinstance(value, dict) else value for key, value in raw.items()}
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        *parents, leaf = dotted.split(".")
+        node = merged
+        for key in parents:
+            if not isinstance(node.get(key), dict):
+                node[key] = {}
+            node = node[key]
+        node[leaf] = value
+    return merged

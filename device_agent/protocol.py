@@ -1,0 +1,104 @@
+"""The round protocol: how one FL round travels over the wire messages, and its pure helpers.
+
+Topics are per device (``device_agent.wire.topics``); payloads are verified chunked transfers
+(``device_agent.wire.transfer``); tensors are safetensors (``device_agent.wire.codec``).
+
+1. Device connects (persistent session, last will = retained ``Status(offline)`` on ``up/status``),
+   publishes ``Hello`` with its probed profile on ``up/data`` *retained* (so a restarted coordinator
+   learns the fleet again when it subscribes) and a retained ``Status(idle)``. It refreshes the
+   status every ``heartbeat_s``.
+2. Coordinator plans ratios from profiles (measured ones override the catalog), picks the round's
+   participants among online devices and, per device, sends the strategy's ``Assignment`` tensors
+   as one transfer (``kind="assignment"``, ``run``, ``round``) followed by an ``Assignment`` message
+   (round, rank ratio, deadline, ``download`` = that transfer id, ``options`` = :func:`assignment_options`).
+3. Device trains on its local data, stores the update in its ``Outbox`` (durable), publishes it as a
+   transfer with ``kind="update"``, ``run``, ``round`` and :func:`upload_meta` (samples, seconds, loss,
+   sha256). Tensors are the program's ``upload()`` plus ``extras()`` under :data:`EXTRA_PREFIX`.
+4. Coordinator validates (sender = the topic's device, i.e. the broker-authenticated user; run;
+   round; sha256; the strategy's ``RoundAggregate.add`` checks names, shapes, dtypes and finite
+   values), journals it (``RunDir.accept_upload``) and only then answers ``Receipt(accepted)``. A
+   duplicate (resend after a lost receipt) gets ``Receipt(duplicate)``, an update for a closed round
+   ``Receipt(late)``, an invalid one ``Error(code="rejected")``. On any of these the device deletes it
+   from its outbox; until then it resends it (after reconnects, restarts, or a new assignment for
+   the same round from a restarted coordinator), each time as a fresh transfer.
+5. A device that cannot train (out of memory, broken data) sends ``RoundFailed``; the coordinator
+   stops waiting for it, and after an out-of-memory plans it one rank level lower.
+6. The round closes when every participant answered or at the deadline (quorum permitting).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from device_agent.training import TrainConfig
+
+EXTRA_PREFIX = "__extra__."
+ASSIGNMENT_KIND = "assignment"
+UPDATE_KIND = "update"
+_TRAIN_KEYS = ("epochs", "batch_size", "lr", "momentum", "weight_decay", "seed")
+
+
+class UploadMetaError(ValueError):
+    """An update whose manifest meta is missing or malformed."""
+
+
+def assignment_options(meta: Mapping[str, Any], train: TrainConfig) -> dict[str, Any]:
+    """``Assignment.options``: the strategy's model meta plus the local training settings."""
+    return {"meta": dict(meta), "train": {key: getattr(train, key) for key in _TRAIN_KEYS}}
+
+
+def parse_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], TrainConfig]:
+    """(strategy meta, training config) of an assignment; errors name the offending option."""
+    meta = options.get("meta")
+    if not isinstance(meta, dict):
+        raise ValueError("assignment options lack the strategy meta ('meta')")
+    train = options.get("train") or {}
+    unknown = sorted(set(train) - set(_TRAIN_KEYS))
+    if unknown:
+        raise ValueError(f"assignment options.train has unknown key(s) {', '.join(unknown)}")
+    return dict(meta), TrainConfig(**train)
+
+
+def pack_upload(upload: Mapping[str, torch.Tensor], extras: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One tensor dict for the wire: the strategy's upload and its side information, kept apart by name."""
+    clash = [key for key in upload if key.startswith(EXTRA_PREFIX)]
+    if clash:
+        raise ValueError(f"upload tensor names may not start with {EXTRA_PREFIX!r}: {clash[:3]}")
+    return {**upload, **{EXTRA_PREFIX + key: value for key, value in extras.items()}}
+
+
+def split_upload(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Inverse of :func:`pack_upload`: (upload, extras)."""
+    upload = {k: v for k, v in tensors.items() if not k.startswith(EXTRA_PREFIX)}
+    extras = {k.removeprefix(EXTRA_PREFIX): v for k, v in tensors.items() if k.startswith(EXTRA_PREFIX)}
+    return upload, extras
+
+
+def upload_meta(samples: int, train_seconds: float, loss: float) -> dict[str, str]:
+    """Manifest meta of an update (str -> str); the sender adds the payload's ``sha256``."""
+    return {
+        "samples": str(int(samples)),
+        "train_seconds": f"{train_seconds:.6f}",
+        "loss": f"{loss:.6f}",
+    }
+
+
+def parse_upload_meta(meta: Mapping[str, str], payload: bytes) -> tuple[int, float, float]:
+    """(samples, train seconds, loss) of an update whose sha256 matches ``payload``; else ``UploadMetaError``."""
+    missing = [key for key in ("sha256", "samples", "train_seconds", "loss") if key not in meta]
+    if missing:
+        raise UploadMetaError(f"update manifest meta lacks {', '.join(missing)}")
+    if hashlib.sha256(payload).hexdigest() != meta["sha256"]:
+        raise UploadMetaError("update payload does not match the sha256 in its manifest meta")
+    try:
+        samples, seconds, loss = int(meta["samples"]), float(meta["train_seconds"]), float(meta["loss"])
+    except ValueError as exc:
+        raise UploadMetaError(f"update manifest meta: {exc}") from None
+    if samples < 1 or not (seconds >= 0 and math.isfinite(seconds)):
+        raise UploadMetaError(f"update manifest meta: samples={samples}, train_seconds={seconds} out of range")
+    return samples, seconds, loss

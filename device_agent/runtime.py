@@ -1,0 +1,370 @@
+"""The device agent: one process that joins a fleet and trains whatever rounds it is assigned.
+
+The MQTT session runs its own threads and hands every message and verified payload to the agent's
+event queue; one main thread does all the work (training included) in order, so the agent's state
+needs no locks. The protocol it speaks is described in :mod:`device_agent.protocol`.
+
+What survives what:
+
+- broker restart or network loss: the session reconnects and resumes unfinished transfers;
+- agent restart (kill -9, reboot): updates still in the outbox are re-sent at start-up;
+- coordinator restart: it re-sends the open round's assignments; an update for that round still
+  in the outbox is re-sent instead of training again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from device_agent import __version__
+from device_agent.clients import build_program
+from device_agent.config import AgentConfig, EmulationConfig
+from device_agent.data.datasets import DatasetError, load_dataset
+from device_agent.data.partition import client_shard
+from device_agent.limits import MemoryCap, MemoryCapExceeded, Throttle, cap_cpu_memory, cap_cuda_memory, limit_threads
+from device_agent.outbox import Outbox, OutboxCorrupt, OutboxItem
+from device_agent.probe import DeviceProfile, NetworkSpec, probe_device, resolve_device
+from device_agent.protocol import UPDATE_KIND, pack_upload, parse_options, upload_meta
+from device_agent.shaping import TokenBucket
+from device_agent.training import train_local
+from device_agent.wire.codec import CodecError, decode_tensors
+from device_agent.wire.messages import Assignment, Error, Hello, Message, Receipt, RoundFailed, Status
+from device_agent.wire.session import BrokerAddress, Delivery, Session, device_session
+from device_agent.wire.topics import DeviceTopics
+from device_agent.wire.transfer import Completed, new_transfer_id
+
+log = logging.getLogger("fedfleet.agent")
+
+RECEIPT_TIMEOUT_S = 30.0
+
+
+class AgentError(RuntimeError):
+    """The agent cannot start (bad credentials, unreachable broker, unreadable data)."""
+
+
+@dataclass
+class _Sent:
+    """An outbox update on the wire, waiting for the coordinator's receipt."""
+
+    item: OutboxItem
+    delivery: Delivery
+    since: float
+
+
+@dataclass
+class Limits:
+    """The emulation limits applied at start-up (all None/1.0 on a real device)."""
+
+    memory: MemoryCap | None = None
+    throttle: Throttle | None = None
+    uplink: TokenBucket | None = None
+    downlink: TokenBucket | None = None
+
+
+def apply_emulation(emulation: EmulationConfig | None, device: torch.device) -> Limits:
+    """Hold this process to an emulated device: threads, memory cap, slowdown, bandwidth."""
+    if emulation is None:
+        return Limits()
+    if emulation.threads is not None:
+        limit_threads(emulation.threads)
+    memory = None
+    if emulation.memory_bytes is not None:
+        memory = (
+            cap_cuda_memory(emulation.memory_bytes, device)
+            if device.type == "cuda"
+            else cap_cpu_memory(emulation.memory_bytes)
+        )
+    up, down = emulation.uplink_bytes_per_s, emulation.downlink_bytes_per_s
+    return Limits(
+        memory=memory,
+        throttle=Throttle(emulation.slowdown) if emulation.slowdown > 1 else None,
+        uplink=TokenBucket(up, latency_s=emulation.latency_s) if up else None,
+        downlink=TokenBucket(down, latency_s=emulation.latency_s) if down else None,
+    )
+
+
+def emulated_profile(profile: DeviceProfile, emulation: EmulationConfig | None) -> DeviceProfile:
+    """The profile as the coordinator should plan with it: the host measured, then held to the emulation."""
+    if emulation is None:
+        return profile
+    data = profile.model_dump()
+    gflops = profile.compute.fp32_gflops / emulation.slowdown
+    data["matmul_gflops"] = gflops
+    data["compute"]["fp32_gflops"] = gflops
+    if emulation.memory_bytes is not None:
+        data["memory"] = {"total": emulation.memory_bytes, "shared": profile.memory.shared, "reserved": 0}
+    if emulation.uplink_bytes_per_s and emulation.downlink_bytes_per_s:
+        data["network"] = NetworkSpec(
+            uplink_mbps=emulation.uplink_bytes_per_s * 8 / 1e6,
+            downlink_mbps=emulation.downlink_bytes_per_s * 8 / 1e6,
+            latency_ms=emulation.latency_s * 1000,
+        ).model_dump()
+    return DeviceProfile.model_validate(data)
+
+
+class LocalData:
+    """This device's training data, loaded once per model input shape."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self._config = config.data
+        self._cache: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
+
+    def for_model(self, image_size: int, in_channels: int, num_classes: int) -> tuple[Tensor, Tensor]:
+        key = (image_size, in_channels, num_classes)
+        if key not in self._cache:
+            data = load_dataset(self._config.source, image_size, in_channels)
+            spec = self._config.partition_spec()
+            if spec is None:
+                shard = (data.train_x, data.train_y)
+            else:
+                shard = client_shard(data.train_x, data.train_y, spec, self._config.index or 0, data.num_classes)
+            if len(shard[1]) == 0:
+                raise DatasetError(f"data share {self._config.index} of {self._config.count} is empty")
+            self._cache[key] = shard
+        return self._cache[key]
+
+
+class Agent:
+    """One device in one fleet. ``run`` blocks until :meth:`stop` (or SIGINT/SIGTERM in ``run_agent``)."""
+
+    def __init__(self, config: AgentConfig, profile: DeviceProfile | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device_type)
+        self.limits = apply_emulation(config.emulation, self.device)
+        self.profile = emulated_profile(profile or probe_device(0.2, config.device_type), config.emulation)
+        state = Path(config.state_dir)
+        state.mkdir(parents=True, exist_ok=True)
+        self.outbox = Outbox(state / "outbox")
+        self.data = LocalData(config)
+        self._events: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._stopping = threading.Event()
+        self._assignments: dict[str, Assignment] = {}
+        self._payloads: dict[str, Completed] = {}
+        self._done: set[tuple[str, int]] = set()
+        self._sent: dict[tuple[str, int], _Sent] = {}
+        self._kept: dict[str, Tensor] = {}
+        self._state = "idle"
+        self._connects = 0
+        self.session, self.topics = self._make_session()
+
+    def _make_session(self) -> tuple[Session, DeviceTopics]:
+        broker = self.config.broker
+        address = BrokerAddress.from_url(
+            broker.url, username=self.config.device, password=broker.resolve_password(), ca_file=broker.ca_file
+        )
+        return device_session(
+            self.config.fleet,
+            self.config.device,
+            address,
+            on_message=lambda _topic, message: self._events.put(lambda: self._on_message(message)),
+            on_payload=lambda _topic, completed: self._events.put(lambda: self._on_payload(completed)),
+            protocol=broker.protocol,
+        )
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def run(self, connect_timeout: float | None = None) -> None:
+        """Connect and serve until stopped; the session keeps reconnecting on its own."""
+        try:
+            self.session.start(timeout=connect_timeout)
+        except ConnectionError as exc:
+            raise AgentError(str(exc)) from None
+        log.info("%s: joined fleet %s at %s", self.config.device, self.config.fleet, self.session.config.broker.url)
+        last_beat = 0.0
+        try:
+            while not self._stopping.is_set():
+                try:
+                    event = self._events.get(timeout=0.2)
+                except queue.Empty:
+                    event = None
+                if event is not None:
+                    event()
+                now = time.monotonic()
+                if self.session.stats.connects != self._connects:
+                    self._connects = self.session.stats.connects
+                    self._on_connected()
+                    last_beat = now
+                elif now - last_beat >= self.config.heartbeat_s:
+                    self._set_state(self._state)
+                    last_beat = now
+                self._check_receipts(now)
+        finally:
+            self.session.stop()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def _on_connected(self) -> None:
+        # Retained: a coordinator that (re)subscribes later still learns who is in the fleet.
+        self.session.publish(
+            self.topics.up, Hello(device=self.config.device, agent_version=__version__, profile=self.profile), True
+        )
+        self._set_state(self._state)
+        for item in self.outbox.pending():
+            if (item.run, item.round) not in self._sent:
+                self._send(item)
+
+    def _set_state(self, state: str, detail: str = "") -> None:
+        self._state = state
+        self.session.publish(
+            self.topics.status, Status(device=self.config.device, state=state, detail=detail), retain=True
+        )
+
+    # ---- messages ------------------------------------------------------------------------------
+
+    def _on_message(self, message: Message) -> None:
+        if isinstance(message, Assignment):
+            self._on_assignment(message)
+        elif isinstance(message, Receipt):
+            self._forget(message.run, message.round, f"receipt: {message.status}")
+        elif isinstance(message, Error):
+            log.warning("%s: coordinator refused something: %s: %s", self.config.device, message.code, message.detail)
+            for key, sent in list(self._sent.items()):
+                if sent.delivery.transfer == message.transfer:
+                    self._forget(*key, f"rejected: {message.detail}")
+
+    def _on_assignment(self, assignment: Assignment) -> None:
+        key = (assignment.run, assignment.round)
+        stored = [item for item in self.outbox.pending() if (item.run, item.round) == key]
+        if stored:
+            # A restarted coordinator re-assigns the open round: send what was trained, do not retrain.
+            self._send(stored[0])
+            return
+        if key in self._done:
+            return
+        self._assignments[assignment.download] = assignment
+        self._try_train(assignment.download)
+
+    def _on_payload(self, completed: Completed) -> None:
+        self._payloads[completed.manifest.transfer] = completed
+        if self.limits.downlink is not None:
+            self.limits.downlink.consume(completed.manifest.size)
+        self._try_train(completed.manifest.transfer)
+
+    # ---- one round -----------------------------------------------------------------------------
+
+    def _try_train(self, transfer: str) -> None:
+        assignment = self._assignments.get(transfer)
+        completed = self._payloads.get(transfer)
+        if assignment is None or completed is None:
+            if assignment is not None:
+                self._set_state("downloading", f"round {assignment.round}")
+            return
+        del self._assignments[transfer], self._payloads[transfer]
+        key = (assignment.run, assignment.round)
+        self._done.add(key)
+        # Drop payloads of assignments that never came (superseded rounds) so memory stays bounded.
+        self._payloads.clear()
+        self._set_state("training", f"round {assignment.round} at ratio {assignment.rank_ratio:g}")
+        try:
+            item = self._train(assignment, completed.data)
+        except MemoryCapExceeded as exc:
+            self._fail(assignment, "out_of_memory", str(exc))
+            return
+        except (ValueError, CodecError, DatasetError, RuntimeError) as exc:
+            log.exception("%s: round %d failed", self.config.device, assignment.round)
+            self._fail(assignment, "error", f"{type(exc).__name__}: {exc}")
+            return
+        self._send(item)
+
+    def _train(self, assignment: Assignment, payload: bytes) -> OutboxItem:
+        meta, train = parse_options(assignment.options)
+        tensors = decode_tensors(payload)
+        shard = self.data.for_model(int(meta["image_size"]), int(meta["in_channels"]), int(meta["num_classes"]))
+        guard = self.limits.memory.guard() if self.limits.memory is not None else contextlib.nullcontext()
+        throttle = self.limits.throttle
+        with guard:
+            program = build_program(meta, tensors, self._kept or None)
+            with throttle.step() if throttle is not None else contextlib.nullcontext():
+                result = train_local(program, shard, train, self.device)
+            upload = pack_upload(program.upload(), program.extras())
+            self._kept = program.keep()
+        if throttle is not None:
+            throttle.flush()
+        seconds = result.seconds + (throttle.slept_seconds if throttle is not None else 0.0)
+        meta = upload_meta(result.samples, seconds, result.mean_loss)
+        item = self.outbox.put(assignment.run, assignment.round, new_transfer_id(), upload, meta)
+        log.info(
+            "%s: round %d trained in %.1f s (loss %.3f), update of %d bytes",
+            self.config.device,
+            assignment.round,
+            seconds,
+            result.mean_loss,
+            item.size,
+        )
+        return item
+
+    def _fail(self, assignment: Assignment, reason: str, detail: str) -> None:
+        log.warning("%s: round %d failed: %s", self.config.device, assignment.round, detail)
+        failure = RoundFailed(run=assignment.run, round=assignment.round, reason=reason, detail=detail[:2000])
+        self.session.publish(self.topics.up, failure)
+        self._set_state("idle", f"round {assignment.round} failed: {reason}")
+
+    def _send(self, item: OutboxItem) -> None:
+        try:
+            payload = self.outbox.payload(item)
+        except OutboxCorrupt as exc:
+            log.error("%s: dropping a corrupt stored update: %s", self.config.device, exc)
+            self.outbox.discard(item)
+            return
+        if self.limits.uplink is not None:
+            self.limits.uplink.wait_latency()
+            self.limits.uplink.consume(len(payload))
+        self._set_state("uploading", f"round {item.round}")
+        delivery = self.session.send(
+            self.topics.up,
+            payload,
+            run=item.run,
+            round=item.round,
+            kind=UPDATE_KIND,
+            meta={**item.meta, "sha256": item.sha256},
+        )
+        self._sent[(item.run, item.round)] = _Sent(item, delivery, time.monotonic())
+
+    def _forget(self, run: str, round_: int, why: str) -> None:
+        sent = self._sent.pop((run, round_), None)
+        for item in self.outbox.pending():
+            if (item.run, item.round) == (run, round_):
+                self.outbox.discard(item)
+                log.info("%s: round %d update settled (%s)", self.config.device, round_, why)
+        if sent is not None and not self._sent:
+            self._set_state("idle")
+
+    def _check_receipts(self, now: float) -> None:
+        """Resend an update whose transfer failed, or that got no receipt in time (a coordinator restart)."""
+        for key, sent in list(self._sent.items()):
+            failed = sent.delivery.error is not None
+            if failed or now - sent.since > RECEIPT_TIMEOUT_S:
+                if key not in {(i.run, i.round) for i in self.outbox.pending()}:
+                    del self._sent[key]
+                    continue
+                log.info(
+                    "%s: re-sending the round %d update (%s)",
+                    self.config.device,
+                    key[1],
+                    sent.delivery.error or "no receipt",
+                )
+                self._send(sent.item)
+
+
+def run_agent(config: AgentConfig, profile: DeviceProfile | None = None) -> int:
+    """Run until SIGINT/SIGTERM; the exit code of ``device-agent run``."""
+    agent = Agent(config, profile)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: agent.stop())
+    agent.run()
+    return 0
+
+
+__all__ = ["Agent", "AgentError", "Limits", "apply_emulation", "emulated_profile", "run_agent"]
