@@ -9,7 +9,7 @@ import argparse
 import math
 import sys
 
-from device_agent import __version__, run_cli
+from device_agent import __version__, emulate_cli, run_cli
 from device_agent.probe import DeviceProfile, probe_device
 
 _GIB = 1024**3
@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     probe.set_defaults(handler=_run_probe)
     run_cli.add_parser(commands)
+    emulate_cli.add_parser(commands)
     return parser
 
 
