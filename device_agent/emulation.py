@@ -27,6 +27,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from device_agent.atomic import atomic_write
+from device_agent.config import parse_config
 from device_agent.limits import slowdown_factor
 from device_agent.probe import ComputeSpec, MemorySpec, NetworkSpec, measure_matmul_gflops, resolve_device
 
@@ -208,7 +209,12 @@ def agent_config(
 
 
 def write_agent_config(path: Path, config: dict[str, Any]) -> Path:
-    """Write ``config`` as YAML, atomically; the file holds no secret, only the password's reference."""
+    """Check ``config`` against the agent's own schema, then write it as YAML, atomically.
+
+    Checking here turns a bad setting into one error at launch rather than N agents dying on start-up.
+    The file holds no secret, only the password's reference.
+    """
+    parse_config(config, str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, yaml.safe_dump(config, sort_keys=False).encode())
     return path
