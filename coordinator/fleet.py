@@ -288,6 +288,9 @@ class Fleet(_Strict):
     participation: float = Field(1.0, gt=0, le=1, description="fraction of planned devices asked per round")
     round_deadline_s: PositiveFloat = 600.0
     quorum: float = Field(0.8, gt=0, le=1, description="fraction of asked devices whose updates close a round early")
+    on_quorum_miss: Literal["extend", "skip"] = Field(
+        "extend", description="at the deadline below quorum: extend once by round_deadline_s, or skip the round"
+    )
     training: Training = Training()
     planning: Planning = Planning()
     profile_dirs: list[Path] = Field(

@@ -1,0 +1,492 @@
+"""The round engine: FedHM (or any strategy) rounds over real devices, durable across restarts.
+
+One thread owns every piece of round state. The MQTT session's threads only enqueue events
+(hello, status, uploads, failures) and the engine's loop applies them in order, so validation,
+folding, journaling and answering an upload happen as one step and need no locks. The wire side
+of a round is described in :mod:`device_agent.protocol`.
+
+Durability: the round's participants and levels are written to ``open-round.json`` before any
+assignment leaves, every accepted upload is journaled (``RunDir.accept_upload``) before its
+receipt is sent, and closing a round is ``RunDir.complete_round``'s atomic commit. A restart on
+the same run directory reloads the last global state, re-opens the same round with the same
+participants, folds the journal back in and re-sends the assignments; devices that already
+trained re-send their stored update instead of training again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from coordinator.algorithms.aggregation import UpdateRejected
+from coordinator.fleet import Device, Fleet
+from coordinator.metrics import DeviceRoundMetrics, DeviceStatus, RoundMetrics
+from coordinator.planner import DevicePlan, after_out_of_memory, plan_fleet
+from coordinator.rundir import RoundNotOpen, RunDir
+from coordinator.simulation import accuracy, calibrate_batchnorm
+from coordinator.strategies import ClientSlot, RoundAggregate, Strategy
+from device_agent.atomic import atomic_write
+from device_agent.data.datasets import LabeledData
+from device_agent.probe import DeviceProfile
+from device_agent.protocol import (
+    ASSIGNMENT_KIND,
+    UPDATE_KIND,
+    UploadMetaError,
+    assignment_options,
+    parse_upload_meta,
+    split_upload,
+)
+from device_agent.training import TrainConfig
+from device_agent.wire.codec import CodecError, decode_tensors, encode_tensors
+from device_agent.wire.messages import Assignment, Error, Hello, Message, Receipt, RoundFailed, Status
+from device_agent.wire.session import Session
+from device_agent.wire.topics import DeviceTopics, device_of
+from device_agent.wire.transfer import Completed, make_manifest
+from profiles.schema import DeviceClass
+
+log = logging.getLogger("fedfleet.engine")
+
+OPEN_ROUND_FILE = "open-round.json"
+
+
+@dataclass
+class DeviceState:
+    """What the coordinator knows about one fleet device right now."""
+
+    device: Device
+    online: bool = False
+    state: str = "unknown"
+    profile: DeviceProfile | None = None
+
+
+@dataclass
+class Participant:
+    """One device's part in the open round."""
+
+    level: float
+    status: str = "assigned"
+    bytes_up_start: int = 0
+    bytes_down_start: int = 0
+    payload_bytes: int = 0
+    train_seconds: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class OpenRound:
+    round: int
+    participants: dict[str, Participant]
+    aggregate: RoundAggregate
+    deadline: float
+    started: float
+    extended: bool = False
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def answered(self, devices: dict[str, DeviceState]) -> bool:
+        return all(
+            p.status in ("accepted", "rejected", "failed") or not devices[d].online
+            for d, p in self.participants.items()
+        )
+
+    @property
+    def accepted(self) -> list[str]:
+        return [d for d, p in self.participants.items() if p.status == "accepted"]
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    min_devices: int
+    wait_timeout_s: float = 600.0
+    calibration_samples: int = 1024
+
+
+class RoundEngine:
+    """Runs ``fleet.rounds`` rounds of ``strategy`` over ``session`` and records them in ``rundir``."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        catalog: dict[str, DeviceClass],
+        strategy: Strategy,
+        rundir: RunDir,
+        data: LabeledData,
+        session_factory: Callable[..., Session],
+        settings: EngineSettings,
+    ) -> None:
+        self.fleet = fleet
+        self.catalog = catalog
+        self.strategy = strategy
+        self.rundir = rundir
+        self.data = data
+        self.settings = settings
+        self.devices = {d.id: DeviceState(d) for d in fleet.devices}
+        self.ceilings: dict[str, float] = {}
+        self.plans: dict[str, DevicePlan] = {}
+        self.open: OpenRound | None = None
+        self.last: RoundMetrics | None = None
+        self.stopping = threading.Event()
+        self._events: queue.Queue[Callable[[], None]] = queue.Queue()
+        self.session = session_factory(
+            on_message=lambda topic, m: self._events.put(lambda: self._on_message(topic, m)),
+            on_payload=lambda topic, c: self._events.put(lambda: self._on_payload(topic, c)),
+        )
+        resume = rundir.resume()
+        self.strategy.load_state_dict(resume.state)
+        self.next_round = resume.next_round
+        self._journal = resume.journal
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def run(self, progress: Callable[[RoundEngine], None] = lambda _e: None) -> bool:
+        """Run until every round is done (True) or :meth:`stop` (False). The session is stopped on return."""
+        self.session.start(timeout=30)
+        try:
+            if not self._wait_for_devices(progress):
+                return False
+            while self.next_round <= self.fleet.rounds and not self.stopping.is_set():
+                if not self._run_round(self.next_round, progress):
+                    return False
+                self.next_round += 1
+            return True
+        finally:
+            self.session.stop()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _pump(self, until: float, progress: Callable[[RoundEngine], None]) -> None:
+        """Apply events until ``until`` (monotonic) or until the queue has been idle for a tick."""
+        while not self.stopping.is_set():
+            timeout = min(0.25, max(0.0, until - time.monotonic()))
+            try:
+                self._events.get(timeout=timeout)()
+            except queue.Empty:
+                break
+            if time.monotonic() >= until:
+                break
+        progress(self)
+
+    def _wait_for_devices(self, progress: Callable[[RoundEngine], None]) -> bool:
+        give_up = time.monotonic() + self.settings.wait_timeout_s
+        while not self.stopping.is_set():
+            online = sum(state.online for state in self.devices.values())
+            if online >= self.settings.min_devices or (self._journal and online):
+                return True
+            if time.monotonic() > give_up:
+                raise TimeoutError(
+                    f"only {online} of the {self.settings.min_devices} devices needed came online "
+                    f"within {self.settings.wait_timeout_s:.0f} s"
+                )
+            self._pump(time.monotonic() + 0.5, progress)
+        return False
+
+    # ---- one round -----------------------------------------------------------------------------
+
+    def _run_round(self, round_: int, progress: Callable[[RoundEngine], None]) -> bool:
+        started = time.monotonic()
+        participants = self._participants(round_)
+        while not participants and not self.stopping.is_set():
+            log.warning("round %d: no online device can take part; waiting", round_)
+            self._pump(time.monotonic() + 1.0, progress)
+            participants = self._participants(round_)
+        if self.stopping.is_set():
+            return False
+        slots = [ClientSlot(d, level, self.fleet.samples_for(self.devices[d].device)) for d, level in participants]
+        atomic_write(
+            self.rundir.path / OPEN_ROUND_FILE,
+            json.dumps({"round": round_, "participants": dict(participants)}).encode(),
+        )
+        aggregate = self.strategy.open_round(round_, slots)
+        deadline = started + self.fleet.round_deadline_s
+        self.open = OpenRound(
+            round_, {d: Participant(level) for d, level in participants}, aggregate, deadline, started
+        )
+        self._replay_journal(round_)
+        planned = time.monotonic()
+        self._push(round_, slots)
+        pushed = time.monotonic()
+        self.open.phases.update(plan=planned - started, push=pushed - planned)
+        while not self.stopping.is_set():
+            self._pump(self.open.deadline, progress)
+            if self.open.answered(self.devices):
+                break
+            if time.monotonic() >= self.open.deadline:
+                if len(self.open.accepted) >= self._quorum() or self.fleet.on_quorum_miss == "skip":
+                    break
+                if self.open.extended:
+                    break
+                self.open.extended = True
+                self.open.deadline += self.fleet.round_deadline_s
+                log.warning(
+                    "round %d: %d/%d updates at the deadline, below the quorum of %d; extending once by %.0f s",
+                    round_,
+                    len(self.open.accepted),
+                    len(self.open.participants),
+                    self._quorum(),
+                    self.fleet.round_deadline_s,
+                )
+        if self.stopping.is_set():
+            return False
+        self._close(round_, pushed)
+        progress(self)
+        return True
+
+    def _quorum(self) -> int:
+        assert self.open is not None
+        return max(1, math.ceil(self.fleet.quorum * len(self.open.participants)))
+
+    def _participants(self, round_: int) -> list[tuple[str, float]]:
+        """(device, level) of the round: the saved choice when resuming it, else a fresh plan and draw."""
+        saved = self.rundir.path / OPEN_ROUND_FILE
+        if saved.exists():
+            raw = json.loads(saved.read_text())
+            if raw.get("round") == round_:
+                return [(d, float(level)) for d, level in raw["participants"].items() if d in self.devices]
+        reports = {d: s.profile for d, s in self.devices.items() if s.profile is not None}
+        self.plans = {p.device: p for p in plan_fleet(self.fleet, self.catalog, reports, self.ceilings)}
+        eligible = sorted(d for d, s in self.devices.items() if s.online and self.plans[d].ratio is not None)
+        count = math.ceil(self.fleet.participation * len(eligible))
+        chosen = random.Random(self.rundir.seed * 1_000_003 + round_).sample(eligible, count)
+        return [(d, float(self.plans[d].ratio)) for d in sorted(chosen)]  # type: ignore[arg-type]
+
+    def _replay_journal(self, round_: int) -> None:
+        """Fold the uploads accepted before a restart back into the re-opened round."""
+        assert self.open is not None
+        for entry in self._journal:
+            if entry.round != round_ or entry.device not in self.open.participants:
+                continue
+            upload, extras = split_upload(self.rundir.load_upload(entry))
+            self.open.aggregate.add(entry.device, upload, int(entry.meta["samples"]), extras)
+            participant = self.open.participants[entry.device]
+            participant.status = "accepted"
+            participant.train_seconds = float(entry.meta.get("train_seconds", 0.0))
+            participant.payload_bytes = int(entry.meta.get("payload_bytes", 0))
+            log.info("round %d: replayed %s's journaled update", round_, entry.device)
+        self._journal = []
+
+    def _push(self, round_: int, slots: list[ClientSlot]) -> None:
+        assert self.open is not None
+        assignments = self.strategy.configure(round_, slots)
+        manifests: dict[float, tuple[bytes, object]] = {}
+        for slot in slots:
+            participant = self.open.participants[slot.client_id]
+            topics = DeviceTopics(self.fleet.fleet, slot.client_id)
+            participant.bytes_up_start = self.session.stats.bytes_in.get(topics.up, 0)
+            participant.bytes_down_start = self.session.stats.bytes_out.get(topics.down, 0)
+            if participant.status == "accepted":
+                continue
+            assignment = assignments[slot.client_id]
+            if slot.level not in manifests:
+                payload = encode_tensors(assignment.tensors)
+                manifests[slot.level] = (
+                    payload,
+                    make_manifest(
+                        payload,
+                        self.session.config.chunk_size,
+                        run=self.rundir.run_id,
+                        round=round_,
+                        kind=ASSIGNMENT_KIND,
+                    ),
+                )
+            payload, manifest = manifests[slot.level]
+            delivery = self.session.send(topics.down, payload, manifest=manifest)  # type: ignore[arg-type]
+            device = self.devices[slot.client_id].device
+            train = TrainConfig(
+                epochs=device.overrides.local_epochs or self.fleet.training.local_epochs,
+                batch_size=device.overrides.batch_size or self.fleet.training.batch_size,
+                lr=self.fleet.training.lr,
+                seed=self.rundir.seed * 1_000_003 + round_ * 1_000 + sorted(self.devices).index(slot.client_id),
+            )
+            self.session.publish(
+                topics.down,
+                Assignment(
+                    run=self.rundir.run_id,
+                    round=round_,
+                    rank_ratio=slot.level,
+                    deadline_s=max(1.0, self.open.deadline - time.monotonic()),
+                    download=delivery.transfer,
+                    options=assignment_options(assignment.meta, train),
+                ),
+            )
+
+    def _close(self, round_: int, pushed: float) -> None:
+        assert self.open is not None
+        open_ = self.open
+        closing = time.monotonic()
+        skipped = len(open_.accepted) < self._quorum() and self.fleet.on_quorum_miss == "skip"
+        if skipped:
+            log.warning(
+                "round %d skipped: %d/%d updates, quorum %d",
+                round_,
+                len(open_.accepted),
+                len(open_.participants),
+                self._quorum(),
+            )
+            for participant in open_.participants.values():
+                if participant.status == "accepted":
+                    participant.status, participant.error = "late", "round skipped: quorum not met"
+        else:
+            self.strategy.close_round(open_.aggregate)
+        aggregated = time.monotonic()
+        acc, loss = self._evaluate()
+        evaluated = time.monotonic()
+        devices = {d: self._device_metrics(d, p) for d, p in open_.participants.items()}
+        phases = {
+            **open_.phases,
+            "train": closing - pushed,
+            "aggregate": aggregated - closing,
+            "evaluate": evaluated - aggregated,
+        }
+        metrics = RoundMetrics(
+            round=round_,
+            accuracy=acc,
+            loss=loss,
+            participants=sum(m.status == "accepted" for m in devices.values()),
+            bytes_up=sum(m.bytes_up for m in devices.values()),
+            bytes_down=sum(m.bytes_down for m in devices.values()),
+            seconds=evaluated - open_.started,
+            phases=phases,
+            devices=devices,
+        )
+        self.rundir.complete_round(round_, self.strategy.state_dict(), metrics)
+        self.last = metrics
+        (self.rundir.path / OPEN_ROUND_FILE).unlink(missing_ok=True)
+        self.open = None
+        log.info(
+            "round %d closed: accuracy %.4f, loss %.4f, %d/%d updates, %.1f s",
+            round_,
+            acc,
+            loss,
+            metrics.participants,
+            len(devices),
+            self.last.seconds,
+        )
+
+    def _device_metrics(self, device: str, participant: Participant) -> DeviceRoundMetrics:
+        topics = DeviceTopics(self.fleet.fleet, device)
+        status: DeviceStatus
+        if participant.status in ("accepted", "rejected", "failed", "late"):
+            status = participant.status  # type: ignore[assignment]
+        else:
+            status = "late" if self.devices[device].online else "dropped"
+        return DeviceRoundMetrics(
+            device_class=self.devices[device].device.profile,
+            ratio=participant.level,
+            bytes_up=self.session.stats.bytes_in.get(topics.up, 0) - participant.bytes_up_start,
+            bytes_down=self.session.stats.bytes_out.get(topics.down, 0) - participant.bytes_down_start,
+            payload_bytes=participant.payload_bytes,
+            train_seconds=participant.train_seconds,
+            status=status,
+            error=participant.error,
+        )
+
+    @torch.no_grad()
+    def _evaluate(self) -> tuple[float, float]:
+        """Global model on the held-out test split, after static BN on the coordinator's own samples."""
+        model = self.strategy.global_model()
+        calibration = self.data.train_x[: self.settings.calibration_samples]
+        self.strategy.load_norm_statistics(calibrate_batchnorm(model, calibration))
+        model.eval()
+        logits = torch.cat([model(x) for x in self.data.test_x.split(512)])
+        loss = float(F.cross_entropy(logits, self.data.test_y))
+        return accuracy(model, (self.data.test_x, self.data.test_y)), loss
+
+    # ---- events --------------------------------------------------------------------------------
+
+    def _on_message(self, topic: str, message: Message) -> None:
+        device = device_of(topic)
+        state = self.devices.get(device or "")
+        if state is None:
+            log.warning("message from %r, which is not in the fleet; ignored", device)
+            return
+        if isinstance(message, Hello):
+            if message.device != device:
+                log.warning("%s sent a hello as %r; ignored", device, message.device)
+                return
+            state.profile = message.profile
+            state.online = True
+        elif isinstance(message, Status):
+            state.state = message.state
+            state.online = message.state != "offline"
+        elif isinstance(message, RoundFailed):
+            self._on_failed(device, message)  # type: ignore[arg-type]
+        elif isinstance(message, Error):
+            log.warning("%s reports: %s: %s", device, message.code, message.detail)
+
+    def _on_failed(self, device: str, failure: RoundFailed) -> None:
+        open_ = self.open
+        if open_ is None or failure.run != self.rundir.run_id or failure.round != open_.round:
+            return
+        participant = open_.participants.get(device)
+        if participant is None or participant.status == "accepted":
+            return
+        participant.status, participant.error = "failed", f"{failure.reason}: {failure.detail}"[:500]
+        log.warning("round %d: %s failed: %s", open_.round, device, participant.error)
+        if failure.reason == "out_of_memory":
+            self.ceilings = after_out_of_memory(self.ceilings, device, participant.level, self.fleet.ratios)
+
+    def _on_payload(self, topic: str, completed: Completed) -> None:
+        device = device_of(topic)
+        manifest = completed.manifest
+        if device is None or device not in self.devices:
+            log.warning("payload on %s from outside the fleet; ignored", topic)
+            return
+        reply = DeviceTopics(self.fleet.fleet, device).down
+        try:
+            status = self._accept(device, completed)
+        except (UpdateRejected, UploadMetaError, CodecError) as exc:
+            log.warning("rejected %s's update for round %d: %s", device, manifest.round, exc)
+            participant = self.open.participants.get(device) if self.open else None
+            if participant is not None and participant.status != "accepted":
+                participant.status, participant.error = "rejected", str(exc)[:500]
+            self.session.publish(reply, Error(code="rejected", detail=str(exc)[:1000], transfer=manifest.transfer))
+            return
+        self.session.publish(
+            reply, Receipt(run=manifest.run, round=manifest.round, transfer=manifest.transfer, status=status)
+        )
+
+    def _accept(self, device: str, completed: Completed) -> str:
+        """Validate, fold and journal one update; returns the receipt status or raises why it is refused."""
+        manifest, data = completed.manifest, completed.data
+        if manifest.kind != UPDATE_KIND:
+            raise UpdateRejected(f"expected a transfer of kind {UPDATE_KIND!r}, got {manifest.kind!r}")
+        if manifest.run != self.rundir.run_id:
+            raise UpdateRejected(f"update for run {manifest.run!r}, but this run is {self.rundir.run_id!r}")
+        open_ = self.open
+        if open_ is None or manifest.round < open_.round:
+            if manifest.round < self.next_round:
+                return "late"
+            raise UpdateRejected(f"round {manifest.round} is not open")
+        if manifest.round != open_.round:
+            raise UpdateRejected(f"round {manifest.round} is not open (the open round is {open_.round})")
+        participant = open_.participants.get(device)
+        if participant is None:
+            raise UpdateRejected(f"{device!r} is not a participant of round {open_.round}")
+        if participant.status == "accepted":
+            return "duplicate"
+        samples, seconds, loss = parse_upload_meta(manifest.meta, data)
+        upload, extras = split_upload(decode_tensors(data))
+        open_.aggregate.add(device, upload, samples, extras)
+        meta = {
+            "samples": samples,
+            "train_seconds": seconds,
+            "loss": loss,
+            "level": participant.level,
+            "payload_bytes": len(data),
+        }
+        try:
+            self.rundir.accept_upload(open_.round, device, manifest.transfer, data, meta)
+        except RoundNotOpen:
+            return "late"
+        participant.status, participant.payload_bytes, participant.train_seconds = "accepted", len(data), seconds
+        return "accepted"

@@ -1,0 +1,201 @@
+"""``coordinator start``: run a fleet's rounds against a managed or external broker, resumable."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import secrets
+import signal
+import sys
+import tempfile
+from datetime import datetime
+from pathlib import Path
+
+from coordinator.broker.base import BrokerSettings
+from coordinator.broker.credentials import COORDINATOR_USER, Credentials, write_private
+from coordinator.broker.factory import external_broker, make_broker
+from coordinator.engine import EngineSettings, RoundEngine
+from coordinator.fleet import Fleet, FleetError, load_fleet
+from coordinator.report import write_report
+from coordinator.rundir import RunDir, RunDirError
+from coordinator.strategies import ModelSpec, build_strategy
+from device_agent.config import BrokerConfig, ConfigError
+from device_agent.data.datasets import DatasetError, LabeledData, load_dataset
+from device_agent.wire.session import coordinator_session
+
+log = logging.getLogger("fedfleet.coordinator")
+CREDENTIALS_DIR = "credentials"
+
+_EPILOG = """\
+examples:
+  coordinator start --fleet examples/fleet.yaml                   new run in runs/<fleet>-<time>
+  coordinator start --fleet fleet.yaml --run-dir runs/lab         resume runs/lab if it exists
+  coordinator start --fleet fleet.yaml --min-devices 2 --rounds 5
+
+Device passwords the fleet does not give (devices[].credentials) are generated once, written to
+RUN_DIR/credentials/<device>.password (mode 0600) and printed; point each device's agent.yaml at
+its file (broker.password: file:PATH) or an environment variable. Ctrl-C stops cleanly; running
+the same command again resumes the run, including the updates accepted in the open round.
+"""
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    start = commands.add_parser(
+        "start",
+        help="run the fleet's federated rounds (broker, devices, rounds, checkpoints, report)",
+        description=(
+            "Start (or connect to) the fleet's MQTT broker, wait for enough devices, then run rounds: "
+            "plan each device's rank ratio, push its payload, fold the updates as they arrive, evaluate "
+            "the global model on held-out data and checkpoint the run directory after every round."
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    start.add_argument("--fleet", type=Path, required=True, metavar="FILE", help="fleet.yaml")
+    start.add_argument("--run-dir", type=Path, metavar="DIR", help="new or existing run directory to resume")
+    start.add_argument("--rounds", type=int, metavar="N", help="override fleet.yaml's rounds")
+    start.add_argument(
+        "--min-devices", type=int, metavar="N", help="devices online before round 1 (default: quorum x fleet size)"
+    )
+    start.add_argument("--wait-timeout", type=float, default=600.0, metavar="S", help="give up waiting after S s")
+    start.add_argument("--no-live", action="store_true", help="log lines instead of the live table")
+    start.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    start.set_defaults(handler=_start)
+
+
+def resolve_secret(ref: str, what: str) -> str:
+    """The secret behind an ``env:NAME`` / ``file:PATH`` reference (same rules as agent.yaml)."""
+    try:
+        secret = BrokerConfig(password=ref).resolve_password()
+    except ConfigError as exc:
+        raise ConfigError(f"{what}: {str(exc).removeprefix('broker.password: ')}") from None
+    assert secret is not None
+    return secret
+
+
+def provision_credentials(fleet: Fleet, run_dir: Path) -> tuple[dict[str, Credentials], list[str]]:
+    """Every login of the fleet, and the device ids whose password was generated just now.
+
+    Generated passwords live in RUN_DIR/credentials (0600) so a resumed run keeps them.
+    """
+    folder = run_dir / CREDENTIALS_DIR
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fresh: list[str] = []
+
+    def stored(name: str) -> str:
+        path = folder / f"{name}.password"
+        if path.exists():
+            return path.read_text().strip()
+        secret = secrets.token_urlsafe(24)
+        write_private(path, secret + "\n")
+        os.chmod(path, 0o600)
+        fresh.append(name)
+        return secret
+
+    coordinator = (
+        resolve_secret(fleet.broker.password, "broker.password") if fleet.broker.password else stored(COORDINATOR_USER)
+    )
+    credentials = {COORDINATOR_USER: Credentials(fleet.broker.username, coordinator)}
+    for index, device in enumerate(fleet.devices):
+        secret = (
+            resolve_secret(device.credentials, f"devices[{index}].credentials")
+            if device.credentials
+            else stored(device.id)
+        )
+        credentials[device.id] = Credentials(device.id, secret)
+    return credentials, [name for name in fresh if name != COORDINATOR_USER]
+
+
+def fleet_data(fleet: Fleet) -> tuple[ModelSpec, LabeledData]:
+    """The model spec and the coordinator's copy of the data (held-out test split + BN calibration)."""
+    source = "digits" if fleet.dataset.name == "digits" else str(fleet.dataset.path)
+    data = load_dataset(source, fleet.model.image_size, fleet.model.in_channels)
+    return ModelSpec(fleet.model.arch, fleet.model.num_classes, data.in_channels, data.image_size), data
+
+
+def _broker(fleet: Fleet, credentials: dict[str, Credentials]):
+    settings = fleet.broker
+    coordinator = credentials[COORDINATOR_USER]
+    if settings.mode == "external":
+        assert settings.url is not None
+        ca = str(settings.ca_file) if settings.ca_file else None
+        return external_broker(settings.url, coordinator.username, coordinator.password, ca)
+    # mosquitto drops root to its own user: the work dir must be reachable by it (not under a 0700 home).
+    workdir = Path(tempfile.mkdtemp(prefix=f"fedfleet-{fleet.fleet}-broker-"))
+    os.chmod(workdir, 0o711)
+    broker_settings = BrokerSettings(
+        fleet.fleet, workdir, {COORDINATOR_USER: coordinator, **credentials}, host=settings.host, port=settings.port
+    )
+    return make_broker(broker_settings, prefer="amqtt" if settings.mode == "amqtt" else "auto")
+
+
+def _start(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        fleet, catalog = load_fleet(args.fleet)
+        if args.rounds is not None:
+            fleet = fleet.model_copy(update={"rounds": args.rounds})
+        spec, data = fleet_data(fleet)
+        strategy = build_strategy(fleet.strategy.name, spec, fleet.strategy.params, seed=fleet.dataset.seed)
+        run_dir = args.run_dir or Path("runs") / f"{fleet.fleet}-{datetime.now():%Y%m%d-%H%M%S}"
+        if (run_dir / "run.json").exists():
+            rundir = RunDir.open(run_dir, args.fleet)
+            print(f"resuming {run_dir} after round {rundir.last_completed_round}")
+        else:
+            rundir = RunDir.create(run_dir, args.fleet, strategy.state_dict(), seed=fleet.dataset.seed)
+            print(f"new run {rundir.run_id} in {run_dir}")
+        credentials, fresh = provision_credentials(fleet, run_dir)
+    except (FleetError, RunDirError, DatasetError, ConfigError, ValueError) as exc:
+        print(f"coordinator: error: {exc}", file=sys.stderr)
+        return 2
+    if fresh:
+        print("generated broker passwords (shown once; kept in the run directory):")
+        for name in fresh:
+            print(f"  {name}: {credentials[name].password}   ({run_dir / CREDENTIALS_DIR / (name + '.password')})")
+    broker = _broker(fleet, credentials)
+    try:
+        broker.start()
+        address = broker.address_for(credentials[COORDINATOR_USER])
+        print(f"broker: {address.url} ({fleet.broker.mode})")
+        min_devices = args.min_devices or max(1, math.ceil(fleet.quorum * len(fleet.devices)))
+        engine = RoundEngine(
+            fleet,
+            catalog,
+            strategy,
+            rundir,
+            data,
+            lambda **handlers: coordinator_session(fleet.fleet, address, **handlers),
+            EngineSettings(min_devices=min_devices, wait_timeout_s=args.wait_timeout),
+        )
+        signal.signal(signal.SIGTERM, lambda *_: engine.stop())
+        finished = _run(engine, live=not args.no_live and sys.stdout.isatty())
+    except KeyboardInterrupt:
+        finished = False
+    except TimeoutError as exc:
+        print(f"coordinator: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        broker.stop()
+        rundir.close()
+    if rundir.metrics():
+        print(f"report: {write_report(run_dir)}")
+    print("all rounds done" if finished else f"stopped; run the same command to resume {run_dir}")
+    return 0
+
+
+def _run(engine: RoundEngine, live: bool) -> bool:
+    """Run with Ctrl-C as a clean stop: the open round's accepted updates stay journaled."""
+    previous = signal.signal(signal.SIGINT, lambda *_: engine.stop())
+    try:
+        if not live:
+            return engine.run()
+        from rich.live import Live
+
+        from coordinator.live import round_table
+
+        with Live(round_table(engine), refresh_per_second=2, transient=False) as view:
+            return engine.run(lambda e: view.update(round_table(e)))
+    finally:
+        signal.signal(signal.SIGINT, previous)
