@@ -11,9 +11,11 @@ that works here works on a real fleet.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 
+from coordinator.broker.credentials import Credentials
 from coordinator.fleet import REPORTED, Fleet, Partition
 from coordinator.planner import effective_profile
 from device_agent.emulation import (
@@ -25,8 +27,10 @@ from device_agent.emulation import (
     limits_for,
     write_agent_config,
 )
-from device_agent.launcher import AgentSpec
+from device_agent.launcher import AgentExit, AgentGroup, AgentSpec
 from profiles.schema import DeviceClass
+
+log = logging.getLogger("fedfleet.emulator")
 
 AGENTS_DIR = "agents"
 
@@ -108,3 +112,71 @@ def write_agent_specs(
             )
         )
     return specs
+
+
+def agent_url(broker_url: str) -> str:
+    """Where local agents reach a broker listening on every interface (0.0.0.0 is no address to connect to)."""
+    return broker_url.replace("://0.0.0.0:", "://127.0.0.1:", 1)
+
+
+class Emulation:
+    """The agent side of ``coordinator emulate``: launched once the coordinator's broker is up.
+
+    Crashes are logged as they happen (with the end of the agent's log) and listed by :meth:`stop`.
+    """
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        catalog: Mapping[str, DeviceClass],
+        host_gflops: float,
+        *,
+        threads: int = 1,
+        device_type: str = "cpu",
+        agents: AgentGroup | None = None,
+    ) -> None:
+        device_limits(fleet, catalog, host_gflops, threads)  # fail before anything starts
+        self.fleet = fleet
+        self.catalog = catalog
+        self.host_gflops = host_gflops
+        self.threads = threads
+        self.device_type = device_type
+        self.agents = agents or AgentGroup()
+        self.specs: list[AgentSpec] = []
+        self.crashed: list[AgentExit] = []
+
+    def launch(self, broker_url: str, credentials: Mapping[str, Credentials], run_dir: Path) -> None:
+        """Write every agent.yaml and start one agent per device (the ``on_broker_ready`` of ``coordinator start``)."""
+        self.specs = write_agent_specs(
+            self.fleet,
+            self.catalog,
+            run_dir,
+            agent_url(broker_url),
+            {name: c.password for name, c in credentials.items()},
+            self.host_gflops,
+            threads=self.threads,
+            device_type=self.device_type,
+        )
+        for spec in self.specs:
+            self.agents.start(spec)
+        self.agents.watch(self._on_exit)
+        log.info(
+            "%d emulated devices started (host %.1f GFLOPS per agent); agent logs in %s",
+            len(self.specs),
+            self.host_gflops,
+            Path(run_dir) / AGENTS_DIR,
+        )
+
+    def _on_exit(self, exit_: AgentExit) -> None:
+        if exit_.crashed:
+            self.crashed.append(exit_)
+            log.error("emulated device crashed: %s", exit_.describe())
+        else:
+            log.warning("emulated device stopped on its own: %s", exit_.describe())
+
+    def stop(self) -> list[AgentExit]:
+        """Stop every agent cleanly; returns the agents that crashed during the run."""
+        self.agents.stop()
+        for device in self.agents.killed:
+            log.warning("agent %s did not stop within the timeout and was killed", device)
+        return self.crashed

@@ -10,6 +10,7 @@ import secrets
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -62,7 +63,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     start.add_argument("--wait-timeout", type=float, default=600.0, metavar="S", help="give up waiting after S s")
     start.add_argument("--no-live", action="store_true", help="log lines instead of the live table")
     start.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    start.set_defaults(handler=_start)
+    start.set_defaults(handler=start)
 
 
 def resolve_secret(ref: str, what: str) -> str:
@@ -131,7 +132,10 @@ def _broker(fleet: Fleet, credentials: dict[str, Credentials]):
     return make_broker(broker_settings, prefer="amqtt" if settings.mode == "amqtt" else "auto")
 
 
-def _start(args: argparse.Namespace) -> int:
+def start(
+    args: argparse.Namespace, on_broker_ready: Callable[[str, dict[str, Credentials], Path], None] | None = None
+) -> int:
+    """``coordinator start``; ``on_broker_ready(url, credentials, run_dir)`` runs once the broker is up (emulation)."""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         fleet, catalog = load_fleet(args.fleet)
@@ -159,6 +163,8 @@ def _start(args: argparse.Namespace) -> int:
         broker.start()
         address = broker.address_for(credentials[COORDINATOR_USER])
         print(f"broker: {address.url} ({fleet.broker.mode})")
+        if on_broker_ready is not None:
+            on_broker_ready(address.url, credentials, run_dir)
         min_devices = args.min_devices or max(1, math.ceil(fleet.quorum * len(fleet.devices)))
         engine = RoundEngine(
             fleet,

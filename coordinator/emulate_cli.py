@@ -1,0 +1,82 @@
+"""``coordinator emulate``: ``coordinator start`` plus one real, profile-limited agent process per device."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from coordinator.emulator import AGENTS_DIR, Emulation, EmulatorError
+from coordinator.fleet import FleetError, load_fleet
+from coordinator.start_cli import start
+from device_agent.emulation import measure_host_gflops
+
+_EPILOG = f"""\
+examples:
+  coordinator emulate --fleet examples/demo.yaml                    the main demo (about 2 minutes)
+  coordinator emulate --fleet fleet.yaml --run-dir runs/try --rounds 3
+  coordinator emulate --fleet fleet.yaml --device-type cuda         agents on the GPU, memory-fraction caps
+
+Each device's agent.yaml, state and log are in RUN_DIR/{AGENTS_DIR}/<device>/. The run directory is the
+same as `coordinator start`'s (metrics.jsonl, checkpoints, report.html); running the same command on it
+again resumes the run. Ctrl-C stops the coordinator and every agent cleanly; an agent that crashes is
+reported with the end of its log and makes the command exit with status 1.
+"""
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "emulate",
+        help="run the whole fleet on this host: the coordinator plus one emulated agent per device",
+        description=(
+            "Run `coordinator start` on the fleet and, once its broker is up, one real `device-agent run` "
+            "process per device of the fleet, each held to its profile (with the fleet's overrides): compute "
+            "threads, a memory cap (the profile's usable memory: RLIMIT_AS on CPU, a memory fraction on CUDA), "
+            "a slowdown so its speed relative to this host matches the profile (host fp32 GFLOPS, measured once "
+            "per agent thread count, / profile GFLOPS, at least 1), and its link's bandwidth and latency. "
+            "Device i of N trains on shard i of N of the fleet's dataset (dataset.partition, dataset.seed)."
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--fleet", type=Path, required=True, metavar="FILE", help="fleet.yaml")
+    parser.add_argument("--run-dir", type=Path, metavar="DIR", help="new or existing run directory to resume")
+    parser.add_argument("--rounds", type=int, metavar="N", help="override fleet.yaml's rounds")
+    parser.add_argument(
+        "--min-devices", type=int, metavar="N", help="devices online before round 1 (default: every device)"
+    )
+    parser.add_argument(
+        "--wait-timeout", type=float, default=300.0, metavar="S", help="give up waiting for devices after S s"
+    )
+    parser.add_argument("--threads", type=int, default=1, metavar="N", help="compute threads per agent (default: 1)")
+    parser.add_argument(
+        "--host-gflops", type=float, metavar="F", help="this host's fp32 GFLOPS per agent (default: measured)"
+    )
+    parser.add_argument(
+        "--device-type", default="cpu", metavar="TYPE", help="where agents train: cpu, cuda, cuda:N (default: cpu)"
+    )
+    parser.add_argument("--no-live", action="store_true", help="log lines instead of the live table")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.set_defaults(handler=_emulate)
+
+
+def _emulate(args: argparse.Namespace) -> int:
+    try:
+        fleet, catalog = load_fleet(args.fleet)
+        host_gflops = args.host_gflops or measure_host_gflops(args.threads, args.device_type)
+        emulation = Emulation(fleet, catalog, host_gflops, threads=args.threads, device_type=args.device_type)
+    except (FleetError, EmulatorError, ValueError) as exc:
+        print(f"coordinator: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"emulating {len(fleet.devices)} devices; this host: {host_gflops:.1f} fp32 GFLOPS per agent")
+    args.min_devices = args.min_devices or len(fleet.devices)
+    try:
+        code = start(args, on_broker_ready=emulation.launch)
+    finally:
+        crashed = emulation.stop()
+    if crashed:
+        print(f"{len(crashed)} emulated device(s) crashed:", file=sys.stderr)
+        for exit_ in crashed:
+            print(exit_.describe(), file=sys.stderr)
+        return code or 1
+    return code
