@@ -68,7 +68,7 @@ class EmulationLimits:
             "profile": self.profile,
             "threads": self.threads,
             "memory_bytes": self.memory_bytes,
-            "slowdown": round(self.slowdown, 4),
+            "slowdown": self.slowdown,
             "uplink_bytes_per_s": self.uplink_bytes_per_s,
             "downlink_bytes_per_s": self.downlink_bytes_per_s,
             "latency_s": self.latency_s,
