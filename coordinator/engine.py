@@ -472,10 +472,10 @@ class RoundEngine:
         participant = open_.participants.get(device)
         if participant is None:
             raise UpdateRejected(f"{device!r} is not a participant of round {open_.round}")
-        if participant.status == "accepted":
-            return "duplicate"
         samples, seconds, loss = parse_upload_meta(manifest.meta, data)
         upload, extras = split_upload(decode_tensors(data))
+        if participant.status == "accepted":
+            return "duplicate"
         open_.aggregate.add(device, upload, samples, extras)
         meta = {
             "samples": samples,

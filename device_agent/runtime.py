@@ -180,7 +180,9 @@ class Agent:
             self.session.start(timeout=connect_timeout)
         except ConnectionError as exc:
             raise AgentError(str(exc)) from None
-        log.info("%s: joined fleet %s at %s", self.config.device, self.config.fleet, self.session.config.broker.url)
+        log.info(
+            "%s: connecting to fleet %s at %s", self.config.device, self.config.fleet, self.session.config.broker.url
+        )
         last_beat = 0.0
         try:
             while not self._stopping.is_set():

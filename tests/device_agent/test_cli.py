@@ -90,12 +90,12 @@ def test_no_command_prints_help_and_returns_2(capsys: pytest.CaptureFixture[str]
     assert "probe" in capsys.readouterr().err
 
 
-def test_help_says_training_is_not_in_this_version(capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_names_probe_and_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
 
     out = " ".join(capsys.readouterr().out.split())
-    assert "MQTT" in out
-    assert "not part of this version" in out
+    assert "device-agent probe" in out
+    assert "device-agent run --config agent.yaml" in out
 
 
 def _console_script() -> str | None:
