@@ -1,0 +1,108 @@
+"""The main demo, end to end: `coordinator emulate --fleet examples/demo.yaml` with real agents and mosquitto.
+
+Only the broker port is changed (a free one), so the test never collides with a demo someone is running.
+The GPU variant runs the same machinery with the agents on CUDA, capped by a per-process memory fraction.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import yaml
+
+from coordinator.broker.base import free_port
+from coordinator.broker.mosquitto import find_mosquitto
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "examples" / "demo.yaml"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed"),
+]
+
+
+def _fleet_copy(tmp_path: Path, **changes: object) -> Path:
+    fleet = yaml.safe_load(DEMO.read_text())
+    fleet["broker"]["port"] = free_port()
+    fleet.update(changes)
+    path = tmp_path / "fleet.yaml"
+    path.write_text(yaml.safe_dump(fleet, sort_keys=False))
+    return path
+
+
+def _emulate(fleet: Path, run_dir: Path, *extra: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "coordinator", "emulate", "--fleet", str(fleet), "--run-dir", str(run_dir)]
+    done = subprocess.run([*command, "--no-live", *extra], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
+    assert leftovers == [], "agents left running after the emulation ended"
+    return done
+
+
+def _rounds(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_demo_reaches_90_percent_with_three_classes_and_three_ratios(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    done = _emulate(_fleet_copy(tmp_path), run_dir)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rounds = _rounds(run_dir)
+    assert len(rounds) == yaml.safe_load(DEMO.read_text())["rounds"]
+    assert rounds[-1]["accuracy"] >= 0.90
+    devices = rounds[-1]["devices"]
+    assert len(devices) >= 8
+    assert len({d["device_class"] for d in devices.values()}) >= 3
+    assert len({d["ratio"] for d in devices.values()}) >= 3
+    for record in rounds:
+        for name, device in record["devices"].items():
+            if device["status"] == "accepted":
+                # the upload is the factor payload plus the protocol's manifest and chunk framing
+                overhead = device["bytes_up"] / device["payload_bytes"]
+                assert 1.0 < overhead < 1.05, (record["round"], name, overhead)
+    ratios = {d["ratio"]: d["payload_bytes"] for d in devices.values()}
+    assert ratios[1.0] > ratios[0.5] > ratios[0.25]  # lower rank, smaller upload
+    assert (run_dir / "report.html").is_file()
+    for device in devices:
+        assert f"{device}: round {len(rounds)} trained" in (run_dir / "agents" / device / "agent.log").read_text()
+
+
+_CAP_CHECK = """
+import torch, yaml
+from device_agent.config import load_config
+from device_agent.runtime import apply_emulation
+config = load_config({config!r})
+limits = apply_emulation(config.emulation, torch.device("cuda"))
+cap = config.emulation.memory_bytes
+torch.empty(cap // 2, dtype=torch.uint8, device="cuda")
+try:
+    torch.empty(cap, dtype=torch.uint8, device="cuda")
+except torch.OutOfMemoryError:
+    print("capped at", cap)
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_variant_caps_each_agent_with_a_memory_fraction(tmp_path: Path) -> None:
+    fleet = yaml.safe_load(DEMO.read_text())
+    small = _fleet_copy(tmp_path, rounds=3, devices=fleet["devices"][::3])  # one device of each class
+    run_dir = tmp_path / "run"
+    done = _emulate(small, run_dir, "--device-type", "cuda")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rounds = _rounds(run_dir)
+    assert all(d["status"] == "accepted" for r in rounds for d in r["devices"].values())
+    for device in rounds[-1]["devices"]:
+        config = run_dir / "agents" / device / "agent.yaml"
+        assert yaml.safe_load(config.read_text())["device_type"] == "cuda"
+        check = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(_CAP_CHECK.format(config=str(config)))],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert check.stdout.startswith("capped at"), check.stderr[-2000:]
