@@ -13,7 +13,7 @@ from device_agent.emulation import measure_host_gflops
 
 _EPILOG = f"""\
 examples:
-  coordinator emulate --fleet examples/demo.yaml                    the main demo (about 2 minutes)
+  coordinator emulate --fleet examples/demo.yaml                    the main demo (1-2 minutes on 2 cores)
   coordinator emulate --fleet fleet.yaml --run-dir runs/try --rounds 3
   coordinator emulate --fleet fleet.yaml --device-type cuda         agents on the GPU, memory-fraction caps
 
@@ -46,7 +46,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--min-devices", type=int, metavar="N", help="devices online before round 1 (default: every device)"
     )
     parser.add_argument(
-        "--wait-timeout", type=float, default=300.0, metavar="S", help="give up waiting for devices after S s"
+        "--wait-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="give up waiting for devices after S s (default: 300)",
     )
     parser.add_argument("--threads", type=int, default=1, metavar="N", help="compute threads per agent (default: 1)")
     parser.add_argument(

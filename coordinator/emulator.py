@@ -12,7 +12,7 @@ that works here works on a real fleet.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from coordinator.broker.credentials import Credentials
@@ -145,8 +145,14 @@ class Emulation:
         self.specs: list[AgentSpec] = []
         self.crashed: list[AgentExit] = []
 
-    def launch(self, broker_url: str, credentials: Mapping[str, Credentials], run_dir: Path) -> None:
-        """Write every agent.yaml and start one agent per device (the ``on_broker_ready`` of ``coordinator start``)."""
+    def launch(
+        self, broker_url: str, credentials: Mapping[str, Credentials], run_dir: Path
+    ) -> Callable[[], list[AgentExit]]:
+        """Write every agent.yaml and start one agent per device; returns :meth:`stop`.
+
+        This is ``coordinator start``'s ``on_broker_ready``: the agents stop before the broker does, so
+        they leave it cleanly instead of losing it under their feet.
+        """
         self.specs = write_agent_specs(
             self.fleet,
             self.catalog,
@@ -166,6 +172,7 @@ class Emulation:
             self.host_gflops,
             Path(run_dir) / AGENTS_DIR,
         )
+        return self.stop
 
     def _on_exit(self, exit_: AgentExit) -> None:
         if exit_.crashed:
@@ -175,7 +182,7 @@ class Emulation:
             log.warning("emulated device stopped on its own: %s", exit_.describe())
 
     def stop(self) -> list[AgentExit]:
-        """Stop every agent cleanly; returns the agents that crashed during the run."""
+        """Stop every agent cleanly (again is harmless); returns the agents that crashed during the run."""
         self.agents.stop()
         for device in self.agents.killed:
             log.warning("agent %s did not stop within the timeout and was killed", device)

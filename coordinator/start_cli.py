@@ -133,9 +133,11 @@ def _broker(fleet: Fleet, credentials: dict[str, Credentials]):
 
 
 def start(
-    args: argparse.Namespace, on_broker_ready: Callable[[str, dict[str, Credentials], Path], None] | None = None
+    args: argparse.Namespace,
+    on_broker_ready: Callable[[str, dict[str, Credentials], Path], Callable[[], object]] | None = None,
 ) -> int:
-    """``coordinator start``; ``on_broker_ready(url, credentials, run_dir)`` runs once the broker is up (emulation)."""
+    """``coordinator start``. ``on_broker_ready(url, credentials, run_dir)`` runs once the broker is up and
+    returns what to run before it stops (``coordinator emulate`` starts and stops its agents there)."""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         fleet, catalog = load_fleet(args.fleet)
@@ -159,12 +161,13 @@ def start(
         for name in fresh:
             print(f"  {name}: {credentials[name].password}   ({run_dir / CREDENTIALS_DIR / (name + '.password')})")
     broker = _broker(fleet, credentials)
+    before_broker_stops: Callable[[], object] | None = None
     try:
         broker.start()
         address = broker.address_for(credentials[COORDINATOR_USER])
         print(f"broker: {address.url} ({fleet.broker.mode})")
         if on_broker_ready is not None:
-            on_broker_ready(address.url, credentials, run_dir)
+            before_broker_stops = on_broker_ready(address.url, credentials, run_dir)
         min_devices = args.min_devices or max(1, math.ceil(fleet.quorum * len(fleet.devices)))
         engine = RoundEngine(
             fleet,
@@ -183,6 +186,8 @@ def start(
         print(f"coordinator: {exc}", file=sys.stderr)
         return 1
     finally:
+        if before_broker_stops is not None:
+            before_broker_stops()
         broker.stop()
         rundir.close()
     if rundir.metrics():

@@ -30,7 +30,7 @@ from device_agent.launcher import AgentExit, AgentGroup, AgentSpec
 _EPILOG = """\
 examples:
   device-agent emulate --profile raspberry-pi-5 --count 4 --broker mqtt://10.0.0.5:1883 --fleet demo
-        four emulated Pi 5s, pi5-style ids raspberry-pi-5-00 .. -03, digits shares 0-3 of 4
+        four emulated Pi 5s: raspberry-pi-5-00 .. raspberry-pi-5-03, digits shares 0-3 of 4
   device-agent emulate --profile jetson-nano --count 8 --first-index 8 --total 16 --prefix dev \\
         --broker mqtt://10.0.0.5:1883 --fleet demo --password 'file:/etc/fedfleet/{device}.secret'
         this host's half of a 16-device fleet: dev-08 .. dev-15, shares 8-15 of 16
@@ -45,7 +45,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "emulate",
         help="run N emulated devices of one profile on this host against a broker",
         description=(
-            "Start COUNT real `device-agent run` processes, each held to a device profile: its compute "
+            "Start N real `device-agent run` processes, each held to a device profile: its compute "
             "threads, a memory cap (the profile's usable memory), a slowdown so it runs as fast as the "
             "profile relative to this host (host fp32 GFLOPS, measured once, / profile GFLOPS, at least 1) "
             "and its link's bandwidth and latency. Each agent gets an agent.yaml and a log under --run-dir."
@@ -54,7 +54,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--profile", required=True, help="profile name (see `coordinator profiles`) or a YAML file")
-    parser.add_argument("--count", type=_at_least(1), required=True, help="how many agents to start here")
+    parser.add_argument("--count", type=_at_least(1), required=True, metavar="N", help="how many agents to start here")
     parser.add_argument("--broker", required=True, metavar="URL", help="mqtt://host:port or mqtts://host:port")
     parser.add_argument("--fleet", required=True, help="fleet name, as in the coordinator's fleet.yaml")
     parser.add_argument(
@@ -64,24 +64,41 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="where each agent finds its broker password: env:NAME or file:PATH; {device} is replaced by the "
         "device id (default: %(default)s)",
     )
-    parser.add_argument("--ca-file", help="CA certificate for mqtts://")
+    parser.add_argument("--ca-file", metavar="FILE", help="CA certificate for mqtts://")
     parser.add_argument("--protocol", choices=["5", "3.1.1"], default="5", help="MQTT version (default: 5)")
     ids = parser.add_argument_group("device ids and data shares")
-    ids.add_argument("--prefix", help="device ids are PREFIX-NN (default: the profile name)")
-    ids.add_argument("--first-index", type=_at_least(0), default=0, help="global index of the first device here")
-    ids.add_argument("--total", type=_at_least(1), help="devices in the whole fleet (default: first-index + count)")
-    ids.add_argument("--dataset", default="digits", help="digits | cifar10 | cifar100 | image_folder | npz")
-    ids.add_argument("--data-path", help="folder or file for the non built-in datasets")
-    ids.add_argument("--partition", default="iid", help="iid | dirichlet(ALPHA) | permuted_labels | domains")
-    ids.add_argument("--seed", type=int, default=0, help="partition seed (default: 0)")
-    limits = parser.add_argument_group("limits")
-    limits.add_argument("--threads", type=_at_least(1), default=1, help="compute threads per agent (default: 1)")
-    limits.add_argument(
-        "--host-gflops", type=float, help="this host's fp32 GFLOPS per agent (default: measured with --threads)"
+    ids.add_argument("--prefix", metavar="NAME", help="device ids are PREFIX-NN (default: the profile name)")
+    ids.add_argument(
+        "--first-index", type=_at_least(0), default=0, metavar="K", help="global index of the first device here"
     )
-    limits.add_argument("--device-type", default="cpu", help="cpu | cuda | cuda:N (default: cpu)")
-    limits.add_argument("--profile-dir", type=Path, action="append", default=[], help="extra profile folder")
-    parser.add_argument("--run-dir", type=Path, help="agent.yaml files, state and logs (default: ./emulated-PREFIX)")
+    ids.add_argument(
+        "--total", type=_at_least(1), metavar="N", help="devices in the whole fleet (default: first-index + count)"
+    )
+    ids.add_argument(
+        "--dataset", default="digits", metavar="NAME", help="digits | cifar10 | cifar100 | image_folder | npz"
+    )
+    ids.add_argument("--data-path", metavar="PATH", help="folder or file for the non built-in datasets")
+    ids.add_argument(
+        "--partition", default="iid", metavar="SCHEME", help="iid | dirichlet(ALPHA) | permuted_labels | domains"
+    )
+    ids.add_argument("--seed", type=int, default=0, metavar="N", help="partition seed (default: 0)")
+    limits = parser.add_argument_group("limits")
+    limits.add_argument(
+        "--threads", type=_at_least(1), default=1, metavar="N", help="compute threads per agent (default: 1)"
+    )
+    limits.add_argument(
+        "--host-gflops",
+        type=float,
+        metavar="F",
+        help="this host's fp32 GFLOPS per agent (default: measured with --threads)",
+    )
+    limits.add_argument("--device-type", default="cpu", metavar="TYPE", help="cpu | cuda | cuda:N (default: cpu)")
+    limits.add_argument(
+        "--profile-dir", type=Path, action="append", default=[], metavar="DIR", help="extra profile folder (repeatable)"
+    )
+    parser.add_argument(
+        "--run-dir", type=Path, metavar="DIR", help="agent.yaml files, state and logs (default: ./emulated-PREFIX)"
+    )
     parser.set_defaults(handler=_emulate)
 
 
