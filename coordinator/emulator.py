@@ -136,6 +136,13 @@ class Emulation:
         agents: AgentGroup | None = None,
     ) -> None:
         device_limits(fleet, catalog, host_gflops, threads)  # fail before anything starts
+        sized = [d.id for d in fleet.devices if d.overrides.samples is not None]
+        if fleet.dataset.samples_per_device is not None or sized:
+            log.warning(
+                "emulated devices train on shard i of %d of the whole training set; dataset.samples_per_device "
+                "and overrides.samples only inform planning here",
+                len(fleet.devices),
+            )
         self.fleet = fleet
         self.catalog = catalog
         self.host_gflops = host_gflops

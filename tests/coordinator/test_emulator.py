@@ -129,3 +129,15 @@ def test_launch_starts_one_agent_per_device_and_reports_a_crash(tmp_path: Path) 
     crashed = emulation.stop()
     assert [c.device for c in crashed] == ["pi5-a"] and crashed[0].returncode == 4
     assert emulation.agents.running() == []
+
+
+def test_the_command_refuses_what_it_cannot_emulate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from coordinator.cli import main
+
+    path = _fleet_file(tmp_path, extra_device="  - {id: mystery, profile: reported}\n")
+    assert main(["emulate", "--fleet", str(path), "--host-gflops", "50", "--run-dir", str(tmp_path / "run")]) == 2
+    assert "devices[5].profile: mystery is 'reported'" in capsys.readouterr().err
+    path.write_text(path.read_text().replace("raspberry-pi-5", "raspberry-pi-6"))
+    assert main(["emulate", "--fleet", str(path), "--host-gflops", "50"]) == 2
+    assert "devices[2].profile: unknown profile 'raspberry-pi-6'" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
