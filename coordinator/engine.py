@@ -136,6 +136,7 @@ class RoundEngine:
         self.last: RoundMetrics | None = None
         self.stopping = threading.Event()
         self._events: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._deferred: list[tuple[str, Completed]] = []
         self.session = session_factory(
             on_message=lambda topic, m: self._events.put(lambda: self._on_message(topic, m)),
             on_payload=lambda topic, c: self._events.put(lambda: self._on_payload(topic, c)),
@@ -215,6 +216,9 @@ class RoundEngine:
         planned = time.monotonic()
         self._push(round_, slots)
         pushed = time.monotonic()
+        deferred, self._deferred = self._deferred, []
+        for topic, completed in deferred:
+            self._on_payload(topic, completed)
         self.open.phases.update(plan=planned - started, push=pushed - planned)
         while not self.stopping.is_set():
             self._pump(self.open.deadline, progress)
@@ -440,6 +444,10 @@ class RoundEngine:
         manifest = completed.manifest
         if device is None or device not in self.devices:
             log.warning("payload on %s from outside the fleet; ignored", topic)
+            return
+        if self.open is None and manifest.round == self.next_round and manifest.run == self.rundir.run_id:
+            # An update for the round about to (re)open, e.g. right after a coordinator restart: keep it.
+            self._deferred.append((topic, completed))
             return
         reply = DeviceTopics(self.fleet.fleet, device).down
         try:
