@@ -97,7 +97,7 @@ def test_bulk_launch_joins_n_agents_and_stops_them(broker: tuple[MosquittoBroker
     assert "3 x raspberry-pi-4 agents running (pi-00 .. pi-02" in output
     assert not any(agent.is_running() for agent in agents)
     for device in DEVICES:
-        assert "joined fleet bulk" in (tmp_path / "run" / device / "agent.log").read_text()
+        assert f"connected to {running.address.url}" in (tmp_path / "run" / device / "agent.log").read_text()
 
 
 @pytest.mark.slow
