@@ -7,9 +7,11 @@ The GPU variant runs the same machinery with the agents on CUDA, capped by a per
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import psutil
@@ -72,6 +74,32 @@ def test_demo_reaches_90_percent_with_three_classes_and_three_ratios(tmp_path: P
     assert (run_dir / "report.html").is_file()
     for device in devices:
         assert f"{device}: round {len(rounds)} trained" in (run_dir / "agents" / device / "agent.log").read_text()
+
+
+def test_ctrl_c_stops_the_coordinator_and_every_agent_cleanly(tmp_path: Path) -> None:
+    devices = yaml.safe_load(DEMO.read_text())["devices"][::3]  # one device of each class
+    fleet = _fleet_copy(tmp_path, rounds=100, devices=devices)
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "coordinator", "emulate", "--fleet", str(fleet), "--run-dir", str(run_dir)]
+    emulate = subprocess.Popen([*command, "--no-live"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
+            assert emulate.poll() is None and time.monotonic() < deadline, "no round completed"
+            time.sleep(0.5)
+        children = psutil.Process(emulate.pid).children()  # the agents and the managed mosquitto
+        assert len(children) > len(devices)
+        emulate.send_signal(signal.SIGINT)
+        output, _ = emulate.communicate(timeout=60)
+    finally:
+        if emulate.poll() is None:
+            emulate.kill()
+    assert emulate.returncode == 0, output[-3000:]
+    assert f"stopped; run the same command to resume {run_dir}" in output
+    assert "crashed" not in output
+    assert not any(child.is_running() for child in children)
+    for device in devices:
+        assert "Traceback" not in (run_dir / "agents" / device["id"] / "agent.log").read_text()
 
 
 _CAP_CHECK = """
