@@ -8,7 +8,7 @@ from pathlib import Path
 
 from coordinator.emulator import AGENTS_DIR, Emulation, EmulatorError
 from coordinator.fleet import FleetError, load_fleet
-from coordinator.start_cli import start
+from coordinator.start_cli import run_start
 from device_agent.emulation import measure_host_gflops
 
 _EPILOG = f"""\
@@ -75,7 +75,7 @@ def _emulate(args: argparse.Namespace) -> int:
     print(f"emulating {len(fleet.devices)} devices; this host: {host_gflops:.1f} fp32 GFLOPS per agent")
     args.min_devices = args.min_devices or len(fleet.devices)
     try:
-        code = start(args, on_broker_ready=emulation.launch)
+        code = run_start(args, on_broker_ready=emulation.launch)
     finally:
         crashed = emulation.stop()
     if crashed:

@@ -63,7 +63,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     start.add_argument("--wait-timeout", type=float, default=600.0, metavar="S", help="give up waiting after S s")
     start.add_argument("--no-live", action="store_true", help="log lines instead of the live table")
     start.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    start.set_defaults(handler=start)
+    start.set_defaults(handler=run_start)
 
 
 def resolve_secret(ref: str, what: str) -> str:
@@ -132,7 +132,7 @@ def _broker(fleet: Fleet, credentials: dict[str, Credentials]):
     return make_broker(broker_settings, prefer="amqtt" if settings.mode == "amqtt" else "auto")
 
 
-def start(
+def run_start(
     args: argparse.Namespace,
     on_broker_ready: Callable[[str, dict[str, Credentials], Path], Callable[[], object]] | None = None,
 ) -> int:
