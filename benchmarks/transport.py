@@ -1,0 +1,178 @@
+"""Verified chunked transfers against the best the broker can do, side by side in one run.
+
+For each broker (a managed mosquitto, the amqtt fallback) and a payload of ``--size-mib``:
+
+- ``raw_chunks``: plain paho publishes the same bytes as the same number of chunks at QoS 1 to a
+  plain paho subscriber, no protocol of ours: the broker's ceiling for this traffic;
+- ``fedfleet``: ``Session.send`` to a device session, from the bytes in hand (hashing included) to
+  the receiver's ack of the verified, reassembled payload;
+- ``raw_single`` (mosquitto): one raw publish of the whole payload.
+
+Runs alternate and medians are reported, so machine load hits all variants alike.
+
+    python -m benchmarks.transport --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
+
+from coordinator.broker.base import BrokerSettings
+from coordinator.broker.credentials import generate_credentials
+from coordinator.broker.factory import make_broker
+from device_agent.wire.session import BrokerAddress, coordinator_session, device_session
+from device_agent.wire.topics import DeviceTopics
+from device_agent.wire.transfer import DEFAULT_CHUNK_SIZE, Limits
+
+_FLEET = "bench"
+_MAX_INFLIGHT = 100
+
+
+def _raw_client(address: BrokerAddress, name: str, v5: bool) -> mqtt.Client:
+    client = mqtt.Client(
+        CallbackAPIVersion.VERSION2,
+        client_id=f"bench-raw-{name}",
+        protocol=MQTTProtocolVersion.MQTTv5 if v5 else MQTTProtocolVersion.MQTTv311,
+    )
+    client.username_pw_set(address.username, address.password)
+    client.max_inflight_messages_set(_MAX_INFLIGHT)
+    client.connect(address.host, address.port)
+    client.loop_start()
+    return client
+
+
+def raw_seconds(sender: BrokerAddress, receiver: BrokerAddress, topic: str, parts: list[bytes], v5: bool) -> float:
+    """Seconds from the first publish until the subscriber has every part (QoS 1 both ways)."""
+    remaining = [len(parts)]
+    subscribed, finished = threading.Event(), threading.Event()
+
+    def on_message(_c: mqtt.Client, _u: object, _m: mqtt.MQTTMessage) -> None:
+        remaining[0] -= 1
+        if remaining[0] == 0:
+            finished.set()
+
+    sub = _raw_client(receiver, "sub", v5)
+    sub.on_message = on_message
+    sub.on_subscribe = lambda *_a: subscribed.set()
+    sub.subscribe(topic, qos=1)
+    pub = _raw_client(sender, "pub", v5)
+    try:
+        if not subscribed.wait(10):
+            raise RuntimeError("raw subscriber never subscribed")
+        start = time.perf_counter()
+        for part in parts:
+            pub.publish(topic, part, qos=1)
+        if not finished.wait(300):
+            raise RuntimeError(f"raw transfer incomplete: {remaining[0]} of {len(parts)} parts missing")
+        return time.perf_counter() - start
+    finally:
+        for client in (pub, sub):
+            client.disconnect()
+            client.loop_stop()
+
+
+def measure_broker(kind: str, payload: bytes, chunk_size: int, repeats: int, workdir: Path) -> dict[str, float]:
+    v5 = kind == "mosquitto"
+    protocol = "5" if v5 else "3.1.1"
+    creds = generate_credentials(["dev"])
+    # Room for one unchunked publish of the whole payload (the raw_single comparison).
+    settings = BrokerSettings(_FLEET, workdir / kind, creds, max_packet_bytes=len(payload) + (1 << 20))
+    broker = make_broker(settings, prefer=kind)
+    broker.start()
+    topics = DeviceTopics(_FLEET, "dev")
+    # Raw runs use a topic inside the device's ACL that its session does not subscribe to.
+    raw_topic = f"{topics.base}/down/raw"
+    coordinator_addr, device_addr = broker.address, broker.address_for(creds["dev"])
+    received = threading.Event()
+    device, _ = device_session(
+        _FLEET,
+        "dev",
+        device_addr,
+        on_payload=lambda _t, _c: received.set(),
+        protocol=protocol,
+        max_inflight=_MAX_INFLIGHT,
+    )
+    coordinator = coordinator_session(
+        _FLEET,
+        coordinator_addr,
+        protocol=protocol,
+        chunk_size=chunk_size,
+        max_inflight=_MAX_INFLIGHT,
+        limits=Limits(max_packet_bytes=settings.max_packet_bytes),
+    )
+    view = memoryview(payload)
+    parts = [bytes(view[i : i + chunk_size]) for i in range(0, len(payload), chunk_size)]
+    times: dict[str, list[float]] = {"fedfleet": [], "raw_chunks": []} | ({"raw_single": []} if v5 else {})
+    try:
+        device.start()
+        coordinator.start()
+        for _ in range(repeats):
+            times["raw_chunks"].append(raw_seconds(coordinator_addr, device_addr, raw_topic, parts, v5))
+            received.clear()
+            start = time.perf_counter()
+            coordinator.send(topics.down, payload).wait(300)
+            times["fedfleet"].append(time.perf_counter() - start)
+            if not received.wait(30):
+                raise RuntimeError("acked payload never reached the device's handler")
+            if v5:
+                times["raw_single"].append(raw_seconds(coordinator_addr, device_addr, raw_topic, [payload], v5))
+    finally:
+        device.stop()
+        coordinator.stop()
+        broker.stop()
+    return {name: len(payload) / statistics.median(values) / 1e6 for name, values in times.items()}
+
+
+def run(
+    size_mib: float = 45,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    repeats: int = 3,
+    brokers: tuple[str, ...] = ("mosquitto", "amqtt"),
+) -> dict:
+    payload = os.urandom(int(size_mib * 2**20))
+    result: dict = {
+        "benchmark": "transport",
+        "size_mib": size_mib,
+        "chunk_size": chunk_size,
+        "chunks": -(-len(payload) // chunk_size),
+        "repeats": repeats,
+    }
+    with tempfile.TemporaryDirectory(prefix="fedfleet-bench-") as tmp:
+        os.chmod(tmp, 0o711)  # a managed mosquitto runs as the mosquitto user and must enter it
+        for kind in brokers:
+            mbps = measure_broker(kind, payload, chunk_size, repeats, Path(tmp))
+            result[f"{kind}_ratio"] = mbps["fedfleet"] / mbps["raw_chunks"]
+            if "raw_single" in mbps:
+                result[f"{kind}_vs_single"] = mbps["fedfleet"] / mbps["raw_single"]
+            result |= {f"{kind}_{name}_mbps": value for name, value in mbps.items()}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.transport",
+        description="Throughput of fedfleet's verified chunked transfers vs raw paho on the same broker, same run.",
+    )
+    parser.add_argument("--size-mib", type=float, default=45, help="payload size in MiB (default: %(default)s)")
+    parser.add_argument("--chunk-kib", type=int, default=DEFAULT_CHUNK_SIZE // 1024, help="chunk size (default: 256)")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating repeats, medians reported (default: 3)")
+    parser.add_argument("--brokers", default="mosquitto,amqtt", help="comma-separated (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
+    args = parser.parse_args(argv)
+    brokers = tuple(b.strip() for b in args.brokers.split(",") if b.strip())
+    print(json.dumps(run(args.size_mib, args.chunk_kib * 1024, args.repeats, brokers), indent=None if args.json else 2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""What every broker the coordinator manages offers, and the health check they share."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
+from coordinator.broker.credentials import COORDINATOR_USER, Credentials
+from device_agent.wire.session import BrokerAddress
+
+
+class BrokerError(RuntimeError):
+    """A broker that could not be started or does not answer."""
+
+
+@dataclass(frozen=True)
+class BrokerSettings:
+    """A managed broker for one fleet. ``port=0`` picks a free port.
+
+    ``max_packet_bytes`` must exceed the transfer chunk size plus headers (the senders check it
+    before publishing); ``max_queued_messages`` bounds what the broker keeps for an offline client:
+    the protocol never relies on that queue, it only saves resends.
+    """
+
+    fleet: str
+    workdir: Path
+    credentials: dict[str, Credentials]
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_packet_bytes: int = 8 * 1024 * 1024
+    max_queued_messages: int = 1000
+    max_queued_bytes: int = 256 * 1024 * 1024
+    extra_config: list[str] = field(default_factory=list)
+
+    @property
+    def coordinator(self) -> Credentials:
+        return self.credentials[COORDINATOR_USER]
+
+
+class ManagedBroker(Protocol):
+    address: BrokerAddress
+
+    def start(self, timeout: float = 10.0) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def address_for(self, credentials: Credentials) -> BrokerAddress: ...
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_healthy(address: BrokerAddress, timeout: float, alive: Callable[[], bool] = lambda: True) -> None:
+    """Log in as ``address``'s user until the broker accepts (CONNACK success) or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if not alive():
+            raise BrokerError(f"broker at {address.url} exited during start-up")
+        last = probe(address, min(2.0, max(0.1, deadline - time.monotonic())))
+        if last == "ok":
+            return
+        time.sleep(0.05)
+    raise BrokerError(f"broker at {address.url} not healthy within {timeout} s: {last}")
+
+
+def probe(address: BrokerAddress, timeout: float) -> str:
+    """One login attempt: ``"ok"`` or why not."""
+    result: list[str] = []
+    done = threading.Event()
+
+    def on_connect(_c: mqtt.Client, _u: object, _f: object, reason: object, _p: object) -> None:
+        result.append("ok" if not reason.is_failure else f"refused: {reason}")
+        done.set()
+
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"fedfleet-health-{time.monotonic_ns()}")
+    if address.username is not None:
+        client.username_pw_set(address.username, address.password)
+    if address.tls:
+        client.tls_set(ca_certs=address.ca_file)
+    client.on_connect = on_connect
+    try:
+        client.connect(address.host, address.port, keepalive=5)
+    except OSError as exc:
+        return f"cannot connect: {exc}"
+    client.loop_start()
+    try:
+        done.wait(timeout)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+    return result[0] if result else "no CONNACK"

@@ -1,0 +1,157 @@
+"""Control messages: JSON, validated by pydantic, versioned by an envelope field ``v``.
+
+Every message is small and idempotent; bulk bytes never travel as JSON (see ``transfer`` for the
+binary chunk frames). A receiver parses with ``parse_message``, which raises ``ProtocolError``
+naming the problem (bad JSON, missing ``v``, an unknown version, an unknown ``type``, a bad field)
+so the session can log and drop a bad message instead of dying on it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from device_agent.probe import DeviceProfile
+
+PROTOCOL_VERSION = 1
+# Control messages are tiny; anything bigger is a bug or an attack, refused before json.loads.
+MAX_MESSAGE_BYTES = 1 << 20
+
+_HEX64 = r"^[0-9a-f]{64}$"
+_TRANSFER_ID = r"^[0-9a-f]{32}$"
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the wire protocol; the text says what is wrong."""
+
+
+class _Message(BaseModel):
+    # Unknown fields are refused rather than ignored: within one protocol version both sides agree
+    # on every field, and a typo must not silently become a default.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    v: Literal[1] = PROTOCOL_VERSION
+    sent_at: float = Field(default_factory=time.time)
+
+
+class Hello(_Message):
+    """First message of a device after every (re)connect: who it is and what it can do now."""
+
+    type: Literal["hello"] = "hello"
+    device: Annotated[str, Field(pattern=_NAME)]
+    agent_version: str
+    profile: DeviceProfile
+
+
+class Assignment(_Message):
+    """The coordinator's order for one round: which payload to train on and what to send back.
+
+    ``options`` carries strategy-specific settings the transport does not interpret.
+    """
+
+    type: Literal["assignment"] = "assignment"
+    run: Annotated[str, Field(pattern=_NAME)]
+    round: Annotated[int, Field(ge=0)]
+    rank_ratio: Annotated[float, Field(gt=0, le=1)]
+    deadline_s: Annotated[float, Field(gt=0)]
+    download: Annotated[str, Field(pattern=_TRANSFER_ID)]
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class Manifest(_Message):
+    """Announces one transfer. ``digest`` is sha256 over the concatenated chunk digests (a hash list).
+
+    A hash list lets each side hash every byte exactly once (per chunk, as it goes) and still binds
+    the whole transfer: changing any byte changes a chunk digest and therefore the transfer digest.
+    """
+
+    type: Literal["manifest"] = "manifest"
+    transfer: Annotated[str, Field(pattern=_TRANSFER_ID)]
+    run: str = ""
+    round: Annotated[int, Field(ge=0)] = 0
+    kind: str = "payload"
+    size: Annotated[int, Field(ge=0)]
+    chunk_size: Annotated[int, Field(gt=0)]
+    chunks: list[Annotated[str, Field(pattern=_HEX64)]]
+    digest: Annotated[str, Field(pattern=_HEX64)]
+    meta: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _chunk_count_matches_size(self) -> Manifest:
+        expected = -(-self.size // self.chunk_size) if self.size else 0
+        if len(self.chunks) != expected:
+            raise ValueError(
+                f"manifest {self.transfer}: {len(self.chunks)} chunk digests for size {self.size} "
+                f"in chunks of {self.chunk_size} (expected {expected})"
+            )
+        return self
+
+
+class Ack(_Message):
+    """The receiver holds the complete, verified transfer; the sender may forget it."""
+
+    type: Literal["ack"] = "ack"
+    transfer: Annotated[str, Field(pattern=_TRANSFER_ID)]
+    digest: Annotated[str, Field(pattern=_HEX64)]
+
+
+class Nack(_Message):
+    """The receiver still misses these chunks (never arrived, or arrived corrupt): resend them."""
+
+    type: Literal["nack"] = "nack"
+    transfer: Annotated[str, Field(pattern=_TRANSFER_ID)]
+    missing: list[Annotated[int, Field(ge=0)]]
+
+
+class Status(_Message):
+    """Heartbeat and state of a device; published retained, and as the last will with ``offline``."""
+
+    type: Literal["status"] = "status"
+    device: Annotated[str, Field(pattern=_NAME)]
+    state: Literal["online", "idle", "downloading", "training", "uploading", "offline"]
+    detail: str = ""
+
+
+class Error(_Message):
+    """Tells the peer why something it sent was refused, so failures are visible on both sides."""
+
+    type: Literal["error"] = "error"
+    code: Literal["malformed", "unknown_transfer", "too_large", "rejected", "internal"]
+    detail: str
+    transfer: str | None = None
+
+
+Message = Annotated[Hello | Assignment | Manifest | Ack | Nack | Status | Error, Field(discriminator="type")]
+_ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)
+
+
+def encode(message: _Message) -> bytes:
+    """Compact JSON bytes of a message, ready to publish."""
+    return message.model_dump_json().encode()
+
+
+def parse_message(data: bytes | str) -> Message:
+    """Decode and validate one control message, or raise ``ProtocolError`` saying what is wrong."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"control message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ProtocolError(f"expected a JSON object, got {type(raw).__name__}")
+    if "v" not in raw:
+        raise ProtocolError("missing protocol version field 'v'")
+    if raw["v"] != PROTOCOL_VERSION:
+        raise ProtocolError(f"unsupported protocol version {raw['v']!r} (this side speaks {PROTOCOL_VERSION})")
+    try:
+        return _ADAPTER.validate_python(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<message>'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ProtocolError(f"invalid {raw.get('type', 'message')!r} message: {problems}") from None

@@ -1,0 +1,529 @@
+"""One MQTT connection speaking the wire protocol, over paho-mqtt 2.x.
+
+What this layer guarantees on top of paho:
+
+- every paho callback body is guarded: an exception in a callback would otherwise silently kill
+  paho's network thread while ``is_connected()`` keeps saying True;
+- MQTT 5 (clean_start False + a session expiry) or 3.1.1 (clean_session False) persistent sessions,
+  a fixed client id, a last will, and reconnects with exponential backoff (paho's);
+- payloads go out as verified chunked transfers (``transfer``); after every reconnect unfinished
+  transfers are resumed: senders re-announce, receivers nack what they lack. Nothing relies on the
+  broker keeping messages for an offline client;
+- every size is checked before publishing, since paho ignores the broker's maximum packet size;
+- a malformed or unknown-version message is logged and dropped; the session carries on.
+
+Callbacks given by the user run on one dispatcher thread, never on paho's network thread, so a slow
+or failing handler cannot stall or kill the connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+from urllib.parse import unquote, urlsplit
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from device_agent.wire import topics
+from device_agent.wire.messages import (
+    Ack,
+    Error,
+    Manifest,
+    Message,
+    Nack,
+    ProtocolError,
+    Status,
+    encode,
+    parse_message,
+)
+from device_agent.wire.transfer import (
+    DEFAULT_CHUNK_SIZE,
+    Completed,
+    IncomingTransfers,
+    Limits,
+    OutgoingTransfer,
+    PayloadTooLarge,
+    TransferError,
+    is_chunk_frame,
+    make_manifest,
+    parse_chunk_frame,
+)
+
+log = logging.getLogger("fedfleet.wire")
+
+MessageHandler = Callable[[str, Message], None]
+PayloadHandler = Callable[[str, Completed], None]
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    """Where the broker is and how to log in to it."""
+
+    host: str = "127.0.0.1"
+    port: int = 1883
+    username: str | None = None
+    password: str | None = None
+    tls: bool = False
+    ca_file: str | None = None
+
+    @classmethod
+    def from_url(
+        cls, url: str, username: str | None = None, password: str | None = None, ca_file: str | None = None
+    ) -> BrokerAddress:
+        """``mqtt://[user:pass@]host[:1883]`` or ``mqtts://[user:pass@]host[:8883]``; arguments override the URL."""
+        parts = urlsplit(url)
+        if parts.scheme not in ("mqtt", "mqtts"):
+            raise ValueError(f"broker URL {url!r}: scheme must be mqtt:// or mqtts://, got {parts.scheme or 'none'!r}")
+        if not parts.hostname:
+            raise ValueError(f"broker URL {url!r} has no host")
+        if parts.path not in ("", "/") or parts.query:
+            raise ValueError(f"broker URL {url!r}: unexpected path or query {parts.path}{parts.query}")
+        tls = parts.scheme == "mqtts"
+        try:
+            port = parts.port or (8883 if tls else 1883)
+        except ValueError:
+            raise ValueError(f"broker URL {url!r} has an invalid port") from None
+        if ca_file and not tls:
+            raise ValueError(f"a CA file was given for {url!r}, which is not mqtts://")
+        return cls(
+            host=parts.hostname,
+            port=port,
+            username=username if username is not None else (unquote(parts.username) if parts.username else None),
+            password=password if password is not None else (unquote(parts.password) if parts.password else None),
+            tls=tls,
+            ca_file=ca_file,
+        )
+
+    @property
+    def url(self) -> str:
+        """The address without credentials, for logs."""
+        return f"{'mqtts' if self.tls else 'mqtt'}://{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Connection and transfer settings; the defaults suit a LAN fleet on mosquitto."""
+
+    client_id: str
+    broker: BrokerAddress = field(default_factory=BrokerAddress)
+    protocol: Literal["5", "3.1.1"] = "5"
+    session_expiry_s: int = 3600
+    keepalive_s: int = 30
+    reconnect_min_s: int = 1
+    reconnect_max_s: int = 30
+    max_inflight: int = 100
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    limits: Limits = field(default_factory=Limits)
+    resend_after_s: float = 5.0
+    nack_after_s: float = 2.0
+    max_attempts: int = 20
+    tick_s: float = 0.2
+
+
+@dataclass
+class SessionStats:
+    rejected: int = 0
+    connects: int = 0
+    publish_denied: int = 0
+
+
+class Delivery:
+    """A payload on its way; ``wait`` returns once the receiver acked the verified bytes."""
+
+    def __init__(self, transfer: str) -> None:
+        self.transfer = transfer
+        self._event = threading.Event()
+        self.error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._event.is_set() and self.error is None
+
+    def _settle(self, error: str | None = None) -> None:
+        self.error = error
+        self._event.set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"transfer {self.transfer} not acknowledged within {timeout} s")
+        if self.error is not None:
+            raise TransferError(f"transfer {self.transfer} failed: {self.error}")
+
+
+class Session:
+    """A persistent MQTT session that sends and receives messages and verified payloads.
+
+    ``subscriptions`` are (re)subscribed on every connect. ``on_message(topic, message)`` gets
+    every valid control message except the transfer machinery's own (manifest/ack/nack);
+    ``on_payload(topic, completed)`` gets every complete, verified payload exactly once.
+    ``will`` is published by the broker if this client vanishes without a clean ``stop``.
+    """
+
+    def __init__(
+        self,
+        config: SessionConfig,
+        subscriptions: list[str],
+        on_message: MessageHandler | None = None,
+        on_payload: PayloadHandler | None = None,
+        will: tuple[str, Message] | None = None,
+        receiver_max_payload_bytes: int = 1 << 30,
+    ) -> None:
+        self.config = config
+        self.stats = SessionStats()
+        self._subscriptions = list(subscriptions)
+        self._on_message = on_message
+        self._on_payload = on_payload
+        self._receiver_max = receiver_max_payload_bytes
+        self._lock = threading.RLock()
+        self._outgoing: dict[str, tuple[str, OutgoingTransfer, Delivery]] = {}
+        self._incoming: dict[str, IncomingTransfers] = {}
+        self._mids: dict[int, str] = {}
+        self._connected = threading.Event()
+        self._stopping = threading.Event()
+        self._events: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._client = self._make_client(will)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def _make_client(self, will: tuple[str, Message] | None) -> mqtt.Client:
+        cfg = self.config
+        v5 = cfg.protocol == "5"
+        client = mqtt.Client(
+            CallbackAPIVersion.VERSION2,
+            client_id=cfg.client_id,
+            clean_session=None if v5 else False,
+            protocol=MQTTProtocolVersion.MQTTv5 if v5 else MQTTProtocolVersion.MQTTv311,
+        )
+        if cfg.broker.username is not None:
+            client.username_pw_set(cfg.broker.username, cfg.broker.password)
+        if cfg.broker.tls:
+            client.tls_set(ca_certs=cfg.broker.ca_file, cert_reqs=ssl.CERT_REQUIRED)
+        if will is not None:
+            client.will_set(will[0], encode(will[1]), qos=1, retain=True)
+        client.reconnect_delay_set(cfg.reconnect_min_s, cfg.reconnect_max_s)
+        client.max_inflight_messages_set(cfg.max_inflight)
+        client.on_connect = self._guard(self._handle_connect)
+        client.on_disconnect = self._guard(self._handle_disconnect)
+        client.on_message = self._guard(self._handle_message)
+        client.on_publish = self._guard(self._handle_publish)
+        return client
+
+    def start(self, timeout: float | None = 10.0) -> Session:
+        """Connect (retrying with backoff in the background) and wait up to ``timeout`` s for the first connection.
+
+        ``timeout=None`` returns at once; the session keeps trying to connect either way.
+        """
+        cfg = self.config
+        properties = None
+        if cfg.protocol == "5":
+            properties = Properties(PacketTypes.CONNECT)
+            properties.SessionExpiryInterval = cfg.session_expiry_s
+        self._client.connect_async(
+            cfg.broker.host,
+            cfg.broker.port,
+            keepalive=cfg.keepalive_s,
+            clean_start=False if cfg.protocol == "5" else mqtt.MQTT_CLEAN_START_FIRST_ONLY,
+            properties=properties,
+        )
+        self._client.loop_start()
+        for target, name in ((self._dispatch_loop, "dispatch"), (self._tick_loop, "tick")):
+            thread = threading.Thread(target=target, name=f"fedfleet-{name}-{cfg.client_id}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        if timeout is not None and not self._connected.wait(timeout):
+            self.stop()
+            raise ConnectionError(f"{cfg.client_id}: could not connect to {cfg.broker.url} within {timeout} s")
+        return self
+
+    def stop(self) -> None:
+        """Disconnect cleanly (the broker then discards the will) and stop every thread."""
+        self._stopping.set()
+        self._client.disconnect()
+        self._client.loop_stop()
+        self._events.put(None)
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self._threads.clear()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def receiving(self) -> list[str]:
+        """Ids of inbound transfers started but not yet complete."""
+        with self._lock:
+            return [tid for transfers in self._incoming.values() for tid in transfers.pending()]
+
+    def wait_connected(self, timeout: float) -> bool:
+        return self._connected.wait(timeout)
+
+    # ---- sending ---------------------------------------------------------------------------
+
+    def publish(self, topic: str, message: Message, retain: bool = False) -> None:
+        """Publish one control message at QoS 1 (queued by paho while disconnected)."""
+        self._publish(topic, encode(message), retain=retain)
+
+    def send(self, topic: str, payload: bytes, manifest: Manifest | None = None, **manifest_fields: Any) -> Delivery:
+        """Start a verified chunked transfer of ``payload`` to ``topic``; refuse it now if it breaks a limit.
+
+        Pass a ``manifest`` from ``make_manifest`` to send the same bytes to several receivers without
+        rehashing (each send gets a fresh transfer id); otherwise one is made from ``manifest_fields``.
+        """
+        cfg = self.config
+        if manifest is None:
+            manifest = make_manifest(payload, cfg.chunk_size, limits=cfg.limits, **manifest_fields)
+        else:
+            cfg.limits.check(manifest.size, manifest.chunk_size)
+            manifest = manifest.model_copy(update={"transfer": make_manifest(b"").transfer})
+        self._check_packet(len(encode(manifest)), "manifest")
+        outgoing = OutgoingTransfer(
+            manifest, payload, time.monotonic(), resend_after=cfg.resend_after_s, max_attempts=cfg.max_attempts
+        )
+        delivery = Delivery(manifest.transfer)
+        with self._lock:
+            self._outgoing[manifest.transfer] = (topic, outgoing, delivery)
+        self._publish_all([(topic, frame) for frame in outgoing.start()], transfer=manifest.transfer)
+        return delivery
+
+    def _check_packet(self, size: int, what: str) -> None:
+        if size + 512 > self.config.limits.max_packet_bytes:
+            raise PayloadTooLarge(
+                f"{what} of {size} bytes would exceed the broker's {self.config.limits.max_packet_bytes}-byte "
+                "maximum packet size; nothing was sent"
+            )
+
+    def _publish(self, topic: str, data: bytes, retain: bool = False, transfer: str | None = None) -> None:
+        # Never called with self._lock held: paho holds its own message lock while it runs
+        # on_publish, which takes self._lock; publishing under self._lock would deadlock.
+        self._check_packet(len(data), "message")
+        info = self._client.publish(topic, data, qos=1, retain=retain)
+        if transfer is not None and info.mid:
+            self._mids[info.mid] = transfer
+
+    def _publish_all(self, frames: list[tuple[str, bytes]], transfer: str | None = None) -> None:
+        for topic, data in frames:
+            self._publish(topic, data, transfer=transfer)
+
+    # ---- paho callbacks (network thread) ---------------------------------------------------
+
+    def _guard(self, fn: Callable[..., None]) -> Callable[..., None]:
+        def guarded(*args: Any) -> None:
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("%s: error in %s (the connection stays up)", self.config.client_id, fn.__name__)
+
+        return guarded
+
+    def _handle_connect(self, client: mqtt.Client, _userdata: Any, flags: Any, reason: Any, _props: Any) -> None:
+        if reason.is_failure:
+            log.warning(
+                "%s: broker %s refused the connection: %s", self.config.client_id, self.config.broker.url, reason
+            )
+            if str(reason) in ("Not authorized", "Bad user name or password"):
+                # Retrying with the same wrong credentials only hammers the broker.
+                client.disconnect()
+            return
+        self.stats.connects += 1
+        for topic in self._subscriptions:
+            client.subscribe(topic, qos=1)
+        now = time.monotonic()
+        with self._lock:
+            frames = [
+                (outgoing.transfer, topic, frame)
+                for topic, outgoing, _delivery in self._outgoing.values()
+                for frame in outgoing.resume(now)
+            ]
+            frames += [
+                (None, topics.reply_topic(source), encode(transfers.resume(tid, now)))
+                for source, transfers in self._incoming.items()
+                for tid in transfers.pending()
+            ]
+        for transfer, topic, frame in frames:
+            self._publish(topic, frame, transfer=transfer)
+        log.info(
+            "%s: connected to %s (session present: %s, %d transfers resumed)",
+            self.config.client_id,
+            self.config.broker.url,
+            flags.session_present,
+            len(frames),
+        )
+        self._connected.set()
+
+    def _handle_disconnect(self, _client: mqtt.Client, _userdata: Any, _flags: Any, reason: Any, _props: Any) -> None:
+        self._connected.clear()
+        if not self._stopping.is_set():
+            log.warning(
+                "%s: disconnected from %s (%s); reconnecting", self.config.client_id, self.config.broker.url, reason
+            )
+
+    def _handle_publish(self, _client: mqtt.Client, _userdata: Any, mid: int, reason: Any, _props: Any) -> None:
+        transfer = self._mids.pop(mid, None)
+        if reason.is_failure:
+            self.stats.publish_denied += 1
+            log.warning("%s: broker refused a publish: %s", self.config.client_id, reason)
+            return
+        entry = self._outgoing.get(transfer) if transfer is not None else None
+        if entry is not None:
+            # Without self._lock on purpose (see _publish): a lone float update, atomic under the GIL.
+            entry[1].touch(time.monotonic())
+
+    def _handle_message(self, _client: mqtt.Client, _userdata: Any, msg: mqtt.MQTTMessage) -> None:
+        data = msg.payload
+        now = time.monotonic()
+        try:
+            if is_chunk_frame(data):
+                transfer, index, chunk = parse_chunk_frame(data)
+                with self._lock:
+                    replies, completed = self._receiver(msg.topic).on_chunk(transfer, index, chunk, now)
+                self._reply(msg.topic, replies)
+                if completed is not None:
+                    self._deliver_payload(msg.topic, completed)
+                return
+            message = parse_message(data)
+        except ProtocolError as exc:
+            self.stats.rejected += 1
+            log.warning("%s: rejected a message on %s: %s", self.config.client_id, msg.topic, exc)
+            return
+        if isinstance(message, Manifest):
+            with self._lock:
+                replies, completed = self._receiver(msg.topic).on_manifest(message, now)
+            self._reply(msg.topic, replies)
+            if completed is not None:
+                self._deliver_payload(msg.topic, completed)
+        elif isinstance(message, Ack | Nack):
+            self._on_transfer_answer(message, now)
+        else:
+            if isinstance(message, Error) and message.transfer is not None:
+                self._fail(message.transfer, f"{message.code}: {message.detail}")
+            if self._on_message is not None:
+                handler = self._on_message
+                self._events.put(lambda: handler(msg.topic, message))
+
+    # ---- transfer plumbing -----------------------------------------------------------------
+
+    def _receiver(self, topic: str) -> IncomingTransfers:
+        transfers = self._incoming.get(topic)
+        if transfers is None:
+            transfers = IncomingTransfers(max_payload_bytes=self._receiver_max, nack_after=self.config.nack_after_s)
+            self._incoming[topic] = transfers
+        return transfers
+
+    def _reply(self, topic: str, replies: list[Message]) -> None:
+        for reply in replies:
+            self._publish(topics.reply_topic(topic), encode(reply))
+
+    def _deliver_payload(self, topic: str, completed: Completed) -> None:
+        if self._on_payload is not None:
+            handler = self._on_payload
+            self._events.put(lambda: handler(topic, completed))
+
+    def _on_transfer_answer(self, message: Ack | Nack, now: float) -> None:
+        with self._lock:
+            entry = self._outgoing.get(message.transfer)
+            if entry is None:
+                return  # an answer to a transfer already settled: a duplicate ack
+            topic, outgoing, delivery = entry
+            if isinstance(message, Nack):
+                frames = outgoing.on_nack(message, now)
+            else:
+                frames = []
+                outgoing.on_ack(message)
+                del self._outgoing[message.transfer]
+        if isinstance(message, Ack):
+            delivery._settle(outgoing.failed)
+        self._publish_all([(topic, frame) for frame in frames], transfer=outgoing.transfer)
+
+    def _fail(self, transfer: str, error: str) -> None:
+        with self._lock:
+            entry = self._outgoing.pop(transfer, None)
+        if entry is not None:
+            entry[2]._settle(error)
+
+    def _tick_loop(self) -> None:
+        while not self._stopping.wait(self.config.tick_s):
+            if not self._connected.is_set():
+                continue
+            try:
+                self._tick(time.monotonic())
+            except Exception:
+                log.exception("%s: error in the transfer timer (it keeps running)", self.config.client_id)
+
+    def _tick(self, now: float) -> None:
+        frames: list[tuple[str, str | None, bytes]] = []
+        failed: list[tuple[OutgoingTransfer, Delivery]] = []
+        with self._lock:
+            for tid, (topic, outgoing, delivery) in list(self._outgoing.items()):
+                frames += [(topic, tid, frame) for frame in outgoing.poll(now)]
+                if outgoing.failed:
+                    del self._outgoing[tid]
+                    failed.append((outgoing, delivery))
+            for source, transfers in self._incoming.items():
+                frames += [(topics.reply_topic(source), None, encode(reply)) for reply in transfers.poll(now)]
+        for outgoing, delivery in failed:
+            log.warning("%s: transfer %s failed: %s", self.config.client_id, outgoing.transfer, outgoing.failed)
+            delivery._settle(outgoing.failed)
+        for topic, tid, frame in frames:
+            self._publish(topic, frame, transfer=tid)
+
+    def _dispatch_loop(self) -> None:
+        while (event := self._events.get()) is not None:
+            try:
+                event()
+            except Exception:
+                log.exception("%s: error in a message handler (the session keeps running)", self.config.client_id)
+
+
+def device_session(
+    fleet: str,
+    device: str,
+    broker: BrokerAddress,
+    on_message: MessageHandler | None = None,
+    on_payload: PayloadHandler | None = None,
+    **config: Any,
+) -> tuple[Session, topics.DeviceTopics]:
+    """A device's session: its fixed client id, its ``down`` subscription, an ``offline`` last will.
+
+    The broker user name must be the device name: that is what the ACL patterns confine.
+    """
+    t = topics.DeviceTopics(fleet, device)
+    session = Session(
+        SessionConfig(client_id=f"fedfleet-{fleet}-{device}", broker=broker, **config),
+        subscriptions=[t.down],
+        on_message=on_message,
+        on_payload=on_payload,
+        will=(t.status, Status(device=device, state="offline", detail="connection lost")),
+    )
+    return session, t
+
+
+def coordinator_session(
+    fleet: str,
+    broker: BrokerAddress,
+    on_message: MessageHandler | None = None,
+    on_payload: PayloadHandler | None = None,
+    **config: Any,
+) -> Session:
+    """The coordinator's session: one fixed client id per fleet, subscribed to every device's ``up``."""
+    return Session(
+        SessionConfig(client_id=f"fedfleet-{fleet}-coordinator", broker=broker, **config),
+        subscriptions=[topics.fleet_uplinks(fleet)],
+        on_message=on_message,
+        on_payload=on_payload,
+    )

@@ -1,0 +1,85 @@
+"""MQTT topic layout: one subtree per device, so broker ACLs can confine each device to its own.
+
+    fedfleet/<fleet>/dev/<device>/up/data     device -> coordinator: control messages, manifests, chunks
+    fedfleet/<fleet>/dev/<device>/up/status   device -> coordinator: retained status, last will
+    fedfleet/<fleet>/dev/<device>/down/data   coordinator -> device: control messages, manifests, chunks
+
+Everything a device writes is under ``up/`` and everything it reads under ``down/``: two pattern
+ACL lines (``pattern write fedfleet/<fleet>/dev/%u/up/#`` and ``pattern read .../%u/down/#``)
+confine it. Manifests, chunks and control share one topic per direction so that MQTT's per-topic
+ordering keeps a manifest ahead of its chunks.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+ROOT = "fedfleet"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def check_name(kind: str, name: str) -> str:
+    """Fleet and device names become topic levels and broker user names: no wildcards, no slashes."""
+    if not _NAME.match(name):
+        raise ValueError(
+            f"invalid {kind} name {name!r}: use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class DeviceTopics:
+    """The topics of one device in one fleet."""
+
+    fleet: str
+    device: str
+
+    def __post_init__(self) -> None:
+        check_name("fleet", self.fleet)
+        check_name("device", self.device)
+
+    @property
+    def base(self) -> str:
+        return f"{ROOT}/{self.fleet}/dev/{self.device}"
+
+    @property
+    def up(self) -> str:
+        return f"{self.base}/up/data"
+
+    @property
+    def status(self) -> str:
+        return f"{self.base}/up/status"
+
+    @property
+    def down(self) -> str:
+        return f"{self.base}/down/data"
+
+
+def fleet_uplinks(fleet: str) -> str:
+    """The coordinator's subscription: every device's ``up`` subtree."""
+    return f"{ROOT}/{check_name('fleet', fleet)}/dev/+/up/#"
+
+
+def device_of(topic: str) -> str | None:
+    """The device a topic belongs to; the broker's ACLs make it the authenticated sender for ``up``."""
+    parts = topic.split("/")
+    if len(parts) >= 4 and parts[0] == ROOT and parts[2] == "dev":
+        return parts[3]
+    return None
+
+
+def reply_topic(topic: str) -> str:
+    """Where to answer a message that arrived on ``topic``: the same device's opposite direction."""
+    parts = topic.split("/")
+    if len(parts) != 6 or parts[0] != ROOT or parts[2] != "dev" or parts[4] not in ("up", "down"):
+        raise ValueError(f"not a fedfleet device topic: {topic!r}")
+    parts[4] = "down" if parts[4] == "up" else "up"
+    parts[5] = "data"
+    return "/".join(parts)
+
+
+def acl_patterns(fleet: str) -> list[str]:
+    """Mosquitto ``pattern`` lines confining every device (its user name is its device name)."""
+    base = f"{ROOT}/{check_name('fleet', fleet)}/dev/%u"
+    return [f"pattern write {base}/up/#", f"pattern read {base}/down/#"]

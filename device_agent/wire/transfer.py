@@ -1,0 +1,348 @@
+"""Chunked, verified, resumable transfers as pure state machines (no MQTT, no clock of their own).
+
+A sender announces a transfer with a ``Manifest`` (size, chunk size, sha256 of every chunk, and a
+transfer digest over those), then publishes binary chunk frames. The receiver verifies each chunk
+against the manifest, writes it into place, and acks once every chunk is in and the digest holds.
+Loss is repaired by asking again, never by trusting a broker's queue:
+
+- the receiver nacks the chunks it still misses when nothing has arrived for ``nack_after`` s;
+- the sender re-announces the manifest when it has heard nothing for ``resend_after`` s (a lost
+  manifest or a lost ack); a receiver answers a known manifest with a nack or a repeated ack;
+- duplicates, chunks of finished transfers and chunks that fail their digest are dropped.
+
+Both classes take ``now`` from the caller, so tests drive them with a fake clock and the session
+drives them with ``time.monotonic``.
+
+A chunk frame is a 25-byte header followed by the raw bytes (no base64, no JSON):
+``b"FFCK" | version (1 byte) | transfer id (16 bytes) | chunk index (uint32, big-endian)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from device_agent.wire.messages import Ack, Error, Manifest, Message, Nack, ProtocolError, encode
+
+CHUNK_MAGIC = b"FFCK"
+FRAME_VERSION = 1
+_HEADER = struct.Struct(">4sB16sI")
+HEADER_SIZE = _HEADER.size
+DEFAULT_CHUNK_SIZE = 256 * 1024
+# Room for the MQTT fixed header, topic and properties when checking a frame against a packet limit.
+PACKET_OVERHEAD = 512
+
+
+class TransferError(RuntimeError):
+    """A transfer that cannot be sent or completed."""
+
+
+class PayloadTooLarge(TransferError, ValueError):
+    """Refused before anything was published: the payload or a frame would exceed a limit."""
+
+
+def new_transfer_id() -> str:
+    return uuid.uuid4().hex
+
+
+def transfer_digest(chunk_digests: list[str]) -> str:
+    """sha256 over the concatenated binary chunk digests: binds every byte, costs almost nothing."""
+    return hashlib.sha256(b"".join(bytes.fromhex(d) for d in chunk_digests)).hexdigest()
+
+
+def is_chunk_frame(data: bytes) -> bool:
+    return data[:4] == CHUNK_MAGIC
+
+
+def chunk_frame(transfer: str, index: int, data: bytes | memoryview) -> bytes:
+    return _HEADER.pack(CHUNK_MAGIC, FRAME_VERSION, bytes.fromhex(transfer), index) + data
+
+
+def parse_chunk_frame(frame: bytes) -> tuple[str, int, memoryview]:
+    """(transfer id, chunk index, chunk bytes) of a frame, or ``ProtocolError``."""
+    if len(frame) < HEADER_SIZE:
+        raise ProtocolError(f"chunk frame of {len(frame)} bytes is shorter than its {HEADER_SIZE}-byte header")
+    magic, version, transfer, index = _HEADER.unpack_from(frame)
+    if magic != CHUNK_MAGIC:
+        raise ProtocolError(f"not a chunk frame (magic {magic!r})")
+    if version != FRAME_VERSION:
+        raise ProtocolError(f"unsupported chunk frame version {version} (this side speaks {FRAME_VERSION})")
+    return transfer.hex(), index, memoryview(frame)[HEADER_SIZE:]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a sender may publish. Checked before the first byte leaves (paho does not check)."""
+
+    max_payload_bytes: int = 1 << 30
+    max_packet_bytes: int = 8 * 1024 * 1024
+
+    def check(self, size: int, chunk_size: int) -> None:
+        if size > self.max_payload_bytes:
+            raise PayloadTooLarge(
+                f"payload of {size} bytes exceeds the {self.max_payload_bytes}-byte transfer limit; nothing was sent"
+            )
+        frame = chunk_size + HEADER_SIZE + PACKET_OVERHEAD
+        if frame > self.max_packet_bytes:
+            raise PayloadTooLarge(
+                f"chunks of {chunk_size} bytes make {frame}-byte packets, over the broker's "
+                f"{self.max_packet_bytes}-byte maximum packet size; use a smaller chunk size"
+            )
+
+
+def make_manifest(
+    payload: bytes,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    run: str = "",
+    round: int = 0,
+    kind: str = "payload",
+    meta: dict[str, str] | None = None,
+    limits: Limits | None = None,
+    transfer: str | None = None,
+) -> Manifest:
+    """Hash ``payload`` chunk by chunk into a manifest; refuse it first if it breaks ``limits``.
+
+    The manifest can be reused to send the same bytes to many receivers: only ``transfer`` differs,
+    and ``Manifest.model_copy(update={"transfer": ...})`` needs no rehashing.
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    (limits or Limits()).check(len(payload), chunk_size)
+    view = memoryview(payload)
+    digests = [hashlib.sha256(view[i : i + chunk_size]).hexdigest() for i in range(0, len(payload), chunk_size)]
+    return Manifest(
+        transfer=transfer or new_transfer_id(),
+        run=run,
+        round=round,
+        kind=kind,
+        size=len(payload),
+        chunk_size=chunk_size,
+        chunks=digests,
+        digest=transfer_digest(digests),
+        meta=meta or {},
+    )
+
+
+class OutgoingTransfer:
+    """The sender's side of one transfer: what to (re)publish, and when it is done.
+
+    ``resend_after``: seconds of silence from the receiver (no ack/nack) after which the manifest is
+    re-announced; the session also calls ``touch`` whenever the broker confirms one of our frames,
+    so a slow link that is still draining does not count as silence. After ``max_attempts``
+    re-announcements without any answer the transfer fails.
+    """
+
+    def __init__(
+        self, manifest: Manifest, payload: bytes, now: float, resend_after: float = 5.0, max_attempts: int = 20
+    ) -> None:
+        if len(payload) != manifest.size:
+            raise ValueError(f"payload has {len(payload)} bytes, manifest says {manifest.size}")
+        self.manifest = manifest
+        self._payload = memoryview(payload)
+        self._resend_after = resend_after
+        self._max_attempts = max_attempts
+        self._last_heard = now
+        self._attempts = 0
+        self._resent_at: dict[int, float] = {}
+        self.done = False
+        self.failed: str | None = None
+
+    @property
+    def transfer(self) -> str:
+        return self.manifest.transfer
+
+    def frame(self, index: int) -> bytes:
+        size = self.manifest.chunk_size
+        return chunk_frame(self.transfer, index, self._payload[index * size : (index + 1) * size])
+
+    def start(self) -> list[bytes]:
+        """Everything for a first attempt: the manifest, then every chunk in order."""
+        return [encode(self.manifest), *(self.frame(i) for i in range(len(self.manifest.chunks)))]
+
+    def touch(self, now: float) -> None:
+        """Evidence the transfer is progressing (the broker took a frame); postpones re-announcing."""
+        self._last_heard = max(self._last_heard, now)
+
+    def on_ack(self, ack: Ack) -> bool:
+        """True when this ack completes the transfer; a digest mismatch fails it loudly."""
+        if self.done or self.failed:
+            return False
+        if ack.digest != self.manifest.digest:
+            self.failed = f"receiver acked digest {ack.digest}, expected {self.manifest.digest}"
+            return False
+        self.done = True
+        return True
+
+    def on_nack(self, nack: Nack, now: float) -> list[bytes]:
+        """Frames to resend; a chunk resent less than ``resend_after`` ago is not resent again."""
+        self._last_heard = now
+        self._attempts = 0
+        if self.done or self.failed:
+            return []
+        out = []
+        for index in sorted(set(nack.missing)):
+            if index >= len(self.manifest.chunks):
+                continue
+            if now - self._resent_at.get(index, float("-inf")) < self._resend_after:
+                continue
+            self._resent_at[index] = now
+            out.append(self.frame(index))
+        return out
+
+    def resume(self, now: float) -> list[bytes]:
+        """After a reconnect: re-announce at once, the receiver will nack what it lacks."""
+        self._last_heard = now
+        self._resent_at.clear()
+        return [] if self.done or self.failed else [encode(self.manifest)]
+
+    def poll(self, now: float) -> list[bytes]:
+        """Called periodically: re-announce after silence, give up after too many tries."""
+        if self.done or self.failed or now - self._last_heard < self._resend_after:
+            return []
+        self._attempts += 1
+        if self._attempts > self._max_attempts:
+            self.failed = f"no answer from the receiver after {self._max_attempts} re-announcements"
+            return []
+        self._last_heard = now
+        return [encode(self.manifest)]
+
+
+@dataclass
+class _Incoming:
+    manifest: Manifest
+    buffer: bytearray
+    missing: set[int]
+    last_seen: float
+    nacked_at: float = float("-inf")
+
+
+@dataclass(frozen=True)
+class Completed:
+    """A complete, verified transfer."""
+
+    manifest: Manifest
+    data: bytes
+
+
+@dataclass
+class ReceiverStats:
+    duplicates: int = 0
+    corrupt: int = 0
+    orphans: int = 0
+    late: int = 0
+    nacks: int = 0
+    completed: int = 0
+
+
+@dataclass
+class IncomingTransfers:
+    """The receiver's side for one peer: reassembly, verification, nacks, dedupe of finished transfers.
+
+    ``max_payload_bytes`` bounds one transfer and ``max_pending_bytes`` all unfinished ones, so a
+    misbehaving peer cannot make the receiver allocate without limit. Transfers that stay silent for
+    ``abandon_after`` seconds are dropped (the sender will re-announce if it is still alive).
+    """
+
+    max_payload_bytes: int = 1 << 30
+    max_pending_bytes: int = 2 << 30
+    nack_after: float = 1.0
+    abandon_after: float = 600.0
+    remember_done: int = 4096
+    stats: ReceiverStats = field(default_factory=ReceiverStats)
+    _open: dict[str, _Incoming] = field(default_factory=dict)
+    _done: OrderedDict[str, str] = field(default_factory=OrderedDict)
+
+    def pending(self) -> list[str]:
+        return list(self._open)
+
+    def on_manifest(self, manifest: Manifest, now: float) -> tuple[list[Message], Completed | None]:
+        """Start (or resume) a transfer; answers a repeated manifest with what the sender needs.
+
+        Returns replies to send and, for an empty payload, the completed transfer.
+        """
+        tid = manifest.transfer
+        if tid in self._done:
+            return [Ack(transfer=tid, digest=self._done[tid])], None
+        current = self._open.get(tid)
+        if current is not None:
+            if current.manifest.model_dump(exclude={"sent_at"}) != manifest.model_dump(exclude={"sent_at"}):
+                error = Error(code="rejected", transfer=tid, detail="manifest differs from the one announced before")
+                return [error], None
+            current.last_seen = now
+            return [self._nack(current, now)], None
+        if manifest.digest != transfer_digest(manifest.chunks):
+            return [
+                Error(code="rejected", transfer=tid, detail="manifest digest does not match its chunk digests")
+            ], None
+        if manifest.size > self.max_payload_bytes:
+            detail = f"{manifest.size} bytes exceed the receiver's {self.max_payload_bytes}-byte limit"
+            return [Error(code="too_large", transfer=tid, detail=detail)], None
+        pending = sum(len(t.buffer) for t in self._open.values())
+        if pending + manifest.size > self.max_pending_bytes:
+            detail = f"receiver already holds {pending} bytes of unfinished transfers"
+            return [Error(code="too_large", transfer=tid, detail=detail)], None
+        incoming = _Incoming(manifest, bytearray(manifest.size), set(range(len(manifest.chunks))), now)
+        self._open[tid] = incoming
+        return self._finish(incoming) if not incoming.missing else ([], None)
+
+    def on_chunk(
+        self, transfer: str, index: int, data: bytes | memoryview, now: float
+    ) -> tuple[list[Message], Completed | None]:
+        """Take one chunk; returns replies to send and, once, the completed transfer."""
+        if transfer in self._done:
+            self.stats.late += 1
+            return [], None
+        incoming = self._open.get(transfer)
+        if incoming is None:
+            # Before its manifest (reordered or manifest lost): the nack after the manifest asks again.
+            self.stats.orphans += 1
+            return [], None
+        incoming.last_seen = now
+        if index not in incoming.missing:
+            self.stats.duplicates += 1
+            return [], None
+        manifest = incoming.manifest
+        start = index * manifest.chunk_size
+        expected_len = min(manifest.chunk_size, manifest.size - start)
+        if len(data) != expected_len or hashlib.sha256(data).hexdigest() != manifest.chunks[index]:
+            self.stats.corrupt += 1
+            return [], None
+        incoming.buffer[start : start + expected_len] = data
+        incoming.missing.discard(index)
+        if incoming.missing:
+            return [], None
+        return self._finish(incoming)
+
+    def poll(self, now: float) -> list[Message]:
+        """Nack stalled transfers; drop abandoned ones."""
+        out: list[Message] = []
+        for tid, incoming in list(self._open.items()):
+            if now - incoming.last_seen > self.abandon_after:
+                del self._open[tid]
+            elif now - max(incoming.last_seen, incoming.nacked_at) >= self.nack_after:
+                out.append(self._nack(incoming, now))
+        return out
+
+    def resume(self, transfer: str, now: float) -> Nack:
+        """After a reconnect: ask at once for what is still missing, without waiting for ``nack_after``."""
+        return self._nack(self._open[transfer], now)
+
+    def _nack(self, incoming: _Incoming, now: float) -> Nack:
+        incoming.nacked_at = now
+        self.stats.nacks += 1
+        return Nack(transfer=incoming.manifest.transfer, missing=sorted(incoming.missing))
+
+    def _finish(self, incoming: _Incoming) -> tuple[list[Message], Completed | None]:
+        # Every chunk matched its manifest digest and the manifest's digest matched those digests
+        # when it was accepted, so the transfer digest holds by construction.
+        manifest = incoming.manifest
+        del self._open[manifest.transfer]
+        self._done[manifest.transfer] = manifest.digest
+        while len(self._done) > self.remember_done:
+            self._done.popitem(last=False)
+        self.stats.completed += 1
+        return [Ack(transfer=manifest.transfer, digest=manifest.digest)], Completed(manifest, bytes(incoming.buffer))

@@ -1,0 +1,58 @@
+import json
+
+import pytest
+
+from device_agent.probe import DeviceProfile
+from device_agent.wire.messages import Ack, Hello, Manifest, ProtocolError, Status, encode, parse_message
+
+PROFILE = DeviceProfile(
+    hostname="pi",
+    platform="Linux",
+    machine="aarch64",
+    python="3.11",
+    torch="2.13",
+    cpu_count=4,
+    memory_total_bytes=4 << 30,
+    memory_available_bytes=2 << 30,
+    accelerator="cpu",
+    accelerator_name=None,
+    accelerator_memory_bytes=None,
+    matmul_gflops=5.0,
+)
+
+
+def test_messages_round_trip_through_json():
+    hello = Hello(device="dev-a", agent_version="0.1.0", profile=PROFILE)
+    assert parse_message(encode(hello)) == hello
+    status = Status(device="dev-a", state="training", detail="round 3")
+    assert parse_message(encode(status)) == status
+
+
+@pytest.mark.parametrize(
+    ("raw", "problem"),
+    [
+        (b"\xff\xfe", "not JSON"),
+        (b"[1, 2]", "expected a JSON object"),
+        (b'{"type": "ack"}', "missing protocol version"),
+        (b'{"v": 2, "type": "ack"}', "unsupported protocol version 2"),
+        (b'{"v": 1, "type": "teleport"}', "type"),
+        (b'{"v": 1, "type": "ack", "transfer": "xyz", "digest": "00"}', "transfer"),
+        (b'{"v": 1, "type": "status", "device": "a", "state": "online", "colour": "red"}', "colour"),
+    ],
+)
+def test_bad_messages_are_refused_with_the_problem_named(raw, problem):
+    with pytest.raises(ProtocolError, match=problem):
+        parse_message(raw)
+
+
+def test_device_names_cannot_carry_topic_wildcards():
+    with pytest.raises(ProtocolError, match="device"):
+        parse_message(json.dumps({"v": 1, "type": "status", "device": "a/+/b", "state": "online"}))
+
+
+def test_a_manifest_whose_chunk_count_disagrees_with_its_size_is_refused():
+    digest = "0" * 64
+    with pytest.raises(ValueError, match="expected 3"):
+        Manifest(transfer="a" * 32, size=10, chunk_size=4, chunks=[digest], digest=digest)
+    ack = Ack(transfer="a" * 32, digest=digest)
+    assert parse_message(encode(ack)).digest == digest

@@ -1,0 +1,224 @@
+"""Sessions against real brokers: the mosquitto and amqtt started by tests/transport_fixtures.py."""
+
+import hashlib
+import logging
+import os
+import threading
+import time
+
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from device_agent.wire.session import BrokerAddress, Session, SessionConfig, coordinator_session, device_session
+from device_agent.wire.topics import fleet_uplinks
+from device_agent.wire.transfer import Limits, PayloadTooLarge, is_chunk_frame, parse_chunk_frame
+
+
+class Inbox:
+    """Collects what a session hands to its handlers."""
+
+    def __init__(self):
+        self.payloads, self.messages = [], []
+        self.arrived = threading.Event()
+
+    def on_payload(self, topic, completed):
+        self.payloads.append((topic, completed))
+        self.arrived.set()
+
+    def on_message(self, topic, message):
+        self.messages.append((topic, message))
+
+
+def pair(broker, device="dev-a", protocol="5", session_class=Session, **config):
+    """A started coordinator session and device session, plus the device's inbox and topics."""
+    inbox = Inbox()
+    dev, topics = device_session(
+        broker.fleet,
+        device,
+        broker.address(device),
+        on_message=inbox.on_message,
+        on_payload=inbox.on_payload,
+        protocol=protocol,
+        **config,
+    )
+    coord = session_class(
+        SessionConfig(client_id="test-coordinator", broker=broker.address(), protocol=protocol, **config),
+        subscriptions=[fleet_uplinks(broker.fleet)],
+    )
+    dev.start()
+    coord.start()
+    return coord, dev, inbox, topics
+
+
+@pytest.mark.slow
+def test_45_mib_arrive_bit_exact_on_mosquitto(mosquitto):
+    coord, dev, inbox, topics = pair(mosquitto)
+    try:
+        payload = os.urandom(45 * 2**20)
+        coord.send(topics.down, payload, round=3).wait(120)
+        assert inbox.arrived.wait(10)
+        [(topic, completed)] = inbox.payloads
+        assert topic == topics.down and completed.manifest.round == 3
+        assert hashlib.sha256(completed.data).digest() == hashlib.sha256(payload).digest()
+    finally:
+        coord.stop()
+        dev.stop()
+
+
+@pytest.mark.slow
+def test_a_transfer_survives_a_broker_crash_and_restart_in_the_middle(fresh_mosquitto):
+    coord, dev, inbox, topics = pair(fresh_mosquitto, reconnect_min_s=1, reconnect_max_s=2)
+    try:
+        payload = os.urandom(30 * 2**20)
+        delivery = coord.send(topics.down, payload)
+        deadline = time.monotonic() + 30
+        while not dev.receiving() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert dev.receiving() == [delivery.transfer], "the transfer never started"
+        fresh_mosquitto.broker.kill()
+        assert not delivery.done
+        fresh_mosquitto.broker.start()
+        delivery.wait(120)
+        assert inbox.arrived.wait(10)
+        assert [c.data == payload for _, c in inbox.payloads] == [True]
+        assert coord.stats.connects >= 2 and dev.stats.connects >= 2
+    finally:
+        coord.stop()
+        dev.stop()
+
+
+class FaultySession(Session):
+    """Mangles the first transmission of some chunks: drops, duplicates, delays (reorders) and corrupts them."""
+
+    seen: set
+    held: list
+
+    def _publish(self, topic, data, retain=False, transfer=None):
+        if not is_chunk_frame(data):
+            return super()._publish(topic, data, retain, transfer)
+        _, index, _ = parse_chunk_frame(data)
+        first = index not in self.seen
+        self.seen.add(index)
+        fault = index % 5 if first else None
+        if fault == 0:
+            return None  # lost
+        if fault == 1:
+            super()._publish(topic, data, retain, transfer)  # duplicated
+        if fault == 2:
+            self.held.append(data)  # sent after the next chunk: reordered
+            return None
+        if fault == 3:
+            data = data[:-1] + bytes([data[-1] ^ 0xFF])  # corrupted
+        super()._publish(topic, data, retain, transfer)
+        for late in self.held:
+            super()._publish(topic, late, retain, transfer)
+        self.held.clear()
+        return None
+
+
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+def test_loss_duplication_reordering_and_corruption_are_all_repaired(mosquitto, protocol):
+    coord, dev, inbox, topics = pair(
+        mosquitto, protocol=protocol, session_class=FaultySession, nack_after_s=0.3, chunk_size=16 * 1024
+    )
+    coord.seen, coord.held = set(), []
+    try:
+        payload = os.urandom(40 * 16 * 1024 + 123)
+        coord.send(topics.down, payload).wait(60)
+        assert inbox.arrived.wait(10)
+        assert [c.data == payload for _, c in inbox.payloads] == [True]
+        stats = dev._incoming[topics.down].stats
+        assert stats.corrupt >= 8 and stats.duplicates >= 8 and stats.nacks >= 1
+    finally:
+        coord.stop()
+        dev.stop()
+
+
+def test_an_oversize_payload_is_refused_before_anything_is_published(mosquitto):
+    coord, dev, inbox, topics = pair(mosquitto, limits=Limits(max_payload_bytes=1 << 20))
+    # Chunks the broker's max_packet_size (8 MiB in the fixture) cannot carry are refused as well.
+    big_chunks = coordinator_session(mosquitto.fleet, mosquitto.address(), chunk_size=16 << 20)
+    try:
+        with pytest.raises(PayloadTooLarge, match="exceeds the 1048576-byte transfer limit; nothing was sent"):
+            coord.send(topics.down, os.urandom((1 << 20) + 1))
+        with pytest.raises(PayloadTooLarge, match="over the broker's 8388608-byte maximum packet size"):
+            big_chunks.send(topics.down, os.urandom(20 << 20))
+        time.sleep(0.5)
+        assert dev.receiving() == [] and inbox.payloads == []
+    finally:
+        coord.stop()
+        dev.stop()
+
+
+def test_malformed_and_unknown_version_messages_are_logged_and_the_session_carries_on(mosquitto, caplog):
+    coord, dev, inbox, topics = pair(mosquitto)
+    raw = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="test-raw-coordinator")
+    address = mosquitto.address()
+    raw.username_pw_set(address.username, address.password)
+    raw.connect(address.host, address.port)
+    raw.loop_start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="fedfleet.wire"):
+            for bad in (b"{not json", b'{"v": 99, "type": "status"}', b"FFCK\x07" + bytes(20)):
+                raw.publish(topics.down, bad, qos=1).wait_for_publish(5)
+            payload = os.urandom(300_000)
+            coord.send(topics.down, payload).wait(30)
+        assert inbox.arrived.wait(10) and inbox.payloads[0][1].data == payload
+        assert dev.stats.rejected == 3
+        text = caplog.text
+        assert "not JSON" in text and "unsupported protocol version 99" in text and "chunk frame version 7" in text
+    finally:
+        raw.disconnect()
+        raw.loop_stop()
+        coord.stop()
+        dev.stop()
+
+
+def test_control_messages_reach_the_handler_and_the_device_status_is_retained(mosquitto):
+    from device_agent.wire.messages import Status
+
+    seen = Inbox()
+    coord = coordinator_session(mosquitto.fleet, mosquitto.address(), on_message=seen.on_message)
+    dev, topics = device_session(mosquitto.fleet, "dev-b", mosquitto.address("dev-b"))
+    dev.start()
+    coord.start()
+    try:
+        dev.publish(topics.status, Status(device="dev-b", state="idle"), retain=True)
+        deadline = time.monotonic() + 10
+        while not seen.messages and time.monotonic() < deadline:
+            time.sleep(0.02)
+        [(topic, message)] = seen.messages
+        assert topic == topics.status and message.state == "idle"
+    finally:
+        coord.stop()
+        dev.stop()
+
+
+@pytest.mark.slow
+def test_the_same_delivery_works_on_the_amqtt_fallback(amqtt):
+    coord, dev, inbox, topics = pair(amqtt, protocol="3.1.1")
+    try:
+        payload = os.urandom(5 * 2**20 + 17)
+        coord.send(topics.down, payload).wait(120)
+        assert inbox.arrived.wait(10) and inbox.payloads[0][1].data == payload
+    finally:
+        coord.stop()
+        dev.stop()
+
+
+def test_broker_urls():
+    address = BrokerAddress.from_url("mqtts://pi%40lab:s3cret@broker.example:9999", ca_file="/etc/ca.pem")
+    assert (address.host, address.port, address.tls, address.username, address.password) == (
+        "broker.example",
+        9999,
+        True,
+        "pi@lab",
+        "s3cret",
+    )
+    assert BrokerAddress.from_url("mqtt://localhost").port == 1883
+    assert BrokerAddress.from_url("mqtts://h", username="u").username == "u"
+    with pytest.raises(ValueError, match="scheme must be mqtt:// or mqtts://"):
+        BrokerAddress.from_url("http://h")
+    with pytest.raises(ValueError, match="not mqtts://"):
+        BrokerAddress.from_url("mqtt://h", ca_file="ca.pem")

@@ -1,0 +1,155 @@
+"""The transfer state machines over a simulated lossy link, driven by a fake clock."""
+
+import os
+import random
+
+import pytest
+
+from device_agent.wire.messages import Ack, Nack, ProtocolError, parse_message
+from device_agent.wire.transfer import (
+    IncomingTransfers,
+    Limits,
+    OutgoingTransfer,
+    PayloadTooLarge,
+    chunk_frame,
+    is_chunk_frame,
+    make_manifest,
+    parse_chunk_frame,
+)
+
+CHUNK = 1024
+
+
+def deliver(frames, receiver, sender, now, completed):
+    """Hand frames to the receiver and its answers back to the sender; returns frames the sender resends."""
+    resend = []
+    for frame in frames:
+        if is_chunk_frame(frame):
+            replies, done = receiver.on_chunk(*parse_chunk_frame(frame), now)
+        else:
+            replies, done = receiver.on_manifest(parse_message(frame), now)
+        if done is not None:
+            completed.append(done)
+        for reply in replies:
+            if isinstance(reply, Nack):
+                resend += sender.on_nack(reply, now)
+            elif isinstance(reply, Ack):
+                sender.on_ack(reply)
+    return resend
+
+
+def run_link(payload, mangle, seed=0, max_steps=200):
+    """Send ``payload`` through ``mangle`` (a function of the frame list) until acked; returns what arrived."""
+    rng = random.Random(seed)
+    manifest = make_manifest(payload, CHUNK)
+    now = 0.0
+    sender = OutgoingTransfer(manifest, payload, now, resend_after=5.0)
+    receiver = IncomingTransfers(nack_after=1.0)
+    completed = []
+    frames = sender.start()
+    for _ in range(max_steps):
+        frames = deliver(mangle(frames, rng), receiver, sender, now, completed)
+        if sender.done:
+            break
+        now += 0.5
+        frames += sender.poll(now)
+        for reply in receiver.poll(now):
+            frames += sender.on_nack(reply, now)
+    return sender, receiver, completed
+
+
+def lose(frames, rng):
+    return [f for f in frames if rng.random() > 0.3]
+
+
+def duplicate(frames, rng):
+    return [g for f in frames for g in ([f, f] if rng.random() < 0.5 else [f])]
+
+
+def reorder(frames, rng):
+    frames = list(frames)
+    rng.shuffle(frames)
+    return frames
+
+
+def corrupt(frames, rng):
+    out = []
+    for frame in frames:
+        if is_chunk_frame(frame) and rng.random() < 0.3:
+            broken = bytearray(frame)
+            broken[-1] ^= 0xFF
+            frame = bytes(broken)
+        out.append(frame)
+    return out
+
+
+def everything(frames, rng):
+    return corrupt(reorder(duplicate(lose(frames, rng), rng), rng), rng)
+
+
+@pytest.mark.parametrize("mangle", [lose, duplicate, reorder, corrupt, everything])
+@pytest.mark.parametrize("size", [0, 1, CHUNK, 20 * CHUNK + 7])
+def test_a_transfer_completes_bit_exact_exactly_once_whatever_the_link_does(mangle, size):
+    payload = os.urandom(size)
+    sender, receiver, completed = run_link(payload, mangle)
+    assert sender.done and not sender.failed
+    assert len(completed) == 1
+    assert completed[0].data == payload
+    assert receiver.pending() == []
+
+
+def test_the_receiver_counts_what_it_repaired_and_ignores_late_chunks():
+    payload = os.urandom(10 * CHUNK)
+    _sender, receiver, _ = run_link(payload, everything, seed=3)
+    stats = receiver.stats
+    assert stats.completed == 1
+    assert stats.duplicates + stats.corrupt + stats.orphans > 0
+    assert stats.nacks > 0
+
+
+def test_a_finished_transfer_is_re_acked_and_never_delivered_twice():
+    payload = os.urandom(3 * CHUNK)
+    manifest = make_manifest(payload, CHUNK)
+    sender = OutgoingTransfer(manifest, payload, 0.0)
+    receiver = IncomingTransfers()
+    completed = []
+    deliver(sender.start(), receiver, sender, 0.0, completed)
+    replies, again = receiver.on_manifest(manifest, 1.0)
+    assert again is None and replies == [
+        Ack(transfer=manifest.transfer, digest=manifest.digest, sent_at=replies[0].sent_at)
+    ]
+    replies, late = receiver.on_chunk(*parse_chunk_frame(sender.frame(0)), 1.0)
+    assert (replies, late) == ([], None) and receiver.stats.late == 1
+    assert len(completed) == 1
+
+
+def test_a_silent_receiver_gets_the_manifest_again_then_the_sender_gives_up():
+    payload = os.urandom(2 * CHUNK)
+    sender = OutgoingTransfer(make_manifest(payload, CHUNK), payload, 0.0, resend_after=1.0, max_attempts=3)
+    sender.start()
+    announcements = [sender.poll(t) for t in (0.5, 1.0, 2.0, 3.0, 4.0)]
+    assert [len(a) for a in announcements] == [0, 1, 1, 1, 0]
+    assert sender.failed and "3 re-announcements" in sender.failed
+
+
+def test_a_receiver_refuses_a_manifest_beyond_its_limit():
+    payload = os.urandom(4 * CHUNK)
+    replies, _ = IncomingTransfers(max_payload_bytes=CHUNK).on_manifest(make_manifest(payload, CHUNK), 0.0)
+    assert replies[0].code == "too_large"
+
+
+def test_oversize_payloads_and_chunks_are_refused_before_anything_is_built():
+    with pytest.raises(PayloadTooLarge, match="exceeds the 100-byte transfer limit"):
+        make_manifest(os.urandom(101), 10, limits=Limits(max_payload_bytes=100))
+    with pytest.raises(PayloadTooLarge, match="maximum packet size"):
+        make_manifest(os.urandom(10), 4096, limits=Limits(max_packet_bytes=4096))
+
+
+def test_chunk_frames_are_a_small_header_and_the_raw_bytes():
+    frame = chunk_frame("ab" * 16, 7, b"xyz")
+    assert len(frame) == 25 + 3
+    assert parse_chunk_frame(frame)[:2] == ("ab" * 16, 7)
+    with pytest.raises(ProtocolError, match="unsupported chunk frame version 9"):
+        parse_chunk_frame(frame[:4] + b"\x09" + frame[5:])
+    with pytest.raises(ProtocolError, match="shorter than"):
+        parse_chunk_frame(frame[:10])

@@ -1,0 +1,83 @@
+"""Real brokers for tests, started on free ports; reused by the end-to-end tests.
+
+- ``mosquitto`` (session scope): a managed mosquitto for fleet ``test`` with the coordinator and
+  devices ``dev-a``, ``dev-b``, ``dev-c``; skips the test if mosquitto is not installed.
+- ``amqtt`` (session scope): the amqtt fallback with the same fleet and users.
+- ``fresh_mosquitto`` (function scope): a private mosquitto a test may stop, kill and restart.
+
+Each is a ``TestBroker``: ``.broker`` (``start``/``stop``), ``.fleet``, ``.credentials`` and
+``address(user)`` giving the ``BrokerAddress`` to log in as ``user``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from coordinator.broker.base import BrokerSettings, ManagedBroker
+from coordinator.broker.credentials import COORDINATOR_USER, Credentials, generate_credentials
+from coordinator.broker.mosquitto import MosquittoBroker, find_mosquitto
+from device_agent.wire.session import BrokerAddress
+
+FLEET = "test"
+DEVICES = ("dev-a", "dev-b", "dev-c")
+
+
+@dataclass
+class TestBroker:
+    __test__ = False  # not a test class, despite the name
+
+    broker: ManagedBroker
+    fleet: str
+    credentials: dict[str, Credentials]
+
+    def address(self, user: str = COORDINATOR_USER) -> BrokerAddress:
+        return self.broker.address_for(self.credentials[user])
+
+
+def _workdir() -> Path:
+    # Not pytest's tmp_path: its 0700 parents keep out mosquitto, which drops root to its own user.
+    path = Path(tempfile.mkdtemp(prefix="fedfleet-broker-"))
+    os.chmod(path, 0o711)
+    return path
+
+
+def _start(kind: str) -> TestBroker:
+    if kind == "mosquitto" and find_mosquitto() is None:
+        pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
+    credentials = generate_credentials(DEVICES)
+    settings = BrokerSettings(FLEET, _workdir(), credentials)
+    if kind == "mosquitto":
+        broker: ManagedBroker = MosquittoBroker(settings)
+    else:
+        from coordinator.broker.amqtt_broker import AmqttBroker
+
+        broker = AmqttBroker(settings)
+    broker.start()
+    return TestBroker(broker, FLEET, credentials)
+
+
+@pytest.fixture(scope="session")
+def mosquitto() -> Iterator[TestBroker]:
+    running = _start("mosquitto")
+    yield running
+    running.broker.stop()
+
+
+@pytest.fixture(scope="session")
+def amqtt() -> Iterator[TestBroker]:
+    running = _start("amqtt")
+    yield running
+    running.broker.stop()
+
+
+@pytest.fixture
+def fresh_mosquitto() -> Iterator[TestBroker]:
+    running = _start("mosquitto")
+    yield running
+    running.broker.stop()
