@@ -14,6 +14,7 @@ from torch import nn
 from device_agent.models.cnn import small_cnn
 from device_agent.models.resnet import resnet18, resnet34
 from device_agent.models.resnet9 import resnet9
+from device_agent.models.width import scaled_channels
 
 
 @dataclass(frozen=True)
@@ -72,12 +73,18 @@ def model_card(name: str) -> ModelCard:
         raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(sorted(MODELS))}") from None
 
 
-def build_model(name: str, num_classes: int = 10, in_channels: int | None = None) -> nn.Module:
-    """The plain (gamma = 1) model; ``in_channels`` defaults to the model card's."""
+def build_model(name: str, num_classes: int = 10, in_channels: int | None = None, width: float = 1.0) -> nn.Module:
+    """The plain (gamma = 1) model; ``in_channels`` defaults to the model card's.
+
+    ``width`` in (0, 1] scales every hidden layer to ceil(C * width) channels (HeteroFL/FedRolex
+    sub-models); input channels and classifier outputs never change, nor do module names.
+    """
     if num_classes < 1:
         raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+    if not 0 < width <= 1:
+        raise ValueError(f"width must be in (0, 1], got {width}")
     card = model_card(name)
-    return card.builder(num_classes=num_classes, in_channels=in_channels or card.in_channels)
+    return card.builder(num_classes=num_classes, in_channels=in_channels or card.in_channels, width=width)
 
 
-__all__ = ["MODELS", "ModelCard", "build_model", "model_card"]
+__all__ = ["MODELS", "ModelCard", "build_model", "model_card", "scaled_channels"]

@@ -8,20 +8,23 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from device_agent.models.width import scaled_channels
+
 
 class SmallCNN(nn.Module):
-    def __init__(self, num_classes: int = 10, in_channels: int = 1, width: int = 32) -> None:
+    def __init__(self, num_classes: int = 10, in_channels: int = 1, channels: int = 32, width: float = 1.0) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(in_channels, width, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(width)
-        self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(2 * width)
-        self.conv3 = nn.Conv2d(2 * width, 4 * width, 3, padding=1, bias=False)
-        self.bn3 = nn.BatchNorm2d(4 * width)
+        c1, c2, c3 = (scaled_channels(c, width) for c in (channels, 2 * channels, 4 * channels))
+        self.conv1 = nn.Conv2d(in_channels, c1, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c1)
+        self.conv2 = nn.Conv2d(c1, c2, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c2)
+        self.conv3 = nn.Conv2d(c2, c3, 3, padding=1, bias=False)
+        self.bn3 = nn.BatchNorm2d(c3)
         self.relu = nn.ReLU(inplace=True)
         self.pool = nn.MaxPool2d(2)
         self.global_pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(4 * width, num_classes)
+        self.fc = nn.Linear(c3, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.relu(self.bn1(self.conv1(x)))
@@ -30,5 +33,5 @@ class SmallCNN(nn.Module):
         return self.fc(self.global_pool(x).flatten(1))
 
 
-def small_cnn(num_classes: int = 10, in_channels: int = 1) -> SmallCNN:
-    return SmallCNN(num_classes, in_channels)
+def small_cnn(num_classes: int = 10, in_channels: int = 1, width: float = 1.0) -> SmallCNN:
+    return SmallCNN(num_classes, in_channels, width=width)

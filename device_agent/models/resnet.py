@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from device_agent.models.width import scaled_channels
+
 
 class BasicBlock(nn.Module):
     def __init__(self, in_channels: int, channels: int, stride: int) -> None:
@@ -33,14 +35,16 @@ class BasicBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-    def __init__(self, blocks: tuple[int, int, int, int], num_classes: int = 10, in_channels: int = 3) -> None:
+    def __init__(
+        self, blocks: tuple[int, int, int, int], num_classes: int = 10, in_channels: int = 3, width: float = 1.0
+    ) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(in_channels, 64, 3, stride=1, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(64)
+        widths = tuple(scaled_channels(c, width) for c in (64, 128, 256, 512))
+        self.conv1 = nn.Conv2d(in_channels, widths[0], 3, stride=1, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(widths[0])
         self.relu = nn.ReLU(inplace=True)
-        widths = (64, 128, 256, 512)
         stages = []
-        current = 64
+        current = widths[0]
         for stage, (width, count) in enumerate(zip(widths, blocks, strict=True)):
             layers = []
             for index in range(count):
@@ -50,7 +54,7 @@ class ResNet(nn.Module):
             stages.append(nn.Sequential(*layers))
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(512, num_classes)
+        self.fc = nn.Linear(widths[-1], num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.relu(self.bn1(self.conv1(x)))
@@ -58,9 +62,9 @@ class ResNet(nn.Module):
         return self.fc(self.pool(x).flatten(1))
 
 
-def resnet18(num_classes: int = 10, in_channels: int = 3) -> ResNet:
-    return ResNet((2, 2, 2, 2), num_classes, in_channels)
+def resnet18(num_classes: int = 10, in_channels: int = 3, width: float = 1.0) -> ResNet:
+    return ResNet((2, 2, 2, 2), num_classes, in_channels, width)
 
 
-def resnet34(num_classes: int = 10, in_channels: int = 3) -> ResNet:
-    return ResNet((3, 4, 6, 3), num_classes, in_channels)
+def resnet34(num_classes: int = 10, in_channels: int = 3, width: float = 1.0) -> ResNet:
+    return ResNet((3, 4, 6, 3), num_classes, in_channels, width)

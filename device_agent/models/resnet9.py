@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from device_agent.models.width import scaled_channels
+
 
 class ConvBNReLU(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 3, stride: int = 1) -> None:
@@ -22,19 +24,20 @@ class ConvBNReLU(nn.Module):
 
 
 class ResNet9(nn.Module):
-    def __init__(self, num_classes: int = 10, in_channels: int = 3) -> None:
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, width: float = 1.0) -> None:
         super().__init__()
-        self.conv1 = ConvBNReLU(in_channels, 64)
-        self.conv2 = ConvBNReLU(64, 128, kernel_size=5, stride=2)
-        self.conv3 = ConvBNReLU(128, 128)
-        self.conv4 = ConvBNReLU(128, 128)
-        self.conv5 = ConvBNReLU(128, 256)
+        c64, c128, c256 = (scaled_channels(c, width) for c in (64, 128, 256))
+        self.conv1 = ConvBNReLU(in_channels, c64)
+        self.conv2 = ConvBNReLU(c64, c128, kernel_size=5, stride=2)
+        self.conv3 = ConvBNReLU(c128, c128)
+        self.conv4 = ConvBNReLU(c128, c128)
+        self.conv5 = ConvBNReLU(c128, c256)
         self.pool = nn.MaxPool2d(2)
-        self.conv6 = ConvBNReLU(256, 256)
-        self.conv7 = ConvBNReLU(256, 256)
-        self.conv8 = ConvBNReLU(256, 256)
+        self.conv6 = ConvBNReLU(c256, c256)
+        self.conv7 = ConvBNReLU(c256, c256)
+        self.conv8 = ConvBNReLU(c256, c256)
         self.global_pool = nn.AdaptiveMaxPool2d(1)
-        self.fc = nn.Linear(256, num_classes)
+        self.fc = nn.Linear(c256, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.conv2(self.conv1(x))
@@ -45,5 +48,5 @@ class ResNet9(nn.Module):
         return self.fc(x.flatten(1))
 
 
-def resnet9(num_classes: int = 10, in_channels: int = 3) -> ResNet9:
-    return ResNet9(num_classes, in_channels)
+def resnet9(num_classes: int = 10, in_channels: int = 3, width: float = 1.0) -> ResNet9:
+    return ResNet9(num_classes, in_channels, width)

@@ -1,0 +1,31 @@
+"""Strategies by name, as ``fleet.yaml`` selects them, with their parameters validated."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from coordinator.strategies.base import Assignment, ClientSlot, ModelSpec, RoundAggregate, Strategy
+
+STRATEGIES: dict[str, type[Strategy]] = {}
+
+
+def build_strategy(name: str, model: ModelSpec, params: Mapping[str, Any] | None = None, seed: int = 0) -> Strategy:
+    """A strategy with validated parameters; errors name the strategy and the parameter."""
+    try:
+        cls = STRATEGIES[name]
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(sorted(STRATEGIES))}") from None
+    try:
+        validated = cls.Params.model_validate(dict(params or {}))
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in item['loc']) or '(params)'}: {item['msg']}" for item in error.errors()
+        )
+        raise ValueError(f"strategy {name!r} parameters: {problems}") from None
+    return cls(model, validated, seed)
+
+
+__all__ = ["STRATEGIES", "Assignment", "ClientSlot", "ModelSpec", "RoundAggregate", "Strategy", "build_strategy"]

@@ -1,0 +1,149 @@
+"""The strategy interface: what every federated algorithm looks like to the rounds engine.
+
+A strategy is pure tensor code. ``configure`` says what each client receives for a round,
+``open_round`` returns an aggregate that folds uploads as they arrive, ``close_round`` turns it
+into the next state. No MQTT, files or clocks: the same object runs in a unit test, in the
+in-process simulation and behind the real coordinator.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from device_agent.models import build_model
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What every strategy builds on; ``arch`` is a key of ``device_agent.models.MODELS``."""
+
+    arch: str
+    num_classes: int
+    in_channels: int
+    image_size: int
+
+    def meta(self) -> dict[str, Any]:
+        """The model part of an assignment's meta, so every strategy spells it the same way."""
+        return {
+            "arch": self.arch,
+            "num_classes": self.num_classes,
+            "in_channels": self.in_channels,
+            "image_size": self.image_size,
+        }
+
+
+@dataclass(frozen=True)
+class ClientSlot:
+    """One participant of a round as the server sees it.
+
+    ``level`` is the FedHM rank ratio gamma or the HeteroFL/FedRolex width rate; 1.0 is the full model.
+    """
+
+    client_id: str
+    level: float
+    num_samples: int
+
+
+@dataclass
+class Assignment:
+    """What one client receives for one round.
+
+    ``meta`` is JSON-able and holds everything the agent needs to rebuild the model:
+    ``{"strategy", "arch", "num_classes", "in_channels", "image_size", "level", ...}``.
+    """
+
+    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+
+class StrategyParams(BaseModel):
+    """Base of every strategy's ``Params``: unknown keys are errors, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RoundAggregate(ABC):
+    """One open round. Uploads are folded (or, for cheap personalized vectors, buffered) on arrival."""
+
+    @abstractmethod
+    def add(
+        self,
+        client_id: str,
+        tensors: dict[str, torch.Tensor],
+        num_samples: int,
+        extras: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Validate the whole upload, then fold it in.
+
+        Raises ``coordinator.algorithms.aggregation.UpdateRejected`` naming the key or the
+        problem; a rejected upload leaves the aggregate untouched.
+        """
+
+
+class Strategy(ABC):
+    """A federated algorithm: per-round payloads out, uploads in, state in between.
+
+    ``configure`` must not change the strategy's state: the simulation calls it again to
+    rebuild the model a client holds for personalized evaluation.
+    """
+
+    name: ClassVar[str]
+    Params: ClassVar[type[BaseModel]]
+    personalized: ClassVar[bool]
+    levels: ClassVar[str] = "none"
+    """How ``ClientSlot.level`` is read: "rank" (FedHM gamma), "width" (channel rate) or "none" (full model)."""
+
+    def __init__(self, model: ModelSpec, params: BaseModel, seed: int = 0) -> None:
+        if not isinstance(params, self.Params):
+            raise TypeError(f"{self.name} expects {self.Params.__name__}, got {type(params).__name__}")
+        self.model = model
+        self.params = params
+        self.seed = seed
+
+    @abstractmethod
+    def configure(self, round: int, clients: Sequence[ClientSlot]) -> dict[str, Assignment]:
+        """What each client receives for ``round``, keyed by client id."""
+
+    @abstractmethod
+    def open_round(self, round: int, clients: Sequence[ClientSlot]) -> RoundAggregate:
+        """An empty aggregate for ``round``; it accepts uploads only from ``clients``."""
+
+    @abstractmethod
+    def close_round(self, aggregate: RoundAggregate) -> None:
+        """Fold the round's aggregate into the strategy's state."""
+
+    @abstractmethod
+    def global_state(self) -> dict[str, torch.Tensor]:
+        """The full dense model (``build_model(arch)`` state dict) for evaluation."""
+
+    def global_model(self) -> torch.nn.Module:
+        """The global model with :meth:`global_state` loaded (strategies with a smaller global model override)."""
+        model = build_model(self.model.arch, self.model.num_classes, self.model.in_channels)
+        model.load_state_dict(self.global_state())
+        return model
+
+    def personalized_state(self, client_id: str) -> dict[str, torch.Tensor] | None:
+        """What the server keeps for one client (None when the strategy is not personalized)."""
+        return None
+
+    def load_norm_statistics(self, statistics: Mapping[str, torch.Tensor]) -> None:  # noqa: B027
+        """Static BN hook: BatchNorm running statistics the caller recomputed on its own data.
+
+        Statistics need data and strategies hold none, so the caller (simulation or
+        coordinator) recalibrates the global model and hands the buffers back here. Strategies
+        whose payloads carry no BN statistics ignore them.
+        """
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything to persist (global and per-client), flat so it can be a safetensors file."""
+
+    @abstractmethod
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Restore what :meth:`state_dict` returned."""

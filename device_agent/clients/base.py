@@ -1,0 +1,89 @@
+"""What a device runs for one round of any strategy: a model rebuilt from an assignment.
+
+A ``ClientProgram`` is built from the JSON meta and the tensors the coordinator sent (plus what
+the device kept from its previous round, for personalized strategies), is trained by
+``device_agent.training.train_local``, and says what goes back.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+MODEL_META_KEYS = ("strategy", "arch", "num_classes", "in_channels", "image_size", "level")
+
+
+def require_meta(meta: Mapping[str, Any], *keys: str) -> None:
+    """Fail early, naming every missing key, when an assignment's meta is incomplete."""
+    missing = [key for key in keys if key not in meta]
+    if missing:
+        raise ValueError(f"assignment meta for {meta.get('strategy', '?')!r} lacks {', '.join(missing)}")
+
+
+def is_norm_statistic(key: str) -> bool:
+    """BatchNorm running statistics: computed from data, never trained, never averaged."""
+    return key.endswith(("running_mean", "running_var", "num_batches_tracked"))
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters (not its BN statistics), detached: the usual upload."""
+    return {key: value.detach().clone() for key, value in model.state_dict().items() if not is_norm_statistic(key)}
+
+
+class ClientProgram(ABC):
+    """One round of local work for one strategy.
+
+    ``local`` is what this device kept from its previous round (:meth:`keep`), None on its
+    first round: personalized state that never leaves the device (e.g. Factorized-FL's v and mu).
+    """
+
+    model: nn.Module
+
+    def __init__(
+        self,
+        meta: Mapping[str, Any],
+        tensors: Mapping[str, torch.Tensor],
+        local: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        require_meta(meta, *MODEL_META_KEYS)
+        self.meta = dict(meta)
+        self.local_classes: torch.Tensor | None = None
+
+    def note_local_classes(self, classes: torch.Tensor) -> None:
+        """Called by ``train_local`` with the sorted class indices present in the local data.
+
+        Programs whose server needs them (HeteroFL's label-masked classifier rows) send them in
+        :meth:`extras`.
+        """
+        self.local_classes = classes
+
+    def regularizer(self) -> torch.Tensor | None:
+        """Extra loss terms on LIVE parameters (e.g. L1 on mu); None if none."""
+        return None
+
+    def after_backward(self) -> None:  # noqa: B027
+        """Gradient-side hooks between backward and step (e.g. Frobenius decay on factors)."""
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """Optimizer parameter groups; by default plain L2 on everything."""
+        return [{"params": [p for p in self.model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+
+    @abstractmethod
+    def upload(self) -> dict[str, torch.Tensor]:
+        """ONLY what the strategy sends back (factors + full-rank + norm, or u vectors, ...)."""
+
+    def extras(self) -> dict[str, torch.Tensor]:
+        """Side information for the server (e.g. SimFed's criteria embedding); {} if none."""
+        return {}
+
+    def keep(self) -> dict[str, torch.Tensor]:
+        """What the device keeps for its next round and never uploads; {} if nothing."""
+        return {}
+
+    def train_scale(self) -> float:
+        """Factor on convolution outputs during training only (HeteroFL's 1/rate scaler); 1.0 = none."""
+        return 1.0

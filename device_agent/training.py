@@ -1,0 +1,138 @@
+"""Local training for any strategy: SGD with momentum over a client program's model.
+
+Masked cross-entropy: logits of classes absent from the local data are set to -inf before the
+softmax, so a client is trained on a softmax over the classes it actually has (HeteroFL/FedHM
+masking). -inf rather than the FedHM reference's 0: a 0 logit still takes probability mass and
+pushes absent classes' logits around; -inf removes them exactly, and their gradient is 0.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import Dataset, TensorDataset
+
+from device_agent.clients.base import ClientProgram
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = 1
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    mask_absent_classes: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        problems = [
+            f"{name} must be > 0, got {getattr(self, name)}"
+            for name in ("epochs", "batch_size", "lr")
+            if not getattr(self, name) > 0
+        ]
+        problems += [
+            f"{name} must be >= 0, got {getattr(self, name)}"
+            for name in ("momentum", "weight_decay")
+            if getattr(self, name) < 0
+        ]
+        if problems:
+            raise ValueError("invalid training config: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    samples: int
+    steps: int
+    seconds: float
+    mean_loss: float
+
+
+def as_tensors(data: Dataset | tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """(inputs, labels) of a TensorDataset, an (x, y) pair or any map-style dataset of pairs."""
+    if isinstance(data, TensorDataset):
+        x, y = data.tensors[0], data.tensors[1]
+    elif isinstance(data, tuple):
+        x, y = data
+    else:
+        pairs = [data[i] for i in range(len(data))]  # type: ignore[arg-type]
+        x = torch.stack([p[0] for p in pairs])
+        y = torch.as_tensor([int(p[1]) for p in pairs])
+    if len(x) != len(y):
+        raise ValueError(f"{len(x)} inputs but {len(y)} labels")
+    if len(y) == 0:
+        raise ValueError("no local training data")
+    return x, y.long()
+
+
+def absent_class_mask(labels: Tensor, num_classes: int) -> Tensor:
+    """True for every class with no local sample."""
+    mask = torch.ones(num_classes, dtype=torch.bool)
+    mask[labels.unique()] = False
+    return mask
+
+
+def masked_cross_entropy(logits: Tensor, labels: Tensor, absent: Tensor | None) -> Tensor:
+    if absent is not None and bool(absent.any()):
+        logits = logits.masked_fill(absent.to(logits.device), float("-inf"))
+    return F.cross_entropy(logits, labels)
+
+
+@contextmanager
+def _scaled_convolutions(model: nn.Module, scale: float) -> Iterator[None]:
+    """Multiply every convolution's output by ``scale`` in training mode (HeteroFL's Scaler)."""
+    if scale == 1.0:
+        yield
+        return
+
+    def hook(module: nn.Module, _inputs: object, output: Tensor) -> Tensor | None:
+        return output * scale if module.training else None
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, nn.Conv2d)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def train_local(
+    program: ClientProgram,
+    data: Dataset | tuple[Tensor, Tensor],
+    config: TrainConfig,
+    device: torch.device | str = "cpu",
+) -> TrainResult:
+    """Train ``program.model`` in place for ``config.epochs`` local epochs."""
+    x, y = as_tensors(data)
+    model = program.model.to(device)
+    num_classes = int(program.meta["num_classes"])
+    if int(y.max()) >= num_classes or int(y.min()) < 0:
+        raise ValueError(f"labels must lie in [0, {num_classes}), got [{int(y.min())}, {int(y.max())}]")
+    program.note_local_classes(y.unique())
+    absent = absent_class_mask(y, num_classes) if config.mask_absent_classes else None
+    optimizer = torch.optim.SGD(program.param_groups(config.weight_decay), lr=config.lr, momentum=config.momentum)
+    generator = torch.Generator().manual_seed(config.seed)
+    steps, loss_sum = 0, 0.0
+    start = time.perf_counter()
+    model.train()
+    with _scaled_convolutions(model, program.train_scale()):
+        for _ in range(config.epochs):
+            for batch in torch.randperm(len(y), generator=generator).split(config.batch_size):
+                optimizer.zero_grad(set_to_none=True)
+                loss = masked_cross_entropy(model(x[batch].to(device)), y[batch].to(device), absent)
+                extra = program.regularizer()
+                total = loss if extra is None else loss + extra
+                total.backward()
+                program.after_backward()
+                optimizer.step()
+                steps += 1
+                loss_sum += float(loss.detach())
+    return TrainResult(
+        samples=len(y), steps=steps, seconds=time.perf_counter() - start, mean_loss=loss_sum / max(steps, 1)
+    )
