@@ -8,8 +8,15 @@ from typing import Any
 from pydantic import ValidationError
 
 from coordinator.strategies.base import Assignment, ClientSlot, ModelSpec, RoundAggregate, Strategy
+from coordinator.strategies.factorized_fl import FactorizedFL, FactorizedFLBeta
+from coordinator.strategies.fedfac import FedFac
+from coordinator.strategies.simfed import SimFed
 
 STRATEGIES: dict[str, type[Strategy]] = {}
+STRATEGIES[FactorizedFL.name] = FactorizedFL
+STRATEGIES[FactorizedFLBeta.name] = FactorizedFLBeta
+STRATEGIES[SimFed.name] = SimFed
+STRATEGIES[FedFac.name] = FedFac
 
 
 def build_strategy(name: str, model: ModelSpec, params: Mapping[str, Any] | None = None, seed: int = 0) -> Strategy:

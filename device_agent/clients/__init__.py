@@ -12,8 +12,14 @@ from typing import Any
 import torch
 
 from device_agent.clients.base import ClientProgram
+from device_agent.clients.fedfac import FedFacProgram
+from device_agent.clients.rank_one import FactorizedFLBetaProgram, FactorizedFLProgram, SimFedProgram
 
 CLIENTS: dict[str, type[ClientProgram]] = {}
+CLIENTS["factorized_fl"] = FactorizedFLProgram
+CLIENTS["factorized_fl_beta"] = FactorizedFLBetaProgram
+CLIENTS["simfed"] = SimFedProgram
+CLIENTS["fedfac"] = FedFacProgram
 
 
 def build_program(

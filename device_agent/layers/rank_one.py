@@ -199,3 +199,20 @@ def l1_on_mu(model: nn.Module) -> Tensor:
     if not terms:
         raise ValueError("the model has no rank-one layers")
     return torch.stack(terms).sum()
+
+
+@torch.no_grad()
+def dense_state(model: nn.Module) -> dict[str, Tensor]:
+    """The plain model's state dict from a reparametrized one: each rank-one layer's pi(u v^T + mu)."""
+    layers = rank_one_layers(model)
+    state: dict[str, Tensor] = {}
+    for key, value in model.state_dict().items():
+        name, _, leaf = key.rpartition(".")
+        if name in layers:
+            if leaf == "u":
+                state[f"{name}.weight"] = layers[name].weight().detach().clone()
+            elif leaf == "bias":
+                state[key] = value.clone()
+        else:
+            state[key] = value.clone()
+    return state
