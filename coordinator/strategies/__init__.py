@@ -10,13 +10,24 @@ from pydantic import ValidationError
 from coordinator.strategies.base import Assignment, ClientSlot, ModelSpec, RoundAggregate, Strategy
 from coordinator.strategies.factorized_fl import FactorizedFL, FactorizedFLBeta
 from coordinator.strategies.fedfac import FedFac
+from coordinator.strategies.fedhm import FedHM
 from coordinator.strategies.simfed import SimFed
+from coordinator.strategies.width import FedAvg, FedAvgSmall, FedRolex, HeteroFL
 
-STRATEGIES: dict[str, type[Strategy]] = {}
-STRATEGIES[FactorizedFL.name] = FactorizedFL
-STRATEGIES[FactorizedFLBeta.name] = FactorizedFLBeta
-STRATEGIES[SimFed.name] = SimFed
-STRATEGIES[FedFac.name] = FedFac
+STRATEGIES: dict[str, type[Strategy]] = {
+    cls.name: cls
+    for cls in (
+        FedHM,
+        FedAvg,
+        FedAvgSmall,
+        HeteroFL,
+        FedRolex,
+        FactorizedFL,
+        FactorizedFLBeta,
+        SimFed,
+        FedFac,
+    )
+}
 
 
 def build_strategy(name: str, model: ModelSpec, params: Mapping[str, Any] | None = None, seed: int = 0) -> Strategy:

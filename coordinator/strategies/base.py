@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from coordinator.algorithms.aggregation import UpdateRejected
 from device_agent.models import build_model
 
 
@@ -84,6 +85,41 @@ class RoundAggregate(ABC):
         Raises ``coordinator.algorithms.aggregation.UpdateRejected`` naming the key or the
         problem; a rejected upload leaves the aggregate untouched.
         """
+
+
+class RosterRound(RoundAggregate):
+    """A round that knows its participants: uploads from strangers or repeat senders are rejected."""
+
+    def __init__(self, round: int, clients: Sequence[ClientSlot]) -> None:
+        self.round = round
+        self.slots = {slot.client_id: slot for slot in clients}
+        self.received: list[str] = []
+
+    def slot_of(self, client_id: str) -> ClientSlot:
+        """The sender's slot; call before validating, and append to ``received`` after folding."""
+        if client_id not in self.slots:
+            raise UpdateRejected(f"client {client_id!r} is not part of round {self.round}")
+        if client_id in self.received:
+            raise UpdateRejected(f"client {client_id!r} already uploaded for round {self.round}")
+        return self.slots[client_id]
+
+
+def seeded_model(model: ModelSpec, seed: int, width: float = 1.0) -> torch.nn.Module:
+    """A freshly initialized model, the same for a given seed, without touching the global RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build_model(model.arch, model.num_classes, model.in_channels, width=width)
+
+
+def check_finite_float(key: str, value: object) -> torch.Tensor:
+    """The checks every upload tensor gets before it is folded."""
+    if not isinstance(value, torch.Tensor):
+        raise UpdateRejected(f"{key!r}: expected a tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise UpdateRejected(f"{key!r}: expected a floating-point tensor, got {value.dtype}")
+    if not bool(torch.isfinite(value).all()):
+        raise UpdateRejected(f"{key!r}: contains NaN or infinite values")
+    return value
 
 
 class Strategy(ABC):

@@ -13,13 +13,21 @@ import torch
 
 from device_agent.clients.base import ClientProgram
 from device_agent.clients.fedfac import FedFacProgram
+from device_agent.clients.fedhm import FedHMProgram
 from device_agent.clients.rank_one import FactorizedFLBetaProgram, FactorizedFLProgram, SimFedProgram
+from device_agent.clients.width import WidthProgram
 
-CLIENTS: dict[str, type[ClientProgram]] = {}
-CLIENTS["factorized_fl"] = FactorizedFLProgram
-CLIENTS["factorized_fl_beta"] = FactorizedFLBetaProgram
-CLIENTS["simfed"] = SimFedProgram
-CLIENTS["fedfac"] = FedFacProgram
+CLIENTS: dict[str, type[ClientProgram]] = {
+    "fedhm": FedHMProgram,
+    "fedavg": WidthProgram,
+    "fedavg_small": WidthProgram,
+    "heterofl": WidthProgram,
+    "fedrolex": WidthProgram,
+    "factorized_fl": FactorizedFLProgram,
+    "factorized_fl_beta": FactorizedFLBetaProgram,
+    "simfed": SimFedProgram,
+    "fedfac": FedFacProgram,
+}
 
 
 def build_program(

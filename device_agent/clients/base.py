@@ -34,6 +34,19 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {key: value.detach().clone() for key, value in model.state_dict().items() if not is_norm_statistic(key)}
 
 
+def load_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Load an assignment into a model: every parameter must be there; BN statistics may be absent."""
+    result = model.load_state_dict(dict(tensors), strict=False)
+    missing = [key for key in result.missing_keys if not is_norm_statistic(key)]
+    if result.unexpected_keys or missing:
+        problems = []
+        if missing:
+            problems.append(f"missing {', '.join(missing)}")
+        if result.unexpected_keys:
+            problems.append(f"unexpected {', '.join(result.unexpected_keys)}")
+        raise ValueError(f"assignment does not fit the model: {'; '.join(problems)}")
+
+
 class ClientProgram(ABC):
     """One round of local work for one strategy.
 

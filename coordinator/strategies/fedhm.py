@@ -1,0 +1,117 @@
+"""FedHM (seed 004): heterogeneous low-rank clients, one full-rank global model.
+
+configure: one spectral decomposition per factorized layer serves every rank level in the
+round (``coordinator.algorithms.lowrank.factorize``), also at round 1, so no client starts from
+random factors. aggregate: factors are rebuilt into full-rank weights and folded as they arrive
+(``StreamingAggregator``, memory O(model)), with the paper's softmax(gamma / tau) weighting by
+default.
+
+BatchNorm policy: running statistics are never averaged (clients do not send them). The caller
+recomputes them on its own data for the global model (HeteroFL's static BN) and hands them back
+through :meth:`load_norm_statistics`; they then travel to clients with the next assignment,
+where they only matter for evaluation (training uses batch statistics).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import ClassVar, Literal
+
+import torch
+from pydantic import Field
+
+from coordinator.algorithms.aggregation import StreamingAggregator, UpdateRejected
+from coordinator.algorithms.lowrank import factorize
+from coordinator.strategies.base import (
+    Assignment,
+    ClientSlot,
+    ModelSpec,
+    RosterRound,
+    RoundAggregate,
+    Strategy,
+    StrategyParams,
+    seeded_model,
+)
+from device_agent.hybrid import factorization_plan
+
+
+class FedHMParams(StrategyParams):
+    weighting: Literal["paper", "reference", "samples", "uniform"] = "paper"
+    """paper: softmax(gamma/tau); reference: the FedHM code's softmax(-(1/gamma)/tau); samples; uniform."""
+    temperature: float = Field(1.0, gt=0)
+    global_as_pseudo_client: bool = False
+    """Add the previous global model as a gamma = 1 client when none took part (the reference does)."""
+    frobenius_decay: float = Field(5e-4, ge=0)
+    """Frobenius decay strength on factors; factors get no plain L2."""
+
+
+class FedHMRound(RosterRound):
+    def __init__(self, round: int, clients: Sequence[ClientSlot], aggregator: StreamingAggregator) -> None:
+        super().__init__(round, clients)
+        self.aggregator = aggregator
+
+    def add(
+        self,
+        client_id: str,
+        tensors: dict[str, torch.Tensor],
+        num_samples: int,
+        extras: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        slot = self.slot_of(client_id)
+        if num_samples < 1:
+            raise UpdateRejected(f"client {client_id!r}: num_samples must be >= 1, got {num_samples}")
+        self.aggregator.add(tensors, slot.level, num_samples)
+        self.received.append(client_id)
+
+
+class FedHM(Strategy):
+    name: ClassVar[str] = "fedhm"
+    Params: ClassVar[type[FedHMParams]] = FedHMParams
+    personalized: ClassVar[bool] = False
+    levels: ClassVar[str] = "rank"
+    params: FedHMParams
+
+    def __init__(self, model: ModelSpec, params: FedHMParams, seed: int = 0) -> None:
+        super().__init__(model, params, seed)
+        self.plan = factorization_plan(model.arch, model.num_classes, model.in_channels)
+        self._global = {k: v.detach().clone() for k, v in seeded_model(model, seed).state_dict().items()}
+
+    def configure(self, round: int, clients: Sequence[ClientSlot]) -> dict[str, Assignment]:
+        levels = factorize(self._global, self.plan, {slot.level for slot in clients})
+        meta = {"strategy": self.name, **self.model.meta(), "frobenius_decay": self.params.frobenius_decay}
+        return {slot.client_id: Assignment({**meta, "level": slot.level}, dict(levels[slot.level])) for slot in clients}
+
+    def open_round(self, round: int, clients: Sequence[ClientSlot]) -> RoundAggregate:
+        aggregator = StreamingAggregator(
+            self._global,
+            self.plan,
+            self.params.weighting,
+            self.params.temperature,
+            self.params.global_as_pseudo_client,
+        )
+        return FedHMRound(round, clients, aggregator)
+
+    def close_round(self, aggregate: RoundAggregate) -> None:
+        if not isinstance(aggregate, FedHMRound):
+            raise TypeError(f"fedhm cannot close a {type(aggregate).__name__}")
+        if aggregate.received:
+            self._global = aggregate.aggregator.result()
+
+    def global_state(self) -> dict[str, torch.Tensor]:
+        return dict(self._global)
+
+    def load_norm_statistics(self, statistics: Mapping[str, torch.Tensor]) -> None:
+        for key, value in statistics.items():
+            if key not in self._global:
+                raise KeyError(f"{key!r} is not a buffer of the global model")
+            self._global[key] = value.detach().clone()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"global.{k}": v for k, v in self._global.items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        loaded = {k.removeprefix("global."): v for k, v in state.items() if k.startswith("global.")}
+        if loaded.keys() != self._global.keys():
+            missing = sorted(self._global.keys() - loaded.keys())
+            raise KeyError(f"fedhm state does not match the model (missing: {', '.join(missing) or 'none'})")
+        self._global = {k: v.detach().clone() for k, v in loaded.items()}

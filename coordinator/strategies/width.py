@@ -1,0 +1,312 @@
+"""Dense-model baselines: FedAvg, FedAvg on the smallest model, HeteroFL and FedRolex.
+
+A client at width rate r trains the sub-model with ceil(C * r) channels in every hidden layer
+(``build_model(..., width=r)``). HeteroFL keeps the first channels (a prefix); FedRolex keeps a
+window that rolls by one channel each round, roll(arange(C), round % C)[:k], so every channel
+of the global model gets trained by small clients over time. Since the window depends only on
+(C, k, round), every tensor dimension of size C uses the same channels, which keeps residual
+additions consistent.
+
+Aggregation is element-wise over the clients that hold each element: sums and counts live in
+full-shaped accumulators, an element nobody trained keeps its value. HeteroFL's label-masked
+classifier: a client's classifier rows count only for classes present in its data.
+BatchNorm: static BN, as in HeteroFL - running statistics are never averaged; the caller
+recomputes them for evaluation (see :meth:`Strategy.load_norm_statistics`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import ClassVar, Literal
+
+import torch
+from pydantic import Field
+from torch import Tensor, nn
+
+from coordinator.algorithms.aggregation import UpdateRejected
+from coordinator.strategies.base import (
+    Assignment,
+    ClientSlot,
+    ModelSpec,
+    RosterRound,
+    RoundAggregate,
+    Strategy,
+    StrategyParams,
+    check_finite_float,
+    seeded_model,
+)
+from device_agent.clients.base import is_norm_statistic
+from device_agent.models import build_model
+
+Index = tuple[Tensor | None, ...]
+"""Kept positions along each dimension of one tensor; None keeps the whole dimension."""
+
+
+def prefix_window(channels: int, keep: int, round: int) -> Tensor:
+    """HeteroFL: the first ``keep`` channels, every round."""
+    return torch.arange(keep)
+
+
+def rolling_window(channels: int, keep: int, round: int) -> Tensor:
+    """FedRolex: roll(arange(C), round % C)[:keep] - the window moves by one channel per round."""
+    return torch.roll(torch.arange(channels), round % channels)[:keep]
+
+
+def submodel_index(
+    full: Mapping[str, Tensor], sub_shapes: Mapping[str, torch.Size], round: int, window=prefix_window
+) -> dict[str, Index]:
+    """Per key, the kept positions of each dimension of the full tensor."""
+    index: dict[str, Index] = {}
+    for key, tensor in full.items():
+        shape = sub_shapes[key]
+        if len(shape) != tensor.dim():
+            raise ValueError(f"{key!r}: sub-model tensor has {len(shape)} dims, full has {tensor.dim()}")
+        index[key] = tuple(
+            None if keep == size else window(size, keep, round) for size, keep in zip(tensor.shape, shape, strict=True)
+        )
+    return index
+
+
+def extract(tensor: Tensor, index: Index) -> Tensor:
+    """The sub-tensor at ``index`` (a copy)."""
+    out = tensor
+    for dim, kept in enumerate(index):
+        if kept is not None:
+            out = out.index_select(dim, kept)
+    return out.clone() if out is tensor else out
+
+
+def _grid(index: Index, shape: torch.Size) -> tuple[Tensor, ...]:
+    full = [torch.arange(size) if kept is None else kept for kept, size in zip(index, shape, strict=True)]
+    return torch.meshgrid(*full, indexing="ij") if full else ()
+
+
+class WidthParams(StrategyParams):
+    weighting: Literal["uniform", "samples"] = "uniform"
+    """uniform: each holder of an element counts the same (the HeteroFL/FedRolex code); samples: by sample count."""
+    label_masked_classifier: bool = True
+    scaler: bool = True
+    """HeteroFL's Scaler: convolution outputs divided by the rate while training."""
+
+
+class FedAvgParams(StrategyParams):
+    pass
+
+
+class FedAvgSmallParams(StrategyParams):
+    level: float | None = Field(None, gt=0, le=1)
+    """Width of the one model every client trains; None: the smallest level among the first round's clients."""
+
+
+class WidthRound(RosterRound):
+    def __init__(self, strategy: WidthStrategy, round: int, clients: Sequence[ClientSlot]) -> None:
+        super().__init__(round, clients)
+        self.strategy = strategy
+        self.sums = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in strategy.trainable().items()}
+        self.counts = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in strategy.trainable().items()}
+
+    def add(
+        self,
+        client_id: str,
+        tensors: dict[str, torch.Tensor],
+        num_samples: int,
+        extras: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        slot = self.slot_of(client_id)
+        if num_samples < 1:
+            raise UpdateRejected(f"client {client_id!r}: num_samples must be >= 1, got {num_samples}")
+        strategy = self.strategy
+        index = strategy.index_for(self.round, strategy.client_level(slot))
+        shapes = strategy.sub_shapes(strategy.client_level(slot))
+        unknown = sorted(k for k in tensors if k not in self.sums and not is_norm_statistic(k))
+        if unknown:
+            raise UpdateRejected(f"{unknown[0]!r}: not a trainable parameter of this model")
+        missing = sorted(k for k in self.sums if k not in tensors)
+        if missing:
+            raise UpdateRejected(f"{missing[0]!r}: missing from the upload")
+        for key in self.sums:
+            value = check_finite_float(key, tensors[key])
+            if value.shape != shapes[key]:
+                raise UpdateRejected(f"{key!r}: shape {tuple(value.shape)}, expected {tuple(shapes[key])}")
+        rows = self._classifier_rows(extras)
+        weight = float(num_samples) if strategy.weighting == "samples" else 1.0
+        for key in self.sums:
+            grid = _grid(index[key], self.sums[key].shape)
+            value = tensors[key].to(torch.float64) * weight
+            mask = torch.full_like(value, weight)
+            if rows is not None and key in strategy.classifier_keys:
+                mask[~rows] = 0
+                value = value * (mask != 0)
+            self.sums[key].index_put_(grid, value, accumulate=True)
+            self.counts[key].index_put_(grid, mask, accumulate=True)
+        self.received.append(client_id)
+
+    def _classifier_rows(self, extras: Mapping[str, Tensor] | None) -> Tensor | None:
+        if not self.strategy.label_masked:
+            return None
+        classes = (extras or {}).get("classes")
+        if classes is None:
+            raise UpdateRejected("'classes': label-masked aggregation needs the client's classes in its extras")
+        num_classes = self.strategy.model.num_classes
+        if classes.dtype not in (torch.int32, torch.int64) or classes.dim() != 1:
+            raise UpdateRejected("'classes': expected a 1-D integer tensor of class indices")
+        if len(classes) and (int(classes.min()) < 0 or int(classes.max()) >= num_classes):
+            raise UpdateRejected(f"'classes': indices must lie in [0, {num_classes})")
+        rows = torch.zeros(num_classes, dtype=torch.bool)
+        rows[classes] = True
+        return rows
+
+
+class WidthStrategy(Strategy):
+    """Shared machinery; subclasses say which width each client trains and how channels are chosen."""
+
+    personalized: ClassVar[bool] = False
+    window = staticmethod(prefix_window)
+    weighting: str = "samples"
+    label_masked: bool = False
+    scaler: bool = False
+
+    def __init__(self, model: ModelSpec, params: StrategyParams, seed: int = 0, width: float = 1.0) -> None:
+        super().__init__(model, params, seed)
+        self.width = width
+        net = seeded_model(model, seed, width)
+        self._global = {k: v.detach().clone() for k, v in net.state_dict().items()}
+        linears = [name for name, m in net.named_modules() if isinstance(m, nn.Linear)]
+        self.classifier_keys = {f"{linears[-1]}.weight", f"{linears[-1]}.bias"} if linears else set()
+        self._shapes: dict[float, dict[str, torch.Size]] = {}
+
+    def client_level(self, slot: ClientSlot) -> float:
+        return slot.level
+
+    def trainable(self) -> dict[str, Tensor]:
+        return {k: v for k, v in self._global.items() if not is_norm_statistic(k)}
+
+    def sub_shapes(self, level: float) -> dict[str, torch.Size]:
+        if level not in self._shapes:
+            if not 0 < level <= self.width:
+                raise ValueError(f"{self.name}: client level {level} must be in (0, {self.width}]")
+            with torch.device("meta"):
+                net = build_model(self.model.arch, self.model.num_classes, self.model.in_channels, width=level)
+            self._shapes[level] = {k: v.shape for k, v in net.state_dict().items()}
+        return self._shapes[level]
+
+    def index_for(self, round: int, level: float) -> dict[str, Index]:
+        return submodel_index(self._global, self.sub_shapes(level), round, self.window)
+
+    def configure(self, round: int, clients: Sequence[ClientSlot]) -> dict[str, Assignment]:
+        out = {}
+        for slot in clients:
+            level = self.client_level(slot)
+            index = self.index_for(round, level)
+            meta = {
+                "strategy": self.name,
+                **self.model.meta(),
+                "level": level,
+                "scaler": self.scaler,
+                "send_classes": self.label_masked,
+            }
+            out[slot.client_id] = Assignment(meta, {k: extract(v, index[k]) for k, v in self._global.items()})
+        return out
+
+    def open_round(self, round: int, clients: Sequence[ClientSlot]) -> RoundAggregate:
+        for slot in clients:
+            self.sub_shapes(self.client_level(slot))
+        return WidthRound(self, round, clients)
+
+    def close_round(self, aggregate: RoundAggregate) -> None:
+        if not isinstance(aggregate, WidthRound) or aggregate.strategy is not self:
+            raise TypeError(f"{self.name} can only close its own rounds")
+        for key, total in aggregate.sums.items():
+            count = aggregate.counts[key]
+            held = count > 0
+            updated = self._global[key].clone()
+            updated[held] = (total[held] / count[held]).to(updated.dtype)
+            self._global[key] = updated
+
+    def global_state(self) -> dict[str, Tensor]:
+        return dict(self._global)
+
+    def global_model(self) -> nn.Module:
+        net = build_model(self.model.arch, self.model.num_classes, self.model.in_channels, width=self.width)
+        net.load_state_dict(self._global)
+        return net
+
+    def load_norm_statistics(self, statistics: Mapping[str, Tensor]) -> None:
+        for key, value in statistics.items():
+            if key not in self._global:
+                raise KeyError(f"{key!r} is not a buffer of the global model")
+            self._global[key] = value.detach().clone()
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {f"global.{k}": v for k, v in self._global.items()}
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        loaded = {k.removeprefix("global."): v for k, v in state.items() if k.startswith("global.")}
+        if loaded.keys() != self._global.keys():
+            differ = sorted(loaded.keys() ^ self._global.keys())
+            raise KeyError(f"{self.name} state does not match the model: {', '.join(differ[:5])}")
+        self._global = {k: v.detach().clone() for k, v in loaded.items()}
+
+
+class HeteroFL(WidthStrategy):
+    name: ClassVar[str] = "heterofl"
+    Params: ClassVar[type[WidthParams]] = WidthParams
+    levels: ClassVar[str] = "width"
+
+    def __init__(self, model: ModelSpec, params: WidthParams, seed: int = 0) -> None:
+        super().__init__(model, params, seed)
+        self.weighting = params.weighting
+        self.label_masked = params.label_masked_classifier
+        self.scaler = params.scaler
+
+
+class FedRolex(HeteroFL):
+    name: ClassVar[str] = "fedrolex"
+    window = staticmethod(rolling_window)
+
+
+class FedAvg(WidthStrategy):
+    """Sample-weighted FedAvg of the full model; every client trains it whatever its level."""
+
+    name: ClassVar[str] = "fedavg"
+    Params: ClassVar[type[FedAvgParams]] = FedAvgParams
+    levels: ClassVar[str] = "none"
+
+    def client_level(self, slot: ClientSlot) -> float:
+        return 1.0
+
+
+class FedAvgSmall(WidthStrategy):
+    """FedAvg of the smallest model: what a fleet does when every device must fit one model."""
+
+    name: ClassVar[str] = "fedavg_small"
+    Params: ClassVar[type[FedAvgSmallParams]] = FedAvgSmallParams
+    levels: ClassVar[str] = "width"
+    params: FedAvgSmallParams
+
+    def __init__(self, model: ModelSpec, params: FedAvgSmallParams, seed: int = 0) -> None:
+        super().__init__(model, params, seed, width=params.level or 1.0)
+        self._fixed = params.level is not None
+
+    def client_level(self, slot: ClientSlot) -> float:
+        return self.width
+
+    def configure(self, round: int, clients: Sequence[ClientSlot]) -> dict[str, Assignment]:
+        if not self._fixed and clients:
+            self._shrink(min(slot.level for slot in clients))
+        return super().configure(round, clients)
+
+    def _shrink(self, level: float) -> None:
+        """Fix the model width at the first round's smallest level (once; later rounds keep it)."""
+        self._fixed = True
+        if level != self.width:
+            WidthStrategy.__init__(self, self.model, self.params, self.seed, width=level)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {**super().state_dict(), "width": torch.tensor([self.width], dtype=torch.float64)}
+
+    def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        if "width" not in state:
+            raise KeyError("fedavg_small state lacks 'width'")
+        self._shrink(float(state["width"][0]))
+        super().load_state_dict({k: v for k, v in state.items() if k != "width"})

@@ -1,0 +1,41 @@
+"""FedHM on the device: the hybrid model at rank ratio gamma, trained with Frobenius decay on factors.
+
+The assignment holds the factors of the device's rank level (one server decomposition serves
+every level), the full-rank layers and the norm parameters; the upload is the same set after
+training, never a dense copy of a factorized layer. Factors get Frobenius decay only (meta
+``"frobenius_decay"``), dense parameters plain L2: the reference's double decay is not copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from device_agent.clients.base import ClientProgram, load_tensors, trainable_state
+from device_agent.hybrid import hybrid
+from device_agent.regularizers import apply_frobenius_decay_, parameter_groups
+
+
+class FedHMProgram(ClientProgram):
+    def __init__(
+        self,
+        meta: Mapping[str, Any],
+        tensors: Mapping[str, torch.Tensor],
+        local: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__(meta, tensors, local)
+        self.gamma = float(meta["level"])
+        self.decay = float(meta.get("frobenius_decay", 0.0))
+        self.model = hybrid(meta["arch"], self.gamma, int(meta["num_classes"]), int(meta["in_channels"]))
+        load_tensors(self.model, tensors)
+
+    def after_backward(self) -> None:
+        apply_frobenius_decay_(self.model, self.decay)
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        return parameter_groups(self.model, weight_decay)
+
+    def upload(self) -> dict[str, torch.Tensor]:
+        return trainable_state(self.model)

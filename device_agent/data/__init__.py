@@ -1,0 +1,1 @@
+"""Data for local training: data set loaders and reproducible client partitions."""
