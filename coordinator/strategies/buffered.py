@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from coordinator.algorithms.aggregation import UpdateRejected
-from coordinator.strategies.base import ClientSlot, RoundAggregate
+from coordinator.strategies.base import ClientSlot, RosterRound
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def _check(kind: str, got: Mapping[str, torch.Tensor], expected: Mapping[str, to
             raise UpdateRejected(f"{kind} {key!r}: contains NaN or infinite values")
 
 
-class BufferedRound(RoundAggregate):
+class BufferedRound(RosterRound):
     """Accepts one upload per round participant, whose keys and shapes match ``expected``.
 
     ``expected`` and ``expected_extras`` map key -> a tensor of the right shape and kind (float or
@@ -58,8 +58,7 @@ class BufferedRound(RoundAggregate):
         expected: Mapping[str, torch.Tensor],
         expected_extras: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        self.round = round
-        self.slots = {slot.client_id: slot for slot in clients}
+        super().__init__(round, clients)
         self.expected = expected
         self.expected_extras = dict(expected_extras or {})
         self.uploads: dict[str, Upload] = {}
@@ -71,10 +70,7 @@ class BufferedRound(RoundAggregate):
         num_samples: int,
         extras: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        if client_id not in self.slots:
-            raise UpdateRejected(f"client {client_id!r} is not part of round {self.round}")
-        if client_id in self.uploads:
-            raise UpdateRejected(f"client {client_id!r} already uploaded in round {self.round}")
+        self.slot_of(client_id)
         if num_samples <= 0:
             raise UpdateRejected(f"client {client_id!r}: num_samples must be > 0, got {num_samples}")
         _check("upload", tensors, self.expected)
@@ -85,6 +81,7 @@ class BufferedRound(RoundAggregate):
             num_samples,
             {k: v.detach().clone() for k, v in (extras or {}).items()},
         )
+        self.received.append(client_id)
 
     def ordered(self) -> list[Upload]:
         """Uploads in client-id order: what makes every result independent of arrival order."""

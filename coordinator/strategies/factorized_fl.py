@@ -46,8 +46,9 @@ class FactorizedFL(Strategy):
     def __init__(self, model: ModelSpec, params: FactorizedFLParams, seed: int = 0) -> None:
         super().__init__(model, params, seed)
         self.params: FactorizedFLParams = params
-        torch.manual_seed(seed)
-        skeleton = rank_one_model(self._meta())
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            skeleton = rank_one_model(self._meta())
         self.init_state = {k: v.detach().clone() for k, v in skeleton.state_dict().items()}
         self.layers = shared_layers(skeleton, params.share_head)
         self.similarity_key = f"{similarity_layer(skeleton)}.v"

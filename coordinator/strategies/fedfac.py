@@ -21,9 +21,16 @@ from pydantic import Field, field_validator
 from torch import nn
 
 from coordinator.algorithms.factor_analysis import split_elements
-from coordinator.strategies.base import Assignment, ClientSlot, ModelSpec, RoundAggregate, Strategy, StrategyParams
+from coordinator.strategies.base import (
+    Assignment,
+    ClientSlot,
+    ModelSpec,
+    RoundAggregate,
+    Strategy,
+    StrategyParams,
+    seeded_model,
+)
 from coordinator.strategies.buffered import BufferedRound, sample_weights, split_client_key, weighted_mean
-from device_agent.models import build_model
 
 
 class FedFacParams(StrategyParams):
@@ -68,8 +75,7 @@ class FedFac(Strategy):
     def __init__(self, model: ModelSpec, params: FedFacParams, seed: int = 0) -> None:
         super().__init__(model, params, seed)
         self.params: FedFacParams = params
-        torch.manual_seed(seed)
-        net = build_model(model.arch, model.num_classes, model.in_channels)
+        net = seeded_model(model, seed)
         weighted = [n for n, m in net.named_modules() if isinstance(m, nn.Conv2d | nn.Linear)]
         layers = params.layers if params.layers is not None else (weighted[-2],)
         unknown = [n for n in layers if n not in weighted]

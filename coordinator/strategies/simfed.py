@@ -42,8 +42,9 @@ class SimFed(Strategy):
     def __init__(self, model: ModelSpec, params: SimFedParams, seed: int = 0) -> None:
         super().__init__(model, params, seed)
         self.params: SimFedParams = params
-        torch.manual_seed(seed)
-        skeleton = rank_one_model(self._meta())
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            skeleton = rank_one_model(self._meta())
         self.init_state = {k: v.detach().clone() for k, v in skeleton.state_dict().items()}
         self.reflected = [f"{n}.{f}" for n in shared_layers(skeleton, params.share_head) for f in ("u", "v", "mu")]
         generator = torch.Generator().manual_seed(seed)
