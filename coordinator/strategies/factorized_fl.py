@@ -70,12 +70,9 @@ class FactorizedFL(Strategy):
     def configure(self, round: int, clients: Sequence[ClientSlot]) -> dict[str, Assignment]:
         out = {}
         for slot in clients:
-            if slot.client_id in self.personal:
-                tensors = {k: v.clone() for k, v in self.personal[slot.client_id].items()}
-            else:
-                tensors = {**self.init_state, **self.mean}
-                tensors = {k: v.clone() for k, v in tensors.items()}
-            out[slot.client_id] = Assignment(self._meta(), tensors)
+            known = self.personal.get(slot.client_id)
+            source = known if known is not None else {**self.init_state, **self.mean}
+            out[slot.client_id] = Assignment(self._meta(), {k: v.clone() for k, v in source.items()})
         return out
 
     def open_round(self, round: int, clients: Sequence[ClientSlot]) -> RoundAggregate:
