@@ -1,0 +1,123 @@
+import numpy as np
+import pytest
+
+from device_agent.data.datasets import DatasetError, decode_data_pickle, load_dataset
+
+
+def test_digits_fit_to_model_input():
+    data = load_dataset("digits", image_size=16, in_channels=3)
+    assert data.train_x.shape[1:] == (3, 16, 16) and data.num_classes == 10
+    assert len(data.train_y) + len(data.test_y) == 1797
+    assert float(data.train_x.min()) >= 0 and float(data.train_x.max()) <= 1
+    assert load_dataset("digits").test_y.tolist() == data.test_y.tolist()  # a fixed split
+
+
+def test_npz_with_and_without_a_test_split(tmp_path):
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "a.npz", x=rng.integers(0, 255, (20, 6, 6, 3), dtype=np.uint8), y=np.arange(20) % 4)
+    data = load_dataset(tmp_path / "a.npz", in_channels=1)
+    assert data.train_x.shape == (16, 1, 6, 6) and data.test_x.shape == (4, 1, 6, 6) and data.num_classes == 4
+    np.savez(
+        tmp_path / "b.npz",
+        x=rng.random((8, 5, 5), dtype=np.float32),
+        y=np.arange(8) % 2,
+        x_test=rng.random((3, 5, 5), dtype=np.float32),
+        y_test=np.array([0, 1, 1]),
+    )
+    assert load_dataset(tmp_path / "b.npz").test_y.tolist() == [0, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("arrays", "message"),
+    [
+        ({"x": np.zeros((4, 5, 5))}, r"missing array\(s\) y"),
+        ({"x": np.zeros((4, 5, 5)), "y": np.zeros(3, dtype=int)}, "expected 4 labels"),
+        ({"x": np.zeros((4, 5, 5)), "y": np.zeros(4)}, "labels must be integers"),
+        ({"x": np.zeros((4, 5, 6)), "y": np.zeros(4, dtype=int)}, "expected square images"),
+        ({"x": np.full((4, 5, 5), np.nan), "y": np.zeros(4, dtype=int)}, "NaN"),
+    ],
+)
+def test_bad_npz_files_name_the_problem(tmp_path, arrays, message):
+    np.savez(tmp_path / "bad.npz", **arrays)
+    with pytest.raises(DatasetError, match=message):
+        load_dataset(tmp_path / "bad.npz")
+
+
+def test_missing_and_unreadable_sources(tmp_path):
+    with pytest.raises(DatasetError, match="no such file"):
+        load_dataset(tmp_path / "nothing")
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(DatasetError, match=r"not a readable \.npz"):
+        load_dataset(tmp_path / "junk.npz")
+    with pytest.raises(DatasetError, match="no class subfolders"):
+        load_dataset(tmp_path)
+
+
+def test_image_folder_reads_one_class_per_subfolder(tmp_path):
+    image = pytest.importorskip("PIL.Image")
+    for label in ("cat", "dog"):
+        (tmp_path / label).mkdir()
+        for i in range(5):
+            image.fromarray(np.full((4, 4, 3), 40 * i, dtype=np.uint8)).save(tmp_path / label / f"{i}.png")
+    data = load_dataset(tmp_path, image_size=8)
+    assert data.num_classes == 2 and len(data.train_y) + len(data.test_y) == 10
+    assert data.train_x.shape[1:] == (3, 8, 8)
+    (tmp_path / "dog" / "broken.png").write_bytes(b"nope")
+    with pytest.raises(DatasetError, match=r"broken.png: not a readable image"):
+        load_dataset(tmp_path)
+
+
+def cifar_batch_bytes(data: np.ndarray, labels: list[int]) -> bytes:
+    """A CIFAR-10 python batch as Python 2 wrote it (protocol 2), assembled opcode by opcode."""
+
+    def short(text: bytes) -> bytes:
+        return b"U" + bytes([len(text)]) + text  # SHORT_BINSTRING
+
+    raw = data.tobytes()
+    dtype = (
+        b"cnumpy\ndtype\n"
+        + short(b"u1")
+        + b"K\x00K\x01\x87R"
+        + b"(K\x03"
+        + short(b"|")
+        + b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb"
+    )
+    array = (
+        b"cnumpy.core.multiarray\n_reconstruct\n"
+        + b"cnumpy\nndarray\n"
+        + b"K\x00\x85"
+        + short(b"b")
+        + b"\x87R"
+        + b"(K\x01"
+        + b"K"
+        + bytes([data.shape[0]])
+        + b"M\x00\x0c\x86"
+        + dtype
+        + b"\x89"
+        + b"T"
+        + len(raw).to_bytes(4, "little")
+        + raw
+        + b"tb"
+    )
+    label_list = b"](" + b"".join(b"K" + bytes([v]) for v in labels) + b"e"
+    return b"\x80\x02}(" + short(b"data") + array + short(b"labels") + label_list + b"u."
+
+
+def test_cifar_python_batches_are_decoded_without_unpickling(tmp_path):
+    rng = np.random.default_rng(1)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        data = rng.integers(0, 255, (2, 3072), dtype=np.uint8)
+        (tmp_path / name).write_bytes(cifar_batch_bytes(data, [1, 3]))
+    assert decode_data_pickle(cifar_batch_bytes(data, [1, 3]))[b"data"].tolist() == data.tolist()
+    loaded = load_dataset(tmp_path)
+    assert loaded.train_x.shape == (10, 3, 32, 32) and loaded.test_y.tolist() == [1, 3]
+    assert np.allclose(loaded.test_x.numpy().reshape(2, -1) * 255, data)
+
+
+def test_pickles_that_name_code_are_refused(tmp_path):
+    evil = b"\x80\x02cos\nsystem\nU\x02lsR."
+    with pytest.raises(DatasetError, match="refers to 'os system'"):
+        decode_data_pickle(evil)
+    (tmp_path / "data_batch_1").write_bytes(evil)
+    with pytest.raises(DatasetError, match="os system"):
+        load_dataset(tmp_path)

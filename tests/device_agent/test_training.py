@@ -1,0 +1,44 @@
+import torch
+from torch import nn
+
+from device_agent.clients.base import ClientProgram, trainable_state
+from device_agent.training import TrainConfig, masked_cross_entropy, train_local
+
+
+def test_masked_cross_entropy_ignores_absent_classes_and_has_finite_gradients():
+    logits = torch.randn(4, 5, requires_grad=True)
+    labels = torch.tensor([0, 2, 2, 0])
+    absent = torch.tensor([False, True, False, True, True])
+    loss = masked_cross_entropy(logits, labels, absent)
+    present = logits[:, [0, 2]]
+    expected = nn.functional.cross_entropy(present, torch.tensor([0, 1, 1, 0]))
+    assert torch.allclose(loss, expected)
+    loss.backward()
+    assert torch.isfinite(logits.grad).all()
+    assert torch.all(logits.grad[:, absent] == 0)
+
+
+class Linear(ClientProgram):
+    def __init__(self, meta, tensors, local=None):
+        super().__init__(meta, tensors, local)
+        self.model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
+        self.penalty_calls = 0
+
+    def regularizer(self):
+        self.penalty_calls += 1
+        return 0.0 * self.model[1].weight.sum()
+
+    def upload(self):
+        return trainable_state(self.model)
+
+
+def test_train_local_runs_epochs_records_classes_and_adds_the_regularizer():
+    meta = {"strategy": "t", "arch": "x", "num_classes": 3, "in_channels": 1, "image_size": 2, "level": 1.0}
+    program = Linear(meta, {})
+    x, y = torch.randn(10, 1, 2, 2), torch.tensor([0, 2] * 5)
+    before = program.model[1].weight.detach().clone()
+    result = train_local(program, (x, y), TrainConfig(epochs=2, batch_size=4))
+    assert result.samples == 10 and result.steps == 6 and program.penalty_calls == 6
+    assert program.local_classes.tolist() == [0, 2]
+    assert not torch.equal(before, program.model[1].weight)
+    assert torch.isfinite(torch.tensor(result.mean_loss))
