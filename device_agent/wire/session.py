@@ -23,7 +23,7 @@ import queue
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
@@ -298,7 +298,7 @@ class Session:
         delivery = Delivery(manifest.transfer)
         with self._lock:
             self._outgoing[manifest.transfer] = (topic, outgoing, delivery)
-        self._publish_all([(topic, frame) for frame in outgoing.start()], transfer=manifest.transfer)
+        self._publish_all(((topic, frame) for frame in outgoing.start()), transfer=manifest.transfer)
         return delivery
 
     def _check_packet(self, size: int, what: str) -> None:
@@ -316,7 +316,7 @@ class Session:
         if transfer is not None and info.mid:
             self._mids[info.mid] = transfer
 
-    def _publish_all(self, frames: list[tuple[str, bytes]], transfer: str | None = None) -> None:
+    def _publish_all(self, frames: Iterable[tuple[str, bytes]], transfer: str | None = None) -> None:
         for topic, data in frames:
             self._publish(topic, data, transfer=transfer)
 

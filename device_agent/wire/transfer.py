@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from device_agent.wire.messages import Ack, Error, Manifest, Message, Nack, ProtocolError, encode
@@ -159,9 +161,15 @@ class OutgoingTransfer:
         size = self.manifest.chunk_size
         return chunk_frame(self.transfer, index, self._payload[index * size : (index + 1) * size])
 
-    def start(self) -> list[bytes]:
-        """Everything for a first attempt: the manifest, then every chunk in order."""
-        return [encode(self.manifest), *(self.frame(i) for i in range(len(self.manifest.chunks)))]
+    def start(self) -> Iterator[bytes]:
+        """Everything for a first attempt: the manifest, then every chunk in order.
+
+        Lazily: each frame is a copy of its chunk, so building frame i while the network sends
+        frame i - 1 keeps a 45 MiB copy off the critical path and out of memory.
+        """
+        yield encode(self.manifest)
+        for index in range(len(self.manifest.chunks)):
+            yield self.frame(index)
 
     def touch(self, now: float) -> None:
         """Evidence the transfer is progressing (the broker took a frame); postpones re-announcing."""
@@ -213,19 +221,37 @@ class OutgoingTransfer:
 
 @dataclass
 class _Incoming:
+    """An unfinished transfer. Verified chunks are kept as the views they arrived in and joined once
+    at the end: copying each into a preallocated buffer and that buffer into ``bytes`` cost two
+    full copies (and page faults) on the network thread."""
+
     manifest: Manifest
-    buffer: bytearray
+    chunks: list[bytes | memoryview | None]
     missing: set[int]
     last_seen: float
     nacked_at: float = float("-inf")
 
 
-@dataclass(frozen=True)
 class Completed:
-    """A complete, verified transfer."""
+    """A complete, verified transfer.
 
-    manifest: Manifest
-    data: bytes
+    ``data`` joins the verified chunks on first use, in whichever thread asks (the session's
+    dispatcher): the ack then does not wait for a copy of the whole payload on the network thread.
+    """
+
+    def __init__(self, manifest: Manifest, chunks: Sequence[bytes | memoryview]) -> None:
+        self.manifest = manifest
+        self._chunks: Sequence[bytes | memoryview] | None = chunks
+        self._data: bytes | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def data(self) -> bytes:
+        with self._lock:
+            if self._data is None:
+                self._data = b"".join(self._chunks or ())
+                self._chunks = None
+            return self._data
 
 
 @dataclass
@@ -281,11 +307,12 @@ class IncomingTransfers:
         if manifest.size > self.max_payload_bytes:
             detail = f"{manifest.size} bytes exceed the receiver's {self.max_payload_bytes}-byte limit"
             return [Error(code="too_large", transfer=tid, detail=detail)], None
-        pending = sum(len(t.buffer) for t in self._open.values())
+        pending = sum(t.manifest.size for t in self._open.values())
         if pending + manifest.size > self.max_pending_bytes:
             detail = f"receiver already holds {pending} bytes of unfinished transfers"
             return [Error(code="too_large", transfer=tid, detail=detail)], None
-        incoming = _Incoming(manifest, bytearray(manifest.size), set(range(len(manifest.chunks))), now)
+        count = len(manifest.chunks)
+        incoming = _Incoming(manifest, [None] * count, set(range(count)), now)
         self._open[tid] = incoming
         return self._finish(incoming) if not incoming.missing else ([], None)
 
@@ -311,7 +338,8 @@ class IncomingTransfers:
         if len(data) != expected_len or hashlib.sha256(data).hexdigest() != manifest.chunks[index]:
             self.stats.corrupt += 1
             return [], None
-        incoming.buffer[start : start + expected_len] = data
+        # A view into a caller's mutable buffer could change after verification: keep a copy of those.
+        incoming.chunks[index] = data if isinstance(data, bytes) or memoryview(data).readonly else bytes(data)
         incoming.missing.discard(index)
         if incoming.missing:
             return [], None
@@ -345,4 +373,4 @@ class IncomingTransfers:
         while len(self._done) > self.remember_done:
             self._done.popitem(last=False)
         self.stats.completed += 1
-        return [Ack(transfer=manifest.transfer, digest=manifest.digest)], Completed(manifest, bytes(incoming.buffer))
+        return [Ack(transfer=manifest.transfer, digest=manifest.digest)], Completed(manifest, incoming.chunks)
