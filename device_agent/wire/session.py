@@ -13,11 +13,15 @@ What this layer guarantees on top of paho:
 - a malformed or unknown-version message is logged and dropped; the session carries on.
 
 Callbacks given by the user run on one dispatcher thread, never on paho's network thread, so a slow
-or failing handler cannot stall or kill the connection.
+or failing handler cannot stall or kill the connection. Inbound manifests and chunks are verified and
+reassembled on a receive thread, in arrival order: paho's thread only parses a frame header and hands
+it over, so it goes back to reading the socket (and acking to the broker) while a chunk is hashed;
+hashlib releases the GIL on large buffers, so both run at once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import ssl
@@ -62,6 +66,8 @@ log = logging.getLogger("fedfleet.wire")
 
 MessageHandler = Callable[[str, Message], None]
 PayloadHandler = Callable[[str, Completed], None]
+# What paho's thread hands the receive thread: (topic, a manifest or a parsed chunk frame, arrival time).
+_Inbound = tuple[str, Manifest | tuple[str, int, memoryview], float]
 
 
 @dataclass(frozen=True)
@@ -190,6 +196,7 @@ class Session:
         self._connected = threading.Event()
         self._stopping = threading.Event()
         self._events: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._inbound: queue.SimpleQueue[_Inbound | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._client = self._make_client(will)
 
@@ -236,7 +243,11 @@ class Session:
             properties=properties,
         )
         self._client.loop_start()
-        for target, name in ((self._dispatch_loop, "dispatch"), (self._tick_loop, "tick")):
+        for target, name in (
+            (self._dispatch_loop, "dispatch"),
+            (self._tick_loop, "tick"),
+            (self._receive_loop, "receive"),
+        ):
             thread = threading.Thread(target=target, name=f"fedfleet-{name}-{cfg.client_id}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -251,6 +262,7 @@ class Session:
         self._client.disconnect()
         self._client.loop_stop()
         self._events.put(None)
+        self._inbound.put(None)
         for thread in self._threads:
             thread.join(timeout=5)
         self._threads.clear()
@@ -389,12 +401,7 @@ class Session:
         now = time.monotonic()
         try:
             if is_chunk_frame(data):
-                transfer, index, chunk = parse_chunk_frame(data)
-                with self._lock:
-                    replies, completed = self._receiver(msg.topic).on_chunk(transfer, index, chunk, now)
-                self._reply(msg.topic, replies)
-                if completed is not None:
-                    self._deliver_payload(msg.topic, completed)
+                self._inbound.put((msg.topic, parse_chunk_frame(data), now))
                 return
             message = parse_message(data)
         except ProtocolError as exc:
@@ -402,11 +409,7 @@ class Session:
             log.warning("%s: rejected a message on %s: %s", self.config.client_id, msg.topic, exc)
             return
         if isinstance(message, Manifest):
-            with self._lock:
-                replies, completed = self._receiver(msg.topic).on_manifest(message, now)
-            self._reply(msg.topic, replies)
-            if completed is not None:
-                self._deliver_payload(msg.topic, completed)
+            self._inbound.put((msg.topic, message, now))  # behind the chunks already queued, in order
         elif isinstance(message, Ack | Nack):
             self._on_transfer_answer(message, now)
         else:
@@ -481,6 +484,24 @@ class Session:
             delivery._settle(outgoing.failed)
         for topic, tid, frame in frames:
             self._publish(topic, frame, transfer=tid)
+
+    def _receive_loop(self) -> None:
+        while (item := self._inbound.get()) is not None:
+            topic, what, now = item
+            try:
+                if isinstance(what, Manifest):
+                    with self._lock:
+                        replies, completed = self._receiver(topic).on_manifest(what, now)
+                else:
+                    transfer, index, chunk = what
+                    digest = hashlib.sha256(chunk).hexdigest()  # outside the lock: the slow part
+                    with self._lock:
+                        replies, completed = self._receiver(topic).on_chunk(transfer, index, chunk, now, digest)
+                self._reply(topic, replies)
+                if completed is not None:
+                    self._deliver_payload(topic, completed)
+            except Exception:
+                log.exception("%s: error receiving on %s (the session keeps running)", self.config.client_id, topic)
 
     def _dispatch_loop(self) -> None:
         while (event := self._events.get()) is not None:

@@ -317,9 +317,12 @@ class IncomingTransfers:
         return self._finish(incoming) if not incoming.missing else ([], None)
 
     def on_chunk(
-        self, transfer: str, index: int, data: bytes | memoryview, now: float
+        self, transfer: str, index: int, data: bytes | memoryview, now: float, digest: str | None = None
     ) -> tuple[list[Message], Completed | None]:
-        """Take one chunk; returns replies to send and, once, the completed transfer."""
+        """Take one chunk; returns replies to send and, once, the completed transfer.
+
+        ``digest``: the sha256 hex of ``data`` if the caller already computed it, outside any lock.
+        """
         if transfer in self._done:
             self.stats.late += 1
             return [], None
@@ -335,7 +338,10 @@ class IncomingTransfers:
         manifest = incoming.manifest
         start = index * manifest.chunk_size
         expected_len = min(manifest.chunk_size, manifest.size - start)
-        if len(data) != expected_len or hashlib.sha256(data).hexdigest() != manifest.chunks[index]:
+        if len(data) != expected_len:
+            self.stats.corrupt += 1
+            return [], None
+        if (digest or hashlib.sha256(data).hexdigest()) != manifest.chunks[index]:
             self.stats.corrupt += 1
             return [], None
         # A view into a caller's mutable buffer could change after verification: keep a copy of those.
