@@ -21,7 +21,6 @@ hashlib releases the GIL on large buffers, so both run at once.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
 import ssl
@@ -57,8 +56,10 @@ from device_agent.wire.transfer import (
     OutgoingTransfer,
     PayloadTooLarge,
     TransferError,
+    announce,
+    chunk_is_intact,
     is_chunk_frame,
-    make_manifest,
+    new_transfer_id,
     parse_chunk_frame,
 )
 
@@ -67,7 +68,7 @@ log = logging.getLogger("fedfleet.wire")
 MessageHandler = Callable[[str, Message], None]
 PayloadHandler = Callable[[str, Completed], None]
 # What paho's thread hands the receive thread: (topic, a manifest or a parsed chunk frame, arrival time).
-_Inbound = tuple[str, Manifest | tuple[str, int, memoryview], float]
+_Inbound = tuple[str, Manifest | tuple[str, int, memoryview, bytes], float]
 
 
 @dataclass(frozen=True)
@@ -295,15 +296,20 @@ class Session:
         """Start a verified chunked transfer of ``payload`` to ``topic``; refuse it now if it breaks a limit.
 
         Pass a ``manifest`` from ``make_manifest`` to send the same bytes to several receivers without
-        rehashing (each send gets a fresh transfer id); otherwise one is made from ``manifest_fields``.
+        rehashing (each send gets a fresh transfer id); otherwise ``payload`` is announced with
+        ``manifest_fields`` and hashed chunk by chunk as it is published.
         """
         cfg = self.config
         if manifest is None:
-            manifest = make_manifest(payload, cfg.chunk_size, limits=cfg.limits, **manifest_fields)
+            manifest = announce(len(payload), cfg.chunk_size, limits=cfg.limits, **manifest_fields)
         else:
             cfg.limits.check(manifest.size, manifest.chunk_size)
-            manifest = manifest.model_copy(update={"transfer": make_manifest(b"").transfer})
-        self._check_packet(len(encode(manifest)), "manifest")
+            manifest = manifest.model_copy(update={"transfer": new_transfer_id()})
+        # The seal is the largest control message of a transfer: check it before the first byte leaves.
+        placeholder = ["0" * 64] * manifest.chunk_count
+        self._check_packet(
+            len(encode(manifest.model_copy(update={"chunks": placeholder, "digest": "0" * 64}))), "manifest"
+        )
         outgoing = OutgoingTransfer(
             manifest, payload, time.monotonic(), resend_after=cfg.resend_after_s, max_attempts=cfg.max_attempts
         )
@@ -493,10 +499,11 @@ class Session:
                     with self._lock:
                         replies, completed = self._receiver(topic).on_manifest(what, now)
                 else:
-                    transfer, index, chunk = what
-                    digest = hashlib.sha256(chunk).hexdigest()  # outside the lock: the slow part
+                    transfer, index, chunk, digest = what
+                    intact = chunk_is_intact(chunk, digest)  # outside the lock: the slow part
                     with self._lock:
-                        replies, completed = self._receiver(topic).on_chunk(transfer, index, chunk, now, digest)
+                        receiver = self._receiver(topic)
+                        replies, completed = receiver.on_chunk(transfer, index, chunk, digest, now, intact)
                 self._reply(topic, replies)
                 if completed is not None:
                     self._deliver_payload(topic, completed)

@@ -97,7 +97,7 @@ class FaultySession(Session):
     def _publish(self, topic, data, retain=False, transfer=None):
         if not is_chunk_frame(data):
             return super()._publish(topic, data, retain, transfer)
-        _, index, _ = parse_chunk_frame(data)
+        _, index, _, _ = parse_chunk_frame(data)
         first = index not in self.seen
         self.seen.add(index)
         fault = index % 5 if first else None
