@@ -27,6 +27,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
@@ -69,6 +70,7 @@ MessageHandler = Callable[[str, Message], None]
 PayloadHandler = Callable[[str, Completed], None]
 # What paho's thread hands the receive thread: (topic, a manifest or a parsed chunk frame, arrival time).
 _Inbound = tuple[str, Manifest | tuple[str, int, memoryview, bytes], float]
+_INBOUND_FRAMES = 256
 
 
 @dataclass(frozen=True)
@@ -197,8 +199,10 @@ class Session:
         self._connected = threading.Event()
         self._stopping = threading.Event()
         self._events: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._inbound: queue.SimpleQueue[_Inbound | None] = queue.SimpleQueue()
+        # Bounded: when hashing falls behind, paho's thread waits here and TCP pushes back on the broker.
+        self._inbound: queue.Queue[_Inbound | None] = queue.Queue(maxsize=_INBOUND_FRAMES)
         self._threads: list[threading.Thread] = []
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fedfleet-hash-{config.client_id}")
         self._client = self._make_client(will)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -267,6 +271,7 @@ class Session:
         for thread in self._threads:
             thread.join(timeout=5)
         self._threads.clear()
+        self._hasher.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> Session:
         return self
@@ -316,7 +321,7 @@ class Session:
         delivery = Delivery(manifest.transfer)
         with self._lock:
             self._outgoing[manifest.transfer] = (topic, outgoing, delivery)
-        self._publish_all(((topic, frame) for frame in outgoing.start()), transfer=manifest.transfer)
+        self._publish_all(((topic, frame) for frame in outgoing.start(self._hasher)), transfer=manifest.transfer)
         return delivery
 
     def _check_packet(self, size: int, what: str) -> None:

@@ -30,6 +30,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,15 +212,19 @@ class OutgoingTransfer:
             self.manifest = seal(self.manifest, [self._digest(i) for i in range(len(self._digests))])
         return self.manifest
 
-    def start(self) -> Iterator[bytes]:
+    def start(self, hasher: Executor | None = None) -> Iterator[bytes]:
         """Everything for a first attempt: the manifest, every chunk in order, then the seal if still due.
 
         Lazily: hashing and copying chunk i while the network sends chunk i - 1 keeps both off the
-        critical path (and a second copy of the payload out of memory).
+        critical path (and a second copy of the payload out of memory). With a ``hasher`` the chunks
+        are hashed on its thread, ahead of the frames, while this one copies and publishes.
         """
         announced_sealed = self.manifest.sealed
         yield encode(self.manifest)
+        ahead = hasher.map(self._digest, range(len(self._digests))) if hasher and not announced_sealed else None
         for index in range(len(self._digests)):
+            if ahead is not None:
+                next(ahead)  # chunk ``index`` is hashed; usually long since
             yield self.frame(index)
         if not announced_sealed:
             yield encode(self.sealed())
