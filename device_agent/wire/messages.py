@@ -115,7 +115,10 @@ class Ack(_Message):
 
 
 class Nack(_Message):
-    """The receiver still misses these chunks (never arrived, or arrived corrupt): resend them."""
+    """The receiver still misses these chunks (never arrived, or arrived corrupt): resend them.
+
+    An empty list: it has every chunk but not the seal (the sealed manifest), so send that again.
+    """
 
     type: Literal["nack"] = "nack"
     transfer: Annotated[str, Field(pattern=_TRANSFER_ID)]

@@ -281,9 +281,8 @@ class OutgoingTransfer:
 
 @dataclass
 class _Incoming:
-    """An unfinished transfer. Verified chunks are kept as the views they arrived in and joined once
-    at the end: copying each into a preallocated buffer and that buffer into ``bytes`` cost two
-    full copies (and page faults) on the network thread."""
+    """An unfinished transfer. Verified chunks are kept as the buffers they arrived in and joined
+    once, when the payload is handed over: no copy of the payload is made before the ack."""
 
     manifest: Manifest
     chunks: list[bytes | memoryview | None]
@@ -465,11 +464,12 @@ class IncomingTransfers:
         # Every chunk matched the seal's digest for it and the seal's digest matched those digests
         # when it was accepted, so the transfer digest holds by construction.
         manifest = incoming.manifest
+        digest = manifest.digest
+        assert digest is not None, "only a sealed transfer is complete"
         del self._open[manifest.transfer]
-        self._done[manifest.transfer] = manifest.digest
+        self._done[manifest.transfer] = digest
         while len(self._done) > self.remember_done:
             self._done.popitem(last=False)
         self.stats.completed += 1
-        assert manifest.digest is not None  # _complete: sealed
         chunks = [c for c in incoming.chunks if c is not None]
-        return [Ack(transfer=manifest.transfer, digest=manifest.digest)], Completed(manifest, chunks)
+        return [Ack(transfer=manifest.transfer, digest=digest)], Completed(manifest, chunks)
