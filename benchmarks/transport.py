@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import tempfile
 import threading
@@ -49,6 +50,8 @@ def _raw_client(address: BrokerAddress, name: str, v5: bool) -> mqtt.Client:
     client.username_pw_set(address.username, address.password)
     client.max_inflight_messages_set(_MAX_INFLIGHT)
     client.connect(address.host, address.port)
+    # The same socket option as fedfleet's sessions, so the baseline is not slowed by Nagle either.
+    client.socket().setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     client.loop_start()
     return client
 

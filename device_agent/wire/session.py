@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import socket
 import ssl
 import threading
 import time
@@ -228,6 +229,7 @@ class Session:
         client.on_disconnect = self._guard(self._handle_disconnect)
         client.on_message = self._guard(self._handle_message)
         client.on_publish = self._guard(self._handle_publish)
+        client.on_socket_open = self._guard(_no_delay)
         return client
 
     def start(self, timeout: float | None = 10.0) -> Session:
@@ -521,6 +523,13 @@ class Session:
                 event()
             except Exception:
                 log.exception("%s: error in a message handler (the session keeps running)", self.config.client_id)
+
+
+def _no_delay(_client: mqtt.Client, _userdata: Any, sock: Any) -> None:
+    """Send small packets at once (paho leaves Nagle on): an ack or nack written right after a PUBACK
+    otherwise waits for the broker's delayed TCP ack, ~40 ms on Linux, once per transfer or repair."""
+    if isinstance(sock, socket.socket):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def device_session(
