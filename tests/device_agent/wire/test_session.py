@@ -3,6 +3,7 @@
 import hashlib
 import logging
 import os
+import socket
 import threading
 import time
 
@@ -246,3 +247,13 @@ def test_one_manifest_hashed_beforehand_serves_several_devices(mosquitto):
         coord.stop()
         dev_a.stop()
         dev_b.stop()
+
+
+def test_session_sockets_send_small_packets_without_waiting_for_nagle(mosquitto):
+    coord, dev, _inbox, _topics = pair(mosquitto)
+    try:
+        for session in (coord, dev):
+            assert session._client.socket().getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        coord.stop()
+        dev.stop()
