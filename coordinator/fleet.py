@@ -181,12 +181,11 @@ class Strategy(_Strict):
     name: Literal[STRATEGIES] = "fedhm"  # type: ignore[valid-type]
     params: dict[str, Any] = Field(default_factory=dict)
 
-    @model_validator(mode="after")
-    def _params_for_strategy(self) -> Strategy:
-        validate = STRATEGY_PARAMS.get(self.name)
-        if validate is not None:
-            self.params = validate(self.params)
-        return self
+    @field_validator("params")
+    @classmethod
+    def _params_for_strategy(cls, params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        validate = STRATEGY_PARAMS.get(info.data.get("name", ""))
+        return params if validate is None else validate(params)
 
 
 class Training(_Strict):
@@ -271,7 +270,8 @@ class Device(_Strict):
                 try:
                     base.model_validate({**base.model_dump(), **patch.model_dump(exclude_none=True)})
                 except ValidationError as exc:
-                    raise ValueError(f"overrides.{section} {format_validation_error(exc)}") from None
+                    problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+                    raise ValueError(f"overrides.{section}: {problems}") from None
         return self
 
 
