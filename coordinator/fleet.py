@@ -102,7 +102,10 @@ class Broker(_Strict):
     username: str = "coordinator"
     password: str | None = None
 
-    _password = field_validator("password")(classmethod(lambda cls, v: _secret_ref(v)))
+    @field_validator("password")
+    @classmethod
+    def _password_is_a_reference(cls, value: str | None) -> str | None:
+        return _secret_ref(value)
 
     @model_validator(mode="after")
     def _url_matches_mode(self) -> Broker:
@@ -227,9 +230,10 @@ class DeviceOverrides(_Strict):
     compute: ComputeOverride | None = None  # type: ignore[valid-type]
     network: NetworkOverride | None = None  # type: ignore[valid-type]
 
-    _max_ratio = field_validator("max_ratio", mode="before")(
-        classmethod(lambda cls, v: None if v is None else parse_ratio(v))
-    )
+    @field_validator("max_ratio", mode="before")
+    @classmethod
+    def _ratio(cls, value: Any) -> float | None:
+        return None if value is None else parse_ratio(value)
 
 
 class Device(_Strict):
@@ -238,7 +242,10 @@ class Device(_Strict):
     credentials: str | None = Field(None, description="env:NAME or file:PATH; generated at provisioning when absent")
     overrides: DeviceOverrides = DeviceOverrides()
 
-    _credentials = field_validator("credentials")(classmethod(lambda cls, v: _secret_ref(v)))
+    @field_validator("credentials")
+    @classmethod
+    def _credentials_are_a_reference(cls, value: str | None) -> str | None:
+        return _secret_ref(value)
 
     @field_validator("id")
     @classmethod

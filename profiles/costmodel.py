@@ -30,6 +30,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from device_agent.factorized import LowRankLayer
 from device_agent.hybrid import hybrid
 from device_agent.models import model_card
 from profiles.schema import DeviceClass
@@ -131,7 +132,7 @@ def _op_cost(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.
 def trace_model(
     arch: str, gamma: float, num_classes: int = 10, in_channels: int | None = None, image_size: int | None = None
 ) -> ModelTrace:
-    """Trace ``hybrid(arch, gamma)`` once at batch 1 on the CPU (a forward and backward of one sample)."""
+    """Trace one forward pass of ``hybrid(arch, gamma)`` at batch 1 on the CPU: operators and saved tensors."""
     card = model_card(arch)
     channels = in_channels or card.in_channels
     size = image_size or card.image_size
@@ -180,7 +181,7 @@ def trace_model(
 
     handles = []
     for module in model.modules():
-        if hasattr(module, "reduce") and hasattr(module, "expand"):
+        if isinstance(module, LowRankLayer):
             handles.append(module.register_forward_hook(lowrank_hook))
         elif not list(module.children()):
             handles.append(module.register_forward_hook(leaf_hook))

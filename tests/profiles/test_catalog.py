@@ -76,10 +76,10 @@ def test_a_user_directory_adds_profiles_and_replaces_shipped_ones(tmp_path: Path
 
 
 def test_profile_directories_come_from_the_environment_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _write_profile(tmp_path, "env-box", "2 GiB")
+    _write_profile(tmp_path, "env-box", "6 GiB")
     monkeypatch.setenv(ENV_VAR, str(tmp_path))
 
-    assert load_catalog()["env-box"].memory.total == 2 * 2**30
+    assert load_catalog()["env-box"].memory.total == 6 * 2**30
 
 
 def test_an_unknown_name_suggests_the_closest() -> None:
