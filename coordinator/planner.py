@@ -196,7 +196,7 @@ def _why_not(estimate: _Estimate, budget: int, deadline: float, profile: DeviceC
 
 def _why_this(ratio: float, ratios: list[float], cap: float, ceiling: float | None, rejected: list[str]) -> str:
     if rejected:
-        return f"largest that fits; gamma {rejected[0]}"
+        return f"largest that fits; gamma {rejected[-1]}"
     if ceiling is not None and ceiling < max(ratios) and ratio == ceiling:
         return f"capped at {fmt_ratio(ceiling)} after running out of memory above it"
     if cap < max(ratios):
