@@ -4,10 +4,11 @@ Every configuration (model x gamma x batch size) trains a few steps in a fresh s
 reports the peak resident memory of its training steps (Linux's VmHWM, reset after the model is
 built so construction does not count) above what the process held before the model existed,
 and the fastest step time. The prediction uses this machine's probed profile (matmul GFLOPS,
-copy bandwidth); the training efficiency is calibrated on ONE configuration and reused for all.
+batch-norm bandwidth); the training efficiency is calibrated on ONE configuration and reused
+for all others. Linux only (/proc/self/status, /proc/self/clear_refs).
 
 Everything runs on one torch thread and is timed in process CPU time (the probe's matmul and
-copy benchmarks too), so that other jobs on a shared machine do not show up as slow steps.
+bandwidth benchmarks too), so that other jobs on a shared machine do not show up as slow steps.
 
     python -m benchmarks.costmodel --json
 """
@@ -15,6 +16,7 @@ copy benchmarks too), so that other jobs on a shared machine do not show up as s
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -22,6 +24,15 @@ import sys
 import time
 from fractions import Fraction
 from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from device_agent.hybrid import hybrid
+from device_agent.models import model_card
+from device_agent.probe import ComputeSpec, measure_matmul_gflops, measure_memory_bandwidth_gbs, probe_device
+from profiles.catalog import profile_from_report
+from profiles.costmodel import Workload, calibrate_efficiency, predict_memory, predict_step_seconds
 
 DEFAULT_CONFIGS = {"resnet18": (8, 32), "cnn": (32, 256)}
 GAMMAS = (1.0, 0.5, 0.25, 0.125)
@@ -40,12 +51,7 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} missing from /proc/self/status")
 
 
-def _train_steps(arch: str, gamma: float, x, y, steps: int, optimizer: str) -> list[float]:
-    import torch
-    from torch import nn
-
-    from device_agent.hybrid import hybrid
-
+def _train_steps(arch: str, gamma: float, x: Tensor, y: Tensor, steps: int, optimizer: str) -> list[float]:
     model = hybrid(arch, gamma, 10, x.shape[1])
     model.train()
     momentum = 0.9 if optimizer == "momentum" else 0.0
@@ -74,12 +80,6 @@ def _worker(arch: str, gamma: float, batch: int, steps: int, optimizer: str, thr
     the runtime context (counted separately by the cost model), not the step's memory. The fastest
     of the timed steps is reported because the machine is shared: contention only ever adds time.
     """
-    import gc
-
-    import torch
-
-    from device_agent.models import model_card
-
     torch.set_num_threads(threads)
     card = model_card(arch)
     size = CNN_IMAGE_SIZE if arch == "cnn" else card.image_size
@@ -120,12 +120,6 @@ def run(
     gammas: tuple[float, ...] = GAMMAS,
     calibration: tuple[str, float, int] = CALIBRATION,
 ) -> dict:
-    import torch
-
-    from device_agent.probe import ComputeSpec, measure_matmul_gflops, measure_memory_bandwidth_gbs, probe_device
-    from profiles.catalog import profile_from_report
-    from profiles.costmodel import Workload, calibrate_efficiency, predict_memory, predict_step_seconds
-
     torch.set_num_threads(threads)
     cpu = torch.device("cpu")
     compute = ComputeSpec(

@@ -40,7 +40,6 @@ class DevicePlan:
 
 @dataclass(frozen=True)
 class _Estimate:
-    ratio: float
     memory: int
     seconds: float
 
@@ -179,7 +178,7 @@ def _estimate(fleet: Fleet, device: Device, profile: DeviceClass, ratio: float) 
         + trace.upload_bytes * 8 / (link.uplink_mbps * 1e6)
         + 2 * link.latency_ms / 1e3
     )
-    return _Estimate(ratio, memory, steps * predict_step_seconds(work, profile) + transfer)
+    return _Estimate(memory, steps * predict_step_seconds(work, profile) + transfer)
 
 
 def _why_not(estimate: _Estimate, budget: int, deadline: float, profile: DeviceClass, fleet: Fleet) -> str | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,3 +149,14 @@ def test_a_report_alone_is_a_complete_profile() -> None:
     assert profile.name == "reported"
     assert profile.network.uplink_mbps == 40
     assert profile.accelerator == "cpu"
+
+
+def _top_level_modules_after(statement: str) -> set[str]:
+    code = f"{statement}; import sys; print(' '.join(sorted({{m.split('.')[0] for m in sys.modules}})))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    return set(result.stdout.split())
+
+
+def test_profiles_never_import_the_coordinator_and_the_agent_never_imports_profiles() -> None:
+    assert not _top_level_modules_after("import profiles.catalog, profiles.costmodel") & {"coordinator", "benchmarks"}
+    assert "profiles" not in _top_level_modules_after("import device_agent.cli, device_agent.probe")
