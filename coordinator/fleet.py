@@ -8,7 +8,7 @@ second, one found in round 40 costs the run. See examples/fleet.yaml for a comme
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from copy import copy
 from fractions import Fraction
 from pathlib import Path
@@ -28,39 +28,18 @@ from pydantic import (
     model_validator,
 )
 
+from coordinator.strategies import STRATEGIES
 from device_agent.models import MODELS
 from device_agent.probe import ComputeSpec, MemorySpec, NetworkSpec
 from profiles.catalog import Catalog, ProfileError, format_validation_error, load_catalog, unknown_profile_message
 from profiles.costmodel import OPTIMIZER_STATES
 
 REPORTED = "reported"
-STRATEGIES = (
-    "fedhm",
-    "fedavg",
-    "fedavg_small",
-    "heterofl",
-    "fedrolex",
-    "factorized_fl",
-    "factorized_fl_beta",
-    "simfed",
-    "fedfac",
-)
 # Training-set sizes of the built-in datasets, to split across devices when no size is given.
 DATASET_SIZES = {"digits": 1797, "cifar10": 50_000, "cifar100": 50_000}
 _DEVICE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _SECRET_REF = re.compile(r"^(env:[A-Za-z_][A-Za-z0-9_]*|file:.+)$")
 _PARTITION = re.compile(r"^(iid|permuted_labels|domains|dirichlet\((?P<alpha>[^)]*)\))$")
-
-# Per-strategy parameter schemas: name -> validator returning the normalized params (raise
-# ValueError/ValidationError on bad input). Strategies register theirs with register_strategy_params.
-STRATEGY_PARAMS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}
-
-
-def register_strategy_params(name: str, model: type[BaseModel]) -> None:
-    """Validate ``strategy.params`` of strategy ``name`` with ``model`` (unknown keys should be forbidden)."""
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}")
-    STRATEGY_PARAMS[name] = lambda params: model.model_validate(params).model_dump()
 
 
 class FleetError(ValueError):
@@ -181,14 +160,23 @@ class Dataset(_Strict):
 
 
 class Strategy(_Strict):
-    name: Literal[STRATEGIES] = "fedhm"  # type: ignore[valid-type]
+    """The strategy by registry name; ``params`` are checked by that strategy's own ``Params`` schema."""
+
+    name: str = "fedhm"
     params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        if name not in STRATEGIES:
+            raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
+        return name
 
     @field_validator("params")
     @classmethod
     def _params_for_strategy(cls, params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        validate = STRATEGY_PARAMS.get(info.data.get("name", ""))
-        return params if validate is None else validate(params)
+        strategy = STRATEGIES.get(info.data.get("name", ""))
+        return params if strategy is None else strategy.Params.model_validate(params).model_dump()
 
 
 class Training(_Strict):
