@@ -116,6 +116,10 @@ def plan_device(
     report: DeviceProfile | None = None,
     ceiling: float | None = None,
 ) -> DevicePlan:
+    """One device's row: ratios are tried from the largest down, the first that fits wins.
+
+    ``base`` is None for a ``profile: reported`` device; ``ceiling`` comes from out-of-memory reports.
+    """
     deadline = fleet.round_deadline_s
     profile = effective_profile(device, base, report)
     label = device.profile if report is None else f"{device.profile} (measured)"
