@@ -27,5 +27,6 @@ def test_reduced_benchmark_reports_memory_and_time_errors() -> None:
         assert row["peak_bytes"] > 0 and row["predicted_peak_bytes"] > 0
         assert row["step_seconds"] > 0 and row["predicted_step_seconds"] > 0
     calibrated = result["configs"][0]
-    assert calibrated["time_ratio_rel_error"] == pytest.approx(0, abs=1e-6), "the calibration row is exact"
+    if result["training_efficiency"] < 1:  # efficiency is capped at 1: then the calibration row cannot be exact
+        assert calibrated["time_ratio_rel_error"] == pytest.approx(0, abs=1e-6), "the calibration row is exact"
     assert result["memory_rel_error_max"] == max(abs(r["memory_rel_error"]) for r in result["configs"])
