@@ -7,7 +7,7 @@ import json
 import sys
 from fractions import Fraction
 
-from coordinator import report_cli
+from coordinator import planning_cli, report_cli
 from coordinator.model_stats import model_stats
 from device_agent.models import MODELS
 
@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     models.set_defaults(handler=_models)
     report_cli.add_parser(commands)
+    planning_cli.add_profiles_parser(commands)
+    planning_cli.add_validate_parser(commands)
+    planning_cli.add_plan_parser(commands)
     return parser
 
 

@@ -28,6 +28,8 @@ the MQTT transport and are not part of this version.
 _EPILOG = """\
 examples:
   device-agent probe                    measure and print the profile as JSON
+  device-agent probe --broker mqtt://broker.local:1883
+                                        also measure latency and throughput to the broker
   device-agent probe --human            the same, as a short readable summary
   device-agent probe --device cpu --seconds 2
                                         benchmark the CPU only, for longer
@@ -80,10 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="time budget for the matmul benchmark; at least three repeats run even if it is exceeded "
         "(default: %(default)s)",
     )
-    probe.add_argument(
+    output = probe.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print the profile as JSON (the default)")
+    output.add_argument(
         "--human",
         action="store_true",
         help="print a short readable summary instead of JSON",
+    )
+    probe.add_argument(
+        "--broker",
+        metavar="URL",
+        help="also measure latency and throughput to this MQTT broker (mqtt://[user:pass@]host[:port] or "
+        "mqtts://...) by echoing messages on a scratch topic; off by default",
     )
     return parser
 
@@ -103,15 +113,21 @@ def format_human(profile: DeviceProfile) -> str:
         f"{profile.memory_available_bytes / _GIB:.1f} GiB available",
         f"accelerator: {accelerator}",
         f"matmul fp32: {profile.matmul_gflops:.1f} GFLOPS",
-        f"software:    python {profile.python}, torch {profile.torch}",
     ]
+    if profile.compute.memory_bandwidth_gbs is not None:
+        lines.append(f"memory bw:   {profile.compute.memory_bandwidth_gbs:.1f} GB/s (batch norm)")
+    if profile.network is not None:
+        lines.append(
+            f"broker link: {profile.network.uplink_mbps:.0f} Mbit/s, {profile.network.latency_ms:.2f} ms one way"
+        )
+    lines.append(f"software:    python {profile.python}, torch {profile.torch}")
     return "\n".join(lines)
 
 
 def _run_probe(args: argparse.Namespace) -> int:
     try:
-        profile = probe_device(benchmark_seconds=args.seconds, device=args.device)
-    except ValueError as exc:
+        profile = probe_device(benchmark_seconds=args.seconds, device=args.device, broker_url=args.broker)
+    except (ValueError, TimeoutError) as exc:
         print(f"device-agent: error: {exc}", file=sys.stderr)
         return 1
     print(format_human(profile) if args.human else profile.model_dump_json(indent=2))

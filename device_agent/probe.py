@@ -5,29 +5,96 @@ numbers are useless for that: the same Jetson runs at a fraction of its peak in 
 a Raspberry Pi throttles when hot, and a laptop shares its memory with a browser. So the profile
 carries measured numbers (available memory now, fp32 matmul throughput now), taken quickly enough
 to run at every start on the slowest device in the fleet.
+
+The ``memory`` / ``compute`` / ``network`` sections are the same models the coordinator's static
+device profiles (``profiles/``) are made of, so a measured report replaces a datasheet section by
+section: whatever the probe measured wins, whatever it could not measure keeps the datasheet value.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import platform
 import socket
 import statistics
+import threading
 import time
+import uuid
 from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
 
 import psutil
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
 # Square matmul sizes: large enough to reach steady-state throughput, small enough that one
 # product (0.27 GFLOP on CPU) takes well under a second even on a Raspberry Pi, so the two
 # warm-ups plus the minimum of three timed repeats stay bounded.
 _MATMUL_N = {"cpu": 512, "mps": 1024, "cuda": 2048}
 _MIN_REPEATS = 3
+# Bandwidth test buffer: 64 MiB defeats every cache of the devices we target, cheap on a 4 GB Jetson.
+_COPY_BYTES = 64 * 2**20
+_VERSIONED_PACKAGES = ("numpy", "paho-mqtt", "pydantic", "safetensors", "psutil", "pyyaml", "fedfleet")
+
+
+class MemorySpec(BaseModel):
+    """Memory of the device that trains: GPU memory when dedicated, system memory when shared."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    total: ByteSize = Field(description="memory of the training device, e.g. '4 GiB' or a number of bytes")
+    shared: bool = Field(description="true when the OS and CPU use the same memory (Raspberry Pi, Jetson, Apple M)")
+    reserved: ByteSize = Field(
+        ByteSize(0), description="held by the OS, the desktop and other processes: training gets total - reserved"
+    )
+
+    @model_validator(mode="after")
+    def _reserved_below_total(self) -> MemorySpec:
+        if self.reserved >= self.total:
+            raise ValueError(
+                f"reserved ({self.reserved.human_readable()}) must be below total ({self.total.human_readable()})"
+            )
+        return self
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.total) - int(self.reserved)
+
+
+class ComputeSpec(BaseModel):
+    """Throughput numbers a training step's duration is predicted from."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fp32_gflops: float = Field(gt=0, description="fp32 matmul throughput (datasheet peak, or measured by the probe)")
+    memory_bandwidth_gbs: float | None = Field(
+        None, gt=0, description="GB/s that bandwidth-bound kernels reach (datasheet peak, or probed); None: unknown"
+    )
+    training_efficiency: float | None = Field(
+        None, gt=0, le=1, description="fraction of fp32_gflops a training step's convolutions reach; None = default"
+    )
+    kernel_overhead_us: float | None = Field(
+        None, ge=0, description="fixed cost per launched operator (Python + dispatch + launch); None = default"
+    )
+
+
+class NetworkSpec(BaseModel):
+    """The device's link to the broker; a round moves the model down and the update up over it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    downlink_mbps: float = Field(gt=0, description="broker -> device, Mbit/s")
+    uplink_mbps: float = Field(gt=0, description="device -> broker, Mbit/s")
+    latency_ms: float = Field(ge=0, description="one-way latency to the broker")
 
 
 class DeviceProfile(BaseModel):
-    """One device as the coordinator sees it; field names are part of the wire protocol."""
+    """One device as the coordinator sees it; field names are part of the wire protocol.
+
+    The flat fields are the original report; ``memory``/``compute``/``network`` restate it in the
+    shape of a static profile (derived from the flat fields when a sender leaves them out).
+    """
 
     protocol_version: int = 1
     hostname: str
@@ -42,6 +109,25 @@ class DeviceProfile(BaseModel):
     accelerator_name: str | None
     accelerator_memory_bytes: int | None
     matmul_gflops: float
+    memory: MemorySpec
+    compute: ComputeSpec
+    network: NetworkSpec | None = None
+    versions: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sections_from_flat_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if "memory" not in data and "memory_total_bytes" in data:
+            total = data.get("accelerator_memory_bytes") or data["memory_total_bytes"]
+            shared = data.get("accelerator") != "cuda"
+            reserved = total - data["memory_available_bytes"] if shared else 0
+            data["memory"] = {"total": total, "shared": shared, "reserved": max(0, min(reserved, total - 1))}
+        if "compute" not in data and "matmul_gflops" in data:
+            data["compute"] = {"fp32_gflops": data["matmul_gflops"]}
+        return data
 
 
 def resolve_device(device: str | None = None) -> torch.device:
@@ -87,19 +173,23 @@ def _synchronizer(dev: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def measure_matmul_gflops(dev: torch.device, benchmark_seconds: float) -> float:
+def measure_matmul_gflops(
+    dev: torch.device, benchmark_seconds: float, clock: Callable[[], float] = time.perf_counter
+) -> float:
     """Median fp32 square-matmul throughput in GFLOPS, spending about ``benchmark_seconds``.
 
     The median of several repeats resists one-off stalls (another process, a frequency change).
     At least three repeats are always timed, so the budget is a target, not a hard limit. The
     matrix size depends only on the device type, never on the budget or on a first timing, so that
-    numbers from different devices and different budgets stay comparable.
+    numbers from different devices and different budgets stay comparable. ``clock`` may be
+    ``time.process_time`` to time a single-threaded CPU run by the CPU time it got (robust to a
+    shared machine); the default wall clock is what a GPU needs.
     """
     if not benchmark_seconds > 0:
         raise ValueError(f"benchmark_seconds must be positive, got {benchmark_seconds}")
     sync = _synchronizer(dev)
     n = _MATMUL_N[dev.type]
-    started = time.perf_counter()
+    started = clock()
     # A private generator: probing must not shift the global RNG that seeds training.
     gen = torch.Generator().manual_seed(0)
 
@@ -110,23 +200,107 @@ def measure_matmul_gflops(dev: torch.device, benchmark_seconds: float) -> float:
         # the second estimates the steady-state time of one product.
         torch.matmul(a, b)
         sync()
-        t0 = time.perf_counter()
+        t0 = clock()
         torch.matmul(a, b)
         sync()
-        one = max(time.perf_counter() - t0, 1e-9)
+        one = max(clock() - t0, 1e-9)
 
         # Batch several products per timed repeat so fast GPUs are not timing launch overhead,
         # aiming at roughly ten repeats within the budget.
         inner = max(1, int(benchmark_seconds / 10 / one))
         per_product: list[float] = []
-        while len(per_product) < _MIN_REPEATS or time.perf_counter() - started < benchmark_seconds:
-            t0 = time.perf_counter()
+        while len(per_product) < _MIN_REPEATS or clock() - started < benchmark_seconds:
+            t0 = clock()
             for _ in range(inner):
                 torch.matmul(a, b)
             sync()
-            per_product.append(max(time.perf_counter() - t0, 1e-9) / inner)
+            per_product.append(max(clock() - t0, 1e-9) / inner)
 
     return 2 * n**3 / statistics.median(per_product) / 1e9
+
+
+def measure_memory_bandwidth_gbs(
+    dev: torch.device, repeats: int = 5, clock: Callable[[], float] = time.perf_counter
+) -> float:
+    """Effective bandwidth, in GB/s, of a training-mode batch norm on a buffer no cache holds.
+
+    Norms, activations and pooling (and the thin factorized convolutions' data movement) are
+    bound by memory traffic, not by matmul throughput. A plain copy overstates what such kernels
+    reach on a CPU (they also compute per element), so the probe times the real thing: batch norm
+    reads its input twice (statistics, then normalization) and writes once, 3 x the buffer.
+    """
+    sync = _synchronizer(dev)
+    elements = _COPY_BYTES // 4
+    x = torch.ones(16, 64, 128, elements // (16 * 64 * 128), device=dev)
+    with torch.inference_mode():
+        torch.nn.functional.batch_norm(x, None, None, training=True)
+        sync()
+        times = []
+        for _ in range(max(1, repeats)):
+            t0 = clock()
+            torch.nn.functional.batch_norm(x, None, None, training=True)
+            sync()
+            times.append(max(clock() - t0, 1e-9))
+    return 3 * _COPY_BYTES / statistics.median(times) / 1e9
+
+
+def measure_broker_link(url: str, payload_bytes: int = 1 << 20, timeout: float = 10.0) -> NetworkSpec:
+    """Latency and throughput to an MQTT broker, from publish/echo round trips on a scratch topic.
+
+    The device subscribes to a topic of its own and publishes to it, so each message travels up
+    to the broker and back: a small message gives the latency (half its round trip), a large one
+    the throughput (both legs of its extra time). Up and down are therefore the same estimate.
+    ``url`` is mqtt://[user:password@]host[:port] or mqtts://...; nothing is retained or persisted.
+    """
+    import paho.mqtt.client as mqtt
+
+    parts = urlsplit(url)
+    if parts.scheme not in {"mqtt", "mqtts"} or not parts.hostname:
+        raise ValueError(f"broker URL must look like mqtt://host:port or mqtts://host:port, got {url!r}")
+    port = parts.port or (8883 if parts.scheme == "mqtts" else 1883)
+    topic = f"fedfleet/probe/{uuid.uuid4().hex}"
+    arrived = threading.Event()
+    subscribed = threading.Event()
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"probe-{uuid.uuid4().hex[:12]}")
+    if parts.username:
+        client.username_pw_set(parts.username, parts.password)
+    if parts.scheme == "mqtts":
+        client.tls_set()
+
+    def on_subscribe(*_args: Any) -> None:
+        subscribed.set()
+
+    def on_message(*_args: Any) -> None:
+        arrived.set()
+
+    client.on_subscribe = on_subscribe
+    client.on_message = on_message
+
+    def round_trip(size: int) -> float:
+        arrived.clear()
+        t0 = time.perf_counter()
+        client.publish(topic, b"\0" * size, qos=0)
+        if not arrived.wait(timeout):
+            raise TimeoutError(f"no echo from broker {parts.hostname}:{port} within {timeout} s")
+        return time.perf_counter() - t0
+
+    try:
+        client.connect(parts.hostname, port, keepalive=30)
+    except OSError as exc:
+        raise ValueError(f"cannot reach broker {parts.hostname}:{port}: {exc}") from None
+    client.loop_start()
+    try:
+        client.subscribe(topic, qos=0)
+        if not subscribed.wait(timeout):
+            raise TimeoutError(f"broker {parts.hostname}:{port} did not acknowledge a subscription within {timeout} s")
+        round_trip(16)
+        small = statistics.median(round_trip(16) for _ in range(5))
+        large = statistics.median(round_trip(payload_bytes) for _ in range(3))
+    finally:
+        client.loop_stop()
+        client.disconnect()
+    mbps = 2 * payload_bytes * 8 / max(large - small, 1e-6) / 1e6
+    return NetworkSpec(downlink_mbps=mbps, uplink_mbps=mbps, latency_ms=small / 2 * 1e3)
 
 
 def _accelerator_details(dev: torch.device) -> tuple[str | None, int | None]:
@@ -139,15 +313,42 @@ def _accelerator_details(dev: torch.device) -> tuple[str | None, int | None]:
     return None, None
 
 
-def probe_device(benchmark_seconds: float = 0.5, device: str | None = None) -> DeviceProfile:
+def _memory_section(dev: torch.device, system: Any, accel_memory: int | None) -> MemorySpec:
+    """What training may use: dedicated GPU memory free now, or system memory available now."""
+    if dev.type == "cuda" and accel_memory is not None:
+        free, _ = torch.cuda.mem_get_info(dev)
+        # Jetsons report their unified system memory as CUDA memory: the OS competes for it.
+        shared = bool(getattr(torch.cuda.get_device_properties(dev), "is_integrated", False))
+        available = min(free, int(system.available)) if shared else free
+        return MemorySpec(total=accel_memory, shared=shared, reserved=max(0, accel_memory - available))
+    return MemorySpec(total=int(system.total), shared=True, reserved=int(system.total) - int(system.available))
+
+
+def _versions(dev: torch.device) -> dict[str, str]:
+    versions = {}
+    for package in _VERSIONED_PACKAGES:
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if dev.type == "cuda" and torch.version.cuda:
+        versions["cuda"] = torch.version.cuda
+    return versions
+
+
+def probe_device(
+    benchmark_seconds: float = 0.5, device: str | None = None, broker_url: str | None = None
+) -> DeviceProfile:
     """Profile this device as it is right now, for the coordinator's planning.
 
     ``device`` is ``None``/``"auto"`` to pick the best available, or an explicit ``"cpu"``,
     ``"cuda"``, ``"cuda:N"`` or ``"mps"``; an unavailable explicit device raises ``ValueError``.
+    ``broker_url`` adds a measured ``network`` section (see :func:`measure_broker_link`).
     """
     dev = resolve_device(device)
     memory = psutil.virtual_memory()
     name, accel_memory = _accelerator_details(dev)
+    gflops = measure_matmul_gflops(dev, benchmark_seconds)
     return DeviceProfile(
         hostname=socket.gethostname(),
         platform=f"{platform.system()}-{platform.release()}-{platform.machine()}",
@@ -160,5 +361,9 @@ def probe_device(benchmark_seconds: float = 0.5, device: str | None = None) -> D
         accelerator=dev.type,
         accelerator_name=name,
         accelerator_memory_bytes=accel_memory,
-        matmul_gflops=measure_matmul_gflops(dev, benchmark_seconds),
+        matmul_gflops=gflops,
+        memory=_memory_section(dev, memory, accel_memory),
+        compute=ComputeSpec(fp32_gflops=gflops, memory_bandwidth_gbs=measure_memory_bandwidth_gbs(dev)),
+        network=None if broker_url is None else measure_broker_link(broker_url),
+        versions=_versions(dev),
     )

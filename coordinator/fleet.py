@@ -1,0 +1,355 @@
+"""fleet.yaml: one file that says which devices train what, how, and where they meet.
+
+Validation is strict and every error names its key path (``devices[3].profile: unknown profile
+'jetson-nanoo' (did you mean 'jetson-nano'?)``): a typo found when the file is read costs a
+second, one found in round 40 costs the run. See examples/fleet.yaml for a commented reference.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from copy import copy
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
+
+from coordinator.strategies import STRATEGIES
+from device_agent.models import MODELS
+from device_agent.probe import ComputeSpec, MemorySpec, NetworkSpec
+from profiles.catalog import Catalog, ProfileError, format_validation_error, load_catalog, unknown_profile_message
+from profiles.costmodel import OPTIMIZER_STATES
+
+REPORTED = "reported"
+# Training-set sizes of the built-in datasets, to split across devices when no size is given.
+DATASET_SIZES = {"digits": 1797, "cifar10": 50_000, "cifar100": 50_000}
+_DEVICE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_SECRET_REF = re.compile(r"^(env:[A-Za-z_][A-Za-z0-9_]*|file:.+)$")
+_PARTITION = re.compile(r"^(iid|permuted_labels|domains|dirichlet\((?P<alpha>[^)]*)\))$")
+
+
+class FleetError(ValueError):
+    """fleet.yaml cannot be used; one line per problem, each starting with its key path."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _secret_ref(value: str | None) -> str | None:
+    if value is not None and not _SECRET_REF.match(value):
+        raise ValueError(f"must be a reference like env:NAME or file:PATH, not the secret itself (got {value[:3]}...)")
+    return value
+
+
+def parse_ratio(value: Any) -> float:
+    """A rank ratio from a number or a fraction string ('1/4'); must lie in (0, 1]."""
+    if isinstance(value, bool):
+        raise ValueError(f"rank ratio must be a number, got {value!r}")
+    try:
+        ratio = float(Fraction(str(value).strip())) if isinstance(value, str) else float(value)
+    except (TypeError, ValueError, ZeroDivisionError):
+        raise ValueError(f"rank ratio {value!r} is not a number (use e.g. 0.25 or 1/4)") from None
+    if not 0 < ratio <= 1:
+        raise ValueError(f"rank ratio {value} is outside (0, 1]")
+    return ratio
+
+
+class Broker(_Strict):
+    """Where devices and coordinator meet. managed: a mosquitto the coordinator starts; amqtt: the pure-Python
+    development fallback; external: an existing broker (cluster) by URL."""
+
+    mode: Literal["managed", "amqtt", "external"] = "managed"
+    host: str = "0.0.0.0"
+    port: int = Field(1883, ge=1, le=65535)
+    url: str | None = None
+    ca_file: Path | None = None
+    username: str = "coordinator"
+    password: str | None = None
+
+    @field_validator("password")
+    @classmethod
+    def _password_is_a_reference(cls, value: str | None) -> str | None:
+        return _secret_ref(value)
+
+    @model_validator(mode="after")
+    def _url_matches_mode(self) -> Broker:
+        if self.mode == "external":
+            if not self.url:
+                raise ValueError("mode external needs url: mqtt://host:port or mqtts://host:port")
+            if not re.match(r"^mqtts?://[^/:]+(:\d{1,5})?/?$", self.url):
+                raise ValueError(f"url {self.url!r} must look like mqtt://host:port or mqtts://host:port")
+        elif self.url:
+            raise ValueError(f"url is only for mode external (mode is {self.mode}); set host/port instead")
+        if self.ca_file is not None and not (self.url or "").startswith("mqtts://"):
+            raise ValueError("ca_file only applies to an external mqtts:// broker")
+        return self
+
+
+class ModelConfig(_Strict):
+    arch: str = "resnet18"
+    num_classes: PositiveInt = 10
+    in_channels: PositiveInt | None = None
+    image_size: int | None = Field(None, ge=8)
+
+    @field_validator("arch")
+    @classmethod
+    def _known_arch(cls, arch: str) -> str:
+        if arch not in MODELS:
+            raise ValueError(f"unknown model {arch!r}; choose one of: {', '.join(sorted(MODELS))}")
+        return arch
+
+
+class Partition(_Strict):
+    kind: Literal["iid", "dirichlet", "permuted_labels", "domains"]
+    alpha: PositiveFloat | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_text(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        match = _PARTITION.match(value.strip())
+        if not match:
+            raise ValueError(f"{value!r} is not a partition; use iid, dirichlet(ALPHA), permuted_labels or domains")
+        if match["alpha"] is None:
+            return {"kind": value.strip()}
+        try:
+            return {"kind": "dirichlet", "alpha": float(match["alpha"])}
+        except ValueError:
+            raise ValueError(f"dirichlet alpha {match['alpha']!r} is not a number") from None
+
+    @model_validator(mode="after")
+    def _alpha_for_dirichlet(self) -> Partition:
+        if (self.kind == "dirichlet") != (self.alpha is not None):
+            raise ValueError("alpha is required for dirichlet and only for dirichlet")
+        return self
+
+
+class Dataset(_Strict):
+    name: Literal["digits", "cifar10", "cifar100", "image_folder", "npz"] = "cifar10"
+    path: Path | None = None
+    partition: Partition = Partition(kind="iid")
+    seed: int = 0
+    samples_per_device: PositiveInt | None = Field(
+        None, description="local training samples per device; default: the dataset's size split evenly"
+    )
+
+    @model_validator(mode="after")
+    def _path_and_size(self) -> Dataset:
+        if self.name in {"image_folder", "npz"}:
+            if self.path is None:
+                raise ValueError(f"dataset {self.name} needs a path")
+            if self.samples_per_device is None:
+                raise ValueError(f"dataset {self.name} needs samples_per_device (its size is not known in advance)")
+        return self
+
+
+class Strategy(_Strict):
+    """The strategy by registry name; ``params`` are checked by that strategy's own ``Params`` schema."""
+
+    name: str = "fedhm"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        if name not in STRATEGIES:
+            raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
+        return name
+
+    @field_validator("params")
+    @classmethod
+    def _params_for_strategy(cls, params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        strategy = STRATEGIES.get(info.data.get("name", ""))
+        return params if strategy is None else strategy.Params.model_validate(params).model_dump()
+
+
+class Training(_Strict):
+    batch_size: PositiveInt = 32
+    local_epochs: PositiveInt = 1
+    lr: PositiveFloat = 0.05
+    optimizer: Literal[tuple(OPTIMIZER_STATES)] = "momentum"  # type: ignore[valid-type]
+
+
+class Planning(_Strict):
+    memory_safety_factor: float = Field(
+        1.25, ge=1, description="predicted peak memory times this must fit in the device's usable memory"
+    )
+
+
+def _partial(model: type[BaseModel]) -> type[BaseModel]:
+    """``model`` with every field optional (constraints kept): a patch over a profile section."""
+    fields: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        optional = copy(info)
+        optional.default = None
+        fields[name] = (info.annotation | None, optional)
+    return create_model(f"{model.__name__}Override", __config__=ConfigDict(extra="forbid"), **fields)
+
+
+MemoryOverride = _partial(MemorySpec)
+ComputeOverride = _partial(ComputeSpec)
+NetworkOverride = _partial(NetworkSpec)
+
+
+class DeviceOverrides(_Strict):
+    """Per-device corrections: a bigger batch for one box, a known-slow link, a smaller local dataset..."""
+
+    batch_size: PositiveInt | None = None
+    local_epochs: PositiveInt | None = None
+    samples: PositiveInt | None = None
+    max_ratio: float | None = None
+    memory: MemoryOverride | None = None  # type: ignore[valid-type]
+    compute: ComputeOverride | None = None  # type: ignore[valid-type]
+    network: NetworkOverride | None = None  # type: ignore[valid-type]
+
+    @field_validator("max_ratio", mode="before")
+    @classmethod
+    def _ratio(cls, value: Any) -> float | None:
+        return None if value is None else parse_ratio(value)
+
+
+class Device(_Strict):
+    id: str
+    profile: str
+    credentials: str | None = Field(None, description="env:NAME or file:PATH; generated at provisioning when absent")
+    overrides: DeviceOverrides = DeviceOverrides()
+
+    @field_validator("credentials")
+    @classmethod
+    def _credentials_are_a_reference(cls, value: str | None) -> str | None:
+        return _secret_ref(value)
+
+    @field_validator("id")
+    @classmethod
+    def _topic_safe(cls, device_id: str) -> str:
+        if not _DEVICE_ID.match(device_id):
+            raise ValueError(
+                f"device id {device_id!r} must be 1-64 letters, digits, '-', '_' or '.' "
+                "(it becomes an MQTT topic level)"
+            )
+        return device_id
+
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(cls, name: str, info: ValidationInfo) -> str:
+        profiles = (info.context or {}).get("profiles")
+        if name != REPORTED and profiles is not None and name not in profiles:
+            raise ValueError(unknown_profile_message(name, [*profiles, REPORTED]))
+        return name
+
+    @model_validator(mode="after")
+    def _overrides_fit_the_profile(self, info: ValidationInfo) -> Device:
+        profiles = (info.context or {}).get("profiles")
+        if profiles is None or self.profile not in profiles:
+            return self
+        for section in ("memory", "compute", "network"):
+            patch = getattr(self.overrides, section)
+            if patch is not None:
+                base = getattr(profiles[self.profile], section)
+                try:
+                    base.model_validate({**base.model_dump(), **patch.model_dump(exclude_none=True)})
+                except ValidationError as exc:
+                    problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+                    raise ValueError(f"overrides.{section}: {problems}") from None
+        return self
+
+
+class Fleet(_Strict):
+    """The whole fleet.yaml."""
+
+    fleet: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$", description="fleet name (an MQTT topic level)")
+    broker: Broker
+    model: ModelConfig = ModelConfig()
+    dataset: Dataset = Dataset()
+    strategy: Strategy = Strategy()
+    ratios: list[float] = Field([1.0, 0.5, 0.25, 0.125], min_length=1, description="allowed rank ratios gamma")
+    rounds: PositiveInt = 100
+    participation: float = Field(1.0, gt=0, le=1, description="fraction of planned devices asked per round")
+    round_deadline_s: PositiveFloat = 600.0
+    quorum: float = Field(0.8, gt=0, le=1, description="fraction of asked devices whose updates close a round early")
+    training: Training = Training()
+    planning: Planning = Planning()
+    profile_dirs: list[Path] = Field(
+        default_factory=list, description="extra profile directories (relative: to this file)"
+    )
+    devices: list[Device] = Field(min_length=1)
+
+    @field_validator("ratios", mode="before")
+    @classmethod
+    def _parse_ratios(cls, values: Any) -> Any:
+        if not isinstance(values, list):
+            return values
+        ratios = [parse_ratio(v) for v in values]
+        if len(set(ratios)) != len(ratios):
+            raise ValueError(f"duplicate rank ratios in {values}")
+        return sorted(ratios, reverse=True)
+
+    @field_validator("devices")
+    @classmethod
+    def _unique_ids(cls, devices: list[Device]) -> list[Device]:
+        seen: dict[str, int] = {}
+        for index, device in enumerate(devices):
+            if device.id in seen:
+                raise ValueError(f"duplicate device id {device.id!r} (devices[{seen[device.id]}] and devices[{index}])")
+            seen[device.id] = index
+        return devices
+
+    @model_validator(mode="after")
+    def _max_ratios_allowed(self) -> Fleet:
+        for index, device in enumerate(self.devices):
+            cap = device.overrides.max_ratio
+            if cap is not None and cap not in self.ratios:
+                raise ValueError(
+                    f"devices[{index}].overrides.max_ratio {cap} is not one of the allowed ratios {self.ratios}"
+                )
+        return self
+
+    def samples_for(self, device: Device) -> int:
+        if device.overrides.samples is not None:
+            return device.overrides.samples
+        if self.dataset.samples_per_device is not None:
+            return self.dataset.samples_per_device
+        return max(1, DATASET_SIZES[self.dataset.name] // len(self.devices))
+
+
+def parse_fleet(data: Any, catalog: Mapping[str, Any] | None = None, source: str = "fleet.yaml") -> Fleet:
+    """Validate already-loaded YAML; ``catalog`` (profile names) enables the profile checks."""
+    if not isinstance(data, dict):
+        raise FleetError(f"{source}: expected a mapping of settings at the top level, got {type(data).__name__}")
+    try:
+        return Fleet.model_validate(data, context={"profiles": catalog})
+    except ValidationError as exc:
+        raise FleetError(f"{source}:\n{format_validation_error(exc)}") from None
+
+
+def load_fleet(path: Path | str) -> tuple[Fleet, Catalog]:
+    """Read and validate a fleet.yaml, with the shipped profiles plus its ``profile_dirs``."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise FleetError(f"cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise FleetError(f"{path}: not valid YAML: {exc}") from None
+    dirs = data.get("profile_dirs", []) if isinstance(data, dict) else []
+    try:
+        catalog = load_catalog([path.parent / Path(d) for d in dirs] if isinstance(dirs, list) else [])
+    except ProfileError as exc:
+        raise FleetError(f"{path}: profile_dirs: {exc}") from None
+    return parse_fleet(data, catalog, str(path)), catalog

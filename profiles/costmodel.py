@@ -1,0 +1,278 @@
+"""Predict what one local training step costs a device: peak memory and time.
+
+Both predictions come from one trace of the hybrid model at batch size 1 (cheap, cached), scaled
+to the batch size:
+
+- memory = runtime context + weights + gradients + optimizer state + batch x saved activations
+  + batch x the largest single activation (the gradient buffer backward allocates next to what
+  is saved), times a slack factor for the allocator (1 on CPU, 1.1 on GPUs). Saved
+  activations are counted exactly, from the tensors autograd keeps (each storage once), so the
+  r-channel intermediate of a factorized convolution is in, and an in-place ReLU output shared
+  with the next convolution's input is counted once.
+- time = sum over operators of max(FLOPs / (efficiency x fp32 peak), bytes / memory bandwidth)
+  + a fixed cost per launched operator (a per-operator roofline: a small factorized convolution is
+  bandwidth- or overhead-bound long before it is compute-bound). A convolution whose GEMM view has
+  a side below 64 (few output channels, or a short reduction: the r-channel halves of a
+  factorized layer at small gamma) cannot fill the SIMD / tensor-core tiles, so its efficiency
+  is scaled by side / 64. Training FLOPs and bytes are 3x the forward's (backward = 2 x forward,
+  as FedScale and POET assume).
+
+``efficiency`` is the one number to calibrate per device class (see benchmarks/costmodel.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from typing import Literal
+
+import torch
+from torch import nn
+
+from device_agent.factorized import LowRankLayer
+from device_agent.hybrid import hybrid
+from device_agent.models import model_card
+from profiles.schema import DeviceClass
+
+Optimizer = Literal["sgd", "momentum", "adam"]
+OPTIMIZER_STATES: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2}
+
+# Defaults for numbers a profile may leave out (fraction of fp32 peak reached by training convs,
+# fixed cost per operator, memory the runtime holds before the first step). Calibrate per device.
+DEFAULT_EFFICIENCY = {"cpu": 0.5, "cuda": 0.35, "mps": 0.25}
+DEFAULT_KERNEL_OVERHEAD_US = {"cpu": 10.0, "cuda": 15.0, "mps": 40.0}
+RUNTIME_CONTEXT_BYTES = {"cpu": 300 * 2**20, "cuda": 600 * 2**20, "mps": 400 * 2**20}
+# Allocator slack and framework workspace on top of the tensors counted. CPU: measured 1.0 with
+# glibc returning freed tensors at once (benchmarks/costmodel.py); GPU: an estimate for the
+# caching allocator's rounding and cuDNN workspaces.
+ALLOCATOR_SLACK = {"cpu": 1.0, "cuda": 1.1, "mps": 1.1}
+_FULL_TILE = 64
+_TRAIN_MULTIPLIER = 3
+_FP32 = 4
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One forward operator at batch size 1: weight bytes do not scale with the batch, the rest do."""
+
+    flops: float
+    activation_bytes: float
+    weight_bytes: float
+    output_bytes: float = 0.0
+    efficiency_scale: float = 1.0
+
+
+def _tile_scale(out_channels: int, reduction: int) -> float:
+    return min(1.0, out_channels / _FULL_TILE) * min(1.0, reduction / _FULL_TILE)
+
+
+@dataclass(frozen=True)
+class ModelTrace:
+    """Everything the cost model needs from a model, measured once at batch size 1."""
+
+    params: int
+    buffer_bytes: int
+    param_tensors: int
+    saved_bytes_per_sample: int
+    transient_bytes_per_sample: int
+    ops: tuple[OpCost, ...]
+
+    @property
+    def forward_flops_per_sample(self) -> float:
+        return sum(op.flops for op in self.ops)
+
+    @property
+    def download_bytes(self) -> int:
+        """What the device receives each round: every weight and buffer in fp32."""
+        return self.params * _FP32 + self.buffer_bytes
+
+    @property
+    def upload_bytes(self) -> int:
+        """What a FedHM device sends back: its trainable tensors in fp32."""
+        return self.params * _FP32
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    runtime: int
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    transient: int
+    total: int
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def _op_cost(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> OpCost | None:
+    x = inputs[0]
+    io_bytes = float((x.numel() + output.numel()) * _FP32)
+    out_bytes = float(output.numel() * _FP32)
+    if isinstance(module, nn.Conv2d):
+        kh, kw = module.kernel_size
+        reduction = module.in_channels // module.groups * kh * kw
+        flops = 2.0 * output.numel() * reduction
+        scale = _tile_scale(module.out_channels, reduction)
+        return OpCost(flops, io_bytes, float(module.weight.numel() * _FP32), out_bytes, scale)
+    if isinstance(module, nn.Linear):
+        flops = 2.0 * output.numel() * module.in_features
+        return OpCost(flops, io_bytes, float(module.weight.numel() * _FP32), out_bytes)
+    if isinstance(module, nn.BatchNorm2d):
+        # Training-mode BN reads its input twice (statistics, then normalize) and writes once.
+        return OpCost(0.0, io_bytes + x.numel() * _FP32, 0.0, out_bytes)
+    if isinstance(module, nn.ReLU | nn.MaxPool2d | nn.AdaptiveAvgPool2d):
+        return OpCost(0.0, io_bytes, 0.0, out_bytes)
+    return None
+
+
+@lru_cache(maxsize=64)
+def trace_model(
+    arch: str, gamma: float, num_classes: int = 10, in_channels: int | None = None, image_size: int | None = None
+) -> ModelTrace:
+    """Trace one forward pass of ``hybrid(arch, gamma)`` at batch 1 on the CPU: operators and saved tensors."""
+    card = model_card(arch)
+    channels = in_channels or card.in_channels
+    size = image_size or card.image_size
+    # Built on meta and materialized as zeros: shapes are all that matter, and skipping the
+    # spectral initialization keeps a trace in the tens of milliseconds.
+    with torch.device("meta"):
+        model = hybrid(arch, gamma, num_classes, channels)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.zero_()
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    ops: list[OpCost] = []
+
+    def leaf_hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        cost = _op_cost(module, inputs, output)
+        if cost is not None:
+            ops.append(cost)
+
+    def lowrank_hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        # reduce: C_in -> r over (1 x k); expand: r -> C_out over (k x 1); the r-channel map sits between.
+        x, reduce, expand = inputs[0], module.reduce, module.expand
+        r, out_channels = reduce.shape[0], expand.shape[0]
+        mid = x.shape[0] * r * (x.shape[2] * output.shape[3] if reduce.dim() == 4 else 1)
+        reduce_k, expand_k = reduce[0].numel(), expand[0].numel()
+        ops.append(
+            OpCost(
+                2.0 * mid * reduce_k,
+                float((x.numel() + mid) * _FP32),
+                float(reduce.numel() * _FP32),
+                float(mid * _FP32),
+                _tile_scale(r, reduce_k),
+            )
+        )
+        ops.append(
+            OpCost(
+                2.0 * output.numel() * expand_k,
+                float((mid + output.numel()) * _FP32),
+                float(expand.numel() * _FP32),
+                float(output.numel() * _FP32),
+                _tile_scale(out_channels, expand_k),
+            )
+        )
+
+    handles = []
+    for module in model.modules():
+        if isinstance(module, LowRankLayer):
+            handles.append(module.register_forward_hook(lowrank_hook))
+        elif not list(module.children()):
+            handles.append(module.register_forward_hook(leaf_hook))
+
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in param_ptrs:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    x = torch.zeros(1, channels, size, size)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        output = model(x)
+    for handle in handles:
+        handle.remove()
+    del output
+    largest = max(op.output_bytes for op in ops)
+    return ModelTrace(
+        params=sum(p.numel() for p in params),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+        param_tensors=len(params),
+        saved_bytes_per_sample=sum(saved.values()),
+        transient_bytes_per_sample=int(largest),
+        ops=tuple(ops),
+    )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One local training step: what is trained, on how many samples, with which optimizer."""
+
+    arch: str
+    gamma: float
+    batch_size: int
+    optimizer: Optimizer = "momentum"
+    num_classes: int = 10
+    in_channels: int | None = None
+    image_size: int | None = None
+
+    def trace(self) -> ModelTrace:
+        return trace_model(self.arch, self.gamma, self.num_classes, self.in_channels, self.image_size)
+
+
+def predict_memory(work: Workload, accelerator: str = "cpu", include_runtime: bool = True) -> MemoryEstimate:
+    """Peak bytes of one training step (``include_runtime=False``: the step alone, without the torch context)."""
+    if work.optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {work.optimizer!r}; choose one of: {', '.join(OPTIMIZER_STATES)}")
+    trace = work.trace()
+    weights = trace.params * _FP32 + trace.buffer_bytes
+    gradients = trace.params * _FP32
+    optimizer = trace.params * _FP32 * OPTIMIZER_STATES[work.optimizer]
+    activations = trace.saved_bytes_per_sample * work.batch_size
+    transient = trace.transient_bytes_per_sample * work.batch_size
+    runtime = RUNTIME_CONTEXT_BYTES[accelerator] if include_runtime else 0
+    counted = weights + gradients + optimizer + activations + transient
+    total = runtime + math.ceil(counted * ALLOCATOR_SLACK[accelerator])
+    return MemoryEstimate(runtime, weights, gradients, optimizer, activations, transient, total)
+
+
+def predict_step_seconds(work: Workload, profile: DeviceClass, efficiency: float | None = None) -> float:
+    """Seconds of one training step (forward, backward, optimizer) on ``profile``."""
+    trace = work.trace()
+    compute = profile.compute
+    eff = efficiency or compute.training_efficiency or DEFAULT_EFFICIENCY[profile.accelerator]
+    overhead = compute.kernel_overhead_us
+    overhead = DEFAULT_KERNEL_OVERHEAD_US[profile.accelerator] if overhead is None else overhead
+    flop_rate = eff * compute.fp32_gflops * 1e9
+    byte_rate = (compute.memory_bandwidth_gbs or math.inf) * 1e9
+    seconds = 0.0
+    for op in trace.ops:
+        flops = op.flops * work.batch_size * _TRAIN_MULTIPLIER
+        moved = (op.activation_bytes * work.batch_size + op.weight_bytes) * _TRAIN_MULTIPLIER
+        seconds += max(flops / (flop_rate * op.efficiency_scale), moved / byte_rate)
+    # Optimizer: reads weight, grad and each state, writes weight and states.
+    optimizer_bytes = trace.params * _FP32 * (3 + 2 * OPTIMIZER_STATES[work.optimizer])
+    seconds += optimizer_bytes / byte_rate
+    kernels = _TRAIN_MULTIPLIER * len(trace.ops) + trace.param_tensors
+    return seconds + kernels * overhead * 1e-6
+
+
+def calibrate_efficiency(work: Workload, profile: DeviceClass, measured_seconds: float) -> float:
+    """The efficiency at which ``predict_step_seconds`` equals a measured step (bisection; clamped to (0, 1])."""
+    low, high = 1e-4, 1.0
+    if predict_step_seconds(work, profile, high) >= measured_seconds:
+        return high
+    for _ in range(60):
+        mid = math.sqrt(low * high)
+        if predict_step_seconds(work, profile, mid) > measured_seconds:
+            low = mid
+        else:
+            high = mid
+    return high
