@@ -3,8 +3,12 @@
 Every configuration (model x gamma x batch size) trains a few steps in a fresh subprocess, which
 reports the peak resident memory of its training steps (Linux's VmHWM, reset after the model is
 built so construction does not count) above what the process held before the model existed,
-and the median step time. The prediction uses this machine's probed profile (matmul GFLOPS, copy
-bandwidth); the training efficiency is calibrated on ONE configuration and reused for all others.
+and the fastest step time. The prediction uses this machine's probed profile (matmul GFLOPS,
+batch-norm bandwidth); the training efficiency is calibrated on ONE configuration and reused
+for all others. Linux only (/proc/self/status, /proc/self/clear_refs).
+
+Everything runs on one torch thread and is timed in process CPU time (the probe's matmul and
+bandwidth benchmarks too), so that other jobs on a shared machine do not show up as slow steps.
 
     python -m benchmarks.costmodel --json
 """
@@ -12,6 +16,7 @@ bandwidth); the training efficiency is calibrated on ONE configuration and reuse
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -20,10 +25,23 @@ import time
 from fractions import Fraction
 from pathlib import Path
 
+import torch
+from torch import Tensor, nn
+
+from device_agent.hybrid import hybrid
+from device_agent.models import model_card
+from device_agent.probe import ComputeSpec, measure_matmul_gflops, measure_memory_bandwidth_gbs, probe_device
+from profiles.catalog import profile_from_report
+from profiles.costmodel import Workload, calibrate_efficiency, predict_memory, predict_step_seconds
+
 DEFAULT_CONFIGS = {"resnet18": (8, 32), "cnn": (32, 256)}
 GAMMAS = (1.0, 0.5, 0.25, 0.125)
 CALIBRATION = ("resnet18", 1.0, 32)
 CNN_IMAGE_SIZE = 32
+# A fixed mmap threshold makes glibc hand every freed tensor back at once, so resident memory is
+# the memory in use; with the default (dynamic) threshold glibc keeps some freed memory cached,
+# which the planner's memory_safety_factor has to cover.
+_WORKER_ENV = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 
 
 def _status_kib(field: str) -> int:
@@ -33,12 +51,7 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} missing from /proc/self/status")
 
 
-def _train_steps(arch: str, gamma: float, x, y, steps: int, optimizer: str) -> list[float]:
-    import torch
-    from torch import nn
-
-    from device_agent.hybrid import hybrid
-
+def _train_steps(arch: str, gamma: float, x: Tensor, y: Tensor, steps: int, optimizer: str) -> list[float]:
     model = hybrid(arch, gamma, 10, x.shape[1])
     model.train()
     momentum = 0.9 if optimizer == "momentum" else 0.0
@@ -52,11 +65,11 @@ def _train_steps(arch: str, gamma: float, x, y, steps: int, optimizer: str) -> l
     Path("/proc/self/clear_refs").write_text("5")
     times = []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         opt.zero_grad(set_to_none=True)
         loss_fn(model(x), y).backward()
         opt.step()
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
     return times
 
 
@@ -67,12 +80,6 @@ def _worker(arch: str, gamma: float, batch: int, steps: int, optimizer: str, thr
     the runtime context (counted separately by the cost model), not the step's memory. The fastest
     of the timed steps is reported because the machine is shared: contention only ever adds time.
     """
-    import gc
-
-    import torch
-
-    from device_agent.models import model_card
-
     torch.set_num_threads(threads)
     card = model_card(arch)
     size = CNN_IMAGE_SIZE if arch == "cnn" else card.image_size
@@ -100,29 +107,37 @@ def _measure(arch: str, gamma: float, batch: int, steps: int, optimizer: str, th
         optimizer,
         str(threads),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True, env=_WORKER_ENV)
     return json.loads(done.stdout)
 
 
-def run(configs: dict[str, tuple[int, ...]], steps: int, optimizer: str, probe_seconds: float, threads: int) -> dict:
-    import torch
-
-    from device_agent.probe import probe_device
-    from profiles.catalog import profile_from_report
-    from profiles.costmodel import Workload, calibrate_efficiency, predict_memory, predict_step_seconds
-
+def run(
+    configs: dict[str, tuple[int, ...]],
+    steps: int,
+    optimizer: str,
+    probe_seconds: float,
+    threads: int,
+    gammas: tuple[float, ...] = GAMMAS,
+    calibration: tuple[str, float, int] = CALIBRATION,
+) -> dict:
     torch.set_num_threads(threads)
-    profile = profile_from_report(probe_device(benchmark_seconds=probe_seconds, device="cpu"))
+    cpu = torch.device("cpu")
+    compute = ComputeSpec(
+        fp32_gflops=measure_matmul_gflops(cpu, probe_seconds, time.process_time),
+        memory_bandwidth_gbs=measure_memory_bandwidth_gbs(cpu, clock=time.process_time),
+    )
+    report = probe_device(benchmark_seconds=0.1, device="cpu").model_copy(update={"compute": compute})
+    profile = profile_from_report(report)
     rows = []
     for arch, batches in configs.items():
         for batch in batches:
-            for gamma in GAMMAS:
+            for gamma in gammas:
                 measured = _measure(arch, gamma, batch, steps, optimizer, threads)
                 size = CNN_IMAGE_SIZE if arch == "cnn" else None
                 work = Workload(arch, gamma, batch, optimizer, image_size=size)
                 rows.append({"arch": arch, "gamma": gamma, "batch_size": batch, "work": work, **measured})
-    calibration = next((r for r in rows if (r["arch"], r["gamma"], r["batch_size"]) == CALIBRATION), rows[0])
-    efficiency = calibrate_efficiency(calibration["work"], profile, calibration["step_seconds"])
+    calibration_row = next((r for r in rows if (r["arch"], r["gamma"], r["batch_size"]) == calibration), rows[0])
+    efficiency = calibrate_efficiency(calibration_row["work"], profile, calibration_row["step_seconds"])
     table = []
     for row in rows:
         work = row.pop("work")
@@ -147,11 +162,7 @@ def run(configs: dict[str, tuple[int, ...]], steps: int, optimizer: str, probe_s
             "load_average_1min": os.getloadavg()[0],
         },
         "optimizer": optimizer,
-        "calibrated_on": {
-            "arch": calibration["arch"],
-            "gamma": calibration["gamma"],
-            "batch_size": calibration["batch_size"],
-        },
+        "calibrated_on": {key: calibration_row[key] for key in ("arch", "gamma", "batch_size")},
         "training_efficiency": efficiency,
         "configs": table,
         "memory_rel_error_max": max(abs(r["memory_rel_error"]) for r in table),

@@ -4,8 +4,10 @@ For each broker (a managed mosquitto, the amqtt fallback) and a payload of ``--s
 
 - ``raw_chunks``: plain paho publishes the same bytes as the same number of chunks at QoS 1 to a
   plain paho subscriber, no protocol of ours: the broker's ceiling for this traffic;
-- ``fedfleet``: ``Session.send`` to a device session, from the bytes in hand (hashing included) to
-  the receiver's ack of the verified, reassembled payload;
+- ``fedfleet``: ``Session.send`` to a device session, from the bytes in hand (hashing on both sides
+  included) to the sender holding the receiver's ack of the complete, verified payload;
+- ``fedfleet_in_handler``: the same transfers, until the device's payload handler holds the joined
+  bytes (the receiver joins the verified chunks on its dispatcher thread, after acking);
 - ``raw_single`` (mosquitto): one raw publish of the whole payload.
 
 Runs alternate and medians are reported, so machine load hits all variants alike.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import tempfile
 import threading
@@ -32,7 +35,7 @@ from coordinator.broker.credentials import generate_credentials
 from coordinator.broker.factory import make_broker
 from device_agent.wire.session import BrokerAddress, coordinator_session, device_session
 from device_agent.wire.topics import DeviceTopics
-from device_agent.wire.transfer import DEFAULT_CHUNK_SIZE, Limits
+from device_agent.wire.transfer import DEFAULT_CHUNK_SIZE, Completed, Limits
 
 _FLEET = "bench"
 _MAX_INFLIGHT = 100
@@ -47,6 +50,8 @@ def _raw_client(address: BrokerAddress, name: str, v5: bool) -> mqtt.Client:
     client.username_pw_set(address.username, address.password)
     client.max_inflight_messages_set(_MAX_INFLIGHT)
     client.connect(address.host, address.port)
+    # The same socket option as fedfleet's sessions, so the baseline is not slowed by Nagle either.
+    client.socket().setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     client.loop_start()
     return client
 
@@ -94,11 +99,20 @@ def measure_broker(kind: str, payload: bytes, chunk_size: int, repeats: int, wor
     raw_topic = f"{topics.base}/down/raw"
     coordinator_addr, device_addr = broker.address, broker.address_for(creds["dev"])
     received = threading.Event()
+    handed: list[float] = []
+
+    def on_payload(_topic: str, completed: Completed) -> None:
+        data = completed.data
+        handed.append(time.perf_counter())
+        if data != payload:
+            raise RuntimeError("the device's handler got different bytes")  # logged; the wait below times out
+        received.set()
+
     device, _ = device_session(
         _FLEET,
         "dev",
         device_addr,
-        on_payload=lambda _t, _c: received.set(),
+        on_payload=on_payload,
         protocol=protocol,
         max_inflight=_MAX_INFLIGHT,
     )
@@ -112,7 +126,8 @@ def measure_broker(kind: str, payload: bytes, chunk_size: int, repeats: int, wor
     )
     view = memoryview(payload)
     parts = [bytes(view[i : i + chunk_size]) for i in range(0, len(payload), chunk_size)]
-    times: dict[str, list[float]] = {"fedfleet": [], "raw_chunks": []} | ({"raw_single": []} if v5 else {})
+    times: dict[str, list[float]] = {"fedfleet": [], "fedfleet_in_handler": [], "raw_chunks": []}
+    times |= {"raw_single": []} if v5 else {}
     try:
         device.start()
         coordinator.start()
@@ -123,7 +138,8 @@ def measure_broker(kind: str, payload: bytes, chunk_size: int, repeats: int, wor
             coordinator.send(topics.down, payload).wait(300)
             times["fedfleet"].append(time.perf_counter() - start)
             if not received.wait(30):
-                raise RuntimeError("acked payload never reached the device's handler")
+                raise RuntimeError("acked payload never reached the device's handler intact")
+            times["fedfleet_in_handler"].append(handed[-1] - start)
             if v5:
                 times["raw_single"].append(raw_seconds(coordinator_addr, device_addr, raw_topic, [payload], v5))
     finally:

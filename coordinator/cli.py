@@ -60,10 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--image-size", type=_positive, help="input height = width for MACs (default: the model's)")
     models.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     models.set_defaults(handler=_models)
+    report_cli.add_parser(commands)
     planning_cli.add_profiles_parser(commands)
     planning_cli.add_validate_parser(commands)
     planning_cli.add_plan_parser(commands)
-    report_cli.add_parser(commands)
     start_cli.add_parser(commands)
     emulate_cli.add_parser(commands)
     return parser

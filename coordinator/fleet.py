@@ -8,7 +8,7 @@ second, one found in round 40 costs the run. See examples/fleet.yaml for a comme
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from copy import copy
 from fractions import Fraction
 from pathlib import Path
@@ -28,39 +28,18 @@ from pydantic import (
     model_validator,
 )
 
+from coordinator.strategies import STRATEGIES
 from device_agent.models import MODELS
 from device_agent.probe import ComputeSpec, MemorySpec, NetworkSpec
 from profiles.catalog import Catalog, ProfileError, format_validation_error, load_catalog, unknown_profile_message
 from profiles.costmodel import OPTIMIZER_STATES
 
 REPORTED = "reported"
-STRATEGIES = (
-    "fedhm",
-    "fedavg",
-    "fedavg_small",
-    "heterofl",
-    "fedrolex",
-    "factorized_fl",
-    "factorized_fl_beta",
-    "simfed",
-    "fedfac",
-)
 # Training-set sizes of the built-in datasets, to split across devices when no size is given.
 DATASET_SIZES = {"digits": 1797, "cifar10": 50_000, "cifar100": 50_000}
 _DEVICE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _SECRET_REF = re.compile(r"^(env:[A-Za-z_][A-Za-z0-9_]*|file:.+)$")
 _PARTITION = re.compile(r"^(iid|permuted_labels|domains|dirichlet\((?P<alpha>[^)]*)\))$")
-
-# Per-strategy parameter schemas: name -> validator returning the normalized params (raise
-# ValueError/ValidationError on bad input). Strategies register theirs with register_strategy_params.
-STRATEGY_PARAMS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {}
-
-
-def register_strategy_params(name: str, model: type[BaseModel]) -> None:
-    """Validate ``strategy.params`` of strategy ``name`` with ``model`` (unknown keys should be forbidden)."""
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}")
-    STRATEGY_PARAMS[name] = lambda params: model.model_validate(params).model_dump()
 
 
 class FleetError(ValueError):
@@ -102,7 +81,10 @@ class Broker(_Strict):
     username: str = "coordinator"
     password: str | None = None
 
-    _password = field_validator("password")(classmethod(lambda cls, v: _secret_ref(v)))
+    @field_validator("password")
+    @classmethod
+    def _password_is_a_reference(cls, value: str | None) -> str | None:
+        return _secret_ref(value)
 
     @model_validator(mode="after")
     def _url_matches_mode(self) -> Broker:
@@ -178,15 +160,23 @@ class Dataset(_Strict):
 
 
 class Strategy(_Strict):
-    name: Literal[STRATEGIES] = "fedhm"  # type: ignore[valid-type]
+    """The strategy by registry name; ``params`` are checked by that strategy's own ``Params`` schema."""
+
+    name: str = "fedhm"
     params: dict[str, Any] = Field(default_factory=dict)
 
-    @model_validator(mode="after")
-    def _params_for_strategy(self) -> Strategy:
-        validate = STRATEGY_PARAMS.get(self.name)
-        if validate is not None:
-            self.params = validate(self.params)
-        return self
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        if name not in STRATEGIES:
+            raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
+        return name
+
+    @field_validator("params")
+    @classmethod
+    def _params_for_strategy(cls, params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        strategy = STRATEGIES.get(info.data.get("name", ""))
+        return params if strategy is None else strategy.Params.model_validate(params).model_dump()
 
 
 class Training(_Strict):
@@ -228,9 +218,10 @@ class DeviceOverrides(_Strict):
     compute: ComputeOverride | None = None  # type: ignore[valid-type]
     network: NetworkOverride | None = None  # type: ignore[valid-type]
 
-    _max_ratio = field_validator("max_ratio", mode="before")(
-        classmethod(lambda cls, v: None if v is None else parse_ratio(v))
-    )
+    @field_validator("max_ratio", mode="before")
+    @classmethod
+    def _ratio(cls, value: Any) -> float | None:
+        return None if value is None else parse_ratio(value)
 
 
 class Device(_Strict):
@@ -239,7 +230,10 @@ class Device(_Strict):
     credentials: str | None = Field(None, description="env:NAME or file:PATH; generated at provisioning when absent")
     overrides: DeviceOverrides = DeviceOverrides()
 
-    _credentials = field_validator("credentials")(classmethod(lambda cls, v: _secret_ref(v)))
+    @field_validator("credentials")
+    @classmethod
+    def _credentials_are_a_reference(cls, value: str | None) -> str | None:
+        return _secret_ref(value)
 
     @field_validator("id")
     @classmethod
@@ -271,7 +265,8 @@ class Device(_Strict):
                 try:
                     base.model_validate({**base.model_dump(), **patch.model_dump(exclude_none=True)})
                 except ValidationError as exc:
-                    raise ValueError(f"overrides.{section} {format_validation_error(exc)}") from None
+                    problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+                    raise ValueError(f"overrides.{section}: {problems}") from None
         return self
 
 
@@ -287,7 +282,9 @@ class Fleet(_Strict):
     rounds: PositiveInt = 100
     participation: float = Field(1.0, gt=0, le=1, description="fraction of planned devices asked per round")
     round_deadline_s: PositiveFloat = 600.0
-    quorum: float = Field(0.8, gt=0, le=1, description="fraction of asked devices whose updates close a round early")
+    quorum: float = Field(
+        0.8, gt=0, le=1, description="fraction of asked devices whose accepted updates a round needs at its deadline"
+    )
     on_quorum_miss: Literal["extend", "skip"] = Field(
         "extend", description="at the deadline below quorum: extend once by round_deadline_s, or skip the round"
     )

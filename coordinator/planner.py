@@ -40,7 +40,6 @@ class DevicePlan:
 
 @dataclass(frozen=True)
 class _Estimate:
-    ratio: float
     memory: int
     seconds: float
 
@@ -117,6 +116,10 @@ def plan_device(
     report: DeviceProfile | None = None,
     ceiling: float | None = None,
 ) -> DevicePlan:
+    """One device's row: ratios are tried from the largest down, the first that fits wins.
+
+    ``base`` is None for a ``profile: reported`` device; ``ceiling`` comes from out-of-memory reports.
+    """
     deadline = fleet.round_deadline_s
     profile = effective_profile(device, base, report)
     label = device.profile if report is None else f"{device.profile} (measured)"
@@ -179,7 +182,7 @@ def _estimate(fleet: Fleet, device: Device, profile: DeviceClass, ratio: float) 
         + trace.upload_bytes * 8 / (link.uplink_mbps * 1e6)
         + 2 * link.latency_ms / 1e3
     )
-    return _Estimate(ratio, memory, steps * predict_step_seconds(work, profile) + transfer)
+    return _Estimate(memory, steps * predict_step_seconds(work, profile) + transfer)
 
 
 def _why_not(estimate: _Estimate, budget: int, deadline: float, profile: DeviceClass, fleet: Fleet) -> str | None:
@@ -196,7 +199,7 @@ def _why_not(estimate: _Estimate, budget: int, deadline: float, profile: DeviceC
 
 def _why_this(ratio: float, ratios: list[float], cap: float, ceiling: float | None, rejected: list[str]) -> str:
     if rejected:
-        return f"largest that fits; gamma {rejected[0]}"
+        return f"largest that fits; gamma {rejected[-1]}"
     if ceiling is not None and ceiling < max(ratios) and ratio == ceiling:
         return f"capped at {fmt_ratio(ceiling)} after running out of memory above it"
     if cap < max(ratios):

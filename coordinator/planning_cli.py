@@ -83,7 +83,7 @@ def _profiles(args: argparse.Namespace) -> int:
         ("mem GB/s", "right"),
         ("link up/down Mbit/s", "right"),
     ):
-        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+        table.add_column(column, justify=justify, no_wrap=column == "name")  # type: ignore[arg-type]
     for name in sorted(catalog):
         p = catalog[name]
         est = set(p.estimated_fields)

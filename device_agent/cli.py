@@ -117,7 +117,7 @@ def format_human(profile: DeviceProfile) -> str:
         f"matmul fp32: {profile.matmul_gflops:.1f} GFLOPS",
     ]
     if profile.compute.memory_bandwidth_gbs is not None:
-        lines.append(f"memory bw:   {profile.compute.memory_bandwidth_gbs:.1f} GB/s (copy)")
+        lines.append(f"memory bw:   {profile.compute.memory_bandwidth_gbs:.1f} GB/s (batch norm)")
     if profile.network is not None:
         lines.append(
             f"broker link: {profile.network.uplink_mbps:.0f} Mbit/s, {profile.network.latency_ms:.2f} ms one way"

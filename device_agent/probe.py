@@ -33,7 +33,7 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 # warm-ups plus the minimum of three timed repeats stay bounded.
 _MATMUL_N = {"cpu": 512, "mps": 1024, "cuda": 2048}
 _MIN_REPEATS = 3
-# Copy bandwidth: 64 MiB defeats every cache of the devices we target while staying cheap on a 4 GB Jetson.
+# Bandwidth test buffer: 64 MiB defeats every cache of the devices we target, cheap on a 4 GB Jetson.
 _COPY_BYTES = 64 * 2**20
 _VERSIONED_PACKAGES = ("numpy", "paho-mqtt", "pydantic", "safetensors", "psutil", "pyyaml", "fedfleet")
 
@@ -68,7 +68,9 @@ class ComputeSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     fp32_gflops: float = Field(gt=0, description="fp32 matmul throughput (datasheet peak, or measured by the probe)")
-    memory_bandwidth_gbs: float | None = Field(None, gt=0, description="memory bandwidth in GB/s; None when unknown")
+    memory_bandwidth_gbs: float | None = Field(
+        None, gt=0, description="GB/s that bandwidth-bound kernels reach (datasheet peak, or probed); None: unknown"
+    )
     training_efficiency: float | None = Field(
         None, gt=0, le=1, description="fraction of fp32_gflops a training step's convolutions reach; None = default"
     )
@@ -171,19 +173,23 @@ def _synchronizer(dev: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def measure_matmul_gflops(dev: torch.device, benchmark_seconds: float) -> float:
+def measure_matmul_gflops(
+    dev: torch.device, benchmark_seconds: float, clock: Callable[[], float] = time.perf_counter
+) -> float:
     """Median fp32 square-matmul throughput in GFLOPS, spending about ``benchmark_seconds``.
 
     The median of several repeats resists one-off stalls (another process, a frequency change).
     At least three repeats are always timed, so the budget is a target, not a hard limit. The
     matrix size depends only on the device type, never on the budget or on a first timing, so that
-    numbers from different devices and different budgets stay comparable.
+    numbers from different devices and different budgets stay comparable. ``clock`` may be
+    ``time.process_time`` to time a single-threaded CPU run by the CPU time it got (robust to a
+    shared machine); the default wall clock is what a GPU needs.
     """
     if not benchmark_seconds > 0:
         raise ValueError(f"benchmark_seconds must be positive, got {benchmark_seconds}")
     sync = _synchronizer(dev)
     n = _MATMUL_N[dev.type]
-    started = time.perf_counter()
+    started = clock()
     # A private generator: probing must not shift the global RNG that seeds training.
     gen = torch.Generator().manual_seed(0)
 
@@ -194,43 +200,48 @@ def measure_matmul_gflops(dev: torch.device, benchmark_seconds: float) -> float:
         # the second estimates the steady-state time of one product.
         torch.matmul(a, b)
         sync()
-        t0 = time.perf_counter()
+        t0 = clock()
         torch.matmul(a, b)
         sync()
-        one = max(time.perf_counter() - t0, 1e-9)
+        one = max(clock() - t0, 1e-9)
 
         # Batch several products per timed repeat so fast GPUs are not timing launch overhead,
         # aiming at roughly ten repeats within the budget.
         inner = max(1, int(benchmark_seconds / 10 / one))
         per_product: list[float] = []
-        while len(per_product) < _MIN_REPEATS or time.perf_counter() - started < benchmark_seconds:
-            t0 = time.perf_counter()
+        while len(per_product) < _MIN_REPEATS or clock() - started < benchmark_seconds:
+            t0 = clock()
             for _ in range(inner):
                 torch.matmul(a, b)
             sync()
-            per_product.append(max(time.perf_counter() - t0, 1e-9) / inner)
+            per_product.append(max(clock() - t0, 1e-9) / inner)
 
     return 2 * n**3 / statistics.median(per_product) / 1e9
 
 
-def measure_memory_bandwidth_gbs(dev: torch.device, repeats: int = 5) -> float:
-    """Median copy bandwidth (bytes read + written per second) of a buffer no cache holds.
+def measure_memory_bandwidth_gbs(
+    dev: torch.device, repeats: int = 5, clock: Callable[[], float] = time.perf_counter
+) -> float:
+    """Effective bandwidth, in GB/s, of a training-mode batch norm on a buffer no cache holds.
 
-    Elementwise layers (norms, activations, pooling) and small factorized convolutions are bound
-    by this, not by matmul throughput, so the cost model needs both numbers.
+    Norms, activations and pooling (and the thin factorized convolutions' data movement) are
+    bound by memory traffic, not by matmul throughput. A plain copy overstates what such kernels
+    reach on a CPU (they also compute per element), so the probe times the real thing: batch norm
+    reads its input twice (statistics, then normalization) and writes once, 3 x the buffer.
     """
     sync = _synchronizer(dev)
-    src = torch.ones(_COPY_BYTES // 4, device=dev)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    sync()
-    times = []
-    for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
-        dst.copy_(src)
+    elements = _COPY_BYTES // 4
+    x = torch.ones(16, 64, 128, elements // (16 * 64 * 128), device=dev)
+    with torch.inference_mode():
+        torch.nn.functional.batch_norm(x, None, None, training=True)
         sync()
-        times.append(max(time.perf_counter() - t0, 1e-9))
-    return 2 * _COPY_BYTES / statistics.median(times) / 1e9
+        times = []
+        for _ in range(max(1, repeats)):
+            t0 = clock()
+            torch.nn.functional.batch_norm(x, None, None, training=True)
+            sync()
+            times.append(max(clock() - t0, 1e-9))
+    return 3 * _COPY_BYTES / statistics.median(times) / 1e9
 
 
 def measure_broker_link(url: str, payload_bytes: int = 1 << 20, timeout: float = 10.0) -> NetworkSpec:

@@ -22,6 +22,8 @@ from device_agent.probe import DeviceProfile
 from profiles.schema import DeviceClass
 
 ENV_VAR = "FEDFLEET_PROFILES"
+# A reported device that has not measured its link: a modest Wi-Fi guess, on the safe side.
+_UNMEASURED_NETWORK = {"downlink_mbps": 50.0, "uplink_mbps": 20.0, "latency_ms": 20.0}
 
 
 class ProfileError(ValueError):
@@ -136,6 +138,3 @@ def _measured_source(report: DeviceProfile) -> dict:
     if report.network is not None:
         fields += ["network.downlink_mbps", "network.uplink_mbps", "network.latency_ms"]
     return {"fields": fields, "ref": f"device-agent probe on {report.hostname}", "estimate": False}
-
-
-_UNMEASURED_NETWORK = {"downlink_mbps": 50.0, "uplink_mbps": 20.0, "latency_ms": 20.0}

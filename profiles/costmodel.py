@@ -4,14 +4,18 @@ Both predictions come from one trace of the hybrid model at batch size 1 (cheap,
 to the batch size:
 
 - memory = runtime context + weights + gradients + optimizer state + batch x saved activations
-  + batch x transient buffers of the backward pass, times a slack factor for the allocator. Saved
+  + batch x the largest single activation (the gradient buffer backward allocates next to what
+  is saved), times a slack factor for the allocator (1 on CPU, 1.1 on GPUs). Saved
   activations are counted exactly, from the tensors autograd keeps (each storage once), so the
   r-channel intermediate of a factorized convolution is in, and an in-place ReLU output shared
   with the next convolution's input is counted once.
 - time = sum over operators of max(FLOPs / (efficiency x fp32 peak), bytes / memory bandwidth)
   + a fixed cost per launched operator (a per-operator roofline: a small factorized convolution is
-  bandwidth- or overhead-bound long before it is compute-bound). Training FLOPs and bytes are 3x
-  the forward's (backward = 2 x forward, as FedScale and POET assume).
+  bandwidth- or overhead-bound long before it is compute-bound). A convolution whose GEMM view has
+  a side below 64 (few output channels, or a short reduction: the r-channel halves of a
+  factorized layer at small gamma) cannot fill the SIMD / tensor-core tiles, so its efficiency
+  is scaled by side / 64. Training FLOPs and bytes are 3x the forward's (backward = 2 x forward,
+  as FedScale and POET assume).
 
 ``efficiency`` is the one number to calibrate per device class (see benchmarks/costmodel.py).
 """
@@ -26,6 +30,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from device_agent.factorized import LowRankLayer
 from device_agent.hybrid import hybrid
 from device_agent.models import model_card
 from profiles.schema import DeviceClass
@@ -38,8 +43,11 @@ OPTIMIZER_STATES: dict[str, int] = {"sgd": 0, "momentum": 1, "adam": 2}
 DEFAULT_EFFICIENCY = {"cpu": 0.5, "cuda": 0.35, "mps": 0.25}
 DEFAULT_KERNEL_OVERHEAD_US = {"cpu": 10.0, "cuda": 15.0, "mps": 40.0}
 RUNTIME_CONTEXT_BYTES = {"cpu": 300 * 2**20, "cuda": 600 * 2**20, "mps": 400 * 2**20}
-# Allocator slack and framework workspace on top of the tensors counted.
-ALLOCATOR_SLACK = 1.10
+# Allocator slack and framework workspace on top of the tensors counted. CPU: measured 1.0 with
+# glibc returning freed tensors at once (benchmarks/costmodel.py); GPU: an estimate for the
+# caching allocator's rounding and cuDNN workspaces.
+ALLOCATOR_SLACK = {"cpu": 1.0, "cuda": 1.1, "mps": 1.1}
+_FULL_TILE = 64
 _TRAIN_MULTIPLIER = 3
 _FP32 = 4
 
@@ -51,6 +59,12 @@ class OpCost:
     flops: float
     activation_bytes: float
     weight_bytes: float
+    output_bytes: float = 0.0
+    efficiency_scale: float = 1.0
+
+
+def _tile_scale(out_channels: int, reduction: int) -> float:
+    return min(1.0, out_channels / _FULL_TILE) * min(1.0, reduction / _FULL_TILE)
 
 
 @dataclass(frozen=True)
@@ -96,39 +110,40 @@ class MemoryEstimate:
 def _op_cost(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> OpCost | None:
     x = inputs[0]
     io_bytes = float((x.numel() + output.numel()) * _FP32)
+    out_bytes = float(output.numel() * _FP32)
     if isinstance(module, nn.Conv2d):
         kh, kw = module.kernel_size
-        flops = 2.0 * output.numel() * (module.in_channels // module.groups) * kh * kw
-        return OpCost(flops, io_bytes, float(module.weight.numel() * _FP32))
+        reduction = module.in_channels // module.groups * kh * kw
+        flops = 2.0 * output.numel() * reduction
+        scale = _tile_scale(module.out_channels, reduction)
+        return OpCost(flops, io_bytes, float(module.weight.numel() * _FP32), out_bytes, scale)
     if isinstance(module, nn.Linear):
-        return OpCost(2.0 * output.numel() * module.in_features, io_bytes, float(module.weight.numel() * _FP32))
+        flops = 2.0 * output.numel() * module.in_features
+        return OpCost(flops, io_bytes, float(module.weight.numel() * _FP32), out_bytes)
     if isinstance(module, nn.BatchNorm2d):
         # Training-mode BN reads its input twice (statistics, then normalize) and writes once.
-        return OpCost(0.0, io_bytes + x.numel() * _FP32, 0.0)
+        return OpCost(0.0, io_bytes + x.numel() * _FP32, 0.0, out_bytes)
     if isinstance(module, nn.ReLU | nn.MaxPool2d | nn.AdaptiveAvgPool2d):
-        return OpCost(0.0, io_bytes, 0.0)
+        return OpCost(0.0, io_bytes, 0.0, out_bytes)
     return None
-
-
-def _functional_convs(module: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
-    """Factorized layers call F.conv2d twice; expose both as operators through their factors."""
-    return [(name, tuple(p.shape)) for name, p in module.named_parameters(recurse=False) if p.dim() == 4]
 
 
 @lru_cache(maxsize=64)
 def trace_model(
     arch: str, gamma: float, num_classes: int = 10, in_channels: int | None = None, image_size: int | None = None
 ) -> ModelTrace:
-    """Trace ``hybrid(arch, gamma)`` once at batch 1 on the CPU (a forward and backward of one sample)."""
+    """Trace one forward pass of ``hybrid(arch, gamma)`` at batch 1 on the CPU: operators and saved tensors."""
     card = model_card(arch)
     channels = in_channels or card.in_channels
     size = image_size or card.image_size
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(0)
+    # Built on meta and materialized as zeros: shapes are all that matter, and skipping the
+    # spectral initialization keeps a trace in the tens of milliseconds.
+    with torch.device("meta"):
         model = hybrid(arch, gamma, num_classes, channels)
-    finally:
-        torch.random.set_rng_state(state)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.zero_()
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -141,29 +156,32 @@ def trace_model(
 
     def lowrank_hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         # reduce: C_in -> r over (1 x k); expand: r -> C_out over (k x 1); the r-channel map sits between.
-        reduce, expand = module.reduce, module.expand
-        r = reduce.shape[0]
-        mid = output.numel() // output.shape[1] * r * (module.stride if hasattr(module, "stride") else 1)
-        if reduce.dim() == 4:
-            x = inputs[0]
-            mid = x.shape[0] * r * x.shape[2] * output.shape[3]
-            ops.append(OpCost(2.0 * mid * reduce[0].numel(), float((x.numel() + mid) * _FP32), reduce.numel() * 4.0))
-            ops.append(
-                OpCost(
-                    2.0 * output.numel() * expand[0].numel(),
-                    float((mid + output.numel()) * _FP32),
-                    expand.numel() * 4.0,
-                )
+        x, reduce, expand = inputs[0], module.reduce, module.expand
+        r, out_channels = reduce.shape[0], expand.shape[0]
+        mid = x.shape[0] * r * (x.shape[2] * output.shape[3] if reduce.dim() == 4 else 1)
+        reduce_k, expand_k = reduce[0].numel(), expand[0].numel()
+        ops.append(
+            OpCost(
+                2.0 * mid * reduce_k,
+                float((x.numel() + mid) * _FP32),
+                float(reduce.numel() * _FP32),
+                float(mid * _FP32),
+                _tile_scale(r, reduce_k),
             )
-        else:
-            x = inputs[0]
-            mid = x.shape[0] * r
-            ops.append(OpCost(2.0 * mid * reduce.shape[1], float((x.numel() + mid) * _FP32), reduce.numel() * 4.0))
-            ops.append(OpCost(2.0 * output.numel() * r, float((mid + output.numel()) * _FP32), expand.numel() * 4.0))
+        )
+        ops.append(
+            OpCost(
+                2.0 * output.numel() * expand_k,
+                float((mid + output.numel()) * _FP32),
+                float(expand.numel() * _FP32),
+                float(output.numel() * _FP32),
+                _tile_scale(out_channels, expand_k),
+            )
+        )
 
     handles = []
     for module in model.modules():
-        if hasattr(module, "reduce") and hasattr(module, "expand"):
+        if isinstance(module, LowRankLayer):
             handles.append(module.register_forward_hook(lowrank_hook))
         elif not list(module.children()):
             handles.append(module.register_forward_hook(leaf_hook))
@@ -181,14 +199,13 @@ def trace_model(
         output = model(x)
     for handle in handles:
         handle.remove()
-    largest = max(op.activation_bytes for op in ops)
-    output.sum().backward()
+    del output
+    largest = max(op.output_bytes for op in ops)
     return ModelTrace(
         params=sum(p.numel() for p in params),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         param_tensors=len(params),
         saved_bytes_per_sample=sum(saved.values()),
-        # Backward holds an operator's output gradient and input gradient at once, next to what is saved.
         transient_bytes_per_sample=int(largest),
         ops=tuple(ops),
     )
@@ -222,7 +239,7 @@ def predict_memory(work: Workload, accelerator: str = "cpu", include_runtime: bo
     transient = trace.transient_bytes_per_sample * work.batch_size
     runtime = RUNTIME_CONTEXT_BYTES[accelerator] if include_runtime else 0
     counted = weights + gradients + optimizer + activations + transient
-    total = runtime + math.ceil(counted * ALLOCATOR_SLACK)
+    total = runtime + math.ceil(counted * ALLOCATOR_SLACK[accelerator])
     return MemoryEstimate(runtime, weights, gradients, optimizer, activations, transient, total)
 
 
@@ -239,7 +256,7 @@ def predict_step_seconds(work: Workload, profile: DeviceClass, efficiency: float
     for op in trace.ops:
         flops = op.flops * work.batch_size * _TRAIN_MULTIPLIER
         moved = (op.activation_bytes * work.batch_size + op.weight_bytes) * _TRAIN_MULTIPLIER
-        seconds += max(flops / flop_rate, moved / byte_rate)
+        seconds += max(flops / (flop_rate * op.efficiency_scale), moved / byte_rate)
     # Optimizer: reads weight, grad and each state, writes weight and states.
     optimizer_bytes = trace.params * _FP32 * (3 + 2 * OPTIMIZER_STATES[work.optimizer])
     seconds += optimizer_bytes / byte_rate

@@ -59,6 +59,9 @@ def config_text(settings: BrokerSettings, port: int, password_file: Path, acl_fi
         "persistence true",
         f"persistence_location {data_dir}/",
         "autosave_interval 60",
+        # Acks are tiny packets written right after a PUBACK; with Nagle on they wait ~40 ms for a
+        # delayed TCP ack, which stalls every transfer's completion.
+        "set_tcp_nodelay true",
         "log_dest stderr",
         "log_type error",
         "log_type warning",

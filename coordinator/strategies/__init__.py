@@ -8,7 +8,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from coordinator.strategies.base import Assignment, ClientSlot, ModelSpec, RoundAggregate, Strategy
+from coordinator.strategies.factorized_fl import FactorizedFL, FactorizedFLBeta
+from coordinator.strategies.fedfac import FedFac
 from coordinator.strategies.fedhm import FedHM
+from coordinator.strategies.simfed import SimFed
 from coordinator.strategies.width import FedAvg, FedAvgSmall, FedRolex, HeteroFL
 
 STRATEGIES: dict[str, type[Strategy]] = {
@@ -19,6 +22,10 @@ STRATEGIES: dict[str, type[Strategy]] = {
         FedAvgSmall,
         HeteroFL,
         FedRolex,
+        FactorizedFL,
+        FactorizedFLBeta,
+        SimFed,
+        FedFac,
     )
 }
 

@@ -12,7 +12,9 @@ from typing import Any
 import torch
 
 from device_agent.clients.base import ClientProgram
+from device_agent.clients.fedfac import FedFacProgram
 from device_agent.clients.fedhm import FedHMProgram
+from device_agent.clients.rank_one import FactorizedFLBetaProgram, FactorizedFLProgram, SimFedProgram
 from device_agent.clients.width import WidthProgram
 
 CLIENTS: dict[str, type[ClientProgram]] = {
@@ -21,6 +23,10 @@ CLIENTS: dict[str, type[ClientProgram]] = {
     "fedavg_small": WidthProgram,
     "heterofl": WidthProgram,
     "fedrolex": WidthProgram,
+    "factorized_fl": FactorizedFLProgram,
+    "factorized_fl_beta": FactorizedFLBetaProgram,
+    "simfed": SimFedProgram,
+    "fedfac": FedFacProgram,
 }
 
 

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from device_agent.probe import DeviceProfile
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 # Control messages are tiny; anything bigger is a bug or an attack, refused before json.loads.
 MAX_MESSAGE_BYTES = 1 << 20
 
@@ -34,7 +34,7 @@ class _Message(BaseModel):
     # on every field, and a typo must not silently become a default.
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    v: Literal[1] = PROTOCOL_VERSION
+    v: Literal[2] = PROTOCOL_VERSION
     sent_at: float = Field(default_factory=time.time)
 
 
@@ -63,10 +63,15 @@ class Assignment(_Message):
 
 
 class Manifest(_Message):
-    """Announces one transfer. ``digest`` is sha256 over the concatenated chunk digests (a hash list).
+    """Announces one transfer; ``digest`` is sha256 over the concatenated chunk digests (a hash list).
 
     A hash list lets each side hash every byte exactly once (per chunk, as it goes) and still binds
     the whole transfer: changing any byte changes a chunk digest and therefore the transfer digest.
+
+    A manifest is *sealed* when it carries ``chunks`` and ``digest``. A sender that has not hashed
+    the payload yet announces it unsealed, hashes each chunk as it publishes it (every chunk frame
+    carries its own sha256), and sends the sealed manifest after the last chunk; the receiver
+    completes a transfer only against a seal. Hashing then overlaps sending instead of delaying it.
     """
 
     type: Literal["manifest"] = "manifest"
@@ -76,14 +81,24 @@ class Manifest(_Message):
     kind: str = "payload"
     size: Annotated[int, Field(ge=0)]
     chunk_size: Annotated[int, Field(gt=0)]
-    chunks: list[Annotated[str, Field(pattern=_HEX64)]]
-    digest: Annotated[str, Field(pattern=_HEX64)]
+    chunks: list[Annotated[str, Field(pattern=_HEX64)]] | None = None
+    digest: Annotated[str, Field(pattern=_HEX64)] | None = None
     meta: dict[str, str] = Field(default_factory=dict)
+
+    @property
+    def chunk_count(self) -> int:
+        return -(-self.size // self.chunk_size)
+
+    @property
+    def sealed(self) -> bool:
+        return self.digest is not None
 
     @model_validator(mode="after")
     def _chunk_count_matches_size(self) -> Manifest:
-        expected = -(-self.size // self.chunk_size) if self.size else 0
-        if len(self.chunks) != expected:
+        if (self.chunks is None) != (self.digest is None):
+            raise ValueError(f"manifest {self.transfer}: carries chunk digests or a transfer digest without the other")
+        expected = self.chunk_count
+        if self.chunks is not None and len(self.chunks) != expected:
             raise ValueError(
                 f"manifest {self.transfer}: {len(self.chunks)} chunk digests for size {self.size} "
                 f"in chunks of {self.chunk_size} (expected {expected})"
@@ -100,7 +115,10 @@ class Ack(_Message):
 
 
 class Nack(_Message):
-    """The receiver still misses these chunks (never arrived, or arrived corrupt): resend them."""
+    """The receiver still misses these chunks (never arrived, or arrived corrupt): resend them.
+
+    An empty list: it has every chunk but not the seal (the sealed manifest), so send that again.
+    """
 
     type: Literal["nack"] = "nack"
     transfer: Annotated[str, Field(pattern=_TRANSFER_ID)]

@@ -1,35 +1,44 @@
 """Chunked, verified, resumable transfers as pure state machines (no MQTT, no clock of their own).
 
-A sender announces a transfer with a ``Manifest`` (size, chunk size, sha256 of every chunk, and a
-transfer digest over those), then publishes binary chunk frames. The receiver verifies each chunk
-against the manifest, writes it into place, and acks once every chunk is in and the digest holds.
-Loss is repaired by asking again, never by trusting a broker's queue:
+A sender announces a transfer with a ``Manifest`` (size, chunk size), publishes binary chunk frames
+that each carry their chunk's sha256, and seals the transfer with the manifest again, now holding
+every chunk digest and the transfer digest over those (a sender that hashed the payload beforehand,
+e.g. to send it to many devices, announces it sealed at once). The receiver checks each chunk against
+its frame's digest (and the seal's, once known), keeps it, and acks once every chunk is in and the
+seal holds. Loss is repaired by asking again, never by trusting a broker's queue:
 
-- the receiver nacks the chunks it still misses when nothing has arrived for ``nack_after`` s;
+- the receiver nacks the chunks it still misses when nothing has arrived for ``nack_after`` s (an
+  empty nack: it has every chunk but no seal, and the sender answers with the seal);
 - the sender re-announces the manifest when it has heard nothing for ``resend_after`` s (a lost
   manifest or a lost ack); a receiver answers a known manifest with a nack or a repeated ack;
-- duplicates, chunks of finished transfers and chunks that fail their digest are dropped.
+- duplicates, chunks of finished transfers and chunks that fail their digest are dropped; chunks
+  that disagree with the seal are dropped and asked for again.
 
 Both classes take ``now`` from the caller, so tests drive them with a fake clock and the session
 drives them with ``time.monotonic``.
 
-A chunk frame is a 25-byte header followed by the raw bytes (no base64, no JSON):
-``b"FFCK" | version (1 byte) | transfer id (16 bytes) | chunk index (uint32, big-endian)``.
+A chunk frame is a 57-byte header followed by the raw bytes (no base64, no JSON):
+``b"FFCK" | version (1 byte) | transfer id (16 bytes) | chunk index (uint32, big-endian) | sha256 (32 bytes)``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+import threading
+import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import Any
 
 from device_agent.wire.messages import Ack, Error, Manifest, Message, Nack, ProtocolError, encode
 
 CHUNK_MAGIC = b"FFCK"
-FRAME_VERSION = 1
-_HEADER = struct.Struct(">4sB16sI")
+FRAME_VERSION = 2
+_HEADER = struct.Struct(">4sB16sI32s")
 HEADER_SIZE = _HEADER.size
 DEFAULT_CHUNK_SIZE = 256 * 1024
 # Room for the MQTT fixed header, topic and properties when checking a frame against a packet limit.
@@ -57,20 +66,28 @@ def is_chunk_frame(data: bytes) -> bool:
     return data[:4] == CHUNK_MAGIC
 
 
-def chunk_frame(transfer: str, index: int, data: bytes | memoryview) -> bytes:
-    return _HEADER.pack(CHUNK_MAGIC, FRAME_VERSION, bytes.fromhex(transfer), index) + data
+def chunk_frame(transfer: str, index: int, data: bytes | memoryview, digest: bytes | None = None) -> bytes:
+    """A frame for ``data``; ``digest`` is its sha256 when the caller has it already."""
+    digest = digest if digest is not None else hashlib.sha256(data).digest()
+    return _HEADER.pack(CHUNK_MAGIC, FRAME_VERSION, bytes.fromhex(transfer), index, digest) + data
 
 
-def parse_chunk_frame(frame: bytes) -> tuple[str, int, memoryview]:
-    """(transfer id, chunk index, chunk bytes) of a frame, or ``ProtocolError``."""
+def parse_chunk_frame(frame: bytes) -> tuple[str, int, memoryview, bytes]:
+    """(transfer id, chunk index, chunk bytes, their claimed sha256) of a frame, or ``ProtocolError``."""
+    # Magic and version first: a frame of another version may have another header length.
+    if frame[:4] != CHUNK_MAGIC:
+        raise ProtocolError(f"not a chunk frame (magic {bytes(frame[:4])!r})")
+    if len(frame) > 4 and frame[4] != FRAME_VERSION:
+        raise ProtocolError(f"unsupported chunk frame version {frame[4]} (this side speaks {FRAME_VERSION})")
     if len(frame) < HEADER_SIZE:
         raise ProtocolError(f"chunk frame of {len(frame)} bytes is shorter than its {HEADER_SIZE}-byte header")
-    magic, version, transfer, index = _HEADER.unpack_from(frame)
-    if magic != CHUNK_MAGIC:
-        raise ProtocolError(f"not a chunk frame (magic {magic!r})")
-    if version != FRAME_VERSION:
-        raise ProtocolError(f"unsupported chunk frame version {version} (this side speaks {FRAME_VERSION})")
-    return transfer.hex(), index, memoryview(frame)[HEADER_SIZE:]
+    _magic, _version, transfer, index, digest = _HEADER.unpack_from(frame)
+    return transfer.hex(), index, memoryview(frame)[HEADER_SIZE:], digest
+
+
+def chunk_is_intact(data: bytes | memoryview, digest: bytes) -> bool:
+    """Whether ``data`` hashes to ``digest``; thread-safe and lock-free (hashlib drops the GIL on big buffers)."""
+    return hashlib.sha256(data).digest() == digest
 
 
 @dataclass(frozen=True)
@@ -93,8 +110,8 @@ class Limits:
             )
 
 
-def make_manifest(
-    payload: bytes,
+def announce(
+    size: int,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     *,
     run: str = "",
@@ -104,27 +121,45 @@ def make_manifest(
     limits: Limits | None = None,
     transfer: str | None = None,
 ) -> Manifest:
-    """Hash ``payload`` chunk by chunk into a manifest; refuse it first if it breaks ``limits``.
-
-    The manifest can be reused to send the same bytes to many receivers: only ``transfer`` differs,
-    and ``Manifest.model_copy(update={"transfer": ...})`` needs no rehashing.
-    """
+    """An unsealed manifest for ``size`` bytes (nothing hashed yet); refused first if it breaks ``limits``."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    (limits or Limits()).check(len(payload), chunk_size)
-    view = memoryview(payload)
-    digests = [hashlib.sha256(view[i : i + chunk_size]).hexdigest() for i in range(0, len(payload), chunk_size)]
+    (limits or Limits()).check(size, chunk_size)
     return Manifest(
         transfer=transfer or new_transfer_id(),
         run=run,
         round=round,
         kind=kind,
-        size=len(payload),
+        size=size,
         chunk_size=chunk_size,
-        chunks=digests,
-        digest=transfer_digest(digests),
         meta=meta or {},
     )
+
+
+def seal(manifest: Manifest, chunk_digests: list[bytes]) -> Manifest:
+    """``manifest`` carrying the given chunk digests and the transfer digest over them."""
+    hexes = [d.hex() for d in chunk_digests]
+    return Manifest.model_validate(
+        manifest.model_dump() | {"chunks": hexes, "digest": transfer_digest(hexes), "sent_at": time.time()}
+    )
+
+
+def make_manifest(payload: bytes, chunk_size: int = DEFAULT_CHUNK_SIZE, **fields: Any) -> Manifest:
+    """Hash ``payload`` chunk by chunk into a sealed manifest; refuse it first if it breaks ``limits``.
+
+    Takes the keywords of ``announce``. The manifest can be reused to send the same bytes to many
+    receivers (``Session.send(..., manifest=)``): only ``transfer`` differs, nothing is rehashed.
+    """
+    manifest = announce(len(payload), chunk_size, **fields)
+    view = memoryview(payload)
+    return seal(
+        manifest, [hashlib.sha256(view[i : i + chunk_size]).digest() for i in range(0, len(payload), chunk_size)]
+    )
+
+
+def _announced(manifest: Manifest) -> dict[str, Any]:
+    """What announcing and sealing a transfer must agree on."""
+    return manifest.model_dump(exclude={"sent_at", "chunks", "digest"})
 
 
 class OutgoingTransfer:
@@ -134,6 +169,9 @@ class OutgoingTransfer:
     re-announced; the session also calls ``touch`` whenever the broker confirms one of our frames,
     so a slow link that is still draining does not count as silence. After ``max_attempts``
     re-announcements without any answer the transfer fails.
+
+    An unsealed ``manifest`` is sealed as ``start`` goes: each chunk is hashed just before its frame
+    is built, and the seal follows the last chunk.
     """
 
     def __init__(
@@ -143,6 +181,8 @@ class OutgoingTransfer:
             raise ValueError(f"payload has {len(payload)} bytes, manifest says {manifest.size}")
         self.manifest = manifest
         self._payload = memoryview(payload)
+        chunks = manifest.chunks or [None] * manifest.chunk_count
+        self._digests: list[bytes | None] = [bytes.fromhex(d) if d else None for d in chunks]
         self._resend_after = resend_after
         self._max_attempts = max_attempts
         self._last_heard = now
@@ -155,13 +195,39 @@ class OutgoingTransfer:
     def transfer(self) -> str:
         return self.manifest.transfer
 
+    def _digest(self, index: int) -> bytes:
+        digest = self._digests[index]
+        if digest is None:
+            size = self.manifest.chunk_size
+            digest = self._digests[index] = hashlib.sha256(self._payload[index * size : (index + 1) * size]).digest()
+        return digest
+
     def frame(self, index: int) -> bytes:
         size = self.manifest.chunk_size
-        return chunk_frame(self.transfer, index, self._payload[index * size : (index + 1) * size])
+        return chunk_frame(self.transfer, index, self._payload[index * size : (index + 1) * size], self._digest(index))
 
-    def start(self) -> list[bytes]:
-        """Everything for a first attempt: the manifest, then every chunk in order."""
-        return [encode(self.manifest), *(self.frame(i) for i in range(len(self.manifest.chunks)))]
+    def sealed(self) -> Manifest:
+        """The sealed manifest, hashing whatever chunk was not hashed yet."""
+        if not self.manifest.sealed:
+            self.manifest = seal(self.manifest, [self._digest(i) for i in range(len(self._digests))])
+        return self.manifest
+
+    def start(self, hasher: Executor | None = None) -> Iterator[bytes]:
+        """Everything for a first attempt: the manifest, every chunk in order, then the seal if still due.
+
+        Lazily: hashing and copying chunk i while the network sends chunk i - 1 keeps both off the
+        critical path (and a second copy of the payload out of memory). With a ``hasher`` the chunks
+        are hashed on its thread, ahead of the frames, while this one copies and publishes.
+        """
+        announced_sealed = self.manifest.sealed
+        yield encode(self.manifest)
+        ahead = hasher.map(self._digest, range(len(self._digests))) if hasher and not announced_sealed else None
+        for index in range(len(self._digests)):
+            if ahead is not None:
+                next(ahead)  # chunk ``index`` is hashed; usually long since
+            yield self.frame(index)
+        if not announced_sealed:
+            yield encode(self.sealed())
 
     def touch(self, now: float) -> None:
         """Evidence the transfer is progressing (the broker took a frame); postpones re-announcing."""
@@ -183,9 +249,11 @@ class OutgoingTransfer:
         self._attempts = 0
         if self.done or self.failed:
             return []
+        if not nack.missing:
+            return [encode(self.sealed())]  # the receiver has every chunk but lost the seal
         out = []
         for index in sorted(set(nack.missing)):
-            if index >= len(self.manifest.chunks):
+            if index >= len(self._digests):
                 continue
             if now - self._resent_at.get(index, float("-inf")) < self._resend_after:
                 continue
@@ -213,19 +281,50 @@ class OutgoingTransfer:
 
 @dataclass
 class _Incoming:
+    """An unfinished transfer. Verified chunks are kept as the buffers they arrived in and joined
+    once, when the payload is handed over: no copy of the payload is made before the ack."""
+
     manifest: Manifest
-    buffer: bytearray
+    chunks: list[bytes | memoryview | None]
+    digests: list[bytes | None]
     missing: set[int]
     last_seen: float
     nacked_at: float = float("-inf")
+    expected: list[bytes] | None = None  # the seal's chunk digests, once it arrived
+
+    def adopt(self, manifest: Manifest) -> int:
+        """Take the seal; drops (to be asked for again) the chunks it disagrees with and returns how many."""
+        self.manifest = manifest
+        self.expected = [bytes.fromhex(d) for d in manifest.chunks or ()]
+        dropped = 0
+        for index, digest in enumerate(self.digests):
+            if digest is not None and digest != self.expected[index]:
+                self.chunks[index] = self.digests[index] = None
+                self.missing.add(index)
+                dropped += 1
+        return dropped
 
 
-@dataclass(frozen=True)
 class Completed:
-    """A complete, verified transfer."""
+    """A complete, verified transfer.
 
-    manifest: Manifest
-    data: bytes
+    ``data`` joins the verified chunks on first use, in whichever thread asks (the session's
+    dispatcher): the ack then does not wait for a copy of the whole payload on the network thread.
+    """
+
+    def __init__(self, manifest: Manifest, chunks: Sequence[bytes | memoryview]) -> None:
+        self.manifest = manifest
+        self._chunks: Sequence[bytes | memoryview] | None = chunks
+        self._data: bytes | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def data(self) -> bytes:
+        with self._lock:
+            if self._data is None:
+                self._data = b"".join(self._chunks or ())
+                self._chunks = None
+            return self._data
 
 
 @dataclass
@@ -260,39 +359,58 @@ class IncomingTransfers:
         return list(self._open)
 
     def on_manifest(self, manifest: Manifest, now: float) -> tuple[list[Message], Completed | None]:
-        """Start (or resume) a transfer; answers a repeated manifest with what the sender needs.
+        """Start, seal or resume a transfer; answers a repeated manifest with what the sender needs.
 
-        Returns replies to send and, for an empty payload, the completed transfer.
+        Returns replies to send and, when this manifest completes the transfer, the completed transfer.
         """
         tid = manifest.transfer
         if tid in self._done:
             return [Ack(transfer=tid, digest=self._done[tid])], None
-        current = self._open.get(tid)
-        if current is not None:
-            if current.manifest.model_dump(exclude={"sent_at"}) != manifest.model_dump(exclude={"sent_at"}):
-                error = Error(code="rejected", transfer=tid, detail="manifest differs from the one announced before")
-                return [error], None
-            current.last_seen = now
-            return [self._nack(current, now)], None
-        if manifest.digest != transfer_digest(manifest.chunks):
+        if manifest.sealed and manifest.digest != transfer_digest(manifest.chunks or []):
             return [
                 Error(code="rejected", transfer=tid, detail="manifest digest does not match its chunk digests")
             ], None
-        if manifest.size > self.max_payload_bytes:
-            detail = f"{manifest.size} bytes exceed the receiver's {self.max_payload_bytes}-byte limit"
-            return [Error(code="too_large", transfer=tid, detail=detail)], None
-        pending = sum(len(t.buffer) for t in self._open.values())
-        if pending + manifest.size > self.max_pending_bytes:
-            detail = f"receiver already holds {pending} bytes of unfinished transfers"
-            return [Error(code="too_large", transfer=tid, detail=detail)], None
-        incoming = _Incoming(manifest, bytearray(manifest.size), set(range(len(manifest.chunks))), now)
-        self._open[tid] = incoming
-        return self._finish(incoming) if not incoming.missing else ([], None)
+        current = self._open.get(tid)
+        if current is None:
+            if manifest.size > self.max_payload_bytes:
+                detail = f"{manifest.size} bytes exceed the receiver's {self.max_payload_bytes}-byte limit"
+                return [Error(code="too_large", transfer=tid, detail=detail)], None
+            pending = sum(t.manifest.size for t in self._open.values())
+            if pending + manifest.size > self.max_pending_bytes:
+                detail = f"receiver already holds {pending} bytes of unfinished transfers"
+                return [Error(code="too_large", transfer=tid, detail=detail)], None
+            count = manifest.chunk_count
+            current = _Incoming(manifest, [None] * count, [None] * count, set(range(count)), now)
+            self._open[tid] = current
+            if manifest.sealed:
+                current.adopt(manifest)
+            return self._finish(current) if self._complete(current) else ([], None)
+        if _announced(current.manifest) != _announced(manifest):
+            error = Error(code="rejected", transfer=tid, detail="manifest differs from the one announced before")
+            return [error], None
+        current.last_seen = now
+        if manifest.sealed:
+            if current.expected is None:
+                self.stats.corrupt += current.adopt(manifest)
+            elif manifest.digest != current.manifest.digest:
+                return [Error(code="rejected", transfer=tid, detail="seal differs from the one received before")], None
+        if self._complete(current):
+            return self._finish(current)
+        return [self._nack(current, now)], None
 
     def on_chunk(
-        self, transfer: str, index: int, data: bytes | memoryview, now: float
+        self,
+        transfer: str,
+        index: int,
+        data: bytes | memoryview,
+        digest: bytes,
+        now: float,
+        intact: bool | None = None,
     ) -> tuple[list[Message], Completed | None]:
-        """Take one chunk; returns replies to send and, once, the completed transfer."""
+        """Take one chunk and the sha256 its frame claims; returns replies and, once, the completed transfer.
+
+        ``intact``: ``chunk_is_intact(data, digest)`` if the caller already checked it outside any lock.
+        """
         if transfer in self._done:
             self.stats.late += 1
             return [], None
@@ -306,16 +424,18 @@ class IncomingTransfers:
             self.stats.duplicates += 1
             return [], None
         manifest = incoming.manifest
-        start = index * manifest.chunk_size
-        expected_len = min(manifest.chunk_size, manifest.size - start)
-        if len(data) != expected_len or hashlib.sha256(data).hexdigest() != manifest.chunks[index]:
+        expected_len = min(manifest.chunk_size, manifest.size - index * manifest.chunk_size)
+        if intact is None:
+            intact = chunk_is_intact(data, digest)
+        sealed_digest = incoming.expected[index] if incoming.expected is not None else digest
+        if len(data) != expected_len or not intact or digest != sealed_digest:
             self.stats.corrupt += 1
             return [], None
-        incoming.buffer[start : start + expected_len] = data
+        # A view into a caller's mutable buffer could change after verification: keep a copy of those.
+        incoming.chunks[index] = data if isinstance(data, bytes) or memoryview(data).readonly else bytes(data)
+        incoming.digests[index] = digest
         incoming.missing.discard(index)
-        if incoming.missing:
-            return [], None
-        return self._finish(incoming)
+        return self._finish(incoming) if self._complete(incoming) else ([], None)
 
     def poll(self, now: float) -> list[Message]:
         """Nack stalled transfers; drop abandoned ones."""
@@ -336,13 +456,20 @@ class IncomingTransfers:
         self.stats.nacks += 1
         return Nack(transfer=incoming.manifest.transfer, missing=sorted(incoming.missing))
 
+    @staticmethod
+    def _complete(incoming: _Incoming) -> bool:
+        return not incoming.missing and incoming.expected is not None
+
     def _finish(self, incoming: _Incoming) -> tuple[list[Message], Completed | None]:
-        # Every chunk matched its manifest digest and the manifest's digest matched those digests
+        # Every chunk matched the seal's digest for it and the seal's digest matched those digests
         # when it was accepted, so the transfer digest holds by construction.
         manifest = incoming.manifest
+        digest = manifest.digest
+        assert digest is not None, "only a sealed transfer is complete"
         del self._open[manifest.transfer]
-        self._done[manifest.transfer] = manifest.digest
+        self._done[manifest.transfer] = digest
         while len(self._done) > self.remember_done:
             self._done.popitem(last=False)
         self.stats.completed += 1
-        return [Ack(transfer=manifest.transfer, digest=manifest.digest)], Completed(manifest, bytes(incoming.buffer))
+        chunks = [c for c in incoming.chunks if c is not None]
+        return [Ack(transfer=manifest.transfer, digest=digest)], Completed(manifest, chunks)

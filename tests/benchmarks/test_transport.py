@@ -15,6 +15,7 @@ def test_benchmark_prints_one_json_object_with_ratios_and_throughputs(capsys):
         assert result[key] > 0
     for key in (
         "mosquitto_fedfleet_mbps",
+        "mosquitto_fedfleet_in_handler_mbps",
         "mosquitto_raw_chunks_mbps",
         "mosquitto_raw_single_mbps",
         "amqtt_fedfleet_mbps",

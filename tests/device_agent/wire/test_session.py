@@ -3,6 +3,7 @@
 import hashlib
 import logging
 import os
+import socket
 import threading
 import time
 
@@ -12,7 +13,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from device_agent.wire.session import BrokerAddress, Session, SessionConfig, coordinator_session, device_session
 from device_agent.wire.topics import fleet_uplinks
-from device_agent.wire.transfer import Limits, PayloadTooLarge, is_chunk_frame, parse_chunk_frame
+from device_agent.wire.transfer import Limits, PayloadTooLarge, is_chunk_frame, make_manifest, parse_chunk_frame
 
 
 class Inbox:
@@ -97,7 +98,7 @@ class FaultySession(Session):
     def _publish(self, topic, data, retain=False, transfer=None):
         if not is_chunk_frame(data):
             return super()._publish(topic, data, retain, transfer)
-        _, index, _ = parse_chunk_frame(data)
+        _, index, _, _ = parse_chunk_frame(data)
         first = index not in self.seen
         self.seen.add(index)
         fault = index % 5 if first else None
@@ -222,3 +223,37 @@ def test_broker_urls():
         BrokerAddress.from_url("http://h")
     with pytest.raises(ValueError, match="not mqtts://"):
         BrokerAddress.from_url("mqtt://h", ca_file="ca.pem")
+
+
+def test_one_manifest_hashed_beforehand_serves_several_devices(mosquitto):
+    coord, dev_a, inbox_a, topics_a = pair(mosquitto, device="dev-a")
+    inbox_b = Inbox()
+    dev_b, topics_b = device_session(
+        mosquitto.fleet, "dev-b", mosquitto.address("dev-b"), on_payload=inbox_b.on_payload
+    )
+    dev_b.start()
+    try:
+        payload = os.urandom(3 * 2**20 + 5)
+        manifest = make_manifest(payload, kind="model")
+        deliveries = [coord.send(t.down, payload, manifest=manifest) for t in (topics_a, topics_b)]
+        for delivery in deliveries:
+            delivery.wait(30)
+        assert deliveries[0].transfer != deliveries[1].transfer != manifest.transfer
+        for inbox in (inbox_a, inbox_b):
+            assert inbox.arrived.wait(10)
+            [(_, completed)] = inbox.payloads
+            assert completed.data == payload and completed.manifest.digest == manifest.digest
+    finally:
+        coord.stop()
+        dev_a.stop()
+        dev_b.stop()
+
+
+def test_session_sockets_send_small_packets_without_waiting_for_nagle(mosquitto):
+    coord, dev, _inbox, _topics = pair(mosquitto)
+    try:
+        for session in (coord, dev):
+            assert session._client.socket().getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        coord.stop()
+        dev.stop()

@@ -1,5 +1,6 @@
 """The transfer state machines over a simulated lossy link, driven by a fake clock."""
 
+import hashlib
 import os
 import random
 
@@ -11,6 +12,7 @@ from device_agent.wire.transfer import (
     Limits,
     OutgoingTransfer,
     PayloadTooLarge,
+    announce,
     chunk_frame,
     is_chunk_frame,
     make_manifest,
@@ -38,10 +40,13 @@ def deliver(frames, receiver, sender, now, completed):
     return resend
 
 
-def run_link(payload, mangle, seed=0, max_steps=200):
-    """Send ``payload`` through ``mangle`` (a function of the frame list) until acked; returns what arrived."""
+def run_link(payload, mangle, seed=0, max_steps=200, sealed=True):
+    """Send ``payload`` through ``mangle`` (a function of the frame list) until acked; returns what arrived.
+
+    ``sealed``: announce a manifest hashed beforehand, or hash while sending and seal at the end.
+    """
     rng = random.Random(seed)
-    manifest = make_manifest(payload, CHUNK)
+    manifest = make_manifest(payload, CHUNK) if sealed else announce(len(payload), CHUNK)
     now = 0.0
     sender = OutgoingTransfer(manifest, payload, now, resend_after=5.0)
     receiver = IncomingTransfers(nack_after=1.0)
@@ -87,14 +92,16 @@ def everything(frames, rng):
     return corrupt(reorder(duplicate(lose(frames, rng), rng), rng), rng)
 
 
+@pytest.mark.parametrize("sealed", [True, False], ids=["sealed", "hashed-while-sending"])
 @pytest.mark.parametrize("mangle", [lose, duplicate, reorder, corrupt, everything])
 @pytest.mark.parametrize("size", [0, 1, CHUNK, 20 * CHUNK + 7])
-def test_a_transfer_completes_bit_exact_exactly_once_whatever_the_link_does(mangle, size):
+def test_a_transfer_completes_bit_exact_exactly_once_whatever_the_link_does(mangle, size, sealed):
     payload = os.urandom(size)
-    sender, receiver, completed = run_link(payload, mangle)
+    sender, receiver, completed = run_link(payload, mangle, sealed=sealed)
     assert sender.done and not sender.failed
     assert len(completed) == 1
     assert completed[0].data == payload
+    assert completed[0].manifest.digest == make_manifest(payload, CHUNK).digest
     assert receiver.pending() == []
 
 
@@ -147,9 +154,45 @@ def test_oversize_payloads_and_chunks_are_refused_before_anything_is_built():
 
 def test_chunk_frames_are_a_small_header_and_the_raw_bytes():
     frame = chunk_frame("ab" * 16, 7, b"xyz")
-    assert len(frame) == 25 + 3
-    assert parse_chunk_frame(frame)[:2] == ("ab" * 16, 7)
+    assert len(frame) == 57 + 3
+    assert parse_chunk_frame(frame) == ("ab" * 16, 7, b"xyz", hashlib.sha256(b"xyz").digest())
     with pytest.raises(ProtocolError, match="unsupported chunk frame version 9"):
         parse_chunk_frame(frame[:4] + b"\x09" + frame[5:])
     with pytest.raises(ProtocolError, match="shorter than"):
         parse_chunk_frame(frame[:10])
+
+
+def test_a_chunk_forged_with_a_matching_frame_digest_is_caught_by_the_seal_and_fetched_again():
+    payload = os.urandom(4 * CHUNK)
+    sender = OutgoingTransfer(announce(len(payload), CHUNK), payload, 0.0)
+    receiver = IncomingTransfers()
+    frames = list(sender.start())
+    forged = os.urandom(CHUNK)
+    frames[2] = chunk_frame(sender.transfer, 1, forged)  # chunk 1, self-consistent but not the sender's bytes
+    for frame in frames[:-1]:  # everything but the seal
+        if is_chunk_frame(frame):
+            assert receiver.on_chunk(*parse_chunk_frame(frame), 0.0) == ([], None)
+        else:
+            receiver.on_manifest(parse_message(frame), 0.0)
+    replies, done = receiver.on_manifest(parse_message(frames[-1]), 0.0)
+    assert done is None and replies[0].missing == [1] and receiver.stats.corrupt == 1
+    [resent] = sender.on_nack(replies[0], 0.0)
+    _, done = receiver.on_chunk(*parse_chunk_frame(resent), 0.1)
+    assert done is not None and done.data == payload
+
+
+def test_a_receiver_with_every_chunk_but_no_seal_asks_for_it_with_an_empty_nack():
+    payload = os.urandom(3 * CHUNK)
+    sender = OutgoingTransfer(announce(len(payload), CHUNK), payload, 0.0)
+    receiver = IncomingTransfers(nack_after=1.0)
+    *frames, _lost_seal = list(sender.start())
+    for frame in frames:
+        if is_chunk_frame(frame):
+            receiver.on_chunk(*parse_chunk_frame(frame), 0.0)
+        else:
+            receiver.on_manifest(parse_message(frame), 0.0)
+    [nack] = receiver.poll(2.0)
+    assert nack.missing == []
+    [seal] = sender.on_nack(nack, 2.0)
+    replies, done = receiver.on_manifest(parse_message(seal), 2.0)
+    assert done.data == payload and replies[0].digest == sender.manifest.digest

@@ -1,0 +1,23 @@
+"""Alternative layer parametrizations the personalized strategies train (FedHM's live in factorized.py)."""
+
+from device_agent.layers.rank_one import (
+    LAYOUTS,
+    Layout,
+    RankOneLayer,
+    dense_state,
+    l1_on_mu,
+    rank_one_layers,
+    reparametrize,
+    similarity_layer,
+)
+
+__all__ = [
+    "LAYOUTS",
+    "Layout",
+    "RankOneLayer",
+    "dense_state",
+    "l1_on_mu",
+    "rank_one_layers",
+    "reparametrize",
+    "similarity_layer",
+]

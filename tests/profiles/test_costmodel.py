@@ -1,0 +1,104 @@
+"""The cost model's rules, checked against the model zoo rather than against fixed numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.model_stats import model_stats
+from profiles.catalog import load_catalog
+from profiles.costmodel import (
+    OPTIMIZER_STATES,
+    Workload,
+    calibrate_efficiency,
+    predict_memory,
+    predict_step_seconds,
+    trace_model,
+)
+
+GAMMAS = (1.0, 0.5, 0.25, 0.125)
+
+
+@pytest.mark.parametrize("gamma", GAMMAS)
+def test_weights_gradients_and_optimizer_state_follow_the_parameter_count(gamma: float) -> None:
+    params = model_stats("resnet18", gamma).params
+
+    for optimizer, states in OPTIMIZER_STATES.items():
+        estimate = predict_memory(Workload("resnet18", gamma, 16, optimizer))
+        assert estimate.gradients == 4 * params
+        assert estimate.optimizer == 4 * params * states
+        assert estimate.weights >= 4 * params  # plus BatchNorm running statistics
+
+
+def test_lowering_the_rank_cuts_parameters_but_barely_activations() -> None:
+    full = predict_memory(Workload("resnet18", 1.0, 32))
+    small = predict_memory(Workload("resnet18", 0.125, 32))
+
+    assert small.weights / full.weights < 0.15
+    # The r-channel intermediate of every factorized conv is saved too: activations do not shrink.
+    assert small.activations >= 0.9 * full.activations
+
+
+def test_activation_memory_is_linear_in_the_batch_size() -> None:
+    one = predict_memory(Workload("cnn", 0.5, 1, image_size=32), include_runtime=False)
+    many = predict_memory(Workload("cnn", 0.5, 65, image_size=32), include_runtime=False)
+    per_sample = trace_model("cnn", 0.5, image_size=32)
+
+    grown = many.total - one.total
+    assert grown == 64 * (per_sample.saved_bytes_per_sample + per_sample.transient_bytes_per_sample)
+
+
+def test_saved_activations_count_each_storage_once() -> None:
+    trace = trace_model("cnn", 1.0, image_size=8)
+    # conv1 input, and per conv-BN-ReLU stage the conv output (BN input) and the in-place ReLU output.
+    # Upper bound: every leaf operator's input and output saved separately.
+    naive = sum(op.activation_bytes for op in trace.ops)
+
+    assert 0 < trace.saved_bytes_per_sample < naive
+
+
+def test_gpu_predictions_include_the_runtime_context() -> None:
+    work = Workload("resnet18", 0.5, 8)
+
+    assert (
+        predict_memory(work, "cuda").total
+        > predict_memory(work, "cpu").total
+        > predict_memory(work, "cpu", include_runtime=False).total
+    )
+
+
+def test_step_time_grows_with_batch_and_shrinks_with_rank() -> None:
+    pi = load_catalog()["raspberry-pi-5"]
+
+    times = [predict_step_seconds(Workload("resnet18", g, 32), pi) for g in GAMMAS]
+    assert times == sorted(times, reverse=True)
+    assert predict_step_seconds(Workload("resnet18", 0.5, 64), pi) > predict_step_seconds(
+        Workload("resnet18", 0.5, 32), pi
+    )
+
+
+def test_faster_devices_are_predicted_faster() -> None:
+    catalog = load_catalog()
+    work = Workload("resnet18", 1.0, 32)
+
+    assert predict_step_seconds(work, catalog["rtx-3060-laptop"]) < predict_step_seconds(work, catalog["jetson-nano"])
+    assert predict_step_seconds(work, catalog["jetson-nano"]) < predict_step_seconds(work, catalog["raspberry-pi-4"])
+
+
+def test_calibration_recovers_the_efficiency_that_produced_a_time() -> None:
+    pi = load_catalog()["raspberry-pi-5"]
+    work = Workload("resnet18", 1.0, 16)
+    measured = predict_step_seconds(work, pi, efficiency=0.21)
+
+    assert calibrate_efficiency(work, pi, measured) == pytest.approx(0.21, rel=1e-3)
+
+
+def test_an_unknown_optimizer_is_named() -> None:
+    with pytest.raises(ValueError, match="unknown optimizer 'lbfgs'"):
+        predict_memory(Workload("cnn", 1.0, 8, "lbfgs"))  # type: ignore[arg-type]
+
+
+def test_round_payloads_match_the_model_statistics() -> None:
+    trace = trace_model("resnet18", 0.25)
+
+    assert trace.upload_bytes == model_stats("resnet18", 0.25).upload_bytes
+    assert trace.download_bytes > trace.upload_bytes
