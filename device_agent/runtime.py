@@ -175,7 +175,11 @@ class Agent:
     # ---- lifecycle -----------------------------------------------------------------------------
 
     def run(self, connect_timeout: float | None = None) -> None:
-        """Connect and serve until stopped; the session keeps reconnecting on its own."""
+        """Connect and serve until stopped; the session keeps reconnecting on its own.
+
+        Raises :class:`AgentError` when the broker refuses the login, at start-up or on a later
+        reconnect: retrying with credentials the broker refused cannot succeed.
+        """
         try:
             self.session.start(timeout=connect_timeout)
         except ConnectionError as exc:
@@ -186,6 +190,8 @@ class Agent:
         last_beat = 0.0
         try:
             while not self._stopping.is_set():
+                if self.session.refused:
+                    raise AgentError(f"{self.session.refused}; check the device's broker.password (--password)")
                 try:
                     event = self._events.get(timeout=0.2)
                 except queue.Empty:

@@ -149,6 +149,13 @@ class SessionStats:
     bytes_out: dict[str, int] = field(default_factory=dict)
 
 
+class LoginRefused(ConnectionError):
+    """The broker refused this client's credentials; retrying with the same ones cannot succeed."""
+
+
+_REFUSED_LOGINS = ("Not authorized", "Bad user name or password")
+
+
 class Delivery:
     """A payload on its way; ``wait`` returns once the receiver acked the verified bytes."""
 
@@ -201,6 +208,8 @@ class Session:
         self._incoming: dict[str, IncomingTransfers] = {}
         self._mids: dict[int, str] = {}
         self._connected = threading.Event()
+        self._refused = threading.Event()
+        self._refusal = ""
         self._stopping = threading.Event()
         self._events: queue.Queue[Callable[[], None] | None] = queue.Queue()
         # Bounded: when hashing falls behind, paho's thread waits here and TCP pushes back on the broker.
@@ -238,7 +247,9 @@ class Session:
     def start(self, timeout: float | None = 10.0) -> Session:
         """Connect (retrying with backoff in the background) and wait up to ``timeout`` s for the first connection.
 
-        ``timeout=None`` returns at once; the session keeps trying to connect either way.
+        ``timeout=None`` returns at once; the session keeps trying to connect either way, except after
+        :attr:`refused` credentials: then ``start`` raises :class:`LoginRefused` (with a timeout) and
+        the session stops trying.
         """
         cfg = self.config
         properties = None
@@ -261,9 +272,16 @@ class Session:
             thread = threading.Thread(target=target, name=f"fedfleet-{name}-{cfg.client_id}", daemon=True)
             thread.start()
             self._threads.append(thread)
-        if timeout is not None and not self._connected.wait(timeout):
-            self.stop()
-            raise ConnectionError(f"{cfg.client_id}: could not connect to {cfg.broker.url} within {timeout} s")
+        if timeout is None:
+            return self
+        deadline = time.monotonic() + timeout
+        while not self._connected.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
+            if self._refused.is_set():
+                self.stop()
+                raise LoginRefused(self._refusal)
+            if time.monotonic() >= deadline:
+                self.stop()
+                raise ConnectionError(f"{cfg.client_id}: could not connect to {cfg.broker.url} within {timeout} s")
         return self
 
     def stop(self) -> None:
@@ -287,6 +305,11 @@ class Session:
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    @property
+    def refused(self) -> str | None:
+        """Why the broker refused this client's login, once it has; the session then stops reconnecting."""
+        return self._refusal if self._refused.is_set() else None
 
     def receiving(self) -> list[str]:
         """Ids of inbound transfers started but not yet complete."""
@@ -365,8 +388,14 @@ class Session:
             log.warning(
                 "%s: broker %s refused the connection: %s", self.config.client_id, self.config.broker.url, reason
             )
-            if str(reason) in ("Not authorized", "Bad user name or password"):
+            if str(reason) in _REFUSED_LOGINS:
                 # Retrying with the same wrong credentials only hammers the broker.
+                user = self.config.broker.username
+                self._refusal = (
+                    f"broker {self.config.broker.url} refused the login of user {user!r} "
+                    f"(client {self.config.client_id}): {reason}"
+                )
+                self._refused.set()
                 client.disconnect()
             return
         self.stats.connects += 1

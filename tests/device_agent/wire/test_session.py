@@ -11,7 +11,14 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from device_agent.wire.session import BrokerAddress, Session, SessionConfig, coordinator_session, device_session
+from device_agent.wire.session import (
+    BrokerAddress,
+    LoginRefused,
+    Session,
+    SessionConfig,
+    coordinator_session,
+    device_session,
+)
 from device_agent.wire.topics import fleet_uplinks
 from device_agent.wire.transfer import Limits, PayloadTooLarge, is_chunk_frame, make_manifest, parse_chunk_frame
 
@@ -206,6 +213,18 @@ def test_the_same_delivery_works_on_the_amqtt_fallback(amqtt):
     finally:
         coord.stop()
         dev.stop()
+
+
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+def test_a_refused_password_fails_start_at_once_and_names_the_user(mosquitto, protocol):
+    address = mosquitto.address("dev-a")
+    wrong = BrokerAddress(address.host, address.port, username="dev-a", password="not-the-password")
+    session = Session(SessionConfig(client_id="refused-dev-a", broker=wrong, protocol=protocol), subscriptions=[])
+    started = time.monotonic()
+    with pytest.raises(LoginRefused, match="refused the login of user 'dev-a'"):
+        session.start(timeout=20)
+    assert time.monotonic() - started < 5, "a refused login must not wait out the connect timeout"
+    assert session.refused is not None and not session.connected
 
 
 def test_broker_urls():
