@@ -169,6 +169,9 @@ class Agent:
             address,
             on_message=lambda _topic, message: self._events.put(lambda: self._on_message(message)),
             on_payload=lambda _topic, completed: self._events.put(lambda: self._on_payload(completed)),
+            # Chunk by chunk: a whole payload paid for at once would burst at loopback speed, then stall.
+            before_chunk_out=self.limits.uplink.consume if self.limits.uplink is not None else None,
+            after_chunk_in=self.limits.downlink.consume if self.limits.downlink is not None else None,
             protocol=broker.protocol,
         )
 
@@ -256,8 +259,6 @@ class Agent:
 
     def _on_payload(self, completed: Completed) -> None:
         self._payloads[completed.manifest.transfer] = completed
-        if self.limits.downlink is not None:
-            self.limits.downlink.consume(completed.manifest.size)
         self._try_train(completed.manifest.transfer)
 
     # ---- one round -----------------------------------------------------------------------------
@@ -328,7 +329,6 @@ class Agent:
             return
         if self.limits.uplink is not None:
             self.limits.uplink.wait_latency()
-            self.limits.uplink.consume(len(payload))
         self._set_state("uploading", f"round {item.round}")
         delivery = self.session.send(
             self.topics.up,
