@@ -88,10 +88,15 @@ def apply_emulation(emulation: EmulationConfig | None, device: torch.device) -> 
     up, down = emulation.uplink_bytes_per_s, emulation.downlink_bytes_per_s
     return Limits(
         memory=memory,
-        throttle=Throttle(emulation.slowdown) if emulation.slowdown > 1 else None,
+        throttle=Throttle(emulation.slowdown, sync=_sync_for(device)) if emulation.slowdown > 1 else None,
         uplink=TokenBucket(up, latency_s=emulation.latency_s) if up else None,
         downlink=TokenBucket(down, latency_s=emulation.latency_s) if down else None,
     )
+
+
+def _sync_for(device: torch.device) -> Callable[[], None] | None:
+    """A throttle on a GPU must time the kernels, not their asynchronous launch."""
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
 
 
 def emulated_profile(profile: DeviceProfile, emulation: EmulationConfig | None) -> DeviceProfile:
@@ -295,13 +300,15 @@ class Agent:
         throttle = self.limits.throttle
         with guard:
             program = build_program(meta, tensors, self._kept or None)
-            with throttle.step() if throttle is not None else contextlib.nullcontext():
-                result = train_local(program, shard, train, self.device)
+            # Throttled step by step, so the slowed device computes at its pace instead of bursting then idling.
+            result = train_local(program, shard, train, self.device, step=throttle.step if throttle else None)
             upload = pack_upload(program.upload(), program.extras())
             self._kept = program.keep()
+        seconds = result.seconds  # includes the sleeps between steps
         if throttle is not None:
+            slept = throttle.slept_seconds
             throttle.flush()
-        seconds = result.seconds + (throttle.slept_seconds if throttle is not None else 0.0)
+            seconds += throttle.slept_seconds - slept
         meta = upload_meta(result.samples, seconds, result.mean_loss)
         item = self.outbox.put(assignment.run, assignment.round, new_transfer_id(), upload, meta)
         log.info(
