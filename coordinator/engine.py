@@ -289,7 +289,9 @@ class RoundEngine:
     def _push(self, round_: int, slots: list[ClientSlot]) -> None:
         assert self.open is not None
         assignments = self.strategy.configure(round_, slots)
-        manifests: dict[float, tuple[bytes, object]] = {}
+        # Devices whose payloads are byte-identical (FedHM at one level) share one manifest; personalized
+        # strategies give each device its own payload at the same level, so the level is no key.
+        manifests: dict[bytes, object] = {}
         for slot in slots:
             participant = self.open.participants[slot.client_id]
             topics = DeviceTopics(self.fleet.fleet, slot.client_id)
@@ -298,19 +300,12 @@ class RoundEngine:
             if participant.status == "accepted":
                 continue
             assignment = assignments[slot.client_id]
-            if slot.level not in manifests:
-                payload = encode_tensors(assignment.tensors)
-                manifests[slot.level] = (
-                    payload,
-                    make_manifest(
-                        payload,
-                        self.session.config.chunk_size,
-                        run=self.rundir.run_id,
-                        round=round_,
-                        kind=ASSIGNMENT_KIND,
-                    ),
+            payload = encode_tensors(assignment.tensors)
+            if payload not in manifests:
+                manifests[payload] = make_manifest(
+                    payload, self.session.config.chunk_size, run=self.rundir.run_id, round=round_, kind=ASSIGNMENT_KIND
                 )
-            payload, manifest = manifests[slot.level]
+            manifest = manifests[payload]
             delivery = self.session.send(topics.down, payload, manifest=manifest)  # type: ignore[arg-type]
             device = self.devices[slot.client_id].device
             train = TrainConfig(
