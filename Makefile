@@ -15,10 +15,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[coordinator,dev]'
 	touch $@
 
+# The main demo: a coordinator, a managed broker and nine emulated device agents (FedHM on digits).
 demo: setup
-	$(VENV)/bin/coordinator models --arch resnet18 --num-classes 10 --ratios 1,1/2,1/4,1/8
-	$(VENV)/bin/coordinator models --arch resnet34 --num-classes 100 --ratios 1,1/2,1/4,1/8
-	$(PY) examples/fedhm_round.py
+	$(VENV)/bin/coordinator plan --fleet examples/demo.yaml
+	$(VENV)/bin/coordinator emulate --fleet examples/demo.yaml
 
 lint: setup
 	$(PY) -m ruff check .
@@ -29,6 +29,10 @@ test: lint
 
 bench: setup
 	$(PY) -m benchmarks.refactorize --json
+	$(PY) -m benchmarks.transport --json
+	$(PY) -m benchmarks.costmodel --json
+	$(PY) -m benchmarks.emulation --json
+	$(PY) -m benchmarks.compare --scenario all --json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.fleet import Device, Fleet
 from coordinator.metrics import DeviceRoundMetrics, DeviceStatus, RoundMetrics
-from coordinator.planner import DevicePlan, after_out_of_memory, plan_fleet
+from coordinator.planner import DevicePlan, after_out_of_memory, fmt_ratio, plan_fleet
 from coordinator.rundir import RoundNotOpen, RunDir
 from coordinator.simulation import accuracy, calibrate_batchnorm
 from coordinator.strategies import ClientSlot, RoundAggregate, Strategy
@@ -184,6 +184,18 @@ class RoundEngine:
                 break
         progress(self)
 
+    def _drain(self) -> None:
+        """Apply every event already queued, without waiting.
+
+        Closing a round (aggregation, evaluation) applies no events; a device that said hello meanwhile
+        must count before the next round's participants are drawn, or it sits out one more round.
+        """
+        while True:
+            try:
+                self._events.get_nowait()()
+            except queue.Empty:
+                return
+
     def _wait_for_devices(self, progress: Callable[[RoundEngine], None]) -> bool:
         give_up = time.monotonic() + self.settings.wait_timeout_s
         while not self.stopping.is_set():
@@ -202,6 +214,7 @@ class RoundEngine:
 
     def _run_round(self, round_: int, progress: Callable[[RoundEngine], None]) -> bool:
         started = time.monotonic()
+        self._drain()
         participants = self._participants(round_)
         while not participants and not self.stopping.is_set():
             log.warning("round %d: no online device can take part; waiting", round_)
@@ -268,7 +281,23 @@ class RoundEngine:
         eligible = sorted(d for d, s in self.devices.items() if s.online and self.plans[d].ratio is not None)
         count = math.ceil(self.fleet.participation * len(eligible))
         chosen = random.Random(self.rundir.seed * 1_000_003 + round_).sample(eligible, count)
+        self._log_plan(round_, chosen)
         return [(d, float(self.plans[d].ratio)) for d in sorted(chosen)]  # type: ignore[arg-type]
+
+    def _log_plan(self, round_: int, chosen: list[str]) -> None:
+        """Why each fleet device is in or out of the round: a device that never takes part must say why."""
+        parts = []
+        for device, state in self.devices.items():
+            plan = self.plans[device]
+            if device in chosen:
+                parts.append(f"{device} at {fmt_ratio(plan.ratio)}")  # type: ignore[arg-type]
+            elif not state.online:
+                parts.append(f"{device} out (offline)")
+            elif plan.ratio is None:
+                parts.append(f"{device} out ({plan.reason})")
+            else:
+                parts.append(f"{device} out (not drawn)")
+        log.info("round %d: %s", round_, "; ".join(parts))
 
     def _replay_journal(self, round_: int) -> None:
         """Fold the uploads accepted before a restart back into the re-opened round."""
@@ -425,14 +454,27 @@ class RoundEngine:
                 log.warning("%s sent a hello as %r; ignored", device, message.device)
                 return
             state.profile = message.profile
-            state.online = True
+            log.info(
+                "%s: hello from agent %s (%s, %.2f GFLOPS measured)",
+                device,
+                message.agent_version,
+                message.profile.accelerator,
+                message.profile.compute.fp32_gflops,
+            )
+            self._set_online(state, True, "hello")
         elif isinstance(message, Status):
             state.state = message.state
-            state.online = message.state != "offline"
+            self._set_online(state, message.state != "offline", f"{message.state} {message.detail}".strip())
         elif isinstance(message, RoundFailed):
             self._on_failed(device, message)  # type: ignore[arg-type]
         elif isinstance(message, Error):
             log.warning("%s reports: %s: %s", device, message.code, message.detail)
+
+    @staticmethod
+    def _set_online(state: DeviceState, online: bool, why: str) -> None:
+        if online != state.online:
+            log.info("%s: %s (%s)", state.device.id, "online" if online else "offline", why)
+        state.online = online
 
     def _on_failed(self, device: str, failure: RoundFailed) -> None:
         open_ = self.open

@@ -93,10 +93,15 @@ def apply_emulation(emulation: EmulationConfig | None, device: torch.device) -> 
     up, down = emulation.uplink_bytes_per_s, emulation.downlink_bytes_per_s
     return Limits(
         memory=memory,
-        throttle=Throttle(emulation.slowdown) if emulation.slowdown > 1 else None,
+        throttle=Throttle(emulation.slowdown, sync=_sync_for(device)) if emulation.slowdown > 1 else None,
         uplink=TokenBucket(up, latency_s=emulation.latency_s) if up else None,
         downlink=TokenBucket(down, latency_s=emulation.latency_s) if down else None,
     )
+
+
+def _sync_for(device: torch.device) -> Callable[[], None] | None:
+    """A throttle on a GPU must time the kernels, not their asynchronous launch."""
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
 
 
 def emulated_profile(profile: DeviceProfile, emulation: EmulationConfig | None) -> DeviceProfile:
@@ -183,13 +188,20 @@ class Agent:
             address,
             on_message=lambda _topic, message: self._events.put(lambda: self._on_message(message)),
             on_payload=lambda _topic, completed: self._events.put(lambda: self._on_payload(completed)),
+            # Chunk by chunk: a whole payload paid for at once would burst at loopback speed, then stall.
+            before_chunk_out=self.limits.uplink.consume if self.limits.uplink is not None else None,
+            after_chunk_in=self.limits.downlink.consume if self.limits.downlink is not None else None,
             protocol=broker.protocol,
         )
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
     def run(self, connect_timeout: float | None = None) -> None:
-        """Connect and serve until stopped; the session keeps reconnecting on its own."""
+        """Connect and serve until stopped; the session keeps reconnecting on its own.
+
+        Raises :class:`AgentError` when the broker refuses the login, at start-up or on a later
+        reconnect: retrying with credentials the broker refused cannot succeed.
+        """
         try:
             self.session.start(timeout=connect_timeout)
         except ConnectionError as exc:
@@ -200,6 +212,8 @@ class Agent:
         last_beat = 0.0
         try:
             while not self._stopping.is_set():
+                if self.session.refused:
+                    raise AgentError(f"{self.session.refused}; check the device's broker.password (--password)")
                 try:
                     event = self._events.get(timeout=0.2)
                 except queue.Empty:
@@ -264,8 +278,6 @@ class Agent:
 
     def _on_payload(self, completed: Completed) -> None:
         self._payloads[completed.manifest.transfer] = completed
-        if self.limits.downlink is not None:
-            self.limits.downlink.consume(completed.manifest.size)
         self._try_train(completed.manifest.transfer)
 
     # ---- one round -----------------------------------------------------------------------------
@@ -305,14 +317,16 @@ class Agent:
         throttle = self.limits.throttle
         with guard:
             program = build_program(meta, tensors, self.kept.load(assignment.run))
-            with throttle.step() if throttle is not None else contextlib.nullcontext():
-                result = train_local(program, shard, train, self.device)
+            # Throttled step by step, so the slowed device computes at its pace instead of bursting then idling.
+            result = train_local(program, shard, train, self.device, step=throttle.step if throttle else None)
             local_accuracy = evaluate_local(program, test, self.device) if len(test[1]) else None
             upload = pack_upload(program.upload(), program.extras())
             self.kept.save(assignment.run, program.keep())
+        seconds = result.seconds  # includes the sleeps between steps
         if throttle is not None:
+            slept = throttle.slept_seconds
             throttle.flush()
-        seconds = result.seconds + (throttle.slept_seconds if throttle is not None else 0.0)
+            seconds += throttle.slept_seconds - slept
         meta = upload_meta(result.samples, seconds, result.mean_loss, local_accuracy)
         item = self.outbox.put(assignment.run, assignment.round, new_transfer_id(), upload, meta)
         log.info(
@@ -341,7 +355,6 @@ class Agent:
             return
         if self.limits.uplink is not None:
             self.limits.uplink.wait_latency()
-            self.limits.uplink.consume(len(payload))
         self._set_state("uploading", f"round {item.round}")
         delivery = self.session.send(
             self.topics.up,

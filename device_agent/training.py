@@ -9,8 +9,8 @@ pushes absent classes' logits around; -inf removes them exactly, and their gradi
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -107,8 +107,12 @@ def train_local(
     data: Dataset | tuple[Tensor, Tensor],
     config: TrainConfig,
     device: torch.device | str = "cpu",
+    step: Callable[[], AbstractContextManager[object]] | None = None,
 ) -> TrainResult:
-    """Train ``program.model`` in place for ``config.epochs`` local epochs."""
+    """Train ``program.model`` in place for ``config.epochs`` local epochs.
+
+    ``step``, if given, makes a context that wraps every optimizer step (an emulated device's throttle).
+    """
     x, y = as_tensors(data)
     model = program.model.to(device)
     num_classes = int(program.meta["num_classes"])
@@ -124,13 +128,14 @@ def train_local(
     with _scaled_convolutions(model, program.train_scale()):
         for _ in range(config.epochs):
             for batch in torch.randperm(len(y), generator=generator).split(config.batch_size):
-                optimizer.zero_grad(set_to_none=True)
-                loss = masked_cross_entropy(model(x[batch].to(device)), y[batch].to(device), absent)
-                extra = program.regularizer()
-                total = loss if extra is None else loss + extra
-                total.backward()
-                program.after_backward()
-                optimizer.step()
+                with step() if step is not None else nullcontext():
+                    optimizer.zero_grad(set_to_none=True)
+                    loss = masked_cross_entropy(model(x[batch].to(device)), y[batch].to(device), absent)
+                    extra = program.regularizer()
+                    total = loss if extra is None else loss + extra
+                    total.backward()
+                    program.after_backward()
+                    optimizer.step()
                 steps += 1
                 loss_sum += float(loss.detach())
     return TrainResult(

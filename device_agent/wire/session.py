@@ -69,8 +69,10 @@ log = logging.getLogger("fedfleet.wire")
 
 MessageHandler = Callable[[str, Message], None]
 PayloadHandler = Callable[[str, Completed], None]
-# What paho's thread hands the receive thread: (topic, a manifest or a parsed chunk frame, arrival time).
-_Inbound = tuple[str, Manifest | tuple[str, int, memoryview, bytes], float]
+# Told the size of each chunk frame (bytes on the wire); may block, which is how a link is shaped.
+ChunkHook = Callable[[int], object]
+# What paho's thread hands the receive thread: (topic, a manifest or a parsed chunk frame, arrival time, frame size).
+_Inbound = tuple[str, Manifest | tuple[str, int, memoryview, bytes], float, int]
 _INBOUND_FRAMES = 256
 
 
@@ -149,6 +151,13 @@ class SessionStats:
     bytes_out: dict[str, int] = field(default_factory=dict)
 
 
+class LoginRefused(ConnectionError):
+    """The broker refused this client's credentials; retrying with the same ones cannot succeed."""
+
+
+_REFUSED_LOGINS = ("Not authorized", "Bad user name or password")
+
+
 class Delivery:
     """A payload on its way; ``wait`` returns once the receiver acked the verified bytes."""
 
@@ -179,6 +188,9 @@ class Session:
     every valid control message except the transfer machinery's own (manifest/ack/nack);
     ``on_payload(topic, completed)`` gets every complete, verified payload exactly once.
     ``will`` is published by the broker if this client vanishes without a clean ``stop``.
+    ``before_chunk_out(n)`` runs before each outgoing chunk frame of ``n`` bytes is published (first
+    sends and repairs alike), ``after_chunk_in(n)`` after each inbound chunk frame is verified; both
+    may block, so a token bucket behind them shapes the link chunk by chunk (emulated devices).
     """
 
     def __init__(
@@ -189,6 +201,8 @@ class Session:
         on_payload: PayloadHandler | None = None,
         will: tuple[str, Message] | None = None,
         receiver_max_payload_bytes: int = 1 << 30,
+        before_chunk_out: ChunkHook | None = None,
+        after_chunk_in: ChunkHook | None = None,
     ) -> None:
         self.config = config
         self.stats = SessionStats()
@@ -196,11 +210,15 @@ class Session:
         self._on_message = on_message
         self._on_payload = on_payload
         self._receiver_max = receiver_max_payload_bytes
+        self._before_chunk_out = before_chunk_out
+        self._after_chunk_in = after_chunk_in
         self._lock = threading.RLock()
         self._outgoing: dict[str, tuple[str, OutgoingTransfer, Delivery]] = {}
         self._incoming: dict[str, IncomingTransfers] = {}
         self._mids: dict[int, str] = {}
         self._connected = threading.Event()
+        self._refused = threading.Event()
+        self._refusal = ""
         self._stopping = threading.Event()
         self._events: queue.Queue[Callable[[], None] | None] = queue.Queue()
         # Bounded: when hashing falls behind, paho's thread waits here and TCP pushes back on the broker.
@@ -238,7 +256,9 @@ class Session:
     def start(self, timeout: float | None = 10.0) -> Session:
         """Connect (retrying with backoff in the background) and wait up to ``timeout`` s for the first connection.
 
-        ``timeout=None`` returns at once; the session keeps trying to connect either way.
+        ``timeout=None`` returns at once; the session keeps trying to connect either way, except after
+        :attr:`refused` credentials: then ``start`` raises :class:`LoginRefused` (with a timeout) and
+        the session stops trying.
         """
         cfg = self.config
         properties = None
@@ -261,9 +281,16 @@ class Session:
             thread = threading.Thread(target=target, name=f"fedfleet-{name}-{cfg.client_id}", daemon=True)
             thread.start()
             self._threads.append(thread)
-        if timeout is not None and not self._connected.wait(timeout):
-            self.stop()
-            raise ConnectionError(f"{cfg.client_id}: could not connect to {cfg.broker.url} within {timeout} s")
+        if timeout is None:
+            return self
+        deadline = time.monotonic() + timeout
+        while not self._connected.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
+            if self._refused.is_set():
+                self.stop()
+                raise LoginRefused(self._refusal)
+            if time.monotonic() >= deadline:
+                self.stop()
+                raise ConnectionError(f"{cfg.client_id}: could not connect to {cfg.broker.url} within {timeout} s")
         return self
 
     def stop(self) -> None:
@@ -287,6 +314,11 @@ class Session:
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
+
+    @property
+    def refused(self) -> str | None:
+        """Why the broker refused this client's login, once it has; the session then stops reconnecting."""
+        return self._refusal if self._refused.is_set() else None
 
     def receiving(self) -> list[str]:
         """Ids of inbound transfers started but not yet complete."""
@@ -340,6 +372,8 @@ class Session:
         # Never called with self._lock held: paho holds its own message lock while it runs
         # on_publish, which takes self._lock; publishing under self._lock would deadlock.
         self._check_packet(len(data), "message")
+        if self._before_chunk_out is not None and transfer is not None and is_chunk_frame(data):
+            self._before_chunk_out(len(data))
         self.stats.bytes_out[topic] = self.stats.bytes_out.get(topic, 0) + len(data)
         info = self._client.publish(topic, data, qos=1, retain=retain)
         if transfer is not None and info.mid:
@@ -365,8 +399,14 @@ class Session:
             log.warning(
                 "%s: broker %s refused the connection: %s", self.config.client_id, self.config.broker.url, reason
             )
-            if str(reason) in ("Not authorized", "Bad user name or password"):
+            if str(reason) in _REFUSED_LOGINS:
                 # Retrying with the same wrong credentials only hammers the broker.
+                user = self.config.broker.username
+                self._refusal = (
+                    f"broker {self.config.broker.url} refused the login of user {user!r} "
+                    f"(client {self.config.client_id}): {reason}"
+                )
+                self._refused.set()
                 client.disconnect()
             return
         self.stats.connects += 1
@@ -419,7 +459,7 @@ class Session:
         self.stats.bytes_in[msg.topic] = self.stats.bytes_in.get(msg.topic, 0) + len(data)
         try:
             if is_chunk_frame(data):
-                self._inbound.put((msg.topic, parse_chunk_frame(data), now))
+                self._inbound.put((msg.topic, parse_chunk_frame(data), now, len(data)))
                 return
             message = parse_message(data)
         except ProtocolError as exc:
@@ -427,7 +467,7 @@ class Session:
             log.warning("%s: rejected a message on %s: %s", self.config.client_id, msg.topic, exc)
             return
         if isinstance(message, Manifest):
-            self._inbound.put((msg.topic, message, now))  # behind the chunks already queued, in order
+            self._inbound.put((msg.topic, message, now, len(data)))  # behind the chunks already queued, in order
         elif isinstance(message, Ack | Nack):
             self._on_transfer_answer(message, now)
         else:
@@ -505,7 +545,7 @@ class Session:
 
     def _receive_loop(self) -> None:
         while (item := self._inbound.get()) is not None:
-            topic, what, now = item
+            topic, what, now, size = item
             try:
                 if isinstance(what, Manifest):
                     with self._lock:
@@ -516,6 +556,8 @@ class Session:
                     with self._lock:
                         receiver = self._receiver(topic)
                         replies, completed = receiver.on_chunk(transfer, index, chunk, digest, now, intact)
+                    if self._after_chunk_in is not None:
+                        self._after_chunk_in(size)
                 self._reply(topic, replies)
                 if completed is not None:
                     self._deliver_payload(topic, completed)
@@ -543,6 +585,8 @@ def device_session(
     broker: BrokerAddress,
     on_message: MessageHandler | None = None,
     on_payload: PayloadHandler | None = None,
+    before_chunk_out: ChunkHook | None = None,
+    after_chunk_in: ChunkHook | None = None,
     **config: Any,
 ) -> tuple[Session, topics.DeviceTopics]:
     """A device's session: its fixed client id, its ``down`` subscription, an ``offline`` last will.
@@ -556,6 +600,8 @@ def device_session(
         on_message=on_message,
         on_payload=on_payload,
         will=(t.status, Status(device=device, state="offline", detail="connection lost")),
+        before_chunk_out=before_chunk_out,
+        after_chunk_in=after_chunk_in,
     )
     return session, t
 

@@ -186,5 +186,6 @@ def test_streaming_aggregation_of_50_clients_peaks_no_higher_than_2():
     mib = {name: round(value / 2**20) for name, value in (("2", two), ("50", fifty), ("8 held", held))}
     print(f"peak RSS in MiB by clients: {mib}")
     assert held > two + 2 * model_bytes, "the measurement must see updates that are kept in memory"
-    # Allocator noise is a few MiB; keeping even one extra update would cost 4.7-42.6 MiB.
-    assert fifty <= two + 0.25 * model_bytes
+    # Allocator noise reaches ~13 MiB under load; keeping the 50 updates would cost ~900 MiB, and
+    # keeping any one full-rank update 42.6 MiB.
+    assert fifty <= two + 0.5 * model_bytes

@@ -2,6 +2,7 @@ import torch
 from torch import nn
 
 from device_agent.clients.base import ClientProgram, trainable_state
+from device_agent.limits import Throttle
 from device_agent.training import TrainConfig, masked_cross_entropy, train_local
 
 
@@ -42,3 +43,14 @@ def test_train_local_runs_epochs_records_classes_and_adds_the_regularizer():
     assert program.local_classes.tolist() == [0, 2]
     assert not torch.equal(before, program.model[1].weight)
     assert torch.isfinite(torch.tensor(result.mean_loss))
+
+
+def test_the_step_hook_wraps_every_optimizer_step_so_a_throttle_paces_each_one():
+    meta = {"strategy": "t", "arch": "x", "num_classes": 3, "in_channels": 1, "image_size": 2, "level": 1.0}
+    program = Linear(meta, {})
+    x, y = torch.randn(10, 1, 2, 2), torch.tensor([0, 2] * 5)
+    naps: list[float] = []
+    throttle = Throttle(3.0, min_sleep=0.0, sleep=naps.append)
+    result = train_local(program, (x, y), TrainConfig(epochs=2, batch_size=4), step=throttle.step)
+    assert len(naps) == result.steps == 6  # owed idle time is paid inside training, step by step
+    assert throttle.busy_seconds > 0 and sum(naps) > 0

@@ -11,7 +11,14 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from device_agent.wire.session import BrokerAddress, Session, SessionConfig, coordinator_session, device_session
+from device_agent.wire.session import (
+    BrokerAddress,
+    LoginRefused,
+    Session,
+    SessionConfig,
+    coordinator_session,
+    device_session,
+)
 from device_agent.wire.topics import fleet_uplinks
 from device_agent.wire.transfer import Limits, PayloadTooLarge, is_chunk_frame, make_manifest, parse_chunk_frame
 
@@ -206,6 +213,48 @@ def test_the_same_delivery_works_on_the_amqtt_fallback(amqtt):
     finally:
         coord.stop()
         dev.stop()
+
+
+def test_chunk_hooks_see_every_chunk_frame_both_ways_so_a_token_bucket_shapes_each_chunk(mosquitto):
+    sent, received = [], []
+    inbox = Inbox()
+    chunk_size = 64 * 1024
+    dev, topics = device_session(
+        mosquitto.fleet,
+        "dev-a",
+        mosquitto.address("dev-a"),
+        on_payload=inbox.on_payload,
+        before_chunk_out=sent.append,
+        after_chunk_in=received.append,
+        chunk_size=chunk_size,
+    )
+    coord = coordinator_session(mosquitto.fleet, mosquitto.address(), chunk_size=chunk_size)
+    dev.start()
+    coord.start()
+    try:
+        payload = os.urandom(5 * chunk_size + 1000)
+        coord.send(topics.down, payload).wait(30)
+        assert inbox.arrived.wait(10)
+        dev.send(topics.up, payload).wait(30)
+    finally:
+        coord.stop()
+        dev.stop()
+    for sizes in (received, sent):
+        assert len(sizes) == 6  # one call per chunk: not one per payload, not for the manifest
+        assert sum(sizes) > len(payload) and max(sizes) < chunk_size + 200  # frame = chunk + a small header
+    assert sum(sent) == sum(received)
+
+
+@pytest.mark.parametrize("protocol", ["5", "3.1.1"])
+def test_a_refused_password_fails_start_at_once_and_names_the_user(mosquitto, protocol):
+    address = mosquitto.address("dev-a")
+    wrong = BrokerAddress(address.host, address.port, username="dev-a", password="not-the-password")
+    session = Session(SessionConfig(client_id="refused-dev-a", broker=wrong, protocol=protocol), subscriptions=[])
+    started = time.monotonic()
+    with pytest.raises(LoginRefused, match="refused the login of user 'dev-a'"):
+        session.start(timeout=20)
+    assert time.monotonic() - started < 5, "a refused login must not wait out the connect timeout"
+    assert session.refused is not None and not session.connected
 
 
 def test_broker_urls():
