@@ -11,6 +11,12 @@ receipt is sent, and closing a round is ``RunDir.complete_round``'s atomic commi
 the same run directory reloads the last global state, re-opens the same round with the same
 participants, folds the journal back in and re-sends the assignments; devices that already
 trained re-send their stored update instead of training again.
+
+Personalized strategies (Factorized-FL): the coordinator keeps each client's personalized factors
+in the strategy state (checkpointed with the round), the devices keep their private part. The
+global model evaluated here is then only a reference; the round's ``personalized_accuracy`` is the
+mean of the ``local_accuracy`` each device reports in its upload meta (its trained model on its own
+test shard). A device that lost its private part says ``state_lost`` and is started over.
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ class Participant:
     payload_bytes: int = 0
     train_seconds: float | None = None
     error: str | None = None
+    local_accuracy: float | None = None
 
 
 @dataclass
@@ -304,13 +311,16 @@ class RoundEngine:
             participant.status = "accepted"
             participant.train_seconds = float(entry.meta.get("train_seconds", 0.0))
             participant.payload_bytes = int(entry.meta.get("payload_bytes", 0))
+            participant.local_accuracy = entry.meta.get("local_accuracy")
             log.info("round %d: replayed %s's journaled update", round_, entry.device)
         self._journal = []
 
     def _push(self, round_: int, slots: list[ClientSlot]) -> None:
         assert self.open is not None
         assignments = self.strategy.configure(round_, slots)
-        manifests: dict[float, tuple[bytes, object]] = {}
+        # Devices whose payloads are byte-identical (FedHM at one level) share one manifest; personalized
+        # strategies give each device its own payload at the same level, so the level is no key.
+        manifests: dict[bytes, object] = {}
         for slot in slots:
             participant = self.open.participants[slot.client_id]
             topics = DeviceTopics(self.fleet.fleet, slot.client_id)
@@ -319,19 +329,12 @@ class RoundEngine:
             if participant.status == "accepted":
                 continue
             assignment = assignments[slot.client_id]
-            if slot.level not in manifests:
-                payload = encode_tensors(assignment.tensors)
-                manifests[slot.level] = (
-                    payload,
-                    make_manifest(
-                        payload,
-                        self.session.config.chunk_size,
-                        run=self.rundir.run_id,
-                        round=round_,
-                        kind=ASSIGNMENT_KIND,
-                    ),
+            payload = encode_tensors(assignment.tensors)
+            if payload not in manifests:
+                manifests[payload] = make_manifest(
+                    payload, self.session.config.chunk_size, run=self.rundir.run_id, round=round_, kind=ASSIGNMENT_KIND
                 )
-            payload, manifest = manifests[slot.level]
+            manifest = manifests[payload]
             delivery = self.session.send(topics.down, payload, manifest=manifest)  # type: ignore[arg-type]
             device = self.devices[slot.client_id].device
             train = TrainConfig(
@@ -374,6 +377,7 @@ class RoundEngine:
         acc, loss = self._evaluate()
         evaluated = time.monotonic()
         devices = {d: self._device_metrics(d, p) for d, p in open_.participants.items()}
+        reported = [m.local_accuracy for m in devices.values() if m.local_accuracy is not None]
         phases = {
             **open_.phases,
             "train": closing - pushed,
@@ -384,6 +388,7 @@ class RoundEngine:
             round=round_,
             accuracy=acc,
             loss=loss,
+            personalized_accuracy=sum(reported) / len(reported) if reported else None,
             participants=sum(m.status == "accepted" for m in devices.values()),
             bytes_up=sum(m.bytes_up for m in devices.values()),
             bytes_down=sum(m.bytes_down for m in devices.values()),
@@ -396,10 +401,11 @@ class RoundEngine:
         (self.rundir.path / OPEN_ROUND_FILE).unlink(missing_ok=True)
         self.open = None
         log.info(
-            "round %d closed: accuracy %.4f, loss %.4f, %d/%d updates, %.1f s",
+            "round %d closed: accuracy %.4f, loss %.4f%s, %d/%d updates, %.1f s",
             round_,
             acc,
             loss,
+            "" if metrics.personalized_accuracy is None else f", local accuracy {metrics.personalized_accuracy:.4f}",
             metrics.participants,
             len(devices),
             self.last.seconds,
@@ -421,6 +427,7 @@ class RoundEngine:
             train_seconds=participant.train_seconds,
             status=status,
             error=participant.error,
+            local_accuracy=participant.local_accuracy if status == "accepted" else None,
         )
 
     @torch.no_grad()
@@ -480,6 +487,9 @@ class RoundEngine:
         log.warning("round %d: %s failed: %s", open_.round, device, participant.error)
         if failure.reason == "out_of_memory":
             self.ceilings = after_out_of_memory(self.ceilings, device, participant.level, self.fleet.ratios)
+        elif failure.reason == "state_lost":
+            self.strategy.forget(device)
+            log.warning("round %d: %s lost its kept state; it gets a whole model next round", open_.round, device)
 
     def _on_payload(self, topic: str, completed: Completed) -> None:
         device = device_of(topic)
@@ -522,21 +532,23 @@ class RoundEngine:
         participant = open_.participants.get(device)
         if participant is None:
             raise UpdateRejected(f"{device!r} is not a participant of round {open_.round}")
-        samples, seconds, loss = parse_upload_meta(manifest.meta, data)
+        parsed = parse_upload_meta(manifest.meta, data)
         upload, extras = split_upload(decode_tensors(data))
         if participant.status == "accepted":
             return "duplicate"
-        open_.aggregate.add(device, upload, samples, extras)
+        open_.aggregate.add(device, upload, parsed.samples, extras)
         meta = {
-            "samples": samples,
-            "train_seconds": seconds,
-            "loss": loss,
+            "samples": parsed.samples,
+            "train_seconds": parsed.train_seconds,
+            "loss": parsed.loss,
             "level": participant.level,
             "payload_bytes": len(data),
+            "local_accuracy": parsed.local_accuracy,
         }
         try:
             self.rundir.accept_upload(open_.round, device, manifest.transfer, data, meta)
         except RoundNotOpen:
             return "late"
-        participant.status, participant.payload_bytes, participant.train_seconds = "accepted", len(data), seconds
+        participant.status, participant.payload_bytes = "accepted", len(data)
+        participant.train_seconds, participant.local_accuracy = parsed.train_seconds, parsed.local_accuracy
         return "accepted"

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Fraction = Annotated[float, Field(ge=0, le=1)]
 Bytes = Annotated[int, Field(ge=0)]
 
 DeviceStatus = Literal["accepted", "rejected", "late", "failed", "dropped"]
@@ -32,16 +33,25 @@ class DeviceRoundMetrics(BaseModel):
     train_seconds: NonNegative | None = None
     status: DeviceStatus
     error: str | None = None
+    local_accuracy: Fraction | None = Field(
+        None, description="the device's trained model on its own test shard, as it reported (accepted updates)"
+    )
 
 
 class RoundMetrics(BaseModel):
-    """One closed round. ``phases`` splits ``seconds`` (e.g. plan, push, train, aggregate, evaluate, checkpoint)."""
+    """One closed round. ``phases`` splits ``seconds`` (e.g. plan, push, train, aggregate, evaluate, checkpoint).
+
+    ``accuracy`` is the strategy's global model on the coordinator's test split. For a personalized
+    strategy (Factorized-FL) that model is only a reference, since every device trains its own; its
+    measure is ``personalized_accuracy``, the mean of the accepted devices' ``local_accuracy``.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     round: Annotated[int, Field(ge=1)]
-    accuracy: Annotated[float, Field(ge=0, le=1)]
+    accuracy: Fraction
     loss: NonNegative
+    personalized_accuracy: Fraction | None = None
     participants: Annotated[int, Field(ge=0)]
     bytes_up: Bytes
     bytes_down: Bytes
@@ -54,6 +64,9 @@ class RoundMetrics(BaseModel):
         accepted = sum(device.status == "accepted" for device in self.devices.values())
         if self.devices and accepted != self.participants:
             raise ValueError(f"participants is {self.participants} but {accepted} device(s) have status 'accepted'")
+        reported = [d.local_accuracy for d in self.devices.values() if d.local_accuracy is not None]
+        if self.personalized_accuracy is not None and not reported:
+            raise ValueError("personalized_accuracy is set but no device reported a local_accuracy")
         if math.fsum(self.phases.values()) > self.seconds * 1.01 + 1e-3:
             raise ValueError(f"phases add up to more than the round's {self.seconds} seconds")
         return self

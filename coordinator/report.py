@@ -58,12 +58,15 @@ def plot_accuracy(rounds: list[RoundMetrics]) -> Figure:
     axes = figure.add_subplot()
     numbers = [row.round for row in rounds]
     axes.plot(numbers, [row.accuracy for row in rounds], marker="o", color="tab:blue", label="accuracy")
+    personalized = [(row.round, row.personalized_accuracy) for row in rounds if row.personalized_accuracy is not None]
+    if personalized:
+        axes.plot(*zip(*personalized, strict=True), marker="s", color="tab:green", label="devices' local accuracy")
     axes.set(xlabel="round", ylabel="global test accuracy", ylim=(0, 1), title="Accuracy vs round")
     axes.grid(alpha=0.3)
     loss = axes.twinx()
     loss.plot(numbers, [row.loss for row in rounds], marker=".", color="tab:orange", alpha=0.7, label="loss")
     loss.set_ylabel("test loss")
-    figure.legend(loc="outside lower center", ncols=2)
+    figure.legend(loc="outside lower center", ncols=3)
     return figure
 
 
@@ -177,6 +180,11 @@ def _summary(run: dict, rounds: list[RoundMetrics]) -> str:
         ("final accuracy", f"{rounds[-1].accuracy:.4f} (round {rounds[-1].round})"),
         ("best accuracy", f"{best.accuracy:.4f} (round {best.round})"),
         ("final loss", f"{rounds[-1].loss:.4f}"),
+        *(
+            [("final local accuracy (mean of devices)", f"{rounds[-1].personalized_accuracy:.4f}")]
+            if rounds[-1].personalized_accuracy is not None
+            else []
+        ),
         ("devices", f"{len(devices)} in {len({cls for _, cls in devices})} classes"),
         ("rank ratios", ", ".join(_ratio(r) for r in sorted({d.ratio for x in rounds for d in x.devices.values()}))),
         ("bytes up / down", f"{_mib(up)} / {_mib(sum(row.bytes_down for row in rounds))}"),

@@ -13,7 +13,8 @@ Topics are per device (``device_agent.wire.topics``); payloads are verified chun
    (round, rank ratio, deadline, ``download`` = that transfer id, ``options`` = :func:`assignment_options`).
 3. Device trains on its local data, stores the update in its ``Outbox`` (durable), publishes it as a
    transfer with ``kind="update"``, ``run``, ``round`` and :func:`upload_meta` (samples, seconds, loss,
-   sha256). Tensors are the program's ``upload()`` plus ``extras()`` under :data:`EXTRA_PREFIX`.
+   the trained model's accuracy on the device's own test shard, sha256). Tensors are the program's
+   ``upload()`` plus ``extras()`` under :data:`EXTRA_PREFIX`.
 4. Coordinator validates (sender = the topic's device, i.e. the broker-authenticated user; run;
    round; sha256; the strategy's ``RoundAggregate.add`` checks names, shapes, dtypes and finite
    values), journals it (``RunDir.accept_upload``) and only then answers ``Receipt(accepted)``. A
@@ -22,7 +23,10 @@ Topics are per device (``device_agent.wire.topics``); payloads are verified chun
    from its outbox; until then it resends it (after reconnects, restarts, or a new assignment for
    the same round from a restarted coordinator), each time as a fresh transfer.
 5. A device that cannot train (out of memory, broken data) sends ``RoundFailed``; the coordinator
-   stops waiting for it, and after an out-of-memory plans it one rank level lower.
+   stops waiting for it, and after an out-of-memory plans it one rank level lower. A device of a
+   personalized strategy that lost the part it keeps between rounds (its state directory was wiped)
+   sends reason ``state_lost``: the coordinator forgets its personalized state, so its next
+   assignment is a whole model again.
 6. The round closes when every participant answered or at the deadline (quorum permitting).
 """
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -79,17 +84,32 @@ def split_upload(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.T
     return upload, extras
 
 
-def upload_meta(samples: int, train_seconds: float, loss: float) -> dict[str, str]:
+@dataclass(frozen=True)
+class UploadMeta:
+    """What an update's manifest meta says about the round that produced it."""
+
+    samples: int
+    train_seconds: float
+    loss: float
+    local_accuracy: float | None = None
+    """Accuracy of the trained model on the device's own test shard: the only measure of a personalized
+    model, whose private part never reaches the coordinator. None from agents that do not report it."""
+
+
+def upload_meta(samples: int, train_seconds: float, loss: float, local_accuracy: float | None = None) -> dict[str, str]:
     """Manifest meta of an update (str -> str); the sender adds the payload's ``sha256``."""
-    return {
+    meta = {
         "samples": str(int(samples)),
         "train_seconds": f"{train_seconds:.6f}",
         "loss": f"{loss:.6f}",
     }
+    if local_accuracy is not None:
+        meta["local_accuracy"] = f"{local_accuracy:.6f}"
+    return meta
 
 
-def parse_upload_meta(meta: Mapping[str, str], payload: bytes) -> tuple[int, float, float]:
-    """(samples, train seconds, loss) of an update whose sha256 matches ``payload``; else ``UploadMetaError``."""
+def parse_upload_meta(meta: Mapping[str, str], payload: bytes) -> UploadMeta:
+    """The meta of an update whose sha256 matches ``payload``; else ``UploadMetaError`` naming the problem."""
     missing = [key for key in ("sha256", "samples", "train_seconds", "loss") if key not in meta]
     if missing:
         raise UploadMetaError(f"update manifest meta lacks {', '.join(missing)}")
@@ -97,8 +117,11 @@ def parse_upload_meta(meta: Mapping[str, str], payload: bytes) -> tuple[int, flo
         raise UploadMetaError("update payload does not match the sha256 in its manifest meta")
     try:
         samples, seconds, loss = int(meta["samples"]), float(meta["train_seconds"]), float(meta["loss"])
+        accuracy = float(meta["local_accuracy"]) if "local_accuracy" in meta else None
     except ValueError as exc:
         raise UploadMetaError(f"update manifest meta: {exc}") from None
     if samples < 1 or not (seconds >= 0 and math.isfinite(seconds)):
         raise UploadMetaError(f"update manifest meta: samples={samples}, train_seconds={seconds} out of range")
-    return samples, seconds, loss
+    if accuracy is not None and not 0 <= accuracy <= 1:
+        raise UploadMetaError(f"update manifest meta: local_accuracy={accuracy} is not in [0, 1]")
+    return UploadMeta(samples, seconds, loss, accuracy)

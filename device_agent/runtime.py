@@ -9,7 +9,10 @@ What survives what:
 - broker restart or network loss: the session reconnects and resumes unfinished transfers;
 - agent restart (kill -9, reboot): updates still in the outbox are re-sent at start-up;
 - coordinator restart: it re-sends the open round's assignments; an update for that round still
-  in the outbox is re-sent instead of training again.
+  in the outbox is re-sent instead of training again;
+- personalized strategies: what the program keeps between rounds is on disk (:mod:`device_agent.kept`);
+  if it is gone anyway (state directory wiped), the agent answers the round with ``RoundFailed(state_lost)``
+  and the coordinator starts it over with a whole model.
 """
 
 from __future__ import annotations
@@ -29,15 +32,17 @@ from torch import Tensor
 
 from device_agent import __version__
 from device_agent.clients import build_program
+from device_agent.clients.base import KeptStateMissing
 from device_agent.config import AgentConfig, EmulationConfig
 from device_agent.data.datasets import DatasetError, load_dataset
 from device_agent.data.partition import client_shard
+from device_agent.kept import KeptStore
 from device_agent.limits import MemoryCap, MemoryCapExceeded, Throttle, cap_cpu_memory, cap_cuda_memory, limit_threads
 from device_agent.outbox import Outbox, OutboxCorrupt, OutboxItem
 from device_agent.probe import DeviceProfile, NetworkSpec, probe_device, resolve_device
 from device_agent.protocol import UPDATE_KIND, pack_upload, parse_options, upload_meta
 from device_agent.shaping import TokenBucket
-from device_agent.training import train_local
+from device_agent.training import evaluate_local, train_local
 from device_agent.wire.codec import CodecError, decode_tensors
 from device_agent.wire.messages import Assignment, Error, Hello, Message, Receipt, RoundFailed, Status
 from device_agent.wire.session import BrokerAddress, Delivery, Session, device_session
@@ -118,25 +123,34 @@ def emulated_profile(profile: DeviceProfile, emulation: EmulationConfig | None) 
     return DeviceProfile.model_validate(data)
 
 
+Split = tuple[Tensor, Tensor]
+
+
 class LocalData:
-    """This device's training data, loaded once per model input shape."""
+    """This device's (train, test) data, loaded once per model input shape.
+
+    The test shard is the same share of the test split (same partition and label permutation), so it
+    follows the training shard's distribution: what a personalized model is measured on.
+    """
 
     def __init__(self, config: AgentConfig) -> None:
         self._config = config.data
-        self._cache: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
+        self._cache: dict[tuple[int, int, int], tuple[Split, Split]] = {}
 
-    def for_model(self, image_size: int, in_channels: int, num_classes: int) -> tuple[Tensor, Tensor]:
+    def for_model(self, image_size: int, in_channels: int, num_classes: int) -> tuple[Split, Split]:
         key = (image_size, in_channels, num_classes)
         if key not in self._cache:
             data = load_dataset(self._config.source, image_size, in_channels)
             spec = self._config.partition_spec()
             if spec is None:
-                shard = (data.train_x, data.train_y)
+                train, test = (data.train_x, data.train_y), (data.test_x, data.test_y)
             else:
-                shard = client_shard(data.train_x, data.train_y, spec, self._config.index or 0, data.num_classes)
-            if len(shard[1]) == 0:
+                index = self._config.index or 0
+                train = client_shard(data.train_x, data.train_y, spec, index, data.num_classes)
+                test = client_shard(data.test_x, data.test_y, spec, index, data.num_classes)
+            if len(train[1]) == 0:
                 raise DatasetError(f"data share {self._config.index} of {self._config.count} is empty")
-            self._cache[key] = shard
+            self._cache[key] = (train, test)
         return self._cache[key]
 
 
@@ -151,6 +165,7 @@ class Agent:
         state = Path(config.state_dir)
         state.mkdir(parents=True, exist_ok=True)
         self.outbox = Outbox(state / "outbox")
+        self.kept = KeptStore(state / "kept")
         self.data = LocalData(config)
         self._events: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._stopping = threading.Event()
@@ -158,7 +173,6 @@ class Agent:
         self._payloads: dict[str, Completed] = {}
         self._done: set[tuple[str, int]] = set()
         self._sent: dict[tuple[str, int], _Sent] = {}
-        self._kept: dict[str, Tensor] = {}
         self._state = "idle"
         self._connects = 0
         self.session, self.topics = self._make_session()
@@ -286,6 +300,9 @@ class Agent:
         except MemoryCapExceeded as exc:
             self._fail(assignment, "out_of_memory", str(exc))
             return
+        except KeptStateMissing as exc:
+            self._fail(assignment, "state_lost", str(exc))
+            return
         except (ValueError, CodecError, DatasetError, RuntimeError) as exc:
             log.exception("%s: round %d failed", self.config.device, assignment.round)
             self._fail(assignment, "error", f"{type(exc).__name__}: {exc}")
@@ -295,28 +312,30 @@ class Agent:
     def _train(self, assignment: Assignment, payload: bytes) -> OutboxItem:
         meta, train = parse_options(assignment.options)
         tensors = decode_tensors(payload)
-        shard = self.data.for_model(int(meta["image_size"]), int(meta["in_channels"]), int(meta["num_classes"]))
+        shard, test = self.data.for_model(int(meta["image_size"]), int(meta["in_channels"]), int(meta["num_classes"]))
         guard = self.limits.memory.guard() if self.limits.memory is not None else contextlib.nullcontext()
         throttle = self.limits.throttle
         with guard:
-            program = build_program(meta, tensors, self._kept or None)
+            program = build_program(meta, tensors, self.kept.load(assignment.run))
             # Throttled step by step, so the slowed device computes at its pace instead of bursting then idling.
             result = train_local(program, shard, train, self.device, step=throttle.step if throttle else None)
+            local_accuracy = evaluate_local(program, test, self.device) if len(test[1]) else None
             upload = pack_upload(program.upload(), program.extras())
-            self._kept = program.keep()
+            self.kept.save(assignment.run, program.keep())
         seconds = result.seconds  # includes the sleeps between steps
         if throttle is not None:
             slept = throttle.slept_seconds
             throttle.flush()
             seconds += throttle.slept_seconds - slept
-        meta = upload_meta(result.samples, seconds, result.mean_loss)
+        meta = upload_meta(result.samples, seconds, result.mean_loss, local_accuracy)
         item = self.outbox.put(assignment.run, assignment.round, new_transfer_id(), upload, meta)
         log.info(
-            "%s: round %d trained in %.1f s (loss %.3f), update of %d bytes",
+            "%s: round %d trained in %.1f s (loss %.3f, local accuracy %s), update of %d bytes",
             self.config.device,
             assignment.round,
             seconds,
             result.mean_loss,
+            "n/a" if local_accuracy is None else f"{local_accuracy:.3f}",
             item.size,
         )
         return item

@@ -141,3 +141,22 @@ def train_local(
     return TrainResult(
         samples=len(y), steps=steps, seconds=time.perf_counter() - start, mean_loss=loss_sum / max(steps, 1)
     )
+
+
+@torch.no_grad()
+def evaluate_local(
+    program: ClientProgram, data: Dataset | tuple[Tensor, Tensor], device: torch.device | str = "cpu"
+) -> float:
+    """Accuracy of the trained ``program.model`` (eval mode, its own BN statistics) on ``data``.
+
+    On a device this is the only measure of a personalized model: its private part never leaves.
+    """
+    x, y = as_tensors(data)
+    model = program.model.to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        predicted = torch.cat([model(batch.to(device)).argmax(dim=1).cpu() for batch in x.split(512)])
+    finally:
+        model.train(was_training)
+    return float((predicted == y).float().mean())

@@ -168,6 +168,13 @@ class Strategy(ABC):
         """What the server keeps for one client (None when the strategy is not personalized)."""
         return None
 
+    def forget(self, client_id: str) -> None:  # noqa: B027
+        """Drop what the server keeps for a client whose device lost its own part of the model.
+
+        Its next assignment then starts it over as a newcomer (for Factorized-FL: the whole model).
+        Strategies that keep nothing per client, or send clients everything anyway, ignore it.
+        """
+
     def load_norm_statistics(self, statistics: Mapping[str, torch.Tensor]) -> None:  # noqa: B027
         """Static BN hook: BatchNorm running statistics the caller recomputed on its own data.
 

@@ -108,6 +108,9 @@ class FactorizedFL(Strategy):
         state = self.personal.get(client_id)
         return None if state is None else {k: v.clone() for k, v in state.items()}
 
+    def forget(self, client_id: str) -> None:
+        self.personal.pop(client_id, None)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = {f"init/{k}": v for k, v in self.init_state.items()}
         state.update({f"mean/{k}": v for k, v in self.mean.items()})

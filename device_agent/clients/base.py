@@ -47,6 +47,10 @@ def load_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
         raise ValueError(f"assignment does not fit the model: {'; '.join(problems)}")
 
 
+class KeptStateMissing(ValueError):
+    """A personalized assignment that needs the part the device keeps, and the device has none for this run."""
+
+
 class ClientProgram(ABC):
     """One round of local work for one strategy.
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from device_agent.clients.base import ClientProgram, require_meta
+from device_agent.clients.base import ClientProgram, KeptStateMissing, require_meta
 from device_agent.layers import RankOneLayer, l1_on_mu, rank_one_layers, reparametrize, similarity_layer
 from device_agent.models import build_model
 
@@ -49,7 +49,7 @@ class RankOneProgram(ClientProgram):
         missing = sorted(set(self.model.state_dict()) - set(state))
         if missing:
             source = "kept state and assignment" if local else "assignment (and the device kept no state)"
-            raise ValueError(
+            raise (ValueError if local else KeptStateMissing)(
                 f"{meta['strategy']}: {len(missing)} model tensors missing from the {source}, e.g. {missing[0]!r}; "
                 "the coordinator sends the whole model only on a client's first round"
             )

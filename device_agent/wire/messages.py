@@ -163,7 +163,7 @@ class RoundFailed(_Message):
     type: Literal["round_failed"] = "round_failed"
     run: Annotated[str, Field(pattern=_NAME)]
     round: Annotated[int, Field(ge=0)]
-    reason: Literal["out_of_memory", "error"]
+    reason: Literal["out_of_memory", "state_lost", "error"]
     detail: str = ""
 
 

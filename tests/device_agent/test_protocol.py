@@ -9,6 +9,7 @@ import torch
 
 from device_agent.protocol import (
     EXTRA_PREFIX,
+    UploadMeta,
     UploadMetaError,
     assignment_options,
     pack_upload,
@@ -50,13 +51,21 @@ def test_pack_and_split_keep_upload_and_extras_apart() -> None:
 def test_upload_meta_checks_the_sha256_against_the_payload() -> None:
     payload = b"some safetensors bytes"
     meta = {**upload_meta(120, 1.5, 0.25), "sha256": hashlib.sha256(payload).hexdigest()}
-    assert parse_upload_meta(meta, payload) == (120, 1.5, 0.25)
+    assert parse_upload_meta(meta, payload) == UploadMeta(120, 1.5, 0.25, None)
     with pytest.raises(UploadMetaError, match="sha256"):
         parse_upload_meta(meta, payload + b"!")
     with pytest.raises(UploadMetaError, match="samples"):
         parse_upload_meta({"sha256": meta["sha256"]}, payload)
     with pytest.raises(UploadMetaError, match="out of range"):
         parse_upload_meta({**meta, "samples": "0"}, payload)
+
+
+def test_upload_meta_carries_the_local_accuracy_of_a_personalized_model() -> None:
+    payload = b"u vectors"
+    meta = {**upload_meta(90, 0.5, 0.1, local_accuracy=0.875), "sha256": hashlib.sha256(payload).hexdigest()}
+    assert parse_upload_meta(meta, payload).local_accuracy == 0.875
+    with pytest.raises(UploadMetaError, match=r"local_accuracy=1\.5"):
+        parse_upload_meta({**meta, "local_accuracy": "1.5"}, payload)
 
 
 def test_receipt_and_round_failed_travel_as_control_messages() -> None:
