@@ -95,12 +95,14 @@ class RosterRound(RoundAggregate):
         self.slots = {slot.client_id: slot for slot in clients}
         self.received: list[str] = []
 
-    def slot_of(self, client_id: str) -> ClientSlot:
+    def slot_of(self, client_id: str, num_samples: int) -> ClientSlot:
         """The sender's slot; call before validating, and append to ``received`` after folding."""
         if client_id not in self.slots:
             raise UpdateRejected(f"client {client_id!r} is not part of round {self.round}")
         if client_id in self.received:
             raise UpdateRejected(f"client {client_id!r} already uploaded for round {self.round}")
+        if num_samples < 1:
+            raise UpdateRejected(f"client {client_id!r}: num_samples must be >= 1, got {num_samples}")
         return self.slots[client_id]
 
 

@@ -70,9 +70,7 @@ class BufferedRound(RosterRound):
         num_samples: int,
         extras: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        self.slot_of(client_id)
-        if num_samples <= 0:
-            raise UpdateRejected(f"client {client_id!r}: num_samples must be > 0, got {num_samples}")
+        self.slot_of(client_id, num_samples)
         _check("upload", tensors, self.expected)
         _check("extras", extras or {}, self.expected_extras)
         self.uploads[client_id] = Upload(
@@ -103,3 +101,19 @@ def split_client_key(key: str, prefix: str) -> tuple[str, str]:
     """``<prefix>/<client id>/<tensor key>`` -> (client id, tensor key); client ids may hold '/'."""
     client, _, name = key[len(prefix) + 1 :].rpartition("/")
     return client, name
+
+
+def unprefixed(state: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The ``<prefix>/<key>`` entries of a flat state dict, as copies keyed by ``<key>``."""
+    start = len(prefix) + 1
+    return {k[start:]: v.clone() for k, v in state.items() if k.startswith(f"{prefix}/")}
+
+
+def client_states(state: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """The per-client ``client/<id>/<key>`` entries of a flat state dict, grouped by client."""
+    personal: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in state.items():
+        if key.startswith("client/"):
+            client, name = split_client_key(key, "client")
+            personal.setdefault(client, {})[name] = value.clone()
+    return personal

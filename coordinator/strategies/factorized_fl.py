@@ -22,7 +22,13 @@ from pydantic import Field
 
 from coordinator.algorithms.similarity import cosine_matrix, mix, mixing_weights
 from coordinator.strategies.base import Assignment, ClientSlot, ModelSpec, RoundAggregate, Strategy, StrategyParams
-from coordinator.strategies.buffered import BufferedRound, sample_weights, split_client_key, weighted_mean
+from coordinator.strategies.buffered import (
+    BufferedRound,
+    client_states,
+    sample_weights,
+    unprefixed,
+    weighted_mean,
+)
 from device_agent.clients.rank_one import rank_one_model, shared_layers
 from device_agent.layers import dense_state, similarity_layer
 
@@ -119,16 +125,12 @@ class FactorizedFL(Strategy):
         return {k: v.clone() for k, v in state.items()}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        init = {k[len("init/") :]: v.clone() for k, v in state.items() if k.startswith("init/")}
+        init = unprefixed(state, "init")
         if set(init) != set(self.init_state):
             raise ValueError(f"{self.name} state does not match model {self.model.arch!r}")
         self.init_state = init
-        self.mean = {k[len("mean/") :]: v.clone() for k, v in state.items() if k.startswith("mean/")}
-        self.personal = {}
-        for key, value in state.items():
-            if key.startswith("client/"):
-                client, name = split_client_key(key, "client")
-                self.personal.setdefault(client, {})[name] = value.clone()
+        self.mean = unprefixed(state, "mean")
+        self.personal = client_states(state)
 
 
 class FactorizedFLBeta(FactorizedFL):

@@ -30,7 +30,13 @@ from coordinator.strategies.base import (
     StrategyParams,
     seeded_model,
 )
-from coordinator.strategies.buffered import BufferedRound, sample_weights, split_client_key, weighted_mean
+from coordinator.strategies.buffered import (
+    BufferedRound,
+    client_states,
+    sample_weights,
+    unprefixed,
+    weighted_mean,
+)
 
 
 class FedFacParams(StrategyParams):
@@ -151,13 +157,9 @@ class FedFac(Strategy):
         return state
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        weights = {k[len("global/") :]: v.clone() for k, v in state.items() if k.startswith("global/")}
+        weights = unprefixed(state, "global")
         if set(weights) != set(self.global_weights):
             raise ValueError(f"{self.name} state does not match model {self.model.arch!r}")
         self.global_weights = weights
-        self.split = {k[len("split/") :]: v.bool() for k, v in state.items() if k.startswith("split/")}
-        self.personal = {}
-        for key, value in state.items():
-            if key.startswith("client/"):
-                client, name = split_client_key(key, "client")
-                self.personal.setdefault(client, {})[name] = value.clone()
+        self.split = {k: v.bool() for k, v in unprefixed(state, "split").items()}
+        self.personal = client_states(state)

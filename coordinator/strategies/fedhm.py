@@ -20,7 +20,7 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import Field
 
-from coordinator.algorithms.aggregation import StreamingAggregator, UpdateRejected
+from coordinator.algorithms.aggregation import StreamingAggregator
 from coordinator.algorithms.lowrank import factorize
 from coordinator.strategies.base import (
     Assignment,
@@ -57,9 +57,7 @@ class FedHMRound(RosterRound):
         num_samples: int,
         extras: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        slot = self.slot_of(client_id)
-        if num_samples < 1:
-            raise UpdateRejected(f"client {client_id!r}: num_samples must be >= 1, got {num_samples}")
+        slot = self.slot_of(client_id, num_samples)
         self.aggregator.add(tensors, slot.level, num_samples)
         self.received.append(client_id)
 

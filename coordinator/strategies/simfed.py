@@ -19,7 +19,7 @@ from pydantic import Field
 
 from coordinator.algorithms.similarity import cosine_matrix, mixing_weights, reflect
 from coordinator.strategies.base import Assignment, ClientSlot, ModelSpec, RoundAggregate, Strategy, StrategyParams
-from coordinator.strategies.buffered import BufferedRound, split_client_key
+from coordinator.strategies.buffered import BufferedRound, client_states, unprefixed
 from device_agent.clients.rank_one import rank_one_model, shared_layers
 from device_agent.layers import dense_state, rank_one_layers
 
@@ -134,14 +134,9 @@ class SimFed(Strategy):
         return state
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        init = {k[len("init/") :]: v.clone() for k, v in state.items() if k.startswith("init/")}
+        init = unprefixed(state, "init")
         if set(init) != set(self.init_state) or "criteria" not in state:
             raise ValueError(f"{self.name} state does not match model {self.model.arch!r}")
         self.init_state, self.criteria = init, state["criteria"].clone()
-        self.personal, self.samples = {}, {}
-        for key, value in state.items():
-            if key.startswith("client/"):
-                client, name = split_client_key(key, "client")
-                self.personal.setdefault(client, {})[name] = value.clone()
-            elif key.startswith("samples/"):
-                self.samples[key[len("samples/") :]] = int(value)
+        self.personal = client_states(state)
+        self.samples = {client: int(value) for client, value in unprefixed(state, "samples").items()}

@@ -112,9 +112,7 @@ class WidthRound(RosterRound):
         num_samples: int,
         extras: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        slot = self.slot_of(client_id)
-        if num_samples < 1:
-            raise UpdateRejected(f"client {client_id!r}: num_samples must be >= 1, got {num_samples}")
+        slot = self.slot_of(client_id, num_samples)
         strategy = self.strategy
         index = strategy.index_for(self.round, strategy.client_level(slot))
         shapes = strategy.sub_shapes(strategy.client_level(slot))
