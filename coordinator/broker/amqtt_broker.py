@@ -22,7 +22,7 @@ from amqtt.broker import Broker
 from amqtt.contexts import Action
 from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 
-from coordinator.broker.base import BrokerError, BrokerSettings, free_port, wait_until_healthy
+from coordinator.broker.base import BrokerError, BrokerSettings, free_port, terminate, wait_until_healthy
 from coordinator.broker.credentials import (
     COORDINATOR_USER,
     Credentials,
@@ -151,15 +151,7 @@ class AmqttBroker:
         log.info("amqtt (pid %d) listening on %s", self._process.pid, self.address.url)
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self._process is None:
-            return
-        if self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+        terminate(self._process, timeout)
         self._process = None
 
 

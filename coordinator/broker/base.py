@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -53,6 +54,18 @@ class ManagedBroker(Protocol):
     def stop(self) -> None: ...
 
     def address_for(self, credentials: Credentials) -> BrokerAddress: ...
+
+
+def terminate(process: subprocess.Popen | None, timeout: float) -> None:
+    """SIGTERM (a broker saves its persistence on it), then SIGKILL if the process lingers."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

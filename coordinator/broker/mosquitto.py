@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from coordinator.broker.base import BrokerError, BrokerSettings, free_port, wait_until_healthy
+from coordinator.broker.base import BrokerError, BrokerSettings, free_port, terminate, wait_until_healthy
 from coordinator.broker.credentials import COORDINATOR_USER, Credentials, write_password_file, write_private
 from device_agent.wire.session import BrokerAddress
 from device_agent.wire.topics import ROOT, acl_patterns, check_name
@@ -127,15 +127,7 @@ class MosquittoBroker:
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM (mosquitto saves its persistence), then SIGKILL if it lingers."""
-        if self._process is None:
-            return
-        if self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+        terminate(self._process, timeout)
         self._process = None
 
     def kill(self) -> None:
