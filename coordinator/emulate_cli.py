@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from coordinator.emulator import AGENTS_DIR, Emulation, EmulatorError
 from coordinator.fleet import FleetError, load_fleet
-from coordinator.start_cli import run_start
+from coordinator.start_cli import add_run_arguments, run_start
 from device_agent.emulation import measure_host_gflops
 
 _EPILOG = f"""\
@@ -39,19 +38,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--fleet", type=Path, required=True, metavar="FILE", help="fleet.yaml")
-    parser.add_argument("--run-dir", type=Path, metavar="DIR", help="new or existing run directory to resume")
-    parser.add_argument("--rounds", type=int, metavar="N", help="override fleet.yaml's rounds")
-    parser.add_argument(
-        "--min-devices", type=int, metavar="N", help="devices online before round 1 (default: every device)"
-    )
-    parser.add_argument(
-        "--wait-timeout",
-        type=float,
-        default=300.0,
-        metavar="S",
-        help="give up waiting for devices after S s (default: 300)",
-    )
+    add_run_arguments(parser, min_devices_default="every device", wait_timeout=300.0)
     parser.add_argument("--threads", type=int, default=1, metavar="N", help="compute threads per agent (default: 1)")
     parser.add_argument(
         "--host-gflops", type=float, metavar="F", help="this host's fp32 GFLOPS per agent (default: measured)"
@@ -59,8 +46,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--device-type", default="cpu", metavar="TYPE", help="where agents train: cpu, cuda, cuda:N (default: cpu)"
     )
-    parser.add_argument("--no-live", action="store_true", help="log lines instead of the live table")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.set_defaults(handler=_emulate)
 
 

@@ -54,16 +54,27 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    start.add_argument("--fleet", type=Path, required=True, metavar="FILE", help="fleet.yaml")
-    start.add_argument("--run-dir", type=Path, metavar="DIR", help="new or existing run directory to resume")
-    start.add_argument("--rounds", type=int, metavar="N", help="override fleet.yaml's rounds")
-    start.add_argument(
-        "--min-devices", type=int, metavar="N", help="devices online before round 1 (default: quorum x fleet size)"
-    )
-    start.add_argument("--wait-timeout", type=float, default=600.0, metavar="S", help="give up waiting after S s")
-    start.add_argument("--no-live", action="store_true", help="log lines instead of the live table")
-    start.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_run_arguments(start, min_devices_default="quorum x fleet size", wait_timeout=600.0)
     start.set_defaults(handler=run_start)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, min_devices_default: str, wait_timeout: float) -> None:
+    """The options of a run, shared by ``start`` and ``emulate`` (which is ``start`` plus agents)."""
+    parser.add_argument("--fleet", type=Path, required=True, metavar="FILE", help="fleet.yaml")
+    parser.add_argument("--run-dir", type=Path, metavar="DIR", help="new or existing run directory to resume")
+    parser.add_argument("--rounds", type=int, metavar="N", help="override fleet.yaml's rounds")
+    parser.add_argument(
+        "--min-devices", type=int, metavar="N", help=f"devices online before round 1 (default: {min_devices_default})"
+    )
+    parser.add_argument(
+        "--wait-timeout",
+        type=float,
+        default=wait_timeout,
+        metavar="S",
+        help=f"give up waiting for devices after S s (default: {wait_timeout:g})",
+    )
+    parser.add_argument("--no-live", action="store_true", help="log lines instead of the live table")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
 def resolve_secret(ref: str, what: str) -> str:
