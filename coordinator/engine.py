@@ -1,13 +1,21 @@
-"""The round engine: FedHM (or any strategy) rounds over real devices, durable across restarts.
+"""The round engine: any strategy's rounds over any :class:`~coordinator.link.Link`, durable across restarts.
 
-One thread owns every piece of round state. The MQTT session's threads only enqueue events
-(hello, status, uploads, failures) and the engine's loop applies them in order, so validation,
-folding, journaling and answering an upload happen as one step and need no locks. The wire side
-of a round is described in :mod:`device_agent.protocol`.
+One thread owns every piece of round state. The link's threads only enqueue events (hello,
+status, uploads, failures) and the engine's loop applies them in order, so validation, journaling,
+folding and answering an upload happen as one step and need no locks. The wire side of a round is
+described in :mod:`device_agent.protocol`. ``coordinator start`` runs it over MQTT
+(:class:`~coordinator.link.MqttLink`); the simulation and ``benchmarks.compare`` over in-process
+devices (:class:`~coordinator.local_link.InProcessLink`): one round core for both.
+
+The upload gate (:meth:`RoundEngine._accept`), in order: envelope (kind, run, round, participant,
+duplicate) -> the update's meta (samples, finite seconds and loss, accuracy in [0, 1]) -> decode
+-> the strategy's checks for that slot (names, shapes, dtypes, finite values, magnitude) ->
+journal -> fold. Nothing touches the aggregate before the journal has the upload, so a refused or
+late upload never counts.
 
 Durability: the round's participants and levels are written to ``open-round.json`` before any
-assignment leaves, every accepted upload is journaled (``RunDir.accept_upload``) before its
-receipt is sent, and closing a round is ``RunDir.complete_round``'s atomic commit. A restart on
+assignment leaves, every accepted upload is journaled (``RunDir.accept_upload``) before it is folded
+and before its receipt is sent, and closing a round is ``RunDir.complete_round``'s atomic commit. A restart on
 the same run directory reloads the last global state, re-opens the same round with the same
 participants, folds the journal back in and re-sends the assignments; devices that already
 trained re-send their stored update instead of training again.
@@ -28,18 +36,16 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-import torch
-import torch.nn.functional as F
-
 from coordinator.algorithms.aggregation import UpdateRejected
+from coordinator.evaluation import evaluate_global, personalized_accuracy
 from coordinator.fleet import Device, Fleet
+from coordinator.link import Link
 from coordinator.metrics import DeviceRoundMetrics, DeviceStatus, RoundMetrics
 from coordinator.planner import DevicePlan, after_out_of_memory, fmt_ratio, plan_fleet
 from coordinator.rundir import RoundNotOpen, RunDir
-from coordinator.simulation import accuracy, calibrate_batchnorm
 from coordinator.strategies import ClientSlot, RoundAggregate, Strategy
 from device_agent.atomic import atomic_write
 from device_agent.data.datasets import LabeledData
@@ -48,21 +54,23 @@ from device_agent.protocol import (
     ASSIGNMENT_KIND,
     UPDATE_KIND,
     UploadMetaError,
-    assignment_options,
     parse_upload_meta,
+    round_seed,
     split_upload,
 )
-from device_agent.training import TrainConfig
 from device_agent.wire.codec import CodecError, decode_tensors, encode_tensors
-from device_agent.wire.messages import Assignment, Error, Hello, Message, Receipt, RoundFailed, Status
-from device_agent.wire.session import Session
-from device_agent.wire.topics import DeviceTopics, device_of
-from device_agent.wire.transfer import Completed, make_manifest
+from device_agent.wire.messages import Assignment, Error, Hello, Manifest, Message, Receipt, RoundFailed, Status
+from device_agent.wire.transfer import Completed
 from profiles.schema import DeviceClass
 
 log = logging.getLogger("fedfleet.engine")
 
 OPEN_ROUND_FILE = "open-round.json"
+
+Planner = Callable[
+    [Fleet, Mapping[str, DeviceClass], Mapping[str, DeviceProfile], Mapping[str, float]], list[DevicePlan]
+]
+"""Who trains at which level: :func:`~coordinator.planner.plan_fleet` for a fleet; fixed levels in a simulation."""
 
 
 @dataclass
@@ -127,8 +135,9 @@ class RoundEngine:
         strategy: Strategy,
         rundir: RunDir,
         data: LabeledData,
-        session_factory: Callable[..., Session],
+        link: Link,
         settings: EngineSettings,
+        planner: Planner = plan_fleet,
     ) -> None:
         self.fleet = fleet
         self.catalog = catalog
@@ -144,10 +153,8 @@ class RoundEngine:
         self.stopping = threading.Event()
         self._events: queue.Queue[Callable[[], None]] = queue.Queue()
         self._deferred: list[tuple[str, Completed]] = []
-        self.session = session_factory(
-            on_message=lambda topic, m: self._events.put(lambda: self._on_message(topic, m)),
-            on_payload=lambda topic, c: self._events.put(lambda: self._on_payload(topic, c)),
-        )
+        self.link = link
+        self.planner = planner
         resume = rundir.resume()
         self.strategy.load_state_dict(resume.state)
         self.next_round = resume.next_round
@@ -156,8 +163,11 @@ class RoundEngine:
     # ---- the loop ------------------------------------------------------------------------------
 
     def run(self, progress: Callable[[RoundEngine], None] = lambda _e: None) -> bool:
-        """Run until every round is done (True) or :meth:`stop` (False). The session is stopped on return."""
-        self.session.start(timeout=30)
+        """Run until every round is done (True) or :meth:`stop` (False). The link is stopped on return."""
+        self.link.start(
+            on_message=lambda device, m: self._events.put(lambda: self._on_message(device, m)),
+            on_payload=lambda device, c: self._events.put(lambda: self._on_payload(device, c)),
+        )
         try:
             if not self._wait_for_devices(progress):
                 return False
@@ -167,7 +177,7 @@ class RoundEngine:
                 self.next_round += 1
             return True
         finally:
-            self.session.stop()
+            self.link.stop()
 
     def stop(self) -> None:
         self.stopping.set()
@@ -237,8 +247,8 @@ class RoundEngine:
         self._push(round_, slots)
         pushed = time.monotonic()
         deferred, self._deferred = self._deferred, []
-        for topic, completed in deferred:
-            self._on_payload(topic, completed)
+        for device, completed in deferred:
+            self._on_payload(device, completed)
         self.open.phases.update(plan=planned - started, push=pushed - planned)
         while not self.stopping.is_set():
             self._pump(self.open.deadline, progress)
@@ -277,7 +287,7 @@ class RoundEngine:
             if raw.get("round") == round_:
                 return [(d, float(level)) for d, level in raw["participants"].items() if d in self.devices]
         reports = {d: s.profile for d, s in self.devices.items() if s.profile is not None}
-        self.plans = {p.device: p for p in plan_fleet(self.fleet, self.catalog, reports, self.ceilings)}
+        self.plans = {p.device: p for p in self.planner(self.fleet, self.catalog, reports, self.ceilings)}
         eligible = sorted(d for d, s in self.devices.items() if s.online and self.plans[d].ratio is not None)
         count = math.ceil(self.fleet.participation * len(eligible))
         chosen = random.Random(self.rundir.seed * 1_000_003 + round_).sample(eligible, count)
@@ -306,7 +316,8 @@ class RoundEngine:
             if entry.round != round_ or entry.device not in self.open.participants:
                 continue
             upload, extras = split_upload(self.rundir.load_upload(entry))
-            self.open.aggregate.add(entry.device, upload, int(entry.meta["samples"]), extras)
+            self.open.aggregate.check(entry.device, upload, int(entry.meta["samples"]), extras)
+            self.open.aggregate.fold(entry.device, upload, int(entry.meta["samples"]), extras)
             participant = self.open.participants[entry.device]
             participant.status = "accepted"
             participant.train_seconds = float(entry.meta.get("train_seconds", 0.0))
@@ -320,38 +331,31 @@ class RoundEngine:
         assignments = self.strategy.configure(round_, slots)
         # Devices whose payloads are byte-identical (FedHM at one level) share one manifest; personalized
         # strategies give each device its own payload at the same level, so the level is no key.
-        manifests: dict[bytes, object] = {}
+        manifests: dict[bytes, Manifest] = {}
         for slot in slots:
             participant = self.open.participants[slot.client_id]
-            topics = DeviceTopics(self.fleet.fleet, slot.client_id)
-            participant.bytes_up_start = self.session.stats.bytes_in.get(topics.up, 0)
-            participant.bytes_down_start = self.session.stats.bytes_out.get(topics.down, 0)
+            participant.bytes_up_start = self.link.bytes_up(slot.client_id)
+            participant.bytes_down_start = self.link.bytes_down(slot.client_id)
             if participant.status == "accepted":
                 continue
             assignment = assignments[slot.client_id]
             payload = encode_tensors(assignment.tensors)
             if payload not in manifests:
-                manifests[payload] = make_manifest(
-                    payload, self.session.config.chunk_size, run=self.rundir.run_id, round=round_, kind=ASSIGNMENT_KIND
+                manifests[payload] = self.link.prepare(
+                    payload, run=self.rundir.run_id, round=round_, kind=ASSIGNMENT_KIND
                 )
-            manifest = manifests[payload]
-            delivery = self.session.send(topics.down, payload, manifest=manifest)  # type: ignore[arg-type]
+            transfer = self.link.send_payload(slot.client_id, payload, manifests[payload])
             device = self.devices[slot.client_id].device
-            train = TrainConfig(
-                epochs=device.overrides.local_epochs or self.fleet.training.local_epochs,
-                batch_size=device.overrides.batch_size or self.fleet.training.batch_size,
-                lr=self.fleet.training.lr,
-                seed=self.rundir.seed * 1_000_003 + round_ * 1_000 + sorted(self.devices).index(slot.client_id),
-            )
-            self.session.publish(
-                topics.down,
+            seed = round_seed(self.rundir.seed, round_, sorted(self.devices).index(slot.client_id))
+            self.link.send_control(
+                slot.client_id,
                 Assignment(
                     run=self.rundir.run_id,
                     round=round_,
-                    rank_ratio=slot.level,
                     deadline_s=max(1.0, self.open.deadline - time.monotonic()),
-                    download=delivery.transfer,
-                    options=assignment_options(assignment.meta, train),
+                    download=transfer,
+                    spec=assignment.spec,
+                    train=self.fleet.training.for_device(device, seed),
                 ),
             )
 
@@ -374,10 +378,10 @@ class RoundEngine:
         else:
             self.strategy.close_round(open_.aggregate)
         aggregated = time.monotonic()
-        acc, loss = self._evaluate()
+        calibration = self.data.train_x[: self.settings.calibration_samples]
+        acc, loss = evaluate_global(self.strategy, (self.data.test_x, self.data.test_y), calibration)
         evaluated = time.monotonic()
         devices = {d: self._device_metrics(d, p) for d, p in open_.participants.items()}
-        reported = [m.local_accuracy for m in devices.values() if m.local_accuracy is not None]
         phases = {
             **open_.phases,
             "train": closing - pushed,
@@ -388,7 +392,7 @@ class RoundEngine:
             round=round_,
             accuracy=acc,
             loss=loss,
-            personalized_accuracy=sum(reported) / len(reported) if reported else None,
+            personalized_accuracy=personalized_accuracy(m.local_accuracy for m in devices.values()),
             participants=sum(m.status == "accepted" for m in devices.values()),
             bytes_up=sum(m.bytes_up for m in devices.values()),
             bytes_down=sum(m.bytes_down for m in devices.values()),
@@ -412,7 +416,6 @@ class RoundEngine:
         )
 
     def _device_metrics(self, device: str, participant: Participant) -> DeviceRoundMetrics:
-        topics = DeviceTopics(self.fleet.fleet, device)
         status: DeviceStatus
         if participant.status in ("accepted", "rejected", "failed", "late"):
             status = participant.status  # type: ignore[assignment]
@@ -421,8 +424,8 @@ class RoundEngine:
         return DeviceRoundMetrics(
             device_class=self.devices[device].device.profile,
             ratio=participant.level,
-            bytes_up=self.session.stats.bytes_in.get(topics.up, 0) - participant.bytes_up_start,
-            bytes_down=self.session.stats.bytes_out.get(topics.down, 0) - participant.bytes_down_start,
+            bytes_up=self.link.bytes_up(device) - participant.bytes_up_start,
+            bytes_down=self.link.bytes_down(device) - participant.bytes_down_start,
             payload_bytes=participant.payload_bytes,
             train_seconds=participant.train_seconds,
             status=status,
@@ -430,22 +433,10 @@ class RoundEngine:
             local_accuracy=participant.local_accuracy if status == "accepted" else None,
         )
 
-    @torch.no_grad()
-    def _evaluate(self) -> tuple[float, float]:
-        """Global model on the held-out test split, after static BN on the coordinator's own samples."""
-        model = self.strategy.global_model()
-        calibration = self.data.train_x[: self.settings.calibration_samples]
-        self.strategy.load_norm_statistics(calibrate_batchnorm(model, calibration))
-        model.eval()
-        logits = torch.cat([model(x) for x in self.data.test_x.split(512)])
-        loss = float(F.cross_entropy(logits, self.data.test_y))
-        return accuracy(model, (self.data.test_x, self.data.test_y)), loss
-
     # ---- events --------------------------------------------------------------------------------
 
-    def _on_message(self, topic: str, message: Message) -> None:
-        device = device_of(topic)
-        state = self.devices.get(device or "")
+    def _on_message(self, device: str, message: Message) -> None:
+        state = self.devices.get(device)
         if state is None:
             log.warning("message from %r, which is not in the fleet; ignored", device)
             return
@@ -466,7 +457,7 @@ class RoundEngine:
             state.state = message.state
             self._set_online(state, message.state != "offline", f"{message.state} {message.detail}".strip())
         elif isinstance(message, RoundFailed):
-            self._on_failed(device, message)  # type: ignore[arg-type]
+            self._on_failed(device, message)
         elif isinstance(message, Error):
             log.warning("%s reports: %s: %s", device, message.code, message.detail)
 
@@ -491,17 +482,15 @@ class RoundEngine:
             self.strategy.forget(device)
             log.warning("round %d: %s lost its kept state; it gets a whole model next round", open_.round, device)
 
-    def _on_payload(self, topic: str, completed: Completed) -> None:
-        device = device_of(topic)
+    def _on_payload(self, device: str, completed: Completed) -> None:
         manifest = completed.manifest
-        if device is None or device not in self.devices:
-            log.warning("payload on %s from outside the fleet; ignored", topic)
+        if device not in self.devices:
+            log.warning("payload from %r, which is not in the fleet; ignored", device)
             return
         if self.open is None and manifest.round == self.next_round and manifest.run == self.rundir.run_id:
             # An update for the round about to (re)open, e.g. right after a coordinator restart: keep it.
-            self._deferred.append((topic, completed))
+            self._deferred.append((device, completed))
             return
-        reply = DeviceTopics(self.fleet.fleet, device).down
         try:
             status = self._accept(device, completed)
         except (UpdateRejected, UploadMetaError, CodecError) as exc:
@@ -509,15 +498,19 @@ class RoundEngine:
             participant = self.open.participants.get(device) if self.open else None
             if participant is not None and participant.status != "accepted":
                 participant.status, participant.error = "rejected", str(exc)[:500]
-            self.session.publish(reply, Error(code="rejected", detail=str(exc)[:1000], transfer=manifest.transfer))
+            self.link.send_control(device, Error(code="rejected", detail=str(exc)[:1000], transfer=manifest.transfer))
             return
-        self.session.publish(
-            reply, Receipt(run=manifest.run, round=manifest.round, transfer=manifest.transfer, status=status)
+        self.link.send_control(
+            device, Receipt(run=manifest.run, round=manifest.round, transfer=manifest.transfer, status=status)
         )
 
     def _accept(self, device: str, completed: Completed) -> str:
-        """Validate, fold and journal one update; returns the receipt status or raises why it is refused."""
-        manifest, data = completed.manifest, completed.data
+        """The upload gate: returns the receipt status, or raises why the update is refused.
+
+        Envelope -> meta -> decode -> the strategy's checks -> journal -> fold. The aggregate is
+        touched last, so a refused, duplicate or late upload never counts.
+        """
+        manifest = completed.manifest
         if manifest.kind != UPDATE_KIND:
             raise UpdateRejected(f"expected a transfer of kind {UPDATE_KIND!r}, got {manifest.kind!r}")
         if manifest.run != self.rundir.run_id:
@@ -532,11 +525,12 @@ class RoundEngine:
         participant = open_.participants.get(device)
         if participant is None:
             raise UpdateRejected(f"{device!r} is not a participant of round {open_.round}")
-        parsed = parse_upload_meta(manifest.meta, data)
-        upload, extras = split_upload(decode_tensors(data))
         if participant.status == "accepted":
             return "duplicate"
-        open_.aggregate.add(device, upload, parsed.samples, extras)
+        parsed = parse_upload_meta(manifest.meta)
+        data = completed.data
+        upload, extras = split_upload(decode_tensors(data))
+        open_.aggregate.check(device, upload, parsed.samples, extras)
         meta = {
             "samples": parsed.samples,
             "train_seconds": parsed.train_seconds,
@@ -549,6 +543,7 @@ class RoundEngine:
             self.rundir.accept_upload(open_.round, device, manifest.transfer, data, meta)
         except RoundNotOpen:
             return "late"
+        open_.aggregate.fold(device, upload, parsed.samples, extras)
         participant.status, participant.payload_bytes = "accepted", len(data)
         participant.train_seconds, participant.local_accuracy = parsed.train_seconds, parsed.local_accuracy
         return "accepted"

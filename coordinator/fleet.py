@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from coordinator.strategies import STRATEGIES
+from device_agent.clients.spec import TrainConfig
 from device_agent.models import MODELS
 from device_agent.probe import ComputeSpec, MemorySpec, NetworkSpec
 from profiles.catalog import Catalog, ProfileError, format_validation_error, load_catalog, unknown_profile_message
@@ -180,10 +181,36 @@ class Strategy(_Strict):
 
 
 class Training(_Strict):
+    """Local training on every device; each option reaches the device in its assignment's ``train``."""
+
     batch_size: PositiveInt = 32
     local_epochs: PositiveInt = 1
     lr: PositiveFloat = 0.05
     optimizer: Literal[tuple(OPTIMIZER_STATES)] = "momentum"  # type: ignore[valid-type]
+    momentum: float | None = Field(
+        None, ge=0, lt=1, description="heavy-ball momentum of the 'momentum' optimizer (default 0.9)"
+    )
+    weight_decay: float = Field(5e-4, ge=0, description="L2 on dense parameters (FedHM factors: frobenius_decay)")
+    mask_absent_classes: bool = Field(True, description="mask logits of classes a device has no sample of")
+
+    @model_validator(mode="after")
+    def _momentum_needs_its_optimizer(self) -> Training:
+        if self.momentum is not None and self.optimizer != "momentum":
+            raise ValueError(f"momentum only applies to optimizer 'momentum' (optimizer is {self.optimizer!r})")
+        return self
+
+    def for_device(self, device: Device, seed: int) -> TrainConfig:
+        """What ``device`` trains with this round: the fleet's settings, its overrides, the round's seed."""
+        return TrainConfig(
+            optimizer=self.optimizer,
+            lr=self.lr,
+            momentum=(0.9 if self.momentum is None else self.momentum) if self.optimizer == "momentum" else 0.0,
+            weight_decay=self.weight_decay,
+            epochs=device.overrides.local_epochs or self.local_epochs,
+            batch_size=device.overrides.batch_size or self.batch_size,
+            seed=seed,
+            mask_absent_classes=self.mask_absent_classes,
+        )
 
 
 class Planning(_Strict):

@@ -43,6 +43,7 @@ from safetensors.torch import save as save_tensors
 
 from coordinator.metrics import RoundMetrics
 from device_agent.atomic import append_line, atomic_write, remove_temp_files
+from device_agent.wire.codec import decode_tensors
 
 FORMAT = 1
 RUN_FILE = "run.json"
@@ -420,7 +421,7 @@ class RunDir:
         if _sha256(data) != entry.sha256:
             index = entry.path.parent / INDEX_FILE
             raise RunDirError(f"{entry.path}: sha256 does not match {index}; the file is corrupt")
-        return load_tensors(data)
+        return decode_tensors(data)
 
     def _read_journal(self, journal: Path) -> list[JournalEntry]:
         index = journal / INDEX_FILE

@@ -1,32 +1,38 @@
-"""Run any strategy for N rounds with in-process clients: the rounds engine without a fleet.
+"""Run any strategy for N rounds on in-process clients, through the same round engine as a fleet.
 
-Each round: ``configure`` -> the client program named by the assignment -> ``train_local`` ->
-``upload`` (+ ``extras``) folded into the round aggregate -> ``close_round``. Then evaluation:
+``simulate`` builds a small fleet (one device per client, fixed levels), a throwaway run
+directory and an :class:`~coordinator.local_link.InProcessLink`, and runs
+:class:`~coordinator.engine.RoundEngine` on them: the same planning hook, upload gate, journal,
+seeding, static BN and evaluation as ``coordinator start`` (see :mod:`coordinator.evaluation`),
+with every payload encoded and decoded as on the wire. Only the transport and the planner differ:
+clients keep the level they are given.
 
-- global accuracy: the strategy's global model on the shared test set, after static BN
-  (running statistics recomputed on the caller's calibration data and handed back to the
-  strategy, so its next payloads carry them);
-- personalized accuracy: the model each client would hold after this round (its next
-  assignment plus what it kept on device), BN recalibrated on its own training data, on its
-  own test shard (same distribution as its training shard); the mean over clients.
-
-Upload bytes are what each client's upload and extras occupy as tensors (fp32 unless a program
-chooses otherwise), per client per round. This is what the comparison harness and the unit
-tests use; the real coordinator drives the same strategy objects over MQTT.
+Per round it reports the global accuracy, the personalized accuracy (the mean of what each device
+measures for its trained model on its own test shard) and the bytes of each client's upload as it
+travelled (safetensors, header included). This is what the comparison harness and the unit tests
+use.
 """
 
 from __future__ import annotations
 
-import time
+import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from pathlib import Path
 
-import torch
-from torch import Tensor, nn
+import yaml
+from torch import Tensor
 
+from coordinator.engine import EngineSettings, RoundEngine
+from coordinator.fleet import Fleet, parse_fleet
+from coordinator.local_link import InProcessLink, LocalDevice
+from coordinator.planner import DevicePlan
+from coordinator.rundir import RunDir
 from coordinator.strategies.base import ClientSlot, Strategy
-from device_agent.clients import build_program
-from device_agent.training import TrainConfig, train_local
+from device_agent.clients.spec import TrainConfig
+from device_agent.data.datasets import LabeledData
+from device_agent.probe import DeviceProfile
+from profiles.schema import DeviceClass
 
 Split = tuple[Tensor, Tensor]
 
@@ -48,7 +54,7 @@ class RoundRecord:
     round: int
     upload_bytes: dict[str, int]
     seconds: float
-    accuracy: float | None = None
+    accuracy: float
     personalized_accuracy: float | None = None
 
 
@@ -71,30 +77,58 @@ def tensor_bytes(tensors: Mapping[str, Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-@torch.no_grad()
-def calibrate_batchnorm(model: nn.Module, x: Tensor, batch_size: int = 256) -> dict[str, Tensor]:
-    """Static BN: running statistics recomputed from ``x`` (cumulative average over batches)."""
-    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    if not norms:
-        return {}
-    for norm in norms:
-        norm.reset_running_stats()
-        norm.momentum = None
-    model.train()
-    for batch in x.split(batch_size):
-        model(batch)
-    model.eval()
-    return {k: v.detach().clone() for k, v in model.state_dict().items() if "running_" in k or "num_batches" in k}
+def fixed_levels(levels: Mapping[str, float]):
+    """A planner that gives every device the level it was created with."""
+
+    def plan(
+        fleet: Fleet,
+        _catalog: Mapping[str, DeviceClass],
+        _reports: Mapping[str, DeviceProfile],
+        _ceilings: Mapping[str, float],
+    ) -> list[DevicePlan]:
+        deadline = fleet.round_deadline_s
+        return [
+            DevicePlan(d.id, "simulated", levels[d.id], None, None, None, deadline, "fixed by the simulation")
+            for d in fleet.devices
+        ]
+
+    return plan
 
 
-@torch.no_grad()
-def accuracy(model: nn.Module, data: Split, batch_size: int = 512) -> float:
-    model.eval()
-    x, y = data
-    correct = sum(
-        int((model(xb).argmax(1) == yb).sum()) for xb, yb in zip(x.split(batch_size), y.split(batch_size), strict=True)
-    )
-    return correct / max(len(y), 1)
+def simulation_fleet(strategy: Strategy, clients: Sequence[SimClient], rounds: int, train: TrainConfig) -> dict:
+    """The fleet.yaml of a simulation: one device per client, every training option from ``train``."""
+    model = strategy.model
+    training = {
+        "optimizer": train.optimizer,
+        "lr": train.lr,
+        "weight_decay": train.weight_decay,
+        "local_epochs": train.epochs,
+        "batch_size": train.batch_size,
+        "mask_absent_classes": train.mask_absent_classes,
+    }
+    if train.optimizer == "momentum":
+        training["momentum"] = train.momentum
+    return {
+        "fleet": "simulation",
+        "broker": {"mode": "managed"},
+        "model": {
+            "arch": model.arch,
+            "num_classes": model.num_classes,
+            "in_channels": model.in_channels,
+            "image_size": model.image_size,
+        },
+        "dataset": {"name": "digits", "seed": train.seed},
+        "strategy": {"name": strategy.name},
+        "ratios": sorted({c.level for c in clients}, reverse=True),
+        "rounds": rounds,
+        "participation": 1.0,
+        "round_deadline_s": 86400,
+        "quorum": 1.0,
+        "training": training,
+        "devices": [
+            {"id": c.client_id, "profile": "simulated", "overrides": {"samples": len(c.train[1])}} for c in clients
+        ],
+    }
 
 
 def simulate(
@@ -104,57 +138,49 @@ def simulate(
     train: TrainConfig,
     test: Split,
     calibration: Tensor,
-    evaluate_every: int = 0,
 ) -> SimulationResult:
-    """Run ``rounds`` rounds; evaluate every ``evaluate_every`` rounds (0: the last round only)."""
+    """Run ``rounds`` rounds of ``strategy`` over ``clients``; ``train.seed`` seeds the run."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     if not clients:
         raise ValueError("a simulation needs at least one client")
-    slots = [c.slot for c in clients]
-    kept: dict[str, dict[str, Tensor]] = {}
-    result = SimulationResult()
-    for round in range(1, rounds + 1):
-        start = time.perf_counter()
-        assignments = strategy.configure(round, slots)
-        aggregate = strategy.open_round(round, slots)
-        sent: dict[str, int] = {}
-        for index, client in enumerate(clients):
-            assignment = assignments[client.client_id]
-            program = build_program(assignment.meta, assignment.tensors, kept.get(client.client_id))
-            train_local(program, client.train, replace(train, seed=train.seed * 1_000_003 + round * 1_000 + index))
-            upload, extras = program.upload(), program.extras()
-            aggregate.add(client.client_id, upload, len(client.train[1]), extras)
-            kept[client.client_id] = program.keep()
-            sent[client.client_id] = tensor_bytes(upload) + tensor_bytes(extras)
-        strategy.close_round(aggregate)
-        record = RoundRecord(round, sent, time.perf_counter() - start)
-        if round == rounds or (evaluate_every and round % evaluate_every == 0):
-            record = replace(
-                record,
-                accuracy=_global_accuracy(strategy, test, calibration),
-                personalized_accuracy=_personalized_accuracy(strategy, clients, kept, round + 1),
+    raw = simulation_fleet(strategy, clients, rounds, train)
+    fleet = parse_fleet(raw, source="simulation")
+    devices = [LocalDevice(c.client_id, c.train, c.test) for c in clients]
+    data = LabeledData(
+        calibration, calibration.new_zeros(len(calibration)), test[0], test[1], strategy.model.num_classes
+    )
+    with tempfile.TemporaryDirectory(prefix="fedfleet-simulation-") as tmp:
+        fleet_file = Path(tmp) / "fleet.yaml"
+        fleet_file.write_text(yaml.safe_dump(raw))
+        rundir = RunDir.create(Path(tmp) / "run", fleet_file, strategy.state_dict(), seed=train.seed)
+        try:
+            engine = RoundEngine(
+                fleet,
+                {},
+                strategy,
+                rundir,
+                data,
+                InProcessLink(devices),
+                EngineSettings(min_devices=len(clients), wait_timeout_s=60, calibration_samples=len(calibration)),
+                planner=fixed_levels({c.client_id: c.level for c in clients}),
             )
-        result.rounds.append(record)
-    return result
+            engine.run()
+            metrics = rundir.metrics()
+        finally:
+            rundir.close()
+    return SimulationResult(
+        [
+            RoundRecord(
+                m.round,
+                {d: row.payload_bytes for d, row in m.devices.items() if row.status == "accepted"},
+                m.seconds,
+                m.accuracy,
+                m.personalized_accuracy,
+            )
+            for m in metrics
+        ]
+    )
 
 
-def _global_accuracy(strategy: Strategy, test: Split, calibration: Tensor) -> float:
-    model = strategy.global_model()
-    strategy.load_norm_statistics(calibrate_batchnorm(model, calibration))
-    return accuracy(model, test)
-
-
-def _personalized_accuracy(
-    strategy: Strategy, clients: Sequence[SimClient], kept: Mapping[str, Mapping[str, Tensor]], next_round: int
-) -> float:
-    assignments = strategy.configure(next_round, [c.slot for c in clients])
-    scores = []
-    for client in clients:
-        if len(client.test[1]) == 0:
-            continue
-        assignment = assignments[client.client_id]
-        program = build_program(assignment.meta, assignment.tensors, kept.get(client.client_id))
-        calibrate_batchnorm(program.model, client.train[0])
-        scores.append(accuracy(program.model, client.test))
-    return sum(scores) / len(scores)
+__all__ = ["RoundRecord", "SimClient", "SimulationResult", "fixed_levels", "simulate", "tensor_bytes"]

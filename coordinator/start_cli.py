@@ -19,12 +19,12 @@ from coordinator.broker.credentials import COORDINATOR_USER, Credentials, write_
 from coordinator.broker.factory import external_broker, make_broker
 from coordinator.engine import EngineSettings, RoundEngine
 from coordinator.fleet import Fleet, FleetError, load_fleet
+from coordinator.link import MqttLink
 from coordinator.report import write_report
 from coordinator.rundir import RunDir, RunDirError
 from coordinator.strategies import ModelSpec, build_strategy
 from device_agent.config import BrokerConfig, ConfigError
 from device_agent.data.datasets import DatasetError, LabeledData, load_dataset
-from device_agent.wire.session import coordinator_session
 
 log = logging.getLogger("fedfleet.coordinator")
 CREDENTIALS_DIR = "credentials"
@@ -186,7 +186,7 @@ def run_start(
             strategy,
             rundir,
             data,
-            lambda **handlers: coordinator_session(fleet.fleet, address, **handlers),
+            MqttLink(fleet.fleet, address),
             EngineSettings(min_devices=min_devices, wait_timeout_s=args.wait_timeout),
         )
         signal.signal(signal.SIGTERM, lambda *_: engine.stop())

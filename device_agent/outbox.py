@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 
 from device_agent.atomic import atomic_write, remove_temp_files
+from device_agent.wire.codec import decode_tensors, encode_tensors
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
@@ -73,10 +72,15 @@ class Outbox:
         transfer_id: str,
         tensors: Mapping[str, torch.Tensor],
         meta: Mapping[str, Any] | None = None,
+        fp16: bool = False,
     ) -> OutboxItem:
-        """Store an update durably before the first byte of it is sent; returns what to send and check."""
+        """Store an update durably before the first byte of it is sent; returns what to send and check.
+
+        Encoded by the wire codec, the one tensor encoder of both sides (``fp16`` halves the bytes of
+        float tensors; the coordinator restores their dtypes on decode).
+        """
         stem = self._stem(run, round_, transfer_id)
-        data = save_tensors({k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+        data = encode_tensors({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, fp16=fp16)
         digest = hashlib.sha256(data).hexdigest()
         payload_path = self.directory / f"{stem}.safetensors"
         atomic_write(payload_path, data)
@@ -129,7 +133,7 @@ class Outbox:
         return data
 
     def tensors(self, item: OutboxItem) -> dict[str, torch.Tensor]:
-        return load_tensors(self.payload(item))
+        return decode_tensors(self.payload(item))
 
     def ack(self, run: str, round_: int, transfer_id: str) -> bool:
         """Forget an update the coordinator has acknowledged; False if it was not (or no longer) here."""

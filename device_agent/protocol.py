@@ -10,14 +10,16 @@ Topics are per device (``device_agent.wire.topics``); payloads are verified chun
 2. Coordinator plans ratios from profiles (measured ones override the catalog), picks the round's
    participants among online devices and, per device, sends the strategy's ``Assignment`` tensors
    as one transfer (``kind="assignment"``, ``run``, ``round``) followed by an ``Assignment`` message
-   (round, rank ratio, deadline, ``download`` = that transfer id, ``options`` = :func:`assignment_options`).
+   (round, deadline, ``download`` = that transfer id, the strategy's typed client ``spec`` and the
+   ``train`` config; see :mod:`device_agent.clients.spec`).
 3. Device trains on its local data, stores the update in its ``Outbox`` (durable), publishes it as a
    transfer with ``kind="update"``, ``run``, ``round`` and :func:`upload_meta` (samples, seconds, loss,
-   the trained model's accuracy on the device's own test shard, sha256). Tensors are the program's
+   the trained model's accuracy on the device's own test shard). Tensors are the program's
    ``upload()`` plus ``extras()`` under :data:`EXTRA_PREFIX`.
 4. Coordinator validates (sender = the topic's device, i.e. the broker-authenticated user; run;
-   round; sha256; the strategy's ``RoundAggregate.add`` checks names, shapes, dtypes and finite
-   values), journals it (``RunDir.accept_upload``) and only then answers ``Receipt(accepted)``. A
+   round; meta; the strategy's ``RoundAggregate.check`` checks names, shapes, dtypes, finite and
+   bounded values), journals it (``RunDir.accept_upload``), folds it, and only then answers
+   ``Receipt(accepted)``. A
    duplicate (resend after a lost receipt) gets ``Receipt(duplicate)``, an update for a closed round
    ``Receipt(late)``, an invalid one ``Error(code="rejected")``. On any of these the device deletes it
    from its outbox; until then it resends it (after reconnects, restarts, or a new assignment for
@@ -32,41 +34,24 @@ Topics are per device (``device_agent.wire.topics``); payloads are verified chun
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-
-from device_agent.training import TrainConfig
 
 EXTRA_PREFIX = "__extra__."
 ASSIGNMENT_KIND = "assignment"
 UPDATE_KIND = "update"
-_TRAIN_KEYS = ("epochs", "batch_size", "lr", "momentum", "weight_decay", "seed")
 
 
 class UploadMetaError(ValueError):
     """An update whose manifest meta is missing or malformed."""
 
 
-def assignment_options(meta: Mapping[str, Any], train: TrainConfig) -> dict[str, Any]:
-    """``Assignment.options``: the strategy's model meta plus the local training settings."""
-    return {"meta": dict(meta), "train": {key: getattr(train, key) for key in _TRAIN_KEYS}}
-
-
-def parse_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], TrainConfig]:
-    """(strategy meta, training config) of an assignment; errors name the offending option."""
-    meta = options.get("meta")
-    if not isinstance(meta, dict):
-        raise ValueError("assignment options lack the strategy meta ('meta')")
-    train = options.get("train") or {}
-    unknown = sorted(set(train) - set(_TRAIN_KEYS))
-    if unknown:
-        raise ValueError(f"assignment options.train has unknown key(s) {', '.join(unknown)}")
-    return dict(meta), TrainConfig(**train)
+def round_seed(run_seed: int, round: int, device_index: int) -> int:
+    """The seed of one device's local training in one round: distinct per device and round, reproducible per run."""
+    return run_seed * 1_000_003 + round * 1_000 + device_index
 
 
 def pack_upload(upload: Mapping[str, torch.Tensor], extras: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -108,13 +93,14 @@ def upload_meta(samples: int, train_seconds: float, loss: float, local_accuracy:
     return meta
 
 
-def parse_upload_meta(meta: Mapping[str, str], payload: bytes) -> UploadMeta:
-    """The meta of an update whose sha256 matches ``payload``; else ``UploadMetaError`` naming the problem."""
-    missing = [key for key in ("sha256", "samples", "train_seconds", "loss") if key not in meta]
+def parse_upload_meta(meta: Mapping[str, str]) -> UploadMeta:
+    """An update's meta, checked; else ``UploadMetaError`` naming the problem.
+
+    The payload's integrity is the transfer's business (its sealed manifest): one digest per upload.
+    """
+    missing = [key for key in ("samples", "train_seconds", "loss") if key not in meta]
     if missing:
         raise UploadMetaError(f"update manifest meta lacks {', '.join(missing)}")
-    if hashlib.sha256(payload).hexdigest() != meta["sha256"]:
-        raise UploadMetaError("update payload does not match the sha256 in its manifest meta")
     try:
         samples, seconds, loss = int(meta["samples"]), float(meta["train_seconds"]), float(meta["loss"])
         accuracy = float(meta["local_accuracy"]) if "local_accuracy" in meta else None
@@ -122,6 +108,8 @@ def parse_upload_meta(meta: Mapping[str, str], payload: bytes) -> UploadMeta:
         raise UploadMetaError(f"update manifest meta: {exc}") from None
     if samples < 1 or not (seconds >= 0 and math.isfinite(seconds)):
         raise UploadMetaError(f"update manifest meta: samples={samples}, train_seconds={seconds} out of range")
+    if not math.isfinite(loss):
+        raise UploadMetaError(f"update manifest meta: loss={loss} is not a finite number")
     if accuracy is not None and not 0 <= accuracy <= 1:
         raise UploadMetaError(f"update manifest meta: local_accuracy={accuracy} is not in [0, 1]")
     return UploadMeta(samples, seconds, loss, accuracy)

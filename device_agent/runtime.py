@@ -31,18 +31,17 @@ import torch
 from torch import Tensor
 
 from device_agent import __version__
-from device_agent.clients import build_program
 from device_agent.clients.base import KeptStateMissing
 from device_agent.config import AgentConfig, EmulationConfig
 from device_agent.data.datasets import DatasetError, load_dataset
 from device_agent.data.partition import client_shard
 from device_agent.kept import KeptStore
 from device_agent.limits import MemoryCap, MemoryCapExceeded, Throttle, cap_cpu_memory, cap_cuda_memory, limit_threads
+from device_agent.local_round import train_assignment
 from device_agent.outbox import Outbox, OutboxCorrupt, OutboxItem
 from device_agent.probe import DeviceProfile, NetworkSpec, probe_device, resolve_device
-from device_agent.protocol import UPDATE_KIND, pack_upload, parse_options, upload_meta
+from device_agent.protocol import UPDATE_KIND, upload_meta
 from device_agent.shaping import TokenBucket
-from device_agent.training import evaluate_local, train_local
 from device_agent.wire.codec import CodecError, decode_tensors
 from device_agent.wire.messages import Assignment, Error, Hello, Message, Receipt, RoundFailed, Status
 from device_agent.wire.session import BrokerAddress, Delivery, Session, device_session
@@ -294,7 +293,7 @@ class Agent:
         self._done.add(key)
         # Drop payloads of assignments that never came (superseded rounds) so memory stays bounded.
         self._payloads.clear()
-        self._set_state("training", f"round {assignment.round} at ratio {assignment.rank_ratio:g}")
+        self._set_state("training", f"round {assignment.round} at level {assignment.spec.level:g}")
         try:
             item = self._train(assignment, completed.data)
         except MemoryCapExceeded as exc:
@@ -310,18 +309,25 @@ class Agent:
         self._send(item)
 
     def _train(self, assignment: Assignment, payload: bytes) -> OutboxItem:
-        meta, train = parse_options(assignment.options)
+        spec, train = assignment.spec, assignment.train
         tensors = decode_tensors(payload)
-        shard, test = self.data.for_model(int(meta["image_size"]), int(meta["in_channels"]), int(meta["num_classes"]))
+        shard, test = self.data.for_model(spec.model.image_size, spec.model.in_channels, spec.model.num_classes)
         guard = self.limits.memory.guard() if self.limits.memory is not None else contextlib.nullcontext()
         throttle = self.limits.throttle
         with guard:
-            program = build_program(meta, tensors, self.kept.load(assignment.run))
             # Throttled step by step, so the slowed device computes at its pace instead of bursting then idling.
-            result = train_local(program, shard, train, self.device, step=throttle.step if throttle else None)
-            local_accuracy = evaluate_local(program, test, self.device) if len(test[1]) else None
-            upload = pack_upload(program.upload(), program.extras())
-            self.kept.save(assignment.run, program.keep())
+            trained = train_assignment(
+                spec,
+                train,
+                tensors,
+                self.kept.load(assignment.run),
+                shard,
+                test,
+                self.device,
+                step=throttle.step if throttle else None,
+            )
+            self.kept.save(assignment.run, trained.keep)
+        result, local_accuracy, upload = trained.result, trained.local_accuracy, trained.upload
         seconds = result.seconds  # includes the sleeps between steps
         if throttle is not None:
             slept = throttle.slept_seconds
@@ -362,7 +368,7 @@ class Agent:
             run=item.run,
             round=item.round,
             kind=UPDATE_KIND,
-            meta={**item.meta, "sha256": item.sha256},
+            meta=dict(item.meta),
         )
         self._sent[(item.run, item.round)] = _Sent(item, delivery, time.monotonic())
 

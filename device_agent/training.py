@@ -1,4 +1,4 @@
-"""Local training for any strategy: SGD with momentum over a client program's model.
+"""Local training for any strategy: the configured optimizer over a client program's model.
 
 Masked cross-entropy: logits of classes absent from the local data are set to -inf before the
 softmax, so a client is trained on a softmax over the classes it actually has (HeteroFL/FedHM
@@ -19,31 +19,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset, TensorDataset
 
 from device_agent.clients.base import ClientProgram
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    epochs: int = 1
-    batch_size: int = 32
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    mask_absent_classes: bool = True
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        problems = [
-            f"{name} must be > 0, got {getattr(self, name)}"
-            for name in ("epochs", "batch_size", "lr")
-            if not getattr(self, name) > 0
-        ]
-        problems += [
-            f"{name} must be >= 0, got {getattr(self, name)}"
-            for name in ("momentum", "weight_decay")
-            if getattr(self, name) < 0
-        ]
-        if problems:
-            raise ValueError("invalid training config: " + "; ".join(problems))
+from device_agent.clients.spec import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -102,6 +78,14 @@ def _scaled_convolutions(model: nn.Module, scale: float) -> Iterator[None]:
             handle.remove()
 
 
+def make_optimizer(program: ClientProgram, config: TrainConfig) -> torch.optim.Optimizer:
+    """The optimizer fleet.yaml asked for, over the program's parameter groups (L2 where the program wants it)."""
+    groups = program.param_groups(config.weight_decay)
+    if config.optimizer == "adam":
+        return torch.optim.Adam(groups, lr=config.lr)
+    return torch.optim.SGD(groups, lr=config.lr, momentum=config.effective_momentum)
+
+
 def train_local(
     program: ClientProgram,
     data: Dataset | tuple[Tensor, Tensor],
@@ -115,12 +99,12 @@ def train_local(
     """
     x, y = as_tensors(data)
     model = program.model.to(device)
-    num_classes = int(program.meta["num_classes"])
+    num_classes = program.spec.model.num_classes
     if int(y.max()) >= num_classes or int(y.min()) < 0:
         raise ValueError(f"labels must lie in [0, {num_classes}), got [{int(y.min())}, {int(y.max())}]")
     program.note_local_classes(y.unique())
     absent = absent_class_mask(y, num_classes) if config.mask_absent_classes else None
-    optimizer = torch.optim.SGD(program.param_groups(config.weight_decay), lr=config.lr, momentum=config.momentum)
+    optimizer = make_optimizer(program, config)
     generator = torch.Generator().manual_seed(config.seed)
     steps, loss_sum = 0, 0.0
     start = time.perf_counter()
@@ -144,16 +128,40 @@ def train_local(
 
 
 @torch.no_grad()
+def calibrate_batchnorm(model: nn.Module, x: Tensor, batch_size: int = 256) -> dict[str, Tensor]:
+    """Static BN: running statistics recomputed from ``x`` (cumulative average over batches)."""
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return {}
+    for norm in norms:
+        norm.reset_running_stats()
+        norm.momentum = None
+    model.train()
+    for batch in x.split(batch_size):
+        model(batch)
+    model.eval()
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if "running_" in k or "num_batches" in k}
+
+
+@torch.no_grad()
 def evaluate_local(
-    program: ClientProgram, data: Dataset | tuple[Tensor, Tensor], device: torch.device | str = "cpu"
+    program: ClientProgram,
+    data: Dataset | tuple[Tensor, Tensor],
+    device: torch.device | str = "cpu",
+    calibration: Tensor | None = None,
 ) -> float:
-    """Accuracy of the trained ``program.model`` (eval mode, its own BN statistics) on ``data``.
+    """Accuracy of the trained ``program.model`` on ``data``, after static BN on ``calibration``.
 
     On a device this is the only measure of a personalized model: its private part never leaves.
+    ``calibration`` (the device's own training inputs) gives BatchNorm exact statistics of the
+    trained weights, as the coordinator does for the global model; a few local steps at BN's
+    momentum would leave them far from converged.
     """
     x, y = as_tensors(data)
     model = program.model.to(device)
     was_training = model.training
+    if calibration is not None:
+        calibrate_batchnorm(model, calibration.to(device))
     model.eval()
     try:
         predicted = torch.cat([model(batch.to(device)).argmax(dim=1).cpu() for batch in x.split(512)])

@@ -38,6 +38,22 @@ class UpdateRejected(ValueError):
     """A client update that cannot be aggregated; the message names the offending key."""
 
 
+MAX_ABS_VALUE = 1e6
+"""Largest magnitude an uploaded value may have. Trained weights, factors and BN statistics stay
+orders of magnitude below; a finite 3e38 would still overflow every sum it is folded into."""
+
+
+def check_values(key: str, value: Tensor) -> None:
+    """Finite and bounded, for a floating-point upload tensor; else ``UpdateRejected`` naming ``key``."""
+    if value.numel() == 0:
+        return
+    if not bool(torch.isfinite(value).all()):
+        raise UpdateRejected(f"{key!r}: contains NaN or infinite values")
+    largest = float(value.abs().max())
+    if largest > MAX_ABS_VALUE:
+        raise UpdateRejected(f"{key!r}: a value of magnitude {largest:.3g} exceeds the bound {MAX_ABS_VALUE:g}")
+
+
 def parse_weighting(value: Weighting | str) -> Weighting:
     try:
         return Weighting(value)
@@ -112,6 +128,10 @@ class StreamingAggregator:
         self.saw_full_rank = False
         self._layer_of = {key: name for name in self.plan for key in factor_keys(name)}
 
+    def check(self, update: Mapping[str, Tensor], gamma: float) -> None:
+        """Raise ``UpdateRejected`` if :meth:`add` would refuse ``update``; changes nothing."""
+        self._validated(update, gamma)
+
     def add(self, update: Mapping[str, Tensor], gamma: float, num_samples: int = 1) -> None:
         """Validate the whole update, then fold it in; a rejected update changes nothing."""
         score = log_score(self.weighting, gamma, num_samples, self.temperature)
@@ -149,8 +169,7 @@ class StreamingAggregator:
                 continue
             if not value.is_floating_point():
                 raise UpdateRejected(f"{key!r}: expected a floating-point tensor, got {value.dtype}")
-            if not bool(torch.isfinite(value).all()):
-                raise UpdateRejected(f"{key!r}: contains NaN or infinite values")
+            check_values(key, value)
             if layer is not None:
                 seen_factors.add(layer)
                 continue

@@ -11,32 +11,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from coordinator.algorithms.aggregation import UpdateRejected
+from coordinator.algorithms.aggregation import UpdateRejected, check_values
+from device_agent.clients.base import ClientProgram
+from device_agent.clients.spec import ClientSpec, ModelSpec
 from device_agent.models import build_model
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What every strategy builds on; ``arch`` is a key of ``device_agent.models.MODELS``."""
-
-    arch: str
-    num_classes: int
-    in_channels: int
-    image_size: int
-
-    def meta(self) -> dict[str, Any]:
-        """The model part of an assignment's meta, so every strategy spells it the same way."""
-        return {
-            "arch": self.arch,
-            "num_classes": self.num_classes,
-            "in_channels": self.in_channels,
-            "image_size": self.image_size,
-        }
 
 
 @dataclass(frozen=True)
@@ -53,13 +36,9 @@ class ClientSlot:
 
 @dataclass
 class Assignment:
-    """What one client receives for one round.
+    """What one client receives for one round: its typed spec and the tensors it starts from."""
 
-    ``meta`` is JSON-able and holds everything the agent needs to rebuild the model:
-    ``{"strategy", "arch", "num_classes", "in_channels", "image_size", "level", ...}``.
-    """
-
-    meta: dict[str, Any]
+    spec: ClientSpec
     tensors: dict[str, torch.Tensor]
 
 
@@ -70,9 +49,35 @@ class StrategyParams(BaseModel):
 
 
 class RoundAggregate(ABC):
-    """One open round. Uploads are folded (or, for cheap personalized vectors, buffered) on arrival."""
+    """One open round. Uploads are folded (or, for cheap personalized vectors, buffered) on arrival.
+
+    Checking and folding are two steps so the engine can journal an upload between them: an
+    upload that :meth:`check` accepts is durable before it counts, and one it refuses never counts.
+    """
 
     @abstractmethod
+    def check(
+        self,
+        client_id: str,
+        tensors: dict[str, torch.Tensor],
+        num_samples: int,
+        extras: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Validate the whole upload for this client's slot; changes nothing.
+
+        Raises ``coordinator.algorithms.aggregation.UpdateRejected`` naming the key or the problem.
+        """
+
+    @abstractmethod
+    def fold(
+        self,
+        client_id: str,
+        tensors: dict[str, torch.Tensor],
+        num_samples: int,
+        extras: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Fold in an upload :meth:`check` accepted."""
+
     def add(
         self,
         client_id: str,
@@ -80,11 +85,9 @@ class RoundAggregate(ABC):
         num_samples: int,
         extras: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """Validate the whole upload, then fold it in.
-
-        Raises ``coordinator.algorithms.aggregation.UpdateRejected`` naming the key or the
-        problem; a rejected upload leaves the aggregate untouched.
-        """
+        """Check, then fold: for callers that keep no journal in between (tests, examples)."""
+        self.check(client_id, tensors, num_samples, extras)
+        self.fold(client_id, tensors, num_samples, extras)
 
 
 class RosterRound(RoundAggregate):
@@ -119,8 +122,7 @@ def check_finite_float(key: str, value: object) -> torch.Tensor:
         raise UpdateRejected(f"{key!r}: expected a tensor, got {type(value).__name__}")
     if not value.is_floating_point():
         raise UpdateRejected(f"{key!r}: expected a floating-point tensor, got {value.dtype}")
-    if not bool(torch.isfinite(value).all()):
-        raise UpdateRejected(f"{key!r}: contains NaN or infinite values")
+    check_values(key, value)
     return value
 
 
@@ -133,6 +135,8 @@ class Strategy(ABC):
 
     name: ClassVar[str]
     Params: ClassVar[type[BaseModel]]
+    program: ClassVar[type[ClientProgram]]
+    """The device side of this strategy; ``configure`` builds ``program.Spec`` specs."""
     personalized: ClassVar[bool]
     levels: ClassVar[str] = "none"
     """How ``ClientSlot.level`` is read: "rank" (FedHM gamma), "width" (channel rate) or "none" (full model)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from coordinator.algorithms.aggregation import UpdateRejected
+from coordinator.algorithms.aggregation import UpdateRejected, check_values
 from coordinator.strategies.base import ClientSlot, RosterRound
 
 
@@ -40,8 +40,8 @@ def _check(kind: str, got: Mapping[str, torch.Tensor], expected: Mapping[str, to
             raise UpdateRejected(f"{kind} {key!r}: shape {tuple(value.shape)}, expected {tuple(want.shape)}")
         if value.is_floating_point() != want.is_floating_point():
             raise UpdateRejected(f"{kind} {key!r}: dtype {value.dtype}, expected {want.dtype}")
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            raise UpdateRejected(f"{kind} {key!r}: contains NaN or infinite values")
+        if value.is_floating_point():
+            check_values(f"{kind} {key}", value)
 
 
 class BufferedRound(RosterRound):
@@ -63,7 +63,7 @@ class BufferedRound(RosterRound):
         self.expected_extras = dict(expected_extras or {})
         self.uploads: dict[str, Upload] = {}
 
-    def add(
+    def check(
         self,
         client_id: str,
         tensors: dict[str, torch.Tensor],
@@ -73,6 +73,14 @@ class BufferedRound(RosterRound):
         self.slot_of(client_id, num_samples)
         _check("upload", tensors, self.expected)
         _check("extras", extras or {}, self.expected_extras)
+
+    def fold(
+        self,
+        client_id: str,
+        tensors: dict[str, torch.Tensor],
+        num_samples: int,
+        extras: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         self.uploads[client_id] = Upload(
             client_id,
             {k: v.detach().clone() for k, v in tensors.items()},

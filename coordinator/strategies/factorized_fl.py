@@ -15,7 +15,7 @@ one); after that it receives only its personalized factors and keeps the rest on
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from pydantic import Field
@@ -29,7 +29,9 @@ from coordinator.strategies.buffered import (
     unprefixed,
     weighted_mean,
 )
-from device_agent.clients.rank_one import rank_one_model, shared_layers
+from device_agent.clients.base import ClientProgram
+from device_agent.clients.rank_one import FactorizedFLBetaProgram, FactorizedFLProgram, rank_one_model, shared_layers
+from device_agent.clients.spec import FactorizedFLBetaSpec, FactorizedFLSpec
 from device_agent.layers import dense_state, similarity_layer
 
 
@@ -45,6 +47,7 @@ class FactorizedFLParams(StrategyParams):
 class FactorizedFL(Strategy):
     name: ClassVar[str] = "factorized_fl"
     Params: ClassVar[type[FactorizedFLParams]] = FactorizedFLParams
+    program: ClassVar[type[ClientProgram]] = FactorizedFLProgram
     personalized: ClassVar[bool] = True
     factors: ClassVar[tuple[str, ...]] = ("u",)
     layout: ClassVar[str] = "kernel"
@@ -54,7 +57,7 @@ class FactorizedFL(Strategy):
         self.params: FactorizedFLParams = params
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            skeleton = rank_one_model(self._meta())
+            skeleton = rank_one_model(self._spec())
         self.init_state = {k: v.detach().clone() for k, v in skeleton.state_dict().items()}
         self.layers = shared_layers(skeleton, params.share_head)
         self.similarity_key = f"{similarity_layer(skeleton)}.v"
@@ -62,23 +65,23 @@ class FactorizedFL(Strategy):
         self.mean: dict[str, torch.Tensor] = {}
         self.personal: dict[str, dict[str, torch.Tensor]] = {}
 
-    def _meta(self) -> dict[str, Any]:
-        return {
-            "strategy": self.name,
-            **self.model.meta(),
-            "level": 1.0,
-            "layout": self.layout,
-            "lambda_sparsity": self.params.lambda_sparsity,
-            "prune_below": self.params.prune_below,
-            "share_head": self.params.share_head,
-        }
+    def _spec(self) -> FactorizedFLSpec | FactorizedFLBetaSpec:
+        return self.program.Spec(  # type: ignore[return-value, call-arg]
+            strategy=self.name,
+            model=self.model,
+            level=1.0,
+            layout=self.layout,
+            lambda_sparsity=self.params.lambda_sparsity,
+            prune_below=self.params.prune_below,
+            share_head=self.params.share_head,
+        )
 
     def configure(self, round: int, clients: Sequence[ClientSlot]) -> dict[str, Assignment]:
         out = {}
         for slot in clients:
             known = self.personal.get(slot.client_id)
             source = known if known is not None else {**self.init_state, **self.mean}
-            out[slot.client_id] = Assignment(self._meta(), {k: v.clone() for k, v in source.items()})
+            out[slot.client_id] = Assignment(self._spec(), {k: v.clone() for k, v in source.items()})
         return out
 
     def open_round(self, round: int, clients: Sequence[ClientSlot]) -> RoundAggregate:
@@ -106,7 +109,7 @@ class FactorizedFL(Strategy):
         For plain Factorized-FL that is the mean u with the INITIAL v and mu (the server never
         sees the others): a reference point, not a model anyone trains. Beta's is Factorized-FedAvg.
         """
-        skeleton = rank_one_model(self._meta())
+        skeleton = rank_one_model(self._spec())
         skeleton.load_state_dict({**self.init_state, **self.mean})
         return dense_state(skeleton)
 
@@ -137,4 +140,5 @@ class FactorizedFLBeta(FactorizedFL):
     """Also aggregates v and mu (seed 000, Algorithm 2): for label-synchronized settings."""
 
     name: ClassVar[str] = "factorized_fl_beta"
+    program: ClassVar[type[ClientProgram]] = FactorizedFLBetaProgram
     factors: ClassVar[tuple[str, ...]] = ("u", "v", "mu")

@@ -14,7 +14,7 @@ the split layers from every client, and the server persists the personal ones wi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field, field_validator
@@ -37,6 +37,9 @@ from coordinator.strategies.buffered import (
     unprefixed,
     weighted_mean,
 )
+from device_agent.clients.base import ClientProgram
+from device_agent.clients.fedfac import FedFacProgram
+from device_agent.clients.spec import FedFacSpec
 
 
 class FedFacParams(StrategyParams):
@@ -76,6 +79,7 @@ def _norm_after(model: nn.Module, layer: str) -> str | None:
 class FedFac(Strategy):
     name: ClassVar[str] = "fedfac"
     Params: ClassVar[type[FedFacParams]] = FedFacParams
+    program: ClassVar[type[ClientProgram]] = FedFacProgram
     personalized: ClassVar[bool] = True
 
     def __init__(self, model: ModelSpec, params: FedFacParams, seed: int = 0) -> None:
@@ -98,8 +102,8 @@ class FedFac(Strategy):
         self.split: dict[str, torch.Tensor] = {}
         self.personal: dict[str, dict[str, torch.Tensor]] = {}
 
-    def _meta(self) -> dict[str, Any]:
-        return {"strategy": self.name, **self.model.meta(), "level": 1.0}
+    def _spec(self) -> FedFacSpec:
+        return FedFacSpec(strategy="fedfac", model=self.model, level=1.0)
 
     def _client_state(self, client_id: str) -> dict[str, torch.Tensor]:
         state = {k: v.clone() for k, v in self.global_weights.items()}
@@ -113,7 +117,7 @@ class FedFac(Strategy):
         return state
 
     def configure(self, round: int, clients: Sequence[ClientSlot]) -> dict[str, Assignment]:
-        return {slot.client_id: Assignment(self._meta(), self._client_state(slot.client_id)) for slot in clients}
+        return {slot.client_id: Assignment(self._spec(), self._client_state(slot.client_id)) for slot in clients}
 
     def open_round(self, round: int, clients: Sequence[ClientSlot]) -> RoundAggregate:
         return BufferedRound(round, clients, self.global_weights)

@@ -32,6 +32,9 @@ from coordinator.strategies.base import (
     StrategyParams,
     seeded_model,
 )
+from device_agent.clients.base import ClientProgram
+from device_agent.clients.fedhm import FedHMProgram
+from device_agent.clients.spec import FedHMSpec
 from device_agent.hybrid import factorization_plan
 
 
@@ -50,7 +53,7 @@ class FedHMRound(RosterRound):
         super().__init__(round, clients)
         self.aggregator = aggregator
 
-    def add(
+    def check(
         self,
         client_id: str,
         tensors: dict[str, torch.Tensor],
@@ -58,13 +61,23 @@ class FedHMRound(RosterRound):
         extras: dict[str, torch.Tensor] | None = None,
     ) -> None:
         slot = self.slot_of(client_id, num_samples)
-        self.aggregator.add(tensors, slot.level, num_samples)
+        self.aggregator.check(tensors, slot.level)
+
+    def fold(
+        self,
+        client_id: str,
+        tensors: dict[str, torch.Tensor],
+        num_samples: int,
+        extras: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        self.aggregator.add(tensors, self.slots[client_id].level, num_samples)
         self.received.append(client_id)
 
 
 class FedHM(Strategy):
     name: ClassVar[str] = "fedhm"
     Params: ClassVar[type[FedHMParams]] = FedHMParams
+    program: ClassVar[type[ClientProgram]] = FedHMProgram
     personalized: ClassVar[bool] = False
     levels: ClassVar[str] = "rank"
     params: FedHMParams
@@ -76,8 +89,18 @@ class FedHM(Strategy):
 
     def configure(self, round: int, clients: Sequence[ClientSlot]) -> dict[str, Assignment]:
         levels = factorize(self._global, self.plan, {slot.level for slot in clients})
-        meta = {"strategy": self.name, **self.model.meta(), "frobenius_decay": self.params.frobenius_decay}
-        return {slot.client_id: Assignment({**meta, "level": slot.level}, dict(levels[slot.level])) for slot in clients}
+        return {
+            slot.client_id: Assignment(
+                FedHMSpec(
+                    strategy="fedhm",
+                    model=self.model,
+                    level=slot.level,
+                    frobenius_decay=self.params.frobenius_decay,
+                ),
+                dict(levels[slot.level]),
+            )
+            for slot in clients
+        }
 
     def open_round(self, round: int, clients: Sequence[ClientSlot]) -> RoundAggregate:
         aggregator = StreamingAggregator(

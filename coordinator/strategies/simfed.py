@@ -12,7 +12,7 @@ u in R^{I*F}, v in R^{O*F} of its Eq. 6.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from pydantic import Field
@@ -20,7 +20,9 @@ from pydantic import Field
 from coordinator.algorithms.similarity import cosine_matrix, mixing_weights, reflect
 from coordinator.strategies.base import Assignment, ClientSlot, ModelSpec, RoundAggregate, Strategy, StrategyParams
 from coordinator.strategies.buffered import BufferedRound, client_states, unprefixed
-from device_agent.clients.rank_one import rank_one_model, shared_layers
+from device_agent.clients.base import ClientProgram
+from device_agent.clients.rank_one import SimFedProgram, rank_one_model, shared_layers
+from device_agent.clients.spec import SimFedSpec
 from device_agent.layers import dense_state, rank_one_layers
 
 
@@ -37,6 +39,7 @@ class SimFedParams(StrategyParams):
 class SimFed(Strategy):
     name: ClassVar[str] = "simfed"
     Params: ClassVar[type[SimFedParams]] = SimFedParams
+    program: ClassVar[type[ClientProgram]] = SimFedProgram
     personalized: ClassVar[bool] = True
 
     def __init__(self, model: ModelSpec, params: SimFedParams, seed: int = 0) -> None:
@@ -44,7 +47,7 @@ class SimFed(Strategy):
         self.params: SimFedParams = params
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            skeleton = rank_one_model(self._meta())
+            skeleton = rank_one_model(self._spec())
         self.init_state = {k: v.detach().clone() for k, v in skeleton.state_dict().items()}
         self.reflected = [f"{n}.{f}" for n in shared_layers(skeleton, params.share_head) for f in ("u", "v", "mu")]
         generator = torch.Generator().manual_seed(seed)
@@ -55,15 +58,15 @@ class SimFed(Strategy):
         self.personal: dict[str, dict[str, torch.Tensor]] = {}
         self.samples: dict[str, int] = {}
 
-    def _meta(self) -> dict[str, Any]:
-        return {
-            "strategy": self.name,
-            **self.model.meta(),
-            "level": 1.0,
-            "layout": "channel",
-            "lambda_sparsity": self.params.lambda_sparsity,
-            "prune_below": self.params.prune_below,
-        }
+    def _spec(self) -> SimFedSpec:
+        return SimFedSpec(
+            strategy="simfed",
+            model=self.model,
+            level=1.0,
+            layout="channel",
+            lambda_sparsity=self.params.lambda_sparsity,
+            prune_below=self.params.prune_below,
+        )
 
     def _newcomer_state(self) -> dict[str, torch.Tensor]:
         """What a client the server has no model for starts from: the sample-weighted mean of known ones."""
@@ -92,7 +95,7 @@ class SimFed(Strategy):
                 state = newcomer
             tensors = {k: v.clone() for k, v in state.items()}
             tensors["criteria"] = self.criteria.clone()
-            out[slot.client_id] = Assignment(self._meta(), tensors)
+            out[slot.client_id] = Assignment(self._spec(), tensors)
         return out
 
     def open_round(self, round: int, clients: Sequence[ClientSlot]) -> RoundAggregate:
@@ -117,7 +120,7 @@ class SimFed(Strategy):
 
     def global_state(self) -> dict[str, torch.Tensor]:
         """The sample-weighted mean of every known client's model, made dense (a reference point)."""
-        skeleton = rank_one_model(self._meta())
+        skeleton = rank_one_model(self._spec())
         skeleton.load_state_dict(self._newcomer_state())
         return dense_state(skeleton)
 

@@ -35,7 +35,9 @@ from coordinator.strategies.base import (
     check_finite_float,
     seeded_model,
 )
-from device_agent.clients.base import is_norm_statistic
+from device_agent.clients.base import ClientProgram, is_norm_statistic
+from device_agent.clients.spec import WidthSpec
+from device_agent.clients.width import WidthProgram
 from device_agent.models import build_model
 
 Index = tuple[Tensor | None, ...]
@@ -105,7 +107,7 @@ class WidthRound(RosterRound):
         self.sums = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in strategy.trainable().items()}
         self.counts = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in strategy.trainable().items()}
 
-    def add(
+    def check(
         self,
         client_id: str,
         tensors: dict[str, torch.Tensor],
@@ -113,9 +115,7 @@ class WidthRound(RosterRound):
         extras: dict[str, torch.Tensor] | None = None,
     ) -> None:
         slot = self.slot_of(client_id, num_samples)
-        strategy = self.strategy
-        index = strategy.index_for(self.round, strategy.client_level(slot))
-        shapes = strategy.sub_shapes(strategy.client_level(slot))
+        shapes = self.strategy.sub_shapes(self.strategy.client_level(slot))
         unknown = sorted(k for k in tensors if k not in self.sums and not is_norm_statistic(k))
         if unknown:
             raise UpdateRejected(f"{unknown[0]!r}: not a trainable parameter of this model")
@@ -126,6 +126,17 @@ class WidthRound(RosterRound):
             value = check_finite_float(key, tensors[key])
             if value.shape != shapes[key]:
                 raise UpdateRejected(f"{key!r}: shape {tuple(value.shape)}, expected {tuple(shapes[key])}")
+        self._classifier_rows(extras)
+
+    def fold(
+        self,
+        client_id: str,
+        tensors: dict[str, torch.Tensor],
+        num_samples: int,
+        extras: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        strategy = self.strategy
+        index = strategy.index_for(self.round, strategy.client_level(self.slots[client_id]))
         rows = self._classifier_rows(extras)
         weight = float(num_samples) if strategy.weighting == "samples" else 1.0
         for key in self.sums:
@@ -158,6 +169,7 @@ class WidthRound(RosterRound):
 class WidthStrategy(Strategy):
     """Shared machinery; subclasses say which width each client trains and how channels are chosen."""
 
+    program: ClassVar[type[ClientProgram]] = WidthProgram
     personalized: ClassVar[bool] = False
     window = staticmethod(prefix_window)
     weighting: str = "samples"
@@ -196,14 +208,14 @@ class WidthStrategy(Strategy):
         for slot in clients:
             level = self.client_level(slot)
             index = self.index_for(round, level)
-            meta = {
-                "strategy": self.name,
-                **self.model.meta(),
-                "level": level,
-                "scaler": self.scaler,
-                "send_classes": self.label_masked,
-            }
-            out[slot.client_id] = Assignment(meta, {k: extract(v, index[k]) for k, v in self._global.items()})
+            spec = WidthSpec(
+                strategy=self.name,  # type: ignore[arg-type]
+                model=self.model,
+                level=level,
+                scaler=self.scaler,
+                send_classes=self.label_masked,
+            )
+            out[slot.client_id] = Assignment(spec, {k: extract(v, index[k]) for k, v in self._global.items()})
         return out
 
     def open_round(self, round: int, clients: Sequence[ClientSlot]) -> RoundAggregate:

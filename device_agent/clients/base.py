@@ -1,27 +1,22 @@
 """What a device runs for one round of any strategy: a model rebuilt from an assignment.
 
-A ``ClientProgram`` is built from the JSON meta and the tensors the coordinator sent (plus what
-the device kept from its previous round, for personalized strategies), is trained by
-``device_agent.training.train_local``, and says what goes back.
+A ``ClientProgram`` is built from its strategy's typed spec (``device_agent.clients.spec``) and
+the tensors the coordinator sent (plus what the device kept from its previous round, for
+personalized strategies), is trained by ``device_agent.training.train_local``, and says what goes
+back. Each program names the one spec class it consumes (``Spec``); the server strategy names
+the program (``Strategy.program``), so the pairing is by class, never by string.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import Any
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-MODEL_META_KEYS = ("strategy", "arch", "num_classes", "in_channels", "image_size", "level")
-
-
-def require_meta(meta: Mapping[str, Any], *keys: str) -> None:
-    """Fail early, naming every missing key, when an assignment's meta is incomplete."""
-    missing = [key for key in keys if key not in meta]
-    if missing:
-        raise ValueError(f"assignment meta for {meta.get('strategy', '?')!r} lacks {', '.join(missing)}")
+from device_agent.clients.spec import SpecBase
 
 
 def is_norm_statistic(key: str) -> bool:
@@ -58,17 +53,24 @@ class ClientProgram(ABC):
     first round: personalized state that never leaves the device (e.g. Factorized-FL's v and mu).
     """
 
+    Spec: ClassVar[type[SpecBase]]
     model: nn.Module
 
     def __init__(
         self,
-        meta: Mapping[str, Any],
+        spec: SpecBase,
         tensors: Mapping[str, torch.Tensor],
         local: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        require_meta(meta, *MODEL_META_KEYS)
-        self.meta = dict(meta)
+        if not isinstance(spec, self.Spec):
+            raise TypeError(f"{type(self).__name__} consumes {self.Spec.__name__}, got {type(spec).__name__}")
+        self.spec = spec
         self.local_classes: torch.Tensor | None = None
+
+    @classmethod
+    @abstractmethod
+    def build_model(cls, spec: SpecBase) -> nn.Module:
+        """The untrained model this program trains for ``spec`` (the planner sizes it on the meta device)."""
 
     def note_local_classes(self, classes: torch.Tensor) -> None:
         """Called by ``train_local`` with the sorted class indices present in the local data.

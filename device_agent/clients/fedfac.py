@@ -8,24 +8,33 @@ client, and it persists the personal ones).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import ClassVar
 
 import torch
+from torch import nn
 
 from device_agent.clients.base import ClientProgram
+from device_agent.clients.spec import FedFacSpec
 from device_agent.models import build_model
 
 
 class FedFacProgram(ClientProgram):
+    Spec: ClassVar[type[FedFacSpec]] = FedFacSpec
+    spec: FedFacSpec
+
     def __init__(
         self,
-        meta: Mapping[str, Any],
+        spec: FedFacSpec,
         tensors: Mapping[str, torch.Tensor],
         local: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        super().__init__(meta, tensors, local)
-        self.model = build_model(str(meta["arch"]), int(meta["num_classes"]), int(meta["in_channels"]))
+        super().__init__(spec, tensors, local)
+        self.model = self.build_model(spec)
         self.model.load_state_dict(dict(tensors))
+
+    @classmethod
+    def build_model(cls, spec: FedFacSpec) -> nn.Module:  # type: ignore[override]
+        return build_model(spec.model.arch, spec.model.num_classes, spec.model.in_channels)
 
     def upload(self) -> dict[str, torch.Tensor]:
         return {key: value.detach().clone() for key, value in self.model.state_dict().items()}

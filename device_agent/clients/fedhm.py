@@ -2,34 +2,42 @@
 
 The assignment holds the factors of the device's rank level (one server decomposition serves
 every level), the full-rank layers and the norm parameters; the upload is the same set after
-training, never a dense copy of a factorized layer. Factors get Frobenius decay only (meta
-``"frobenius_decay"``), dense parameters plain L2: the reference's double decay is not copied.
+training, never a dense copy of a factorized layer. Factors get Frobenius decay only (the spec's
+``frobenius_decay``), dense parameters plain L2: the reference's double decay is not copied.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import ClassVar
 
 import torch
+from torch import nn
 
 from device_agent.clients.base import ClientProgram, load_tensors, trainable_state
+from device_agent.clients.spec import FedHMSpec
 from device_agent.hybrid import hybrid
 from device_agent.regularizers import apply_frobenius_decay_, parameter_groups
 
 
 class FedHMProgram(ClientProgram):
+    Spec: ClassVar[type[FedHMSpec]] = FedHMSpec
+    spec: FedHMSpec
+
     def __init__(
         self,
-        meta: Mapping[str, Any],
+        spec: FedHMSpec,
         tensors: Mapping[str, torch.Tensor],
         local: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        super().__init__(meta, tensors, local)
-        self.gamma = float(meta["level"])
-        self.decay = float(meta.get("frobenius_decay", 0.0))
-        self.model = hybrid(meta["arch"], self.gamma, int(meta["num_classes"]), int(meta["in_channels"]))
+        super().__init__(spec, tensors, local)
+        self.decay = spec.frobenius_decay
+        self.model = self.build_model(spec)
         load_tensors(self.model, tensors)
+
+    @classmethod
+    def build_model(cls, spec: FedHMSpec) -> nn.Module:  # type: ignore[override]
+        return hybrid(spec.model.arch, spec.level, spec.model.num_classes, spec.model.in_channels)
 
     def after_backward(self) -> None:
         apply_frobenius_decay_(self.model, self.decay)

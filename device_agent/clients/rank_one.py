@@ -9,20 +9,21 @@ a device that lost its kept state is told so instead of silently training from r
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from device_agent.clients.base import ClientProgram, KeptStateMissing, require_meta
+from device_agent.clients.base import ClientProgram, KeptStateMissing
+from device_agent.clients.spec import FactorizedFLBetaSpec, FactorizedFLSpec, RankOneSpec, SimFedSpec
 from device_agent.layers import RankOneLayer, l1_on_mu, rank_one_layers, reparametrize, similarity_layer
 from device_agent.models import build_model
 
 
-def rank_one_model(meta: Mapping[str, Any]) -> nn.Module:
+def rank_one_model(spec: RankOneSpec) -> nn.Module:
     """The skeleton every party agrees on: the zoo model with every conv / linear made rank-one."""
-    model = build_model(str(meta["arch"]), int(meta["num_classes"]), int(meta["in_channels"]))
-    return reparametrize(model, layout=meta.get("layout", "kernel"), prune_below=float(meta.get("prune_below", 0.0)))
+    model = build_model(spec.model.arch, spec.model.num_classes, spec.model.in_channels)
+    return reparametrize(model, layout=spec.layout, prune_below=spec.prune_below)
 
 
 def shared_layers(model: nn.Module, share_head: bool) -> list[str]:
@@ -34,26 +35,31 @@ def shared_layers(model: nn.Module, share_head: bool) -> list[str]:
 class RankOneProgram(ClientProgram):
     """Builds the rank-one model and adds lambda * ||mu||_1 (on the live mu) to the loss."""
 
+    spec: RankOneSpec
+
     def __init__(
         self,
-        meta: Mapping[str, Any],
+        spec: RankOneSpec,
         tensors: Mapping[str, torch.Tensor],
         local: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        super().__init__(meta, tensors, local)
-        require_meta(meta, "lambda_sparsity")
-        self.lambda_sparsity = float(meta["lambda_sparsity"])
-        self.model = rank_one_model(meta)
+        super().__init__(spec, tensors, local)
+        self.lambda_sparsity = spec.lambda_sparsity
+        self.model = self.build_model(spec)
         state = dict(local or {})
         state.update({k: v for k, v in tensors.items() if k in self.model.state_dict()})
         missing = sorted(set(self.model.state_dict()) - set(state))
         if missing:
             source = "kept state and assignment" if local else "assignment (and the device kept no state)"
             raise (ValueError if local else KeptStateMissing)(
-                f"{meta['strategy']}: {len(missing)} model tensors missing from the {source}, e.g. {missing[0]!r}; "
+                f"{spec.strategy}: {len(missing)} model tensors missing from the {source}, e.g. {missing[0]!r}; "
                 "the coordinator sends the whole model only on a client's first round"
             )
         self.model.load_state_dict(state)
+
+    @classmethod
+    def build_model(cls, spec: RankOneSpec) -> nn.Module:  # type: ignore[override]
+        return rank_one_model(spec)
 
     def regularizer(self) -> torch.Tensor | None:
         if self.lambda_sparsity == 0:
@@ -71,10 +77,12 @@ class FactorizedFLProgram(RankOneProgram):
     through :meth:`keep`.
     """
 
+    Spec: ClassVar[type[FactorizedFLSpec]] = FactorizedFLSpec
+    spec: FactorizedFLSpec
     factors: tuple[str, ...] = ("u",)
 
     def upload(self) -> dict[str, torch.Tensor]:
-        share_head = bool(self.meta.get("share_head", False))
+        share_head = self.spec.share_head
         out = {
             f"{name}.{factor}": getattr(self.layer(name), factor).detach().clone()
             for name in shared_layers(self.model, share_head)
@@ -91,6 +99,8 @@ class FactorizedFLProgram(RankOneProgram):
 class FactorizedFLBetaProgram(FactorizedFLProgram):
     """Factorized-FL beta (seed 000, Algorithm 2): v and mu travel and are aggregated too."""
 
+    Spec: ClassVar[type[FactorizedFLBetaSpec]] = FactorizedFLBetaSpec  # type: ignore[assignment]
+
     factors = ("u", "v", "mu")
 
 
@@ -101,13 +111,16 @@ class SimFedProgram(RankOneProgram):
     fixed Gaussian criteria input, computed in evaluation mode so it does not depend on a batch.
     """
 
+    Spec: ClassVar[type[SimFedSpec]] = SimFedSpec
+    spec: SimFedSpec
+
     def __init__(
         self,
-        meta: Mapping[str, Any],
+        spec: SimFedSpec,
         tensors: Mapping[str, torch.Tensor],
         local: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        super().__init__(meta, tensors, local)
+        super().__init__(spec, tensors, local)
         if "criteria" not in tensors:
             raise ValueError("simfed: the assignment lacks the 'criteria' input tensor")
         self.criteria = tensors["criteria"]

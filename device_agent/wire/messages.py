@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from device_agent.clients.spec import ClientSpec, TrainConfig
 from device_agent.probe import DeviceProfile
 
-PROTOCOL_VERSION = 2
+# 3: the assignment carries a typed client spec and training config (2 carried an untyped options dict).
+PROTOCOL_VERSION = 3
 # Control messages are tiny; anything bigger is a bug or an attack, refused before json.loads.
 MAX_MESSAGE_BYTES = 1 << 20
 
@@ -34,7 +36,7 @@ class _Message(BaseModel):
     # on every field, and a typo must not silently become a default.
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    v: Literal[2] = PROTOCOL_VERSION
+    v: Literal[3] = PROTOCOL_VERSION
     sent_at: float = Field(default_factory=time.time)
 
 
@@ -48,18 +50,19 @@ class Hello(_Message):
 
 
 class Assignment(_Message):
-    """The coordinator's order for one round: which payload to train on and what to send back.
+    """The coordinator's order for one round: which payload to train on, how, and what to send back.
 
-    ``options`` carries strategy-specific settings the transport does not interpret.
+    ``spec`` is the strategy's typed client spec (model, level, strategy options); ``train`` the
+    local training config. Both are validated here, so a device never starts a round on a guess.
     """
 
     type: Literal["assignment"] = "assignment"
     run: Annotated[str, Field(pattern=_NAME)]
     round: Annotated[int, Field(ge=0)]
-    rank_ratio: Annotated[float, Field(gt=0, le=1)]
     deadline_s: Annotated[float, Field(gt=0)]
     download: Annotated[str, Field(pattern=_TRANSFER_ID)]
-    options: dict[str, Any] = Field(default_factory=dict)
+    spec: ClientSpec
+    train: TrainConfig
 
 
 class Manifest(_Message):

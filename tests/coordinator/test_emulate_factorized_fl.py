@@ -59,7 +59,7 @@ def _payload_bytes(tensors: dict[str, torch.Tensor]) -> int:
 def _fedavg_upload_bytes(model: ModelSpec) -> int:
     """What one FedAvg client uploads for the same (dense) model: built by the real FedAvg program."""
     [assignment] = build_strategy("fedavg", model, {}).configure(1, [ClientSlot("any", 1.0, 1)]).values()
-    return _payload_bytes(build_program(assignment.meta, assignment.tensors).upload())
+    return _payload_bytes(build_program(assignment.spec, assignment.tensors).upload())
 
 
 def test_factorized_fl_uploads_only_u_keeps_private_parts_across_restarts_and_restarts_a_wiped_device(

@@ -1,8 +1,6 @@
-"""The pure pieces of the round protocol: assignment options, upload packing and upload meta."""
+"""The pure pieces of the round protocol: upload packing, upload meta and round seeds."""
 
 from __future__ import annotations
-
-import hashlib
 
 import pytest
 import torch
@@ -11,30 +9,13 @@ from device_agent.protocol import (
     EXTRA_PREFIX,
     UploadMeta,
     UploadMetaError,
-    assignment_options,
     pack_upload,
-    parse_options,
     parse_upload_meta,
+    round_seed,
     split_upload,
     upload_meta,
 )
-from device_agent.training import TrainConfig
 from device_agent.wire.messages import Receipt, RoundFailed, encode, parse_message
-
-
-def test_assignment_options_round_trip_the_meta_and_training_settings() -> None:
-    meta = {"strategy": "fedhm", "arch": "cnn", "level": 0.25}
-    train = TrainConfig(epochs=3, batch_size=16, lr=0.1, seed=7)
-    got_meta, got_train = parse_options(assignment_options(meta, train))
-    assert got_meta == meta
-    assert got_train == train
-
-
-def test_options_with_an_unknown_training_key_are_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="optimizer"):
-        parse_options({"meta": {}, "train": {"optimizer": "adam"}})
-    with pytest.raises(ValueError, match="meta"):
-        parse_options({"train": {}})
 
 
 def test_pack_and_split_keep_upload_and_extras_apart() -> None:
@@ -48,24 +29,29 @@ def test_pack_and_split_keep_upload_and_extras_apart() -> None:
         pack_upload({EXTRA_PREFIX + "x": torch.ones(1)}, {})
 
 
-def test_upload_meta_checks_the_sha256_against_the_payload() -> None:
-    payload = b"some safetensors bytes"
-    meta = {**upload_meta(120, 1.5, 0.25), "sha256": hashlib.sha256(payload).hexdigest()}
-    assert parse_upload_meta(meta, payload) == UploadMeta(120, 1.5, 0.25, None)
-    with pytest.raises(UploadMetaError, match="sha256"):
-        parse_upload_meta(meta, payload + b"!")
+def test_upload_meta_is_checked_field_by_field() -> None:
+    meta = upload_meta(120, 1.5, 0.25)
+    assert parse_upload_meta(meta) == UploadMeta(120, 1.5, 0.25, None)
     with pytest.raises(UploadMetaError, match="samples"):
-        parse_upload_meta({"sha256": meta["sha256"]}, payload)
+        parse_upload_meta({"loss": "0.1", "train_seconds": "1"})
     with pytest.raises(UploadMetaError, match="out of range"):
-        parse_upload_meta({**meta, "samples": "0"}, payload)
+        parse_upload_meta({**meta, "samples": "0"})
+    for bad in ("nan", "inf", "-inf"):
+        with pytest.raises(UploadMetaError, match=r"loss=.* is not a finite number"):
+            parse_upload_meta({**meta, "loss": bad})
 
 
 def test_upload_meta_carries_the_local_accuracy_of_a_personalized_model() -> None:
-    payload = b"u vectors"
-    meta = {**upload_meta(90, 0.5, 0.1, local_accuracy=0.875), "sha256": hashlib.sha256(payload).hexdigest()}
-    assert parse_upload_meta(meta, payload).local_accuracy == 0.875
+    meta = upload_meta(90, 0.5, 0.1, local_accuracy=0.875)
+    assert parse_upload_meta(meta).local_accuracy == 0.875
     with pytest.raises(UploadMetaError, match=r"local_accuracy=1\.5"):
-        parse_upload_meta({**meta, "local_accuracy": "1.5"}, payload)
+        parse_upload_meta({**meta, "local_accuracy": "1.5"})
+
+
+def test_round_seeds_differ_per_device_and_round_and_repeat_per_run() -> None:
+    seeds = {round_seed(7, r, d) for r in range(1, 4) for d in range(5)}
+    assert len(seeds) == 15
+    assert round_seed(7, 2, 3) == round_seed(7, 2, 3) != round_seed(8, 2, 3)
 
 
 def test_receipt_and_round_failed_travel_as_control_messages() -> None:

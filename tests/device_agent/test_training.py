@@ -2,6 +2,7 @@ import torch
 from torch import nn
 
 from device_agent.clients.base import ClientProgram, trainable_state
+from device_agent.clients.spec import FedFacSpec, ModelSpec
 from device_agent.limits import Throttle
 from device_agent.training import TrainConfig, masked_cross_entropy, train_local
 
@@ -19,11 +20,20 @@ def test_masked_cross_entropy_ignores_absent_classes_and_has_finite_gradients():
     assert torch.all(logits.grad[:, absent] == 0)
 
 
+SPEC = FedFacSpec(strategy="fedfac", model=ModelSpec("linear", 3, 1, 2), level=1.0)
+
+
 class Linear(ClientProgram):
-    def __init__(self, meta, tensors, local=None):
-        super().__init__(meta, tensors, local)
-        self.model = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
+    Spec = FedFacSpec
+
+    def __init__(self, spec, tensors, local=None):
+        super().__init__(spec, tensors, local)
+        self.model = self.build_model(spec)
         self.penalty_calls = 0
+
+    @classmethod
+    def build_model(cls, spec):
+        return nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
 
     def regularizer(self):
         self.penalty_calls += 1
@@ -34,8 +44,7 @@ class Linear(ClientProgram):
 
 
 def test_train_local_runs_epochs_records_classes_and_adds_the_regularizer():
-    meta = {"strategy": "t", "arch": "x", "num_classes": 3, "in_channels": 1, "image_size": 2, "level": 1.0}
-    program = Linear(meta, {})
+    program = Linear(SPEC, {})
     x, y = torch.randn(10, 1, 2, 2), torch.tensor([0, 2] * 5)
     before = program.model[1].weight.detach().clone()
     result = train_local(program, (x, y), TrainConfig(epochs=2, batch_size=4))
@@ -46,8 +55,7 @@ def test_train_local_runs_epochs_records_classes_and_adds_the_regularizer():
 
 
 def test_the_step_hook_wraps_every_optimizer_step_so_a_throttle_paces_each_one():
-    meta = {"strategy": "t", "arch": "x", "num_classes": 3, "in_channels": 1, "image_size": 2, "level": 1.0}
-    program = Linear(meta, {})
+    program = Linear(SPEC, {})
     x, y = torch.randn(10, 1, 2, 2), torch.tensor([0, 2] * 5)
     naps: list[float] = []
     throttle = Throttle(3.0, min_sleep=0.0, sleep=naps.append)

@@ -25,7 +25,7 @@ def run_round(
     uploads = {}
     for index, slot in enumerate(slots):
         assignment = assignments[slot.client_id]
-        program = build_program(assignment.meta, assignment.tensors, kept.get(slot.client_id))
+        program = build_program(assignment.spec, assignment.tensors, kept.get(slot.client_id))
         train_local(program, client_data(index), TrainConfig(epochs=1, batch_size=8, lr=0.05, seed=round))
         uploads[slot.client_id] = program.upload()
         aggregate.add(slot.client_id, program.upload(), slot.num_samples, program.extras())

@@ -28,7 +28,7 @@ def test_head_stays_on_the_device_by_default_and_later_rounds_send_only_u():
     later = strategy.configure(1, slots(2))["dev-0"].tensors
     assert sorted(later) == ["conv1.u", "conv2.u", "conv3.u"]
     assert not torch.equal(kept["dev-0"]["conv2.v"], strategy.init_state["conv2.v"])
-    program = build_program(strategy.configure(1, slots(2))["dev-0"].meta, later, kept["dev-0"])
+    program = build_program(strategy.configure(1, slots(2))["dev-0"].spec, later, kept["dev-0"])
     assert torch.equal(program.model.conv2.v, kept["dev-0"]["conv2.v"])  # private v from the device
     assert torch.equal(program.model.conv2.u, later["conv2.u"])  # personalized u from the server
 

@@ -16,7 +16,7 @@ def test_fedhm_round_trip_sends_factors_and_rebuilds_the_full_model():
     aggregate = strategy.open_round(1, clients)
     uploads = {}
     for cid, assignment in sent.items():
-        program = build_program(assignment.meta, assignment.tensors)
+        program = build_program(assignment.spec, assignment.tensors)
         uploads[cid] = program.upload()
         aggregate.add(cid, uploads[cid], 20)
     assert not any(k.endswith("conv2.weight") for k in uploads["b"])

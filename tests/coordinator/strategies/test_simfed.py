@@ -13,7 +13,7 @@ from tests.coordinator.strategies.personal_helpers import CNN, run_round, slots
 def test_clients_return_their_model_and_the_criteria_embedding():
     strategy = build_strategy("simfed", CNN, {"criteria_batch": 2})
     assignment = strategy.configure(0, slots(1))["dev-0"]
-    assert assignment.meta["layout"] == "channel"
+    assert assignment.spec.layout == "channel"
     assert assignment.tensors["criteria"].shape == (2, 1, 8, 8)
     run_round(strategy, 0, slots(2), {})
     state = strategy.personalized_state("dev-0")

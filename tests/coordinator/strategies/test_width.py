@@ -83,7 +83,7 @@ def test_width_round_rejects_bad_uploads_and_stays_untouched():
 def test_fedavg_small_trains_the_smallest_model_and_persists_its_width():
     strategy = build_strategy("fedavg_small", SPEC, {})
     sent = strategy.configure(1, slots(1.0, 0.35))
-    assert {a.meta["level"] for a in sent.values()} == {0.35}
+    assert {a.spec.level for a in sent.values()} == {0.35}
     assert strategy.global_state()["conv1.weight"].shape[0] == 12  # ceil(32 * 0.35)
     restored = build_strategy("fedavg_small", SPEC, {})
     restored.load_state_dict(strategy.state_dict())

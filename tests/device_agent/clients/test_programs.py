@@ -2,15 +2,17 @@ import pytest
 import torch
 
 from device_agent.clients import build_program
+from device_agent.clients.spec import parse_spec
 from device_agent.hybrid import hybrid
 from device_agent.models import build_model
 
-META = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 8}
+MODEL = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 8}
 
 
 def test_fedhm_program_uploads_factors_never_dense_copies():
     tensors = hybrid("cnn", 0.5).state_dict()
-    program = build_program({**META, "strategy": "fedhm", "level": 0.5, "frobenius_decay": 1e-3}, tensors)
+    spec = parse_spec({"strategy": "fedhm", "model": MODEL, "level": 0.5, "frobenius_decay": 1e-3})
+    program = build_program(spec, tensors)
     upload = program.upload()
     assert "conv2.reduce" in upload and "conv2.weight" not in upload
     assert not any("running" in key for key in upload)
@@ -20,17 +22,22 @@ def test_fedhm_program_uploads_factors_never_dense_copies():
 
 def test_width_program_builds_the_sub_model_and_its_scaler():
     tensors = build_model("cnn", width=0.5).state_dict()
-    meta = {**META, "strategy": "heterofl", "level": 0.5, "scaler": True, "send_classes": True}
-    program = build_program(meta, tensors)
+    spec = parse_spec({"strategy": "heterofl", "model": MODEL, "level": 0.5, "scaler": True, "send_classes": True})
+    program = build_program(spec, tensors)
     assert program.model.conv1.weight.shape[0] == 16 and program.train_scale() == 2.0
     program.note_local_classes(torch.tensor([1, 4]))
     assert program.extras()["classes"].tolist() == [1, 4]
 
 
-def test_assignments_that_do_not_fit_are_named():
-    with pytest.raises(ValueError, match="unknown strategy 'nope'"):
-        build_program({**META, "strategy": "nope", "level": 1.0}, {})
-    with pytest.raises(ValueError, match="lacks level"):
-        build_program({**META, "strategy": "fedavg"}, {})
+def test_specs_that_do_not_fit_are_named():
+    with pytest.raises(ValueError, match="spec: Input tag 'nope'"):
+        parse_spec({"strategy": "nope", "model": MODEL, "level": 1.0})
+    with pytest.raises(ValueError, match=r"spec\.fedavg\.level: Field required"):
+        parse_spec({"strategy": "fedavg", "model": MODEL, "scaler": False, "send_classes": False})
+    with pytest.raises(ValueError, match=r"spec\.fedhm\.frobenius_decay: Field required"):
+        parse_spec({"strategy": "fedhm", "model": MODEL, "level": 0.5})
+    with pytest.raises(ValueError, match=r"spec\.fedhm\.momentum: Extra inputs are not permitted"):
+        parse_spec({"strategy": "fedhm", "model": MODEL, "level": 0.5, "frobenius_decay": 0.0, "momentum": 0.9})
+    spec = parse_spec({"strategy": "fedavg", "model": MODEL, "level": 1.0, "scaler": False, "send_classes": False})
     with pytest.raises(ValueError, match=r"missing conv1.weight"):
-        build_program({**META, "strategy": "fedavg", "level": 1.0}, {})
+        build_program(spec, {})

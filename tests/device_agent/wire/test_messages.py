@@ -35,9 +35,9 @@ def test_messages_round_trip_through_json():
         (b"[1, 2]", "expected a JSON object"),
         (b'{"type": "ack"}', "missing protocol version"),
         (b'{"v": 1, "type": "ack"}', "unsupported protocol version 1"),
-        (b'{"v": 2, "type": "teleport"}', "type"),
-        (b'{"v": 2, "type": "ack", "transfer": "xyz", "digest": "00"}', "transfer"),
-        (b'{"v": 2, "type": "status", "device": "a", "state": "online", "colour": "red"}', "colour"),
+        (b'{"v": 3, "type": "teleport"}', "type"),
+        (b'{"v": 3, "type": "ack", "transfer": "xyz", "digest": "00"}', "transfer"),
+        (b'{"v": 3, "type": "status", "device": "a", "state": "online", "colour": "red"}', "colour"),
     ],
 )
 def test_bad_messages_are_refused_with_the_problem_named(raw, problem):
@@ -47,7 +47,7 @@ def test_bad_messages_are_refused_with_the_problem_named(raw, problem):
 
 def test_device_names_cannot_carry_topic_wildcards():
     with pytest.raises(ProtocolError, match="device"):
-        parse_message(json.dumps({"v": 2, "type": "status", "device": "a/+/b", "state": "online"}))
+        parse_message(json.dumps({"v": 3, "type": "status", "device": "a/+/b", "state": "online"}))
 
 
 def test_a_manifest_whose_chunk_count_disagrees_with_its_size_is_refused():

@@ -1,0 +1,182 @@
+"""What a coordinator tells a device to train: one typed spec per strategy, plus the training config.
+
+The spec travels in the ``Assignment`` message as JSON; the union is keyed on ``strategy``, so a
+device parses it into exactly the class its client program was written against. Every field is
+required and unknown keys are errors: a typo or a newer coordinator's option fails loudly instead
+of being silently replaced by a default on the device. Pure pydantic, no torch: the wire messages
+import it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
+from pydantic.dataclasses import dataclass
+
+Optimizer = Literal["sgd", "momentum", "adam"]
+"""sgd: plain SGD; momentum: SGD with heavy-ball momentum; adam: Adam (decoupled from momentum)."""
+
+
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+class ModelSpec:
+    """The model every party builds on; ``arch`` is a key of ``device_agent.models.MODELS``."""
+
+    arch: str
+    num_classes: PositiveInt
+    in_channels: PositiveInt
+    image_size: Annotated[int, Field(ge=1)]
+
+
+class TrainConfig(BaseModel):
+    """Local training: the options of fleet.yaml's ``training`` section, as the device applies them.
+
+    ``momentum`` applies to the ``momentum`` optimizer only (Adam keeps its own moments); it must
+    be 0 with ``sgd`` so a config never claims momentum it does not get. ``weight_decay`` is plain
+    L2 on dense parameters; FedHM's factors get Frobenius decay instead (its spec's ``frobenius_decay``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    optimizer: Optimizer = "momentum"
+    lr: PositiveFloat = 0.05
+    momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    weight_decay: Annotated[float, Field(ge=0)] = 5e-4
+    epochs: PositiveInt = 1
+    batch_size: PositiveInt = 32
+    seed: int = 0
+    mask_absent_classes: bool = True
+
+    @model_validator(mode="after")
+    def _momentum_only_with_momentum(self) -> TrainConfig:
+        if self.optimizer == "sgd" and self.momentum != 0 and "momentum" in self.model_fields_set:
+            raise ValueError("momentum is set but optimizer is 'sgd'; use optimizer 'momentum' or drop momentum")
+        return self
+
+    @property
+    def effective_momentum(self) -> float:
+        return self.momentum if self.optimizer == "momentum" else 0.0
+
+
+class SpecBase(BaseModel):
+    """Fields every strategy's client needs: what to build, and at which level."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    strategy: str
+    """The registry name of the server strategy; each concrete spec narrows it to its own literal(s)."""
+    model: ModelSpec
+    level: Annotated[float, Field(gt=0, le=1)]
+    """FedHM rank ratio gamma, HeteroFL/FedRolex width rate, or 1.0 (the whole model)."""
+
+
+class FedHMSpec(SpecBase):
+    """FedHM: the hybrid low-rank model at rank ratio ``level``; factors get Frobenius decay."""
+
+    strategy: Literal["fedhm"]
+    frobenius_decay: Annotated[float, Field(ge=0)]
+
+
+class WidthSpec(SpecBase):
+    """A dense model of width ``level``: FedAvg (1.0), FedAvg on the smallest model, HeteroFL, FedRolex."""
+
+    strategy: Literal["fedavg", "fedavg_small", "heterofl", "fedrolex"]
+    scaler: bool
+    """HeteroFL's Scaler: convolution outputs divided by the width rate during training only."""
+    send_classes: bool
+    """Report the local classes so the server averages only the classifier rows this device trained."""
+
+
+class RankOneSpec(SpecBase):
+    """Models of rank-one-plus-sparse layers (W = u v^T + mu), trained with L1 on the live mu."""
+
+    layout: Literal["kernel", "channel"]
+    """kernel: u spans kernel positions (Factorized-FL); channel: u spans input channels x kernel (SimFed)."""
+    lambda_sparsity: Annotated[float, Field(ge=0)]
+    prune_below: Annotated[float, Field(ge=0)]
+
+
+class FactorizedFLSpec(RankOneSpec):
+    """Factorized-FL: u of the shared layers and v of the similarity layer go back."""
+
+    strategy: Literal["factorized_fl"]
+    share_head: bool
+
+
+class FactorizedFLBetaSpec(RankOneSpec):
+    """Factorized-FL beta: u, v and mu of the shared layers go back (label-synchronized settings)."""
+
+    strategy: Literal["factorized_fl_beta"]
+    share_head: bool
+
+
+class SimFedSpec(RankOneSpec):
+    """SimFed: the whole model back, plus the encoder's embedding of the server's criteria input."""
+
+    strategy: Literal["simfed"]
+
+
+class FedFacSpec(SpecBase):
+    """FedFac: a plain dense model; the server decides which elements are shared."""
+
+    strategy: Literal["fedfac"]
+
+
+ClientSpec = Annotated[
+    FedHMSpec | WidthSpec | FactorizedFLSpec | FactorizedFLBetaSpec | SimFedSpec | FedFacSpec,
+    Field(discriminator="strategy"),
+]
+CLIENT_SPEC: TypeAdapter[ClientSpec] = TypeAdapter(ClientSpec)
+SPEC_TYPES: tuple[type[SpecBase], ...] = (
+    FedHMSpec,
+    WidthSpec,
+    FactorizedFLSpec,
+    FactorizedFLBetaSpec,
+    SimFedSpec,
+    FedFacSpec,
+)
+
+
+def parse_spec(raw: object) -> ClientSpec:
+    """A spec from JSON-like data; ``ValueError`` naming each offending field (``spec.model.arch: ...``)."""
+    try:
+        return CLIENT_SPEC.validate_python(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in ('spec', *error['loc']))}: {error['msg']}" for error in exc.errors()
+        )
+        raise ValueError(f"invalid client spec: {problems}") from None
+
+
+def strategies_of(spec_type: type[SpecBase]) -> tuple[str, ...]:
+    """The strategy names a spec class serves (the values of its ``strategy`` literal)."""
+    return spec_type.model_fields["strategy"].annotation.__args__  # type: ignore[union-attr]
+
+
+__all__ = [
+    "CLIENT_SPEC",
+    "SPEC_TYPES",
+    "ClientSpec",
+    "FactorizedFLBetaSpec",
+    "FactorizedFLSpec",
+    "FedFacSpec",
+    "FedHMSpec",
+    "ModelSpec",
+    "Optimizer",
+    "RankOneSpec",
+    "SimFedSpec",
+    "SpecBase",
+    "TrainConfig",
+    "WidthSpec",
+    "parse_spec",
+    "strategies_of",
+]
