@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from device_agent.probe import DeviceProfile
+from device_agent.schema import NAME_PATTERN as _NAME
 
 PROTOCOL_VERSION = 2
 # Control messages are tiny; anything bigger is a bug or an attack, refused before json.loads.
@@ -22,7 +23,6 @@ MAX_MESSAGE_BYTES = 1 << 20
 
 _HEX64 = r"^[0-9a-f]{64}$"
 _TRANSFER_ID = r"^[0-9a-f]{32}$"
-_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 
 class ProtocolError(ValueError):
