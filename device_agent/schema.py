@@ -134,8 +134,10 @@ def parse_partition_text(text: str) -> dict[str, Any]:
         raise ValueError(f"{text!r} is not a partition; {_PARTITION_HELP}")
     kind, arg = match["kind"], match["arg"]
     if kind == "dirichlet":
+        if arg is None:
+            raise ValueError("dirichlet needs its concentration alpha, e.g. dirichlet(0.5)")
         try:
-            alpha = float(arg or "")
+            alpha = float(arg)
         except ValueError:
             raise ValueError(f"dirichlet alpha {arg!r} is not a number") from None
         if not alpha > 0:
