@@ -40,8 +40,8 @@ class EmulatorError(ValueError):
 
 
 def partition_text(partition: Partition) -> str:
-    """fleet.yaml's partition as agent.yaml writes it (``dirichlet(0.5)``, ``iid``...)."""
-    return f"dirichlet({partition.alpha:g})" if partition.kind == "dirichlet" else partition.kind
+    """fleet.yaml's partition as agent.yaml writes it (``dirichlet(0.5)``, ``domains(3)``, ``iid``...)."""
+    return partition.text
 
 
 def device_limits(

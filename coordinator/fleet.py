@@ -32,15 +32,13 @@ from coordinator.strategies import STRATEGIES
 from device_agent.clients.spec import TrainConfig
 from device_agent.models import MODELS
 from device_agent.probe import ComputeSpec, MemorySpec, NetworkSpec
+from device_agent.schema import DatasetName, DeviceName, FleetName, Partition, check_secret_ref
 from profiles.catalog import Catalog, ProfileError, format_validation_error, load_catalog, unknown_profile_message
 from profiles.costmodel import OPTIMIZER_STATES
 
 REPORTED = "reported"
 # Training-set sizes of the built-in datasets, to split across devices when no size is given.
 DATASET_SIZES = {"digits": 1797, "cifar10": 50_000, "cifar100": 50_000}
-_DEVICE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_SECRET_REF = re.compile(r"^(env:[A-Za-z_][A-Za-z0-9_]*|file:.+)$")
-_PARTITION = re.compile(r"^(iid|permuted_labels|domains|dirichlet\((?P<alpha>[^)]*)\))$")
 
 
 class FleetError(ValueError):
@@ -49,12 +47,6 @@ class FleetError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-def _secret_ref(value: str | None) -> str | None:
-    if value is not None and not _SECRET_REF.match(value):
-        raise ValueError(f"must be a reference like env:NAME or file:PATH, not the secret itself (got {value[:3]}...)")
-    return value
 
 
 def parse_ratio(value: Any) -> float:
@@ -85,7 +77,7 @@ class Broker(_Strict):
     @field_validator("password")
     @classmethod
     def _password_is_a_reference(cls, value: str | None) -> str | None:
-        return _secret_ref(value)
+        return check_secret_ref(value)
 
     @model_validator(mode="after")
     def _url_matches_mode(self) -> Broker:
@@ -115,34 +107,8 @@ class ModelConfig(_Strict):
         return arch
 
 
-class Partition(_Strict):
-    kind: Literal["iid", "dirichlet", "permuted_labels", "domains"]
-    alpha: PositiveFloat | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_text(cls, value: Any) -> Any:
-        if not isinstance(value, str):
-            return value
-        match = _PARTITION.match(value.strip())
-        if not match:
-            raise ValueError(f"{value!r} is not a partition; use iid, dirichlet(ALPHA), permuted_labels or domains")
-        if match["alpha"] is None:
-            return {"kind": value.strip()}
-        try:
-            return {"kind": "dirichlet", "alpha": float(match["alpha"])}
-        except ValueError:
-            raise ValueError(f"dirichlet alpha {match['alpha']!r} is not a number") from None
-
-    @model_validator(mode="after")
-    def _alpha_for_dirichlet(self) -> Partition:
-        if (self.kind == "dirichlet") != (self.alpha is not None):
-            raise ValueError("alpha is required for dirichlet and only for dirichlet")
-        return self
-
-
 class Dataset(_Strict):
-    name: Literal["digits", "cifar10", "cifar100", "image_folder", "npz"] = "cifar10"
+    name: DatasetName = "cifar10"
     path: Path | None = None
     partition: Partition = Partition(kind="iid")
     seed: int = 0
@@ -252,7 +218,7 @@ class DeviceOverrides(_Strict):
 
 
 class Device(_Strict):
-    id: str
+    id: DeviceName
     profile: str
     credentials: str | None = Field(None, description="env:NAME or file:PATH; generated at provisioning when absent")
     overrides: DeviceOverrides = DeviceOverrides()
@@ -260,17 +226,7 @@ class Device(_Strict):
     @field_validator("credentials")
     @classmethod
     def _credentials_are_a_reference(cls, value: str | None) -> str | None:
-        return _secret_ref(value)
-
-    @field_validator("id")
-    @classmethod
-    def _topic_safe(cls, device_id: str) -> str:
-        if not _DEVICE_ID.match(device_id):
-            raise ValueError(
-                f"device id {device_id!r} must be 1-64 letters, digits, '-', '_' or '.' "
-                "(it becomes an MQTT topic level)"
-            )
-        return device_id
+        return check_secret_ref(value)
 
     @field_validator("profile")
     @classmethod
@@ -300,7 +256,7 @@ class Device(_Strict):
 class Fleet(_Strict):
     """The whole fleet.yaml."""
 
-    fleet: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$", description="fleet name (an MQTT topic level)")
+    fleet: FleetName = Field(description="fleet name (an MQTT topic level)")
     broker: Broker
     model: ModelConfig = ModelConfig()
     dataset: Dataset = Dataset()

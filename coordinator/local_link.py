@@ -24,6 +24,7 @@ from torch import Tensor
 from coordinator.link import MessageHandler, PayloadHandler
 from device_agent.clients.base import KeptStateMissing
 from device_agent.local_round import train_assignment
+from device_agent.oom import is_out_of_memory
 from device_agent.protocol import UPDATE_KIND, upload_meta
 from device_agent.wire.codec import decode_tensors, encode_tensors
 from device_agent.wire.messages import Assignment, Manifest, Message, RoundFailed, Status, encode

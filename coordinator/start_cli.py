@@ -23,8 +23,9 @@ from coordinator.link import MqttLink
 from coordinator.report import write_report
 from coordinator.rundir import RunDir, RunDirError
 from coordinator.strategies import ModelSpec, build_strategy
-from device_agent.config import BrokerConfig, ConfigError
+from device_agent.config import ConfigError
 from device_agent.data.datasets import DatasetError, LabeledData, load_dataset
+from device_agent.schema import resolve_secret as resolve_reference
 
 log = logging.getLogger("fedfleet.coordinator")
 CREDENTIALS_DIR = "credentials"
@@ -80,11 +81,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, min_devices_default: str,
 def resolve_secret(ref: str, what: str) -> str:
     """The secret behind an ``env:NAME`` / ``file:PATH`` reference (same rules as agent.yaml)."""
     try:
-        secret = BrokerConfig(password=ref).resolve_password()
-    except ConfigError as exc:
-        raise ConfigError(f"{what}: {str(exc).removeprefix('broker.password: ')}") from None
-    assert secret is not None
-    return secret
+        return resolve_reference(ref)
+    except ValueError as exc:  # an unset variable, an unreadable file, or not a reference at all
+        raise ConfigError(f"{what}: {exc}") from None
 
 
 def provision_credentials(fleet: Fleet, run_dir: Path) -> tuple[dict[str, Credentials], list[str]]:

@@ -8,7 +8,6 @@ has a default except ``device`` and ``fleet``; command-line flags override the f
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -17,10 +16,15 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from device_agent.data.partition import PartitionSpec
-
-_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
-_PARTITION = re.compile(r"^(iid|permuted_labels|dirichlet\((?P<alpha>[0-9.eE+-]+)\)|domains(\((?P<domains>\d+)\))?)$")
-DATASETS = ("digits", "cifar10", "cifar100", "image_folder", "npz")
+from device_agent.schema import (
+    DatasetName,
+    DeviceName,
+    FleetName,
+    SecretError,
+    check_secret_ref,
+    parse_partition,
+    resolve_secret,
+)
 
 
 class ConfigError(ValueError):
@@ -47,9 +51,7 @@ class BrokerConfig(_Section):
     @field_validator("password")
     @classmethod
     def _reference(cls, ref: str | None) -> str | None:
-        if ref is not None and not ref.startswith(("env:", "file:")):
-            raise ValueError("must be a reference, env:NAME or file:PATH, never the secret itself")
-        return ref
+        return check_secret_ref(ref)
 
     @field_validator("protocol", mode="before")
     @classmethod
@@ -61,20 +63,14 @@ class BrokerConfig(_Section):
         """The secret the reference points at; a missing variable or file is an error naming it."""
         if self.password is None:
             return None
-        kind, _, where = self.password.partition(":")
-        if kind == "env":
-            if where not in os.environ:
-                raise ConfigError(f"broker.password: environment variable {where!r} is not set")
-            return os.environ[where]
-        path = Path(where).expanduser()
         try:
-            return path.read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"broker.password: cannot read {path}: {exc.strerror}") from None
+            return resolve_secret(self.password)
+        except SecretError as exc:
+            raise ConfigError(f"broker.password: {exc}") from None
 
 
 class DataConfig(_Section):
-    dataset: Literal["digits", "cifar10", "cifar100", "image_folder", "npz"] = "digits"
+    dataset: DatasetName = "digits"
     path: str | None = None
     partition: str = "iid"
     seed: int = 0
@@ -84,10 +80,7 @@ class DataConfig(_Section):
     @field_validator("partition")
     @classmethod
     def _partition_syntax(cls, value: str) -> str:
-        match = _PARTITION.match(value.replace(" ", ""))
-        if not match or (match["alpha"] is not None and not float(match["alpha"]) > 0):
-            raise ValueError(f"expected iid, dirichlet(ALPHA > 0), permuted_labels or domains[(N)], got {value!r}")
-        return value.replace(" ", "")
+        return parse_partition(value).text
 
     @model_validator(mode="after")
     def _consistent(self) -> DataConfig:
@@ -108,14 +101,7 @@ class DataConfig(_Section):
         """The split this device takes one share of; None when all local data is this device's."""
         if self.index is None or self.count is None:
             return None
-        match = _PARTITION.match(self.partition)
-        assert match is not None  # checked by the validator
-        if match["alpha"] is not None:
-            return PartitionSpec("dirichlet", self.count, self.seed, alpha=float(match["alpha"]))
-        if self.partition.startswith("domains"):
-            domains = int(match["domains"] or 2)
-            return PartitionSpec("domains", self.count, self.seed, num_domains=min(domains, self.count))
-        return PartitionSpec("iid", self.count, self.seed, permute_labels=self.partition == "permuted_labels")
+        return parse_partition(self.partition).spec(self.count, self.seed)
 
 
 class EmulationConfig(_Section):
@@ -129,8 +115,8 @@ class EmulationConfig(_Section):
 
 
 class AgentConfig(_Section):
-    device: str = Field(pattern=_NAME)
-    fleet: str = Field(pattern=_NAME)
+    device: DeviceName
+    fleet: FleetName
     broker: BrokerConfig = Field(default_factory=BrokerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     device_type: str = "auto"

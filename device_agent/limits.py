@@ -4,7 +4,8 @@ The emulator runs one real agent process per emulated device, and each must beha
 where planning depends on it: it must fail when it outgrows the device's memory, and it must be as
 slow, relative to the others, as its profile says. Everything here takes plain numbers (threads,
 bytes, a factor), so the agent never needs the profiles package; bandwidth shaping is in
-:mod:`device_agent.shaping`.
+:mod:`device_agent.shaping`. :class:`EmulatedDevice` applies them all to one process and hands the
+runtime the hooks (:mod:`device_agent.hooks`) through which it is held to them.
 
 CPU memory is capped with ``RLIMIT_AS`` (address space), not an RSS watchdog:
 
@@ -30,16 +31,22 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
+
+from device_agent.config import EmulationConfig
+from device_agent.hooks import RuntimeHooks
+from device_agent.oom import is_out_of_memory
+from device_agent.probe import DeviceProfile, NetworkSpec
+from device_agent.shaping import TokenBucket
 
 _THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
 class MemoryCapExceeded(MemoryError):
-    """The emulated device ran out of memory: the agent reports it as a failed round, as a device would."""
+    """The emulated device ran out of memory: a ``MemoryError``, reported as ``out_of_memory`` like any other."""
 
 
 def thread_env(threads: int) -> dict[str, str]:
@@ -72,15 +79,10 @@ class MemoryCap:
         except MemoryCapExceeded:
             raise
         except (MemoryError, RuntimeError) as exc:
-            # torch reports CPU allocation failure as a RuntimeError, CUDA as torch.OutOfMemoryError.
-            text = str(exc)
-            if not (
-                isinstance(exc, (MemoryError, torch.OutOfMemoryError))
-                or "can't allocate memory" in text
-                or "not enough memory" in text
-            ):
+            if not is_out_of_memory(exc):
                 raise
-            first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+            text = str(exc).strip()
+            first = text.splitlines()[0] if text else type(exc).__name__
             raise MemoryCapExceeded(
                 f"emulated device memory cap exceeded: the profile allows {self.budget_bytes / 2**20:.0f} MiB "
                 f"({self.kind}); {first}"
@@ -189,3 +191,80 @@ class Throttle:
         slept = self._clock() - start
         self.slept_seconds += slept
         self._debt -= slept
+
+
+class EmulatedDevice(RuntimeHooks):
+    """Runtime hooks that hold this process to an ``emulation:`` block: threads, memory, speed, links.
+
+    Constructing it applies the process-wide limits (threads, the memory cap), so build it once, at
+    agent start-up, after importing torch and before building any model. The parts stay inspectable:
+    ``memory``, ``throttle``, ``uplink`` and ``downlink`` are None where the block sets no limit.
+    """
+
+    def __init__(self, emulation: EmulationConfig, device: torch.device) -> None:
+        self.emulation = emulation
+        if emulation.threads is not None:
+            limit_threads(emulation.threads)
+        self.memory: MemoryCap | None = None
+        if emulation.memory_bytes is not None:
+            self.memory = (
+                cap_cuda_memory(emulation.memory_bytes, device)
+                if device.type == "cuda"
+                else cap_cpu_memory(emulation.memory_bytes)
+            )
+        # A throttle on a GPU must time the kernels, not their asynchronous launch.
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+        self.throttle = Throttle(emulation.slowdown, sync=sync) if emulation.slowdown > 1 else None
+        up, down = emulation.uplink_bytes_per_s, emulation.downlink_bytes_per_s
+        self.uplink = TokenBucket(up, latency_s=emulation.latency_s) if up else None
+        self.downlink = TokenBucket(down, latency_s=emulation.latency_s) if down else None
+
+    def profile(self, measured: DeviceProfile) -> DeviceProfile:
+        """The host as measured, then held to the emulation: what the coordinator should plan with."""
+        emulation = self.emulation
+        data = measured.model_dump()
+        gflops = measured.compute.fp32_gflops / emulation.slowdown
+        data["matmul_gflops"] = gflops
+        data["compute"]["fp32_gflops"] = gflops
+        if emulation.memory_bytes is not None:
+            data["memory"] = {"total": emulation.memory_bytes, "shared": measured.memory.shared, "reserved": 0}
+        if emulation.uplink_bytes_per_s and emulation.downlink_bytes_per_s:
+            data["network"] = NetworkSpec(
+                uplink_mbps=emulation.uplink_bytes_per_s * 8 / 1e6,
+                downlink_mbps=emulation.downlink_bytes_per_s * 8 / 1e6,
+                latency_ms=emulation.latency_s * 1000,
+            ).model_dump()
+        return DeviceProfile.model_validate(data)
+
+    def memory_guard(self) -> AbstractContextManager[object]:
+        return self.memory.guard() if self.memory is not None else nullcontext()
+
+    def step(self) -> AbstractContextManager[object]:
+        # Step by step, so the slowed device computes at its pace instead of bursting then idling.
+        return self.throttle.step() if self.throttle is not None else nullcontext()
+
+    def after_training(self) -> float:
+        """Sleep off the slowdown still owed; the sleep is training time, as on the slow device."""
+        if self.throttle is None:
+            return 0.0
+        slept = self.throttle.slept_seconds
+        self.throttle.flush()
+        return self.throttle.slept_seconds - slept
+
+    def before_upload(self) -> None:
+        if self.uplink is not None:
+            self.uplink.wait_latency()
+
+    # Chunk by chunk: a whole payload paid for at once would burst at loopback speed, then stall.
+    def before_chunk_out(self, nbytes: int) -> None:
+        if self.uplink is not None:
+            self.uplink.consume(nbytes)
+
+    def after_chunk_in(self, nbytes: int) -> None:
+        if self.downlink is not None:
+            self.downlink.consume(nbytes)
+
+
+def runtime_hooks(emulation: EmulationConfig | None, device: torch.device) -> RuntimeHooks:
+    """The hooks an agent.yaml asks for: an :class:`EmulatedDevice` with an ``emulation:`` block, else none."""
+    return RuntimeHooks() if emulation is None else EmulatedDevice(emulation, device)

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from device_agent.config import DATASETS, AgentConfig, ConfigError, load_config, merge_overrides, parse_config
+from device_agent.config import AgentConfig, ConfigError, load_config, merge_overrides, parse_config
+from device_agent.schema import DATASETS
 
 _EPILOG = """\
 examples:
@@ -70,7 +71,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     data = run.add_argument_group("local data")
     data.add_argument("--dataset", choices=DATASETS, help="default digits (built in)")
     data.add_argument("--data-path", metavar="PATH", help="folder or file for the non built-in datasets")
-    data.add_argument("--partition", metavar="SCHEME", help="iid | dirichlet(ALPHA) | permuted_labels | domains")
+    data.add_argument("--partition", metavar="SCHEME", help="iid | dirichlet(ALPHA) | permuted_labels | domains[(N)]")
     data.add_argument("--seed", type=int, help="partition seed")
     data.add_argument("--index", type=int, help="this device's share among --count (emulation)")
     data.add_argument("--count", type=int, help="number of shares the data is split into (emulation)")

@@ -17,7 +17,6 @@ What survives what:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import signal
@@ -27,21 +26,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
 from device_agent import __version__
 from device_agent.clients.base import KeptStateMissing
-from device_agent.config import AgentConfig, EmulationConfig
+from device_agent.config import AgentConfig
 from device_agent.data.datasets import DatasetError, load_dataset
 from device_agent.data.partition import client_shard
+from device_agent.hooks import RuntimeHooks
 from device_agent.kept import KeptStore
-from device_agent.limits import MemoryCap, MemoryCapExceeded, Throttle, cap_cpu_memory, cap_cuda_memory, limit_threads
+from device_agent.limits import runtime_hooks
 from device_agent.local_round import train_assignment
+from device_agent.oom import free_memory, is_out_of_memory
 from device_agent.outbox import Outbox, OutboxCorrupt, OutboxItem
-from device_agent.probe import DeviceProfile, NetworkSpec, probe_device, resolve_device
+from device_agent.probe import DeviceProfile, probe_device, resolve_device
 from device_agent.protocol import UPDATE_KIND, upload_meta
-from device_agent.shaping import TokenBucket
 from device_agent.wire.codec import CodecError, decode_tensors
 from device_agent.wire.messages import Assignment, Error, Hello, Message, Receipt, RoundFailed, Status
 from device_agent.wire.session import BrokerAddress, Delivery, Session, device_session
@@ -64,62 +63,6 @@ class _Sent:
     item: OutboxItem
     delivery: Delivery
     since: float
-
-
-@dataclass
-class Limits:
-    """The emulation limits applied at start-up (all None/1.0 on a real device)."""
-
-    memory: MemoryCap | None = None
-    throttle: Throttle | None = None
-    uplink: TokenBucket | None = None
-    downlink: TokenBucket | None = None
-
-
-def apply_emulation(emulation: EmulationConfig | None, device: torch.device) -> Limits:
-    """Hold this process to an emulated device: threads, memory cap, slowdown, bandwidth."""
-    if emulation is None:
-        return Limits()
-    if emulation.threads is not None:
-        limit_threads(emulation.threads)
-    memory = None
-    if emulation.memory_bytes is not None:
-        memory = (
-            cap_cuda_memory(emulation.memory_bytes, device)
-            if device.type == "cuda"
-            else cap_cpu_memory(emulation.memory_bytes)
-        )
-    up, down = emulation.uplink_bytes_per_s, emulation.downlink_bytes_per_s
-    return Limits(
-        memory=memory,
-        throttle=Throttle(emulation.slowdown, sync=_sync_for(device)) if emulation.slowdown > 1 else None,
-        uplink=TokenBucket(up, latency_s=emulation.latency_s) if up else None,
-        downlink=TokenBucket(down, latency_s=emulation.latency_s) if down else None,
-    )
-
-
-def _sync_for(device: torch.device) -> Callable[[], None] | None:
-    """A throttle on a GPU must time the kernels, not their asynchronous launch."""
-    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
-
-
-def emulated_profile(profile: DeviceProfile, emulation: EmulationConfig | None) -> DeviceProfile:
-    """The profile as the coordinator should plan with it: the host measured, then held to the emulation."""
-    if emulation is None:
-        return profile
-    data = profile.model_dump()
-    gflops = profile.compute.fp32_gflops / emulation.slowdown
-    data["matmul_gflops"] = gflops
-    data["compute"]["fp32_gflops"] = gflops
-    if emulation.memory_bytes is not None:
-        data["memory"] = {"total": emulation.memory_bytes, "shared": profile.memory.shared, "reserved": 0}
-    if emulation.uplink_bytes_per_s and emulation.downlink_bytes_per_s:
-        data["network"] = NetworkSpec(
-            uplink_mbps=emulation.uplink_bytes_per_s * 8 / 1e6,
-            downlink_mbps=emulation.downlink_bytes_per_s * 8 / 1e6,
-            latency_ms=emulation.latency_s * 1000,
-        ).model_dump()
-    return DeviceProfile.model_validate(data)
 
 
 Split = tuple[Tensor, Tensor]
@@ -156,11 +99,14 @@ class LocalData:
 class Agent:
     """One device in one fleet. ``run`` blocks until :meth:`stop` (or SIGINT/SIGTERM in ``run_agent``)."""
 
-    def __init__(self, config: AgentConfig, profile: DeviceProfile | None = None) -> None:
+    def __init__(
+        self, config: AgentConfig, profile: DeviceProfile | None = None, hooks: RuntimeHooks | None = None
+    ) -> None:
+        """``hooks`` default to what ``config`` asks for (emulation or none); tests pass their own."""
         self.config = config
         self.device = resolve_device(config.device_type)
-        self.limits = apply_emulation(config.emulation, self.device)
-        self.profile = emulated_profile(profile or probe_device(0.2, config.device_type), config.emulation)
+        self.hooks = hooks if hooks is not None else runtime_hooks(config.emulation, self.device)
+        self.profile = self.hooks.profile(profile or probe_device(0.2, config.device_type))
         state = Path(config.state_dir)
         state.mkdir(parents=True, exist_ok=True)
         self.outbox = Outbox(state / "outbox")
@@ -187,9 +133,8 @@ class Agent:
             address,
             on_message=lambda _topic, message: self._events.put(lambda: self._on_message(message)),
             on_payload=lambda _topic, completed: self._events.put(lambda: self._on_payload(completed)),
-            # Chunk by chunk: a whole payload paid for at once would burst at loopback speed, then stall.
-            before_chunk_out=self.limits.uplink.consume if self.limits.uplink is not None else None,
-            after_chunk_in=self.limits.downlink.consume if self.limits.downlink is not None else None,
+            before_chunk_out=self.hooks.before_chunk_out,
+            after_chunk_in=self.hooks.after_chunk_in,
             protocol=broker.protocol,
         )
 
@@ -296,43 +241,33 @@ class Agent:
         self._set_state("training", f"round {assignment.round} at level {assignment.spec.level:g}")
         try:
             item = self._train(assignment, completed.data)
-        except MemoryCapExceeded as exc:
-            self._fail(assignment, "out_of_memory", str(exc))
-            return
         except KeptStateMissing as exc:
             self._fail(assignment, "state_lost", str(exc))
             return
-        except (ValueError, CodecError, DatasetError, RuntimeError) as exc:
-            log.exception("%s: round %d failed", self.config.device, assignment.round)
-            self._fail(assignment, "error", f"{type(exc).__name__}: {exc}")
+        except (MemoryError, ValueError, CodecError, DatasetError, RuntimeError) as exc:
+            reason = "out_of_memory" if is_out_of_memory(exc) else "error"
+            if reason == "error":
+                log.exception("%s: round %d failed", self.config.device, assignment.round)
+            detail = f"{type(exc).__name__}: {exc}"
+        else:
+            self._send(item)
             return
-        self._send(item)
+        # Out of the except block the exception is gone, and with its traceback the round's tensors.
+        if reason == "out_of_memory":
+            free_memory()
+        self._fail(assignment, reason, detail)
 
     def _train(self, assignment: Assignment, payload: bytes) -> OutboxItem:
         spec, train = assignment.spec, assignment.train
         tensors = decode_tensors(payload)
         shard, test = self.data.for_model(spec.model.image_size, spec.model.in_channels, spec.model.num_classes)
-        guard = self.limits.memory.guard() if self.limits.memory is not None else contextlib.nullcontext()
-        throttle = self.limits.throttle
-        with guard:
-            # Throttled step by step, so the slowed device computes at its pace instead of bursting then idling.
+        with self.hooks.memory_guard():
             trained = train_assignment(
-                spec,
-                train,
-                tensors,
-                self.kept.load(assignment.run),
-                shard,
-                test,
-                self.device,
-                step=throttle.step if throttle else None,
+                spec, train, tensors, self.kept.load(assignment.run), shard, test, self.device, step=self.hooks.step
             )
             self.kept.save(assignment.run, trained.keep)
         result, local_accuracy, upload = trained.result, trained.local_accuracy, trained.upload
-        seconds = result.seconds  # includes the sleeps between steps
-        if throttle is not None:
-            slept = throttle.slept_seconds
-            throttle.flush()
-            seconds += throttle.slept_seconds - slept
+        seconds = result.seconds + self.hooks.after_training()
         meta = upload_meta(result.samples, seconds, result.mean_loss, local_accuracy)
         item = self.outbox.put(assignment.run, assignment.round, new_transfer_id(), upload, meta)
         log.info(
@@ -359,8 +294,7 @@ class Agent:
             log.error("%s: dropping a corrupt stored update: %s", self.config.device, exc)
             self.outbox.discard(item)
             return
-        if self.limits.uplink is not None:
-            self.limits.uplink.wait_latency()
+        self.hooks.before_upload()
         self._set_state("uploading", f"round {item.round}")
         delivery = self.session.send(
             self.topics.up,
@@ -407,4 +341,4 @@ def run_agent(config: AgentConfig, profile: DeviceProfile | None = None) -> int:
     return 0
 
 
-__all__ = ["Agent", "AgentError", "Limits", "apply_emulation", "emulated_profile", "run_agent"]
+__all__ = ["Agent", "AgentError", "run_agent"]

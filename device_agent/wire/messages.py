@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 
 from device_agent.clients.spec import ClientSpec, TrainConfig
 from device_agent.probe import DeviceProfile
+from device_agent.schema import NAME_PATTERN as _NAME
 
 # 3: the assignment carries a typed client spec and training config (2 carried an untyped options dict).
 PROTOCOL_VERSION = 3
@@ -24,7 +25,6 @@ MAX_MESSAGE_BYTES = 1 << 20
 
 _HEX64 = r"^[0-9a-f]{64}$"
 _TRANSFER_ID = r"^[0-9a-f]{32}$"
-_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 
 class ProtocolError(ValueError):

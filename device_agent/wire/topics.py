@@ -12,20 +12,11 @@ ordering keeps a manifest ahead of its chunks.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
+from device_agent.schema import check_name
+
 ROOT = "fedfleet"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-
-def check_name(kind: str, name: str) -> str:
-    """Fleet and device names become topic levels and broker user names: no wildcards, no slashes."""
-    if not _NAME.match(name):
-        raise ValueError(
-            f"invalid {kind} name {name!r}: use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
-        )
-    return name
 
 
 @dataclass(frozen=True)

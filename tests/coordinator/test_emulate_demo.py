@@ -109,9 +109,9 @@ def test_ctrl_c_stops_the_coordinator_and_every_agent_cleanly(tmp_path: Path) ->
 _CAP_CHECK = """
 import torch
 from device_agent.config import load_config
-from device_agent.runtime import apply_emulation
+from device_agent.limits import runtime_hooks
 config = load_config({config!r})
-limits = apply_emulation(config.emulation, torch.device("cuda"))
+hooks = runtime_hooks(config.emulation, torch.device("cuda"))
 cap = config.emulation.memory_bytes
 torch.empty(cap // 2, dtype=torch.uint8, device="cuda")
 try:

@@ -90,9 +90,11 @@ MISTAKES = [
     ("strategy.name", "fedprox", "strategy.name: unknown strategy 'fedprox'; choose one of: fedhm, fedavg"),
     ("dataset.partition", "dirichlet(lots)", "dataset.partition: dirichlet alpha 'lots' is not a number"),
     ("dataset.partition", "shards", "dataset.partition: 'shards' is not a partition"),
+    ("dataset.partition", "dirichlet(0)", "dataset.partition: dirichlet alpha must be > 0"),
+    ("dataset.partition", "iid(2)", "dataset.partition: 'iid(2)': iid takes no argument"),
     ("dataset.name", "npz", "dataset: dataset npz needs a path"),
     ("quorum", 1.5, "quorum: Input should be less than or equal to 1"),
-    ("devices.0.id", "lab/nano", "devices[0].id: device id 'lab/nano' must be"),
+    ("devices.0.id", "lab/nano", "devices[0].id: invalid device name 'lab/nano': use 1-64 letters"),
     ("devices.0.credentials", "s3cret", "devices[0].credentials: must be a reference"),
     ("devices.0.overrides", {"max_ratio": "1/3"}, "devices[0].overrides.max_ratio 0.333"),
     ("devices.0.overrides", {"memory": {"total": "lots"}}, "devices[0].overrides.memory.total: could not parse"),
@@ -102,7 +104,7 @@ MISTAKES = [
         "devices[0]: overrides.memory: reserved (5.0GiB) must be below total (4.0GiB)",
     ),
     ("devices", [], "devices: List should have at least 1 item"),
-    ("fleet", "my fleet", "fleet: String should match pattern"),
+    ("fleet", "my fleet", "fleet: invalid fleet name 'my fleet'"),
 ]
 
 

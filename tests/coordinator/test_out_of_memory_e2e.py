@@ -1,0 +1,110 @@
+"""A real (not emulated) device that runs out of memory is planned one rank level lower next round.
+
+A real ``coordinator start`` process and an in-process :class:`~device_agent.runtime.Agent` without an
+``emulation:`` section meet on the mosquitto the tests start. The out-of-memory is injected through
+the runtime's own step hook (:class:`~device_agent.hooks.RuntimeHooks`, which the runtime calls
+around every training step): on the first step the hook asks torch's CPU allocator for 1 PiB, which
+it refuses with its genuine ``RuntimeError: DefaultCPUAllocator: can't allocate memory``, raised
+inside the training step as a model too big for the device would. The runtime has no test path:
+it sees that error as it would on hardware.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from coordinator.broker.credentials import COORDINATOR_USER
+from device_agent.config import parse_config
+from device_agent.hooks import RuntimeHooks
+from device_agent.runtime import Agent
+from tests.transport_fixtures import TestBroker
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+DEVICE = "dev-a"
+
+
+class OutOfMemoryOnce(RuntimeHooks):
+    """A device whose first training step needs more memory than it has; later steps fit."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        if not self.failed:
+            self.failed = True
+            torch.empty(2**50, dtype=torch.uint8)  # 1 PiB: torch's allocator refuses it
+        yield
+
+
+def _fleet_file(tmp: Path, broker: TestBroker) -> Path:
+    secrets = tmp / "secrets"
+    secrets.mkdir()
+    (secrets / COORDINATOR_USER).write_text(broker.credentials[COORDINATOR_USER].password)
+    (secrets / DEVICE).write_text(broker.credentials[DEVICE].password)
+    path = tmp / "fleet.yaml"
+    path.write_text(
+        f"fleet: {broker.fleet}\n"
+        f"broker: {{mode: external, url: 'mqtt://127.0.0.1:{broker.address().port}', "
+        f"password: 'file:{secrets / COORDINATOR_USER}'}}\n"
+        "model: {arch: cnn, num_classes: 10}\n"
+        "dataset: {name: digits, partition: iid}\n"
+        "ratios: [1, 1/2, 1/4]\n"
+        "rounds: 2\nround_deadline_s: 60\non_quorum_miss: skip\n"
+        "training: {batch_size: 32, local_epochs: 1, lr: 0.05}\n"
+        f"devices:\n  - {{id: {DEVICE}, profile: x86-laptop-cpu, credentials: 'file:{secrets / DEVICE}'}}\n"
+    )
+    return path
+
+
+def test_a_device_out_of_memory_in_round_1_trains_one_level_lower_in_round_2(
+    fresh_mosquitto: TestBroker, tmp_path: Path
+) -> None:
+    fleet = _fleet_file(tmp_path, fresh_mosquitto)
+    run_dir = tmp_path / "run"
+    log = tmp_path / "coordinator.log"
+    command = [sys.executable, "-m", "coordinator", "start", "--fleet", str(fleet), "--run-dir", str(run_dir)]
+    command += ["--no-live", "--min-devices", "1", "--wait-timeout", "60"]
+    coordinator = subprocess.Popen(command, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+    config = parse_config(
+        {
+            "device": DEVICE,
+            "fleet": fresh_mosquitto.fleet,
+            "broker": {
+                "url": f"mqtt://127.0.0.1:{fresh_mosquitto.address().port}",
+                "password": f"file:{tmp_path / 'secrets' / DEVICE}",
+            },
+            "device_type": "cpu",
+            "state_dir": str(tmp_path / "agent"),
+        }
+    )
+    assert config.emulation is None  # a real device: no emulated memory cap, nothing held to a profile
+    agent = Agent(config, hooks=OutOfMemoryOnce())
+    serving = threading.Thread(target=agent.run, daemon=True)
+    serving.start()
+    try:
+        coordinator.wait(timeout=240)
+    finally:
+        agent.stop()
+        serving.join(timeout=30)
+        if coordinator.poll() is None:
+            coordinator.kill()
+    assert coordinator.returncode == 0, log.read_text()[-3000:]
+
+    rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first, second = (r["devices"][DEVICE] for r in rounds)
+    assert (first["status"], first["ratio"]) == ("failed", 1.0), first
+    assert first["error"].startswith("out_of_memory: RuntimeError:") and "can't allocate memory" in first["error"]
+    assert (second["status"], second["ratio"]) == ("accepted", 0.5), second
