@@ -106,11 +106,11 @@ class InProcessLink:
                 self._train(self.devices[device], assignment)
             except KeptStateMissing as exc:
                 self._fail(device, assignment, "state_lost", str(exc))
-            except MemoryError as exc:
-                self._fail(device, assignment, "out_of_memory", str(exc))
-            except Exception as exc:
-                log.exception("%s: round %d failed", device, assignment.round)
-                self._fail(device, assignment, "error", f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # one device's failure must not stop the others
+                reason = "out_of_memory" if is_out_of_memory(exc) else "error"
+                if reason == "error":
+                    log.exception("%s: round %d failed", device, assignment.round)
+                self._fail(device, assignment, reason, f"{type(exc).__name__}: {exc}")
 
     def _train(self, device: LocalDevice, assignment: Assignment) -> None:
         tensors = decode_tensors(self._payloads.pop(assignment.download))
