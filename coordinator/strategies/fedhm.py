@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from typing import ClassVar, Literal
 
 import torch
-from pydantic import Field
+from pydantic import BaseModel, Field
+from torch import nn
 
 from coordinator.algorithms.aggregation import StreamingAggregator
 from coordinator.algorithms.lowrank import factorize
@@ -32,7 +33,7 @@ from coordinator.strategies.base import (
     StrategyParams,
     seeded_model,
 )
-from device_agent.hybrid import factorization_plan
+from device_agent.hybrid import factorization_plan, hybrid
 
 
 class FedHMParams(StrategyParams):
@@ -73,6 +74,12 @@ class FedHM(Strategy):
         super().__init__(model, params, seed)
         self.plan = factorization_plan(model.arch, model.num_classes, model.in_channels)
         self._global = {k: v.detach().clone() for k, v in seeded_model(model, seed).state_dict().items()}
+
+    @classmethod
+    def client_model(cls, model: ModelSpec, params: BaseModel, level: float) -> nn.Module:
+        """The hybrid at rank ratio gamma = ``level``, as ``FedHMProgram`` builds it."""
+        with torch.device("meta"):
+            return hybrid(model.arch, level, model.num_classes, model.in_channels)
 
     def configure(self, round: int, clients: Sequence[ClientSlot]) -> dict[str, Assignment]:
         levels = factorize(self._global, self.plan, {slot.level for slot in clients})
