@@ -179,27 +179,14 @@ def plan_device(
     profile = effective_profile(device, base, report)
     label = device.profile if report is None else f"{device.profile} (measured)"
     if profile is None:
-        return DevicePlan(
-            device.id, label, None, None, None, None, None, None, deadline, "waiting for the device's measured profile"
-        )
+        return _unplanned(device.id, label, None, deadline, "waiting for the device's measured profile")
     budget = int(profile.memory.usable_bytes / fleet.planning.memory_safety_factor)
     caps = [c for c in (ceiling, device.overrides.max_ratio) if c is not None]
     cap = min(caps) if caps else 1.0
     candidates = [r for r in fleet.ratios if r <= cap]
     if not candidates:
         smallest = fmt_ratio(min(fleet.ratios))
-        return DevicePlan(
-            device.id,
-            label,
-            None,
-            None,
-            None,
-            None,
-            budget,
-            None,
-            deadline,
-            f"ran out of memory at the smallest ratio {smallest}",
-        )
+        return _unplanned(device.id, label, budget, deadline, f"ran out of memory at the smallest ratio {smallest}")
     rejected: list[str] = []
     estimate = None
     for ratio in candidates:
@@ -232,6 +219,11 @@ def plan_device(
         deadline,
         f"excluded: even {rejected[-1]}" if len(rejected) > 1 else f"excluded: {rejected[-1]}",
     )
+
+
+def _unplanned(device: str, profile: str, budget: int | None, deadline: float, reason: str) -> DevicePlan:
+    """A row without estimates: the device has no profile yet, or no level is left to try."""
+    return DevicePlan(device, profile, None, None, None, None, budget, None, deadline, reason)
 
 
 def _estimate(fleet: Fleet, device: Device, profile: DeviceClass, ratio: float) -> _Estimate:

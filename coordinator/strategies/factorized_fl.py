@@ -96,7 +96,8 @@ class FactorizedFL(Strategy):
         layers = rank_one_layers(net)
         shared = shared_layers(net, params.share_head)
         tensors = {(name, factor): getattr(layers[name], factor) for name in shared for factor in cls.factors}
-        tensors[(similarity_layer(net), "v")] = layers[similarity_layer(net)].v
+        similarity = similarity_layer(net)
+        tensors[(similarity, "v")] = layers[similarity].v
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def configure(self, round: int, clients: Sequence[ClientSlot]) -> dict[str, Assignment]:
