@@ -32,7 +32,7 @@ from device_agent.hybrid import hybrid
 from device_agent.models import model_card
 from device_agent.probe import ComputeSpec, measure_matmul_gflops, measure_memory_bandwidth_gbs, probe_device
 from profiles.catalog import profile_from_report
-from profiles.costmodel import Workload, calibrate_efficiency, predict_memory, predict_step_seconds
+from profiles.costmodel import calibrate_efficiency, hybrid_workload, predict_memory, predict_step_seconds
 
 DEFAULT_CONFIGS = {"resnet18": (8, 32), "cnn": (32, 256)}
 GAMMAS = (1.0, 0.5, 0.25, 0.125)
@@ -134,7 +134,7 @@ def run(
             for gamma in gammas:
                 measured = _measure(arch, gamma, batch, steps, optimizer, threads)
                 size = CNN_IMAGE_SIZE if arch == "cnn" else None
-                work = Workload(arch, gamma, batch, optimizer, image_size=size)
+                work = hybrid_workload(arch, gamma, batch, optimizer, image_size=size)
                 rows.append({"arch": arch, "gamma": gamma, "batch_size": batch, "work": work, **measured})
     calibration_row = next((r for r in rows if (r["arch"], r["gamma"], r["batch_size"]) == calibration), rows[0])
     efficiency = calibrate_efficiency(calibration_row["work"], profile, calibration_row["step_seconds"])

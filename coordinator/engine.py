@@ -88,6 +88,8 @@ class Participant:
     """One device's part in the open round."""
 
     level: float
+    trained_level: float | None = None
+    """The level the device actually trains (a fixed-width strategy may differ from the plan)."""
     status: str = "assigned"
     bytes_up_start: int = 0
     bytes_down_start: int = 0
@@ -336,6 +338,7 @@ class RoundEngine:
             participant = self.open.participants[slot.client_id]
             participant.bytes_up_start = self.link.bytes_up(slot.client_id)
             participant.bytes_down_start = self.link.bytes_down(slot.client_id)
+            participant.trained_level = self.strategy.trained_level(slot)
             if participant.status == "accepted":
                 continue
             assignment = assignments[slot.client_id]
@@ -423,7 +426,7 @@ class RoundEngine:
             status = "late" if self.devices[device].online else "dropped"
         return DeviceRoundMetrics(
             device_class=self.devices[device].device.profile,
-            ratio=participant.level,
+            ratio=participant.level if participant.trained_level is None else participant.trained_level,
             bytes_up=self.link.bytes_up(device) - participant.bytes_up_start,
             bytes_down=self.link.bytes_down(device) - participant.bytes_down_start,
             payload_bytes=participant.payload_bytes,

@@ -299,6 +299,22 @@ class Fleet(_Strict):
         return devices
 
     @model_validator(mode="after")
+    def _ratios_fit_the_strategy(self) -> Fleet:
+        """A ratio means what the strategy makes of it; one with no size levels trains the whole model, ratio 1."""
+        strategy = STRATEGIES[self.strategy.name]
+        if strategy.levels == "none" and "ratios" not in self.model_fields_set:
+            self.ratios = [1.0]
+        for ratio in self.ratios:
+            problem = strategy.level_problem(ratio)
+            if problem is not None:
+                hint = "write `ratios: [1]` or leave ratios out" if strategy.levels == "none" else "drop it"
+                raise ValueError(
+                    f"ratios: {ratio:g} does not fit strategy {strategy.name!r}: {problem}; {hint}"
+                    f" (ratios are {', '.join(f'{r:g}' for r in self.ratios)})"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _max_ratios_allowed(self) -> Fleet:
         for index, device in enumerate(self.devices):
             cap = device.overrides.max_ratio

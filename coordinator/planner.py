@@ -1,4 +1,9 @@
-"""Per-device rank ratios: the largest allowed gamma that fits a device's memory and the round deadline.
+"""Per-device levels: the largest allowed ratio whose model fits a device's memory and the round deadline.
+
+What a level means is the strategy's business: a FedHM rank ratio gamma, a HeteroFL width rate, or
+nothing (Factorized-FL trains the whole model everywhere). Each candidate level is sized with the
+model the fleet's strategy really sends at that level (``Strategy.client_model``, traced once per
+strategy, parameters, model and level) and with what it really transfers.
 
 Pure: fleet + profiles (+ measured reports, + out-of-memory history) in, one plan row per device
 out. No clocks, files or MQTT, so the round engine can re-plan whenever a device reports a
@@ -7,15 +12,19 @@ measured profile or an out-of-memory, and a test can check the rules on made-up 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from fractions import Fraction
+from functools import lru_cache
 
 from coordinator.fleet import REPORTED, Device, Fleet
+from coordinator.strategies import STRATEGIES, ModelSpec
+from device_agent.models import model_card
 from device_agent.probe import DeviceProfile
 from profiles.catalog import profile_from_report
-from profiles.costmodel import Workload, predict_memory, predict_step_seconds
+from profiles.costmodel import ModelTrace, Workload, predict_memory, predict_step_seconds, trace_module
 from profiles.schema import DeviceClass
 
 _GIB = 1024**3
@@ -23,11 +32,18 @@ _GIB = 1024**3
 
 @dataclass(frozen=True)
 class DevicePlan:
-    """One device's share of the work; ``ratio`` is None when it is excluded (``reason`` says why)."""
+    """One device's share of the work; ``ratio`` is None when it is excluded (``reason`` says why).
+
+    ``model`` (what the level means to the strategy: "gamma 1/4", "width 0.5", "full model") and
+    ``trainable_params`` describe the client model the estimates are for: the planned one, or for
+    an excluded device the smallest it was tried at.
+    """
 
     device: str
     profile: str
     ratio: float | None
+    model: str | None
+    trainable_params: int | None
     est_memory_bytes: int | None
     memory_budget_bytes: int | None
     est_round_seconds: float | None
@@ -39,9 +55,48 @@ class DevicePlan:
 
 
 @dataclass(frozen=True)
+class LevelCost:
+    """What one level of a strategy puts on a device: its traced client model and the bytes it moves per round."""
+
+    label: str
+    trace: ModelTrace
+    download_bytes: int
+    upload_bytes: int
+
+
+@dataclass(frozen=True)
 class _Estimate:
+    cost: LevelCost
     memory: int
     seconds: float
+
+
+def model_spec(fleet: Fleet) -> ModelSpec:
+    """The fleet's model with the model card's input shape where the fleet leaves it out."""
+    model = fleet.model
+    card = model_card(model.arch)
+    return ModelSpec(
+        model.arch, model.num_classes, model.in_channels or card.in_channels, model.image_size or card.image_size
+    )
+
+
+def level_cost(fleet: Fleet, level: float) -> LevelCost:
+    """The cost of ``level`` under the fleet's strategy (cached by strategy, parameters, model and level)."""
+    params = json.dumps(fleet.strategy.params, sort_keys=True)
+    return _level_cost(fleet.strategy.name, params, model_spec(fleet), level)
+
+
+@lru_cache(maxsize=128)
+def _level_cost(strategy: str, params_json: str, model: ModelSpec, level: float) -> LevelCost:
+    cls = STRATEGIES[strategy]
+    params = cls.Params.model_validate(json.loads(params_json))
+    trace = trace_module(cls.client_model(model, params, level), model.in_channels, model.image_size)
+    return LevelCost(
+        cls.level_label(params, level),
+        trace,
+        cls.download_bytes(model, params, level),
+        cls.upload_bytes(model, params, level),
+    )
 
 
 def fmt_ratio(ratio: float) -> str:
@@ -124,18 +179,14 @@ def plan_device(
     profile = effective_profile(device, base, report)
     label = device.profile if report is None else f"{device.profile} (measured)"
     if profile is None:
-        return DevicePlan(
-            device.id, label, None, None, None, None, deadline, "waiting for the device's measured profile"
-        )
+        return _unplanned(device.id, label, None, deadline, "waiting for the device's measured profile")
     budget = int(profile.memory.usable_bytes / fleet.planning.memory_safety_factor)
     caps = [c for c in (ceiling, device.overrides.max_ratio) if c is not None]
     cap = min(caps) if caps else 1.0
     candidates = [r for r in fleet.ratios if r <= cap]
     if not candidates:
         smallest = fmt_ratio(min(fleet.ratios))
-        return DevicePlan(
-            device.id, label, None, None, budget, None, deadline, f"ran out of memory at the smallest ratio {smallest}"
-        )
+        return _unplanned(device.id, label, budget, deadline, f"ran out of memory at the smallest ratio {smallest}")
     rejected: list[str] = []
     estimate = None
     for ratio in candidates:
@@ -146,43 +197,49 @@ def plan_device(
                 device.id,
                 label,
                 ratio,
+                estimate.cost.label,
+                estimate.cost.trace.trainable_params,
                 estimate.memory,
                 budget,
                 round(estimate.seconds, 3),
                 deadline,
                 _why_this(ratio, fleet.ratios, cap, ceiling, rejected),
             )
-        rejected.append(f"{fmt_ratio(ratio)}: {why_not}")
+        rejected.append(f"{estimate.cost.label}: {why_not}")
     assert estimate is not None
     return DevicePlan(
         device.id,
         label,
         None,
+        estimate.cost.label,
+        estimate.cost.trace.trainable_params,
         estimate.memory,
         budget,
         round(estimate.seconds, 3),
         deadline,
-        f"excluded: even gamma {rejected[-1]}",
+        f"excluded: even {rejected[-1]}" if len(rejected) > 1 else f"excluded: {rejected[-1]}",
     )
+
+
+def _unplanned(device: str, profile: str, budget: int | None, deadline: float, reason: str) -> DevicePlan:
+    """A row without estimates: the device has no profile yet, or no level is left to try."""
+    return DevicePlan(device, profile, None, None, None, None, budget, None, deadline, reason)
 
 
 def _estimate(fleet: Fleet, device: Device, profile: DeviceClass, ratio: float) -> _Estimate:
     batch = device.overrides.batch_size or fleet.training.batch_size
     epochs = device.overrides.local_epochs or fleet.training.local_epochs
-    model = fleet.model
-    work = Workload(
-        model.arch, ratio, batch, fleet.training.optimizer, model.num_classes, model.in_channels, model.image_size
-    )
+    cost = level_cost(fleet, ratio)
+    work = Workload(cost.trace, batch, fleet.training.optimizer)
     memory = predict_memory(work, profile.accelerator).total
     steps = epochs * math.ceil(fleet.samples_for(device) / batch)
-    trace = work.trace()
     link = profile.network
     transfer = (
-        trace.download_bytes * 8 / (link.downlink_mbps * 1e6)
-        + trace.upload_bytes * 8 / (link.uplink_mbps * 1e6)
+        cost.download_bytes * 8 / (link.downlink_mbps * 1e6)
+        + cost.upload_bytes * 8 / (link.uplink_mbps * 1e6)
         + 2 * link.latency_ms / 1e3
     )
-    return _Estimate(memory, steps * predict_step_seconds(work, profile) + transfer)
+    return _Estimate(cost, memory, steps * predict_step_seconds(work, profile) + transfer)
 
 
 def _why_not(estimate: _Estimate, budget: int, deadline: float, profile: DeviceClass, fleet: Fleet) -> str | None:
@@ -199,7 +256,7 @@ def _why_not(estimate: _Estimate, budget: int, deadline: float, profile: DeviceC
 
 def _why_this(ratio: float, ratios: list[float], cap: float, ceiling: float | None, rejected: list[str]) -> str:
     if rejected:
-        return f"largest that fits; gamma {rejected[-1]}"
+        return f"largest that fits; {rejected[-1]}"
     if ceiling is not None and ceiling < max(ratios) and ratio == ceiling:
         return f"capped at {fmt_ratio(ceiling)} after running out of memory above it"
     if cap < max(ratios):

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from coordinator.fleet import FleetError, load_fleet
-from coordinator.planner import fmt_bytes, fmt_ratio, plan_fleet
+from coordinator.planner import fmt_bytes, plan_fleet
 from profiles.catalog import ENV_VAR, ProfileError, load_catalog
 
 
@@ -42,12 +42,15 @@ def add_validate_parser(commands: argparse._SubParsersAction) -> None:
 def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "plan",
-        help="the rank ratio each device will train, or why it is excluded",
+        help="the level each device will train, or why it is excluded",
         description=(
-            "For each device of a fleet.yaml, the largest allowed rank ratio whose predicted peak training "
+            "For each device of a fleet.yaml, the largest allowed ratio whose predicted peak training "
             "memory fits the device's budget (usable memory / planning.memory_safety_factor) and whose "
             "predicted round time (local training + model download + update upload) fits round_deadline_s. "
-            "Devices that fit no ratio are excluded with the reason. Predictions use the device profiles."
+            "A ratio means what the strategy makes of it: a FedHM rank ratio gamma, a HeteroFL/FedRolex "
+            "width, or nothing for strategies that train the whole model everywhere; every prediction uses "
+            "the model the strategy really sends at that level. Devices that fit no ratio are excluded with "
+            "the reason. Predictions use the device profiles."
         ),
         epilog="example: coordinator plan --fleet examples/fleet.yaml --json",
     )
@@ -55,8 +58,8 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--json",
         action="store_true",
-        help="print a JSON list of {device, profile, ratio, est_memory_bytes, memory_budget_bytes, "
-        "est_round_seconds, deadline_seconds, reason}",
+        help="print a JSON list of {device, profile, ratio, model, trainable_params, est_memory_bytes, "
+        "memory_budget_bytes, est_round_seconds, deadline_seconds, reason}",
     )
     parser.set_defaults(handler=_plan)
 
@@ -128,12 +131,12 @@ def _plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    model = fleet.model
     table = Table(
-        title=f"{fleet.fleet}: {model.arch}, batch {fleet.training.batch_size}, deadline {fleet.round_deadline_s:g} s"
+        title=f"{fleet.fleet}: {fleet.strategy.name} on {fleet.model.arch}, batch {fleet.training.batch_size}, "
+        f"deadline {fleet.round_deadline_s:g} s"
     )
-    for column in ("device", "profile", "gamma", "memory / budget", "round", "reason"):
-        table.add_column(column, justify="right" if column in {"gamma", "round"} else "left")
+    for column in ("device", "profile", "model", "params", "memory / budget", "round", "reason"):
+        table.add_column(column, justify="right" if column in {"params", "round"} else "left")
     for row in rows:
         memory = (
             "-"
@@ -143,7 +146,8 @@ def _plan(args: argparse.Namespace) -> int:
         table.add_row(
             row.device,
             row.profile,
-            "excluded" if row.ratio is None else fmt_ratio(row.ratio),
+            "excluded" if row.ratio is None else row.model,
+            "-" if row.ratio is None or row.trainable_params is None else f"{row.trainable_params / 1e6:.2f} M",
             memory,
             "-" if row.est_round_seconds is None else f"{row.est_round_seconds:.0f} s",
             row.reason,

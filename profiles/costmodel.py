@@ -1,11 +1,15 @@
 """Predict what one local training step costs a device: peak memory and time.
 
-Both predictions come from one trace of the hybrid model at batch size 1 (cheap, cached), scaled
-to the batch size:
+Both predictions come from one trace of the model a device trains (cheap: built on the meta
+device, run as zeros at batch sizes 1 and 2), scaled to the batch size. The caller says which
+model: the coordinator traces its strategy's client model at a level (``trace_module``; the
+planner caches traces by strategy, parameters, model and level), and ``trace_hybrid`` traces a
+FedHM hybrid (what benchmarks/costmodel.py measures).
 
-- memory = runtime context + weights + gradients + optimizer state + batch x saved activations
-  + batch x the largest single activation (the gradient buffer backward allocates next to what
-  is saved), times a slack factor for the allocator (1 on CPU, 1.1 on GPUs). Saved
+- memory = runtime context + weights + gradients and optimizer state of the trainable weights
+  + saved tensors that do not grow with the batch (a rank-one layer's rebuilt dense weight)
+  + batch x saved activations + batch x the largest single activation (the gradient buffer
+  backward allocates next to what is saved), times a slack factor for the allocator (1 on CPU, 1.1 on GPUs). Saved
   activations are counted exactly, from the tensors autograd keeps (each storage once), so the
   r-channel intermediate of a factorized convolution is in, and an in-place ReLU output shared
   with the next convolution's input is counted once.
@@ -32,6 +36,7 @@ from torch import nn
 
 from device_agent.factorized import LowRankLayer
 from device_agent.hybrid import hybrid
+from device_agent.layers import RankOneLayer
 from device_agent.models import model_card
 from profiles.schema import DeviceClass
 
@@ -69,28 +74,25 @@ def _tile_scale(out_channels: int, reduction: int) -> float:
 
 @dataclass(frozen=True)
 class ModelTrace:
-    """Everything the cost model needs from a model, measured once at batch size 1."""
+    """Everything the cost model needs from a model, measured once at batch size 1.
+
+    ``params`` counts every weight (held in memory); ``trainable_params`` only those with
+    ``requires_grad`` (they alone get gradients and optimizer state: frozen weights, as under
+    LoRA, cost their storage only).
+    """
 
     params: int
+    trainable_params: int
     buffer_bytes: int
     param_tensors: int
     saved_bytes_per_sample: int
+    saved_fixed_bytes: int
     transient_bytes_per_sample: int
     ops: tuple[OpCost, ...]
 
     @property
     def forward_flops_per_sample(self) -> float:
         return sum(op.flops for op in self.ops)
-
-    @property
-    def download_bytes(self) -> int:
-        """What the device receives each round: every weight and buffer in fp32."""
-        return self.params * _FP32 + self.buffer_bytes
-
-    @property
-    def upload_bytes(self) -> int:
-        """What a FedHM device sends back: its trainable tensors in fp32."""
-        return self.params * _FP32
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,16 @@ def _op_cost(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.
     if isinstance(module, nn.Linear):
         flops = 2.0 * output.numel() * module.in_features
         return OpCost(flops, io_bytes, float(module.weight.numel() * _FP32), out_bytes)
+    if isinstance(module, RankOneLayer):
+        # A conv / linear whose weight pi(u v^T + mu) is rebuilt every step: u, v and mu are read and
+        # the dense weight written (weight bytes, not scaled by the batch), then the layer runs as usual.
+        shape = module.weight_shape
+        reduction = math.prod(shape[1:])
+        dense = math.prod(shape)
+        weight_bytes = float((module.u.numel() + module.v.numel() + module.mu.numel() + 2 * dense) * _FP32)
+        flops = 2.0 * output.numel() * reduction + 2.0 * dense
+        scale = _tile_scale(shape[0], reduction) if len(shape) == 4 else 1.0
+        return OpCost(flops, io_bytes, weight_bytes, out_bytes, scale)
     if isinstance(module, nn.BatchNorm2d):
         # Training-mode BN reads its input twice (statistics, then normalize) and writes once.
         return OpCost(0.0, io_bytes + x.numel() * _FP32, 0.0, out_bytes)
@@ -128,18 +140,13 @@ def _op_cost(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.
     return None
 
 
-@lru_cache(maxsize=64)
-def trace_model(
-    arch: str, gamma: float, num_classes: int = 10, in_channels: int | None = None, image_size: int | None = None
-) -> ModelTrace:
-    """Trace one forward pass of ``hybrid(arch, gamma)`` at batch 1 on the CPU: operators and saved tensors."""
-    card = model_card(arch)
-    channels = in_channels or card.in_channels
-    size = image_size or card.image_size
-    # Built on meta and materialized as zeros: shapes are all that matter, and skipping the
-    # spectral initialization keeps a trace in the tens of milliseconds.
-    with torch.device("meta"):
-        model = hybrid(arch, gamma, num_classes, channels)
+def trace_module(model: nn.Module, in_channels: int, image_size: int) -> ModelTrace:
+    """Trace one training-mode forward pass of ``model`` at batch 1 on the CPU: operators and saved tensors.
+
+    Build ``model`` on the meta device: it is materialized here as zeros, in place (shapes are all
+    that matter, and skipping initialization, e.g. FedHM's spectral one, keeps a trace in the tens
+    of milliseconds). Its values, if it had any, are discarded.
+    """
     model.to_empty(device="cpu")
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
@@ -186,56 +193,83 @@ def trace_model(
         elif not list(module.children()):
             handles.append(module.register_forward_hook(leaf_hook))
 
-    saved: dict[int, int] = {}
+    def saved_bytes(batch: int) -> int:
+        saved: dict[int, int] = {}
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in param_ptrs:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in param_ptrs:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return tensor
 
-    x = torch.zeros(1, channels, size, size)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        output = model(x)
+        x = torch.zeros(batch, in_channels, image_size, image_size)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            output = model(x)
+        del output
+        return sum(saved.values())
+
+    one = saved_bytes(1)
     for handle in handles:
         handle.remove()
-    del output
+    # A second pass at batch 2 splits what is saved into per-sample activations and what does not
+    # grow with the batch (e.g. the dense weight a rank-one layer rebuilds every step).
+    per_sample = saved_bytes(2) - one
     largest = max(op.output_bytes for op in ops)
     return ModelTrace(
-        params=sum(p.numel() for p in params),
+        params=sum(p.numel() for p in model.parameters()),
+        trainable_params=sum(p.numel() for p in params),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         param_tensors=len(params),
-        saved_bytes_per_sample=sum(saved.values()),
+        saved_bytes_per_sample=per_sample,
+        saved_fixed_bytes=one - per_sample,
         transient_bytes_per_sample=int(largest),
         ops=tuple(ops),
     )
 
 
+@lru_cache(maxsize=64)
+def trace_hybrid(
+    arch: str, gamma: float, num_classes: int = 10, in_channels: int | None = None, image_size: int | None = None
+) -> ModelTrace:
+    """The trace of the FedHM hybrid ``hybrid(arch, gamma)`` (cached): what benchmarks/costmodel.py measures."""
+    card = model_card(arch)
+    channels = in_channels or card.in_channels
+    with torch.device("meta"):
+        model = hybrid(arch, gamma, num_classes, channels)
+    return trace_module(model, channels, image_size or card.image_size)
+
+
 @dataclass(frozen=True)
 class Workload:
-    """One local training step: what is trained, on how many samples, with which optimizer."""
+    """One local training step: the traced model, on how many samples, with which optimizer."""
 
-    arch: str
-    gamma: float
+    trace: ModelTrace
     batch_size: int
     optimizer: Optimizer = "momentum"
-    num_classes: int = 10
-    in_channels: int | None = None
-    image_size: int | None = None
 
-    def trace(self) -> ModelTrace:
-        return trace_model(self.arch, self.gamma, self.num_classes, self.in_channels, self.image_size)
+
+def hybrid_workload(
+    arch: str,
+    gamma: float,
+    batch_size: int,
+    optimizer: Optimizer = "momentum",
+    num_classes: int = 10,
+    in_channels: int | None = None,
+    image_size: int | None = None,
+) -> Workload:
+    """A training step of the FedHM hybrid at rank ratio ``gamma``."""
+    return Workload(trace_hybrid(arch, gamma, num_classes, in_channels, image_size), batch_size, optimizer)
 
 
 def predict_memory(work: Workload, accelerator: str = "cpu", include_runtime: bool = True) -> MemoryEstimate:
     """Peak bytes of one training step (``include_runtime=False``: the step alone, without the torch context)."""
     if work.optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {work.optimizer!r}; choose one of: {', '.join(OPTIMIZER_STATES)}")
-    trace = work.trace()
+    trace = work.trace
     weights = trace.params * _FP32 + trace.buffer_bytes
-    gradients = trace.params * _FP32
-    optimizer = trace.params * _FP32 * OPTIMIZER_STATES[work.optimizer]
-    activations = trace.saved_bytes_per_sample * work.batch_size
+    gradients = trace.trainable_params * _FP32
+    optimizer = trace.trainable_params * _FP32 * OPTIMIZER_STATES[work.optimizer]
+    activations = trace.saved_fixed_bytes + trace.saved_bytes_per_sample * work.batch_size
     transient = trace.transient_bytes_per_sample * work.batch_size
     runtime = RUNTIME_CONTEXT_BYTES[accelerator] if include_runtime else 0
     counted = weights + gradients + optimizer + activations + transient
@@ -245,7 +279,7 @@ def predict_memory(work: Workload, accelerator: str = "cpu", include_runtime: bo
 
 def predict_step_seconds(work: Workload, profile: DeviceClass, efficiency: float | None = None) -> float:
     """Seconds of one training step (forward, backward, optimizer) on ``profile``."""
-    trace = work.trace()
+    trace = work.trace
     compute = profile.compute
     eff = efficiency or compute.training_efficiency or DEFAULT_EFFICIENCY[profile.accelerator]
     overhead = compute.kernel_overhead_us
@@ -258,7 +292,7 @@ def predict_step_seconds(work: Workload, profile: DeviceClass, efficiency: float
         moved = (op.activation_bytes * work.batch_size + op.weight_bytes) * _TRAIN_MULTIPLIER
         seconds += max(flops / (flop_rate * op.efficiency_scale), moved / byte_rate)
     # Optimizer: reads weight, grad and each state, writes weight and states.
-    optimizer_bytes = trace.params * _FP32 * (3 + 2 * OPTIMIZER_STATES[work.optimizer])
+    optimizer_bytes = trace.trainable_params * _FP32 * (3 + 2 * OPTIMIZER_STATES[work.optimizer])
     seconds += optimizer_bytes / byte_rate
     kernels = _TRAIN_MULTIPLIER * len(trace.ops) + trace.param_tensors
     return seconds + kernels * overhead * 1e-6

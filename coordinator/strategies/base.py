@@ -11,10 +11,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
+from torch import nn
 
 from coordinator.algorithms.aggregation import UpdateRejected, check_values
 from device_agent.clients.base import ClientProgram
@@ -116,6 +118,11 @@ def seeded_model(model: ModelSpec, seed: int, width: float = 1.0) -> torch.nn.Mo
         return build_model(model.arch, model.num_classes, model.in_channels, width=width)
 
 
+def state_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer of ``model`` (meta tensors too): what a full state dict weighs."""
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+
+
 def check_finite_float(key: str, value: object) -> torch.Tensor:
     """The checks every upload tensor gets before it is folded."""
     if not isinstance(value, torch.Tensor):
@@ -147,6 +154,53 @@ class Strategy(ABC):
         self.model = model
         self.params = params
         self.seed = seed
+
+    @classmethod
+    def client_model(cls, model: ModelSpec, params: BaseModel, level: float) -> nn.Module:
+        """The module a client assigned ``level`` trains, built on the meta device (shapes, no values).
+
+        It comes from the builder the client program uses, so the planner sizes what really runs
+        on the device. Building it needs no strategy instance (an instance may do real work, e.g.
+        FedHM's SVDs). Default: the whole dense model, whatever the level.
+        """
+        with torch.device("meta"):
+            return build_model(model.arch, model.num_classes, model.in_channels)
+
+    @classmethod
+    def download_bytes(cls, model: ModelSpec, params: BaseModel, level: float) -> int:
+        """What a client at ``level`` receives in a round: by default every parameter and buffer of its model."""
+        return state_bytes(cls.client_model(model, params, level))
+
+    @classmethod
+    def upload_bytes(cls, model: ModelSpec, params: BaseModel, level: float) -> int:
+        """What a client at ``level`` sends back: by default its trainable parameters (BN statistics stay).
+
+        Side information (class lists, embeddings) is a few KiB and not counted.
+        """
+        net = cls.client_model(model, params, level)
+        return sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
+
+    @classmethod
+    def level_label(cls, params: BaseModel, level: float) -> str:
+        """What ``level`` means for this strategy's client model, for plan tables: "gamma 1/4", "width 0.5"..."""
+        if cls.levels == "rank":
+            return f"gamma {Fraction(level).limit_denominator(1000)}"
+        if cls.levels == "width":
+            return f"width {level:g}"
+        return "full model"
+
+    @classmethod
+    def level_problem(cls, level: float) -> str | None:
+        """Why no client of this strategy can be assigned ``level`` (None: it can)."""
+        if cls.levels == "none":
+            return None if level == 1 else "it trains the whole model on every device (it has no size levels)"
+        if not 0 < level <= 1:
+            return f"a {cls.levels} level must be in (0, 1]"
+        return None
+
+    def trained_level(self, slot: ClientSlot) -> float:
+        """The level the client of ``slot`` actually trains (what metrics should record): by default its own."""
+        return slot.level
 
     @abstractmethod
     def configure(self, round: int, clients: Sequence[ClientSlot]) -> dict[str, Assignment]:

@@ -19,6 +19,7 @@ from typing import ClassVar
 
 import torch
 from pydantic import Field
+from torch import nn
 
 from coordinator.algorithms.similarity import cosine_matrix, mix, mixing_weights
 from coordinator.strategies.base import Assignment, ClientSlot, ModelSpec, RoundAggregate, Strategy, StrategyParams
@@ -32,7 +33,7 @@ from coordinator.strategies.buffered import (
 from device_agent.clients.base import ClientProgram
 from device_agent.clients.rank_one import FactorizedFLBetaProgram, FactorizedFLProgram, rank_one_model, shared_layers
 from device_agent.clients.spec import FactorizedFLBetaSpec, FactorizedFLSpec
-from device_agent.layers import dense_state, similarity_layer
+from device_agent.layers import dense_state, rank_one_layers, similarity_layer
 
 
 class FactorizedFLParams(StrategyParams):
@@ -65,16 +66,42 @@ class FactorizedFL(Strategy):
         self.mean: dict[str, torch.Tensor] = {}
         self.personal: dict[str, dict[str, torch.Tensor]] = {}
 
-    def _spec(self) -> FactorizedFLSpec | FactorizedFLBetaSpec:
-        return self.program.Spec(  # type: ignore[return-value, call-arg]
-            strategy=self.name,
-            model=self.model,
+    @classmethod
+    def client_spec(cls, model: ModelSpec, params: FactorizedFLParams) -> FactorizedFLSpec | FactorizedFLBetaSpec:
+        """The spec of every assignment: the client program rebuilds its rank-one model from it."""
+        return cls.program.Spec(  # type: ignore[return-value, call-arg]
+            strategy=cls.name,
+            model=model,
             level=1.0,
-            layout=self.layout,
-            lambda_sparsity=self.params.lambda_sparsity,
-            prune_below=self.params.prune_below,
-            share_head=self.params.share_head,
+            layout=cls.layout,
+            lambda_sparsity=params.lambda_sparsity,
+            prune_below=params.prune_below,
+            share_head=params.share_head,
         )
+
+    def _spec(self) -> FactorizedFLSpec | FactorizedFLBetaSpec:
+        return self.client_spec(self.model, self.params)
+
+    @classmethod
+    def client_model(cls, model: ModelSpec, params: FactorizedFLParams, level: float) -> nn.Module:
+        """The rank-one-plus-sparse model (the same at every level), as the client program builds it."""
+        with torch.device("meta"):
+            return cls.program.build_model(cls.client_spec(model, params))
+
+    @classmethod
+    def upload_bytes(cls, model: ModelSpec, params: FactorizedFLParams, level: float) -> int:
+        """The factors of every shared layer plus v of the similarity layer.
+
+        Downloads keep the default, the whole model: a newcomer's first assignment (the worst case;
+        later ones carry only its u).
+        """
+        net = cls.client_model(model, params, level)
+        layers = rank_one_layers(net)
+        shared = shared_layers(net, params.share_head)
+        tensors = {(name, factor): getattr(layers[name], factor) for name in shared for factor in cls.factors}
+        similarity = similarity_layer(net)
+        tensors[(similarity, "v")] = layers[similarity].v
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def configure(self, round: int, clients: Sequence[ClientSlot]) -> dict[str, Assignment]:
         out = {}

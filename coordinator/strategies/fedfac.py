@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import ClassVar, Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 from torch import nn
 
 from coordinator.algorithms.factor_analysis import split_elements
@@ -29,6 +29,7 @@ from coordinator.strategies.base import (
     Strategy,
     StrategyParams,
     seeded_model,
+    state_bytes,
 )
 from coordinator.strategies.buffered import (
     BufferedRound,
@@ -101,6 +102,11 @@ class FedFac(Strategy):
                 self.private_keys += [k for k in self.global_weights if k.startswith(f"{norm}.")]
         self.split: dict[str, torch.Tensor] = {}
         self.personal: dict[str, dict[str, torch.Tensor]] = {}
+
+    @classmethod
+    def upload_bytes(cls, model: ModelSpec, params: BaseModel, level: float) -> int:
+        """The whole dense model, BN statistics included: the server's factor analysis needs every element."""
+        return state_bytes(cls.client_model(model, params, level))
 
     def _spec(self) -> FedFacSpec:
         return FedFacSpec(strategy="fedfac", model=self.model, level=1.0)

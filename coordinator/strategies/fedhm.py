@@ -18,7 +18,8 @@ from collections.abc import Mapping, Sequence
 from typing import ClassVar, Literal
 
 import torch
-from pydantic import Field
+from pydantic import BaseModel, Field
+from torch import nn
 
 from coordinator.algorithms.aggregation import StreamingAggregator
 from coordinator.algorithms.lowrank import factorize
@@ -86,6 +87,13 @@ class FedHM(Strategy):
         super().__init__(model, params, seed)
         self.plan = factorization_plan(model.arch, model.num_classes, model.in_channels)
         self._global = {k: v.detach().clone() for k, v in seeded_model(model, seed).state_dict().items()}
+
+    @classmethod
+    def client_model(cls, model: ModelSpec, params: BaseModel, level: float) -> nn.Module:
+        """The hybrid at rank ratio gamma = ``level``, as ``FedHMProgram`` builds it."""
+        spec = FedHMSpec(strategy="fedhm", model=model, level=level, frobenius_decay=params.frobenius_decay)  # type: ignore[attr-defined]
+        with torch.device("meta"):
+            return cls.program.build_model(spec)
 
     def configure(self, round: int, clients: Sequence[ClientSlot]) -> dict[str, Assignment]:
         levels = factorize(self._global, self.plan, {slot.level for slot in clients})

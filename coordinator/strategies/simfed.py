@@ -16,9 +16,18 @@ from typing import ClassVar
 
 import torch
 from pydantic import Field
+from torch import nn
 
 from coordinator.algorithms.similarity import cosine_matrix, mixing_weights, reflect
-from coordinator.strategies.base import Assignment, ClientSlot, ModelSpec, RoundAggregate, Strategy, StrategyParams
+from coordinator.strategies.base import (
+    Assignment,
+    ClientSlot,
+    ModelSpec,
+    RoundAggregate,
+    Strategy,
+    StrategyParams,
+    state_bytes,
+)
 from coordinator.strategies.buffered import BufferedRound, client_states, unprefixed
 from device_agent.clients.base import ClientProgram
 from device_agent.clients.rank_one import SimFedProgram, rank_one_model, shared_layers
@@ -41,6 +50,7 @@ class SimFed(Strategy):
     Params: ClassVar[type[SimFedParams]] = SimFedParams
     program: ClassVar[type[ClientProgram]] = SimFedProgram
     personalized: ClassVar[bool] = True
+    layout: ClassVar[str] = "channel"
 
     def __init__(self, model: ModelSpec, params: SimFedParams, seed: int = 0) -> None:
         super().__init__(model, params, seed)
@@ -58,15 +68,37 @@ class SimFed(Strategy):
         self.personal: dict[str, dict[str, torch.Tensor]] = {}
         self.samples: dict[str, int] = {}
 
-    def _spec(self) -> SimFedSpec:
+    @classmethod
+    def client_spec(cls, model: ModelSpec, params: SimFedParams) -> SimFedSpec:
+        """The spec of every assignment: the client program rebuilds its rank-one model from it."""
         return SimFedSpec(
             strategy="simfed",
-            model=self.model,
+            model=model,
             level=1.0,
             layout="channel",
-            lambda_sparsity=self.params.lambda_sparsity,
-            prune_below=self.params.prune_below,
+            lambda_sparsity=params.lambda_sparsity,
+            prune_below=params.prune_below,
         )
+
+    def _spec(self) -> SimFedSpec:
+        return self.client_spec(self.model, self.params)
+
+    @classmethod
+    def client_model(cls, model: ModelSpec, params: SimFedParams, level: float) -> nn.Module:
+        """The rank-one-plus-sparse model in SimFed's channel layout, as the client program builds it."""
+        with torch.device("meta"):
+            return cls.program.build_model(cls.client_spec(model, params))
+
+    @classmethod
+    def download_bytes(cls, model: ModelSpec, params: SimFedParams, level: float) -> int:
+        """The client's whole model plus the criteria input batch."""
+        criteria = params.criteria_batch * model.in_channels * model.image_size**2 * 4
+        return super().download_bytes(model, params, level) + criteria
+
+    @classmethod
+    def upload_bytes(cls, model: ModelSpec, params: SimFedParams, level: float) -> int:
+        """The whole model, BN statistics included: the server keeps every client's theta_k."""
+        return state_bytes(cls.client_model(model, params, level))
 
     def _newcomer_state(self) -> dict[str, torch.Tensor]:
         """What a client the server has no model for starts from: the sample-weighted mean of known ones."""

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import ClassVar, Literal
 
 import torch
-from pydantic import Field
+from pydantic import BaseModel, Field
 from torch import Tensor, nn
 
 from coordinator.algorithms.aggregation import UpdateRejected
@@ -185,8 +185,24 @@ class WidthStrategy(Strategy):
         self.classifier_keys = {f"{linears[-1]}.weight", f"{linears[-1]}.bias"} if linears else set()
         self._shapes: dict[float, dict[str, torch.Size]] = {}
 
+    @classmethod
+    def client_width(cls, params: BaseModel, level: float) -> float:
+        """The width rate a client assigned ``level`` trains."""
+        return level
+
+    @classmethod
+    def client_model(cls, model: ModelSpec, params: BaseModel, level: float) -> nn.Module:
+        """The dense model at the client's width, as ``WidthProgram`` builds it."""
+        width = cls.client_width(params, level)
+        spec = WidthSpec(strategy=cls.name, model=model, level=width, scaler=False, send_classes=False)  # type: ignore[arg-type]
+        with torch.device("meta"):
+            return cls.program.build_model(spec)
+
     def client_level(self, slot: ClientSlot) -> float:
         return slot.level
+
+    def trained_level(self, slot: ClientSlot) -> float:
+        return self.client_level(slot)
 
     def trainable(self) -> dict[str, Tensor]:
         return {k: v for k, v in self._global.items() if not is_norm_statistic(k)}
@@ -282,6 +298,10 @@ class FedAvg(WidthStrategy):
     Params: ClassVar[type[FedAvgParams]] = FedAvgParams
     levels: ClassVar[str] = "none"
 
+    @classmethod
+    def client_width(cls, params: BaseModel, level: float) -> float:
+        return 1.0
+
     def client_level(self, slot: ClientSlot) -> float:
         return 1.0
 
@@ -297,6 +317,17 @@ class FedAvgSmall(WidthStrategy):
     def __init__(self, model: ModelSpec, params: FedAvgSmallParams, seed: int = 0) -> None:
         super().__init__(model, params, seed, width=params.level or 1.0)
         self._fixed = params.level is not None
+
+    @classmethod
+    def client_width(cls, params: FedAvgSmallParams, level: float) -> float:
+        """``params.level`` when fixed; else at most ``level`` (the first round's smallest level wins)."""
+        return level if params.level is None else params.level
+
+    @classmethod
+    def level_label(cls, params: FedAvgSmallParams, level: float) -> str:
+        if params.level is None:
+            return f"width <= {level:g} (the first round's smallest)"
+        return f"width {params.level:g} (fixed)"
 
     def client_level(self, slot: ClientSlot) -> float:
         return self.width

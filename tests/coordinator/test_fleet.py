@@ -138,6 +138,32 @@ def test_strategy_parameters_are_validated_by_the_strategy_itself() -> None:
         parse_fleet(_with("strategy", {"name": "fedhm", "params": {"temperature": 0}}), CATALOG)
 
 
+@pytest.mark.parametrize("name", ["fedavg", "factorized_fl", "factorized_fl_beta", "simfed", "fedfac"])
+def test_a_strategy_without_size_levels_trains_the_whole_model_everywhere(name: str) -> None:
+    fleet = parse_fleet(_with("strategy", {"name": name}), CATALOG)
+
+    assert fleet.ratios == [1.0]
+    assert parse_fleet({**_with("strategy", {"name": name}), "ratios": [1]}, CATALOG).ratios == [1.0]
+
+
+def test_ratios_a_strategy_has_no_use_for_are_an_error_that_says_what_to_write() -> None:
+    data = {**_with("strategy", {"name": "factorized_fl"}), "ratios": [1, "1/2"]}
+
+    with pytest.raises(FleetError) as info:
+        parse_fleet(data, CATALOG)
+
+    message = str(info.value)
+    assert "ratios: 0.5 does not fit strategy 'factorized_fl'" in message
+    assert "no size levels" in message
+    assert "write `ratios: [1]` or leave ratios out" in message
+
+
+def test_a_strategy_with_levels_keeps_the_default_ratios_and_rejects_impossible_ones() -> None:
+    assert parse_fleet(_with("strategy", {"name": "heterofl"}), CATALOG).ratios == [1.0, 0.5, 0.25, 0.125]
+    with pytest.raises(FleetError, match=r"ratios: rank ratio 1.5 is outside \(0, 1\]"):
+        parse_fleet({**_with("strategy", {"name": "heterofl"}), "ratios": [1, 1.5]}, CATALOG)
+
+
 def test_file_level_problems_are_clear(tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
     with pytest.raises(FleetError, match="cannot read"):

@@ -6,9 +6,11 @@ import copy
 from pathlib import Path
 
 import pytest
+import torch
 
 from coordinator.fleet import Fleet, load_fleet, parse_fleet
 from coordinator.planner import after_out_of_memory, plan_fleet
+from device_agent.models import build_model
 from device_agent.probe import DeviceProfile
 from profiles.catalog import load_catalog
 
@@ -162,6 +164,34 @@ def test_the_example_fleet_uses_every_rank_level_and_excludes_a_device_for_a_rea
     excluded = [row for row in rows if row.ratio is None and row.reason.startswith("excluded")]
     assert excluded, "at least one device is excluded because it cannot fit, not merely waiting"
     assert all(("needs" in row.reason) or ("deadline" in row.reason) for row in excluded)
+
+
+def test_a_fixed_width_strategy_plans_every_device_at_that_width() -> None:
+    fleet = _fleet(
+        [{"id": "rtx", "profile": "rtx-4060-laptop"}, {"id": "pi", "profile": "raspberry-pi-4"}],
+        strategy={"name": "fedavg_small", "params": {"level": 0.25}},
+        round_deadline_s=1e6,
+    )
+    with torch.device("meta"):
+        small = build_model("resnet18", 10, 3, width=0.25)
+
+    rows = plan_fleet(fleet, CATALOG)
+
+    assert [row.model for row in rows] == ["width 0.25 (fixed)"] * 2
+    assert {row.trainable_params for row in rows} == {sum(p.numel() for p in small.parameters())}
+    assert [row.ratio for row in rows] == [1.0, 1.0], "every level costs the same, so the largest is kept"
+
+
+def test_a_strategy_without_levels_names_the_full_model_when_it_excludes_a_device() -> None:
+    fleet = _fleet(
+        [{"id": "tiny", "profile": "raspberry-pi-4", "overrides": {"memory": {"total": "0.75 GiB"}}}],
+        strategy={"name": "factorized_fl"},
+    )
+
+    [row] = plan_fleet(fleet, CATALOG)
+
+    assert row.ratio is None and row.model == "full model"
+    assert row.reason.startswith("excluded: full model: needs ")
 
 
 def _report(**changes: object) -> DeviceProfile:

@@ -6,8 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from coordinator.cli import main
+from coordinator.fleet import load_fleet
+from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
+from device_agent.clients import build_program
+from profiles.costmodel import Workload, predict_memory, trace_module
 from profiles.schema import DeviceClass
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fleet.yaml"
@@ -15,6 +20,8 @@ PLAN_KEYS = {
     "device",
     "profile",
     "ratio",
+    "model",
+    "trainable_params",
     "est_memory_bytes",
     "memory_budget_bytes",
     "est_round_seconds",
@@ -71,3 +78,40 @@ def test_a_missing_profile_directory_is_an_error(tmp_path: Path, capsys: pytest.
     assert main(["profiles", "--dir", str(tmp_path / "nope")]) == 1
 
     assert "does not exist" in capsys.readouterr().err
+
+
+def _plan_as(strategy: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], **changes: object) -> list[dict]:
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data["strategy"] = {"name": strategy, "params": {}}
+    data.update(changes)
+    path = tmp_path / f"{strategy}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["plan", "--fleet", str(path), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(("strategy", "changes"), [("heterofl", {}), ("factorized_fl", {"ratios": [1]})])
+def test_each_strategy_is_planned_with_the_model_its_devices_really_train(
+    strategy: str, changes: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fedhm = _plan_as("fedhm", tmp_path, capsys)
+    rows = _plan_as(strategy, tmp_path, capsys, **changes)
+    fleet, catalog = load_fleet(EXAMPLE)
+    model = ModelSpec("resnet18", 10, 3, 32)
+    real = build_strategy(strategy, model)
+    planned = [(row, device) for row, device in zip(rows, fleet.devices, strict=True) if row["ratio"] is not None]
+
+    assert [(r["ratio"], r["est_memory_bytes"]) for r in rows] != [(r["ratio"], r["est_memory_bytes"]) for r in fedhm]
+    assert planned
+    for level in {row["ratio"] for row, _ in planned}:
+        # The device's own program, built on the CPU from a real assignment, traced independently.
+        [assignment] = real.configure(1, [ClientSlot("d", level, 100)]).values()
+        program_model = build_program(assignment.meta, assignment.tensors).model
+        trainable = sum(p.numel() for p in program_model.parameters() if p.requires_grad)
+        trace = trace_module(program_model, 3, 32)
+        for row, device in [(r, d) for r, d in planned if r["ratio"] == level]:
+            batch = device.overrides.batch_size or fleet.training.batch_size
+            work = Workload(trace, batch, fleet.training.optimizer)
+            assert row["trainable_params"] == trainable
+            assert row["est_memory_bytes"] == predict_memory(work, catalog[device.profile].accelerator).total
+            assert row["model"] == ("full model" if strategy == "factorized_fl" else f"width {level:g}")

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
+from torch import nn
 
 from coordinator.model_stats import model_stats
+from device_agent.layers import rank_one_layers, reparametrize
+from device_agent.models import build_model
 from profiles.catalog import load_catalog
 from profiles.costmodel import (
     OPTIMIZER_STATES,
     Workload,
     calibrate_efficiency,
+    hybrid_workload,
     predict_memory,
     predict_step_seconds,
-    trace_model,
+    trace_hybrid,
+    trace_module,
 )
 
 GAMMAS = (1.0, 0.5, 0.25, 0.125)
@@ -23,15 +31,15 @@ def test_weights_gradients_and_optimizer_state_follow_the_parameter_count(gamma:
     params = model_stats("resnet18", gamma).params
 
     for optimizer, states in OPTIMIZER_STATES.items():
-        estimate = predict_memory(Workload("resnet18", gamma, 16, optimizer))
+        estimate = predict_memory(hybrid_workload("resnet18", gamma, 16, optimizer))
         assert estimate.gradients == 4 * params
         assert estimate.optimizer == 4 * params * states
         assert estimate.weights >= 4 * params  # plus BatchNorm running statistics
 
 
 def test_lowering_the_rank_cuts_parameters_but_barely_activations() -> None:
-    full = predict_memory(Workload("resnet18", 1.0, 32))
-    small = predict_memory(Workload("resnet18", 0.125, 32))
+    full = predict_memory(hybrid_workload("resnet18", 1.0, 32))
+    small = predict_memory(hybrid_workload("resnet18", 0.125, 32))
 
     assert small.weights / full.weights < 0.15
     # The r-channel intermediate of every factorized conv is saved too: activations do not shrink.
@@ -39,16 +47,16 @@ def test_lowering_the_rank_cuts_parameters_but_barely_activations() -> None:
 
 
 def test_activation_memory_is_linear_in_the_batch_size() -> None:
-    one = predict_memory(Workload("cnn", 0.5, 1, image_size=32), include_runtime=False)
-    many = predict_memory(Workload("cnn", 0.5, 65, image_size=32), include_runtime=False)
-    per_sample = trace_model("cnn", 0.5, image_size=32)
+    one = predict_memory(hybrid_workload("cnn", 0.5, 1, image_size=32), include_runtime=False)
+    many = predict_memory(hybrid_workload("cnn", 0.5, 65, image_size=32), include_runtime=False)
+    per_sample = trace_hybrid("cnn", 0.5, image_size=32)
 
     grown = many.total - one.total
     assert grown == 64 * (per_sample.saved_bytes_per_sample + per_sample.transient_bytes_per_sample)
 
 
 def test_saved_activations_count_each_storage_once() -> None:
-    trace = trace_model("cnn", 1.0, image_size=8)
+    trace = trace_hybrid("cnn", 1.0, image_size=8)
     # conv1 input, and per conv-BN-ReLU stage the conv output (BN input) and the in-place ReLU output.
     # Upper bound: every leaf operator's input and output saved separately.
     naive = sum(op.activation_bytes for op in trace.ops)
@@ -57,7 +65,7 @@ def test_saved_activations_count_each_storage_once() -> None:
 
 
 def test_gpu_predictions_include_the_runtime_context() -> None:
-    work = Workload("resnet18", 0.5, 8)
+    work = hybrid_workload("resnet18", 0.5, 8)
 
     assert (
         predict_memory(work, "cuda").total
@@ -69,16 +77,16 @@ def test_gpu_predictions_include_the_runtime_context() -> None:
 def test_step_time_grows_with_batch_and_shrinks_with_rank() -> None:
     pi = load_catalog()["raspberry-pi-5"]
 
-    times = [predict_step_seconds(Workload("resnet18", g, 32), pi) for g in GAMMAS]
+    times = [predict_step_seconds(hybrid_workload("resnet18", g, 32), pi) for g in GAMMAS]
     assert times == sorted(times, reverse=True)
-    assert predict_step_seconds(Workload("resnet18", 0.5, 64), pi) > predict_step_seconds(
-        Workload("resnet18", 0.5, 32), pi
+    assert predict_step_seconds(hybrid_workload("resnet18", 0.5, 64), pi) > predict_step_seconds(
+        hybrid_workload("resnet18", 0.5, 32), pi
     )
 
 
 def test_faster_devices_are_predicted_faster() -> None:
     catalog = load_catalog()
-    work = Workload("resnet18", 1.0, 32)
+    work = hybrid_workload("resnet18", 1.0, 32)
 
     assert predict_step_seconds(work, catalog["rtx-3060-laptop"]) < predict_step_seconds(work, catalog["jetson-nano"])
     assert predict_step_seconds(work, catalog["jetson-nano"]) < predict_step_seconds(work, catalog["raspberry-pi-4"])
@@ -86,7 +94,7 @@ def test_faster_devices_are_predicted_faster() -> None:
 
 def test_calibration_recovers_the_efficiency_that_produced_a_time() -> None:
     pi = load_catalog()["raspberry-pi-5"]
-    work = Workload("resnet18", 1.0, 16)
+    work = hybrid_workload("resnet18", 1.0, 16)
     measured = predict_step_seconds(work, pi, efficiency=0.21)
 
     assert calibrate_efficiency(work, pi, measured) == pytest.approx(0.21, rel=1e-3)
@@ -94,11 +102,45 @@ def test_calibration_recovers_the_efficiency_that_produced_a_time() -> None:
 
 def test_an_unknown_optimizer_is_named() -> None:
     with pytest.raises(ValueError, match="unknown optimizer 'lbfgs'"):
-        predict_memory(Workload("cnn", 1.0, 8, "lbfgs"))  # type: ignore[arg-type]
+        predict_memory(hybrid_workload("cnn", 1.0, 8, "lbfgs"))  # type: ignore[arg-type]
 
 
-def test_round_payloads_match_the_model_statistics() -> None:
-    trace = trace_model("resnet18", 0.25)
+def test_the_hybrid_trace_counts_the_parameters_of_the_model_statistics() -> None:
+    trace = trace_hybrid("resnet18", 0.25)
 
-    assert trace.upload_bytes == model_stats("resnet18", 0.25).upload_bytes
-    assert trace.download_bytes > trace.upload_bytes
+    assert trace.params == trace.trainable_params == model_stats("resnet18", 0.25).params
+
+
+def test_frozen_weights_cost_storage_but_no_gradients_or_optimizer_state() -> None:
+    with torch.device("meta"):
+        model = build_model("cnn", 10, 1)
+    frozen = model.get_submodule(_first_conv(model))
+    for parameter in frozen.parameters():
+        parameter.requires_grad_(False)
+    trace = trace_module(model, 1, 8)
+    frozen_count = sum(p.numel() for p in frozen.parameters())
+
+    estimate = predict_memory(Workload(trace, 4, "adam"), include_runtime=False)
+
+    assert trace.trainable_params == trace.params - frozen_count
+    assert estimate.weights >= 4 * trace.params
+    assert estimate.gradients == 4 * trace.trainable_params
+    assert estimate.optimizer == 8 * trace.trainable_params
+
+
+def test_a_rank_one_model_saves_its_rebuilt_weights_once_per_step_not_per_sample() -> None:
+    with torch.device("meta"):
+        model = reparametrize(build_model("cnn", 10, 1))
+    dense_weights = sum(math.prod(layer.weight_shape) for layer in rank_one_layers(model).values())
+    trace = trace_module(model, 1, 8)
+
+    one = predict_memory(Workload(trace, 1), include_runtime=False)
+    many = predict_memory(Workload(trace, 9), include_runtime=False)
+
+    assert trace.saved_fixed_bytes >= 4 * dense_weights
+    assert many.activations - one.activations == 8 * trace.saved_bytes_per_sample
+    assert trace.forward_flops_per_sample > 0
+
+
+def _first_conv(model: nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if isinstance(m, nn.Conv2d))
