@@ -86,9 +86,19 @@ def fixed_levels(levels: Mapping[str, float]):
         _reports: Mapping[str, DeviceProfile],
         _ceilings: Mapping[str, float],
     ) -> list[DevicePlan]:
-        deadline = fleet.round_deadline_s
         return [
-            DevicePlan(d.id, "simulated", levels[d.id], None, None, None, deadline, "fixed by the simulation")
+            DevicePlan(
+                device=d.id,
+                profile="simulated",
+                ratio=levels[d.id],
+                model=None,
+                trainable_params=None,
+                est_memory_bytes=None,
+                memory_budget_bytes=None,
+                est_round_seconds=None,
+                deadline_seconds=fleet.round_deadline_s,
+                reason="fixed by the simulation",
+            )
             for d in fleet.devices
         ]
 

@@ -106,7 +106,7 @@ def test_each_strategy_is_planned_with_the_model_its_devices_really_train(
     for level in {row["ratio"] for row, _ in planned}:
         # The device's own program, built on the CPU from a real assignment, traced independently.
         [assignment] = real.configure(1, [ClientSlot("d", level, 100)]).values()
-        program_model = build_program(assignment.meta, assignment.tensors).model
+        program_model = build_program(assignment.spec, assignment.tensors).model
         trainable = sum(p.numel() for p in program_model.parameters() if p.requires_grad)
         trace = trace_module(program_model, 3, 32)
         for row, device in [(r, d) for r, d in planned if r["ratio"] == level]:

@@ -36,7 +36,7 @@ def test_client_model_and_transfers_match_the_program_of_a_real_assignment(name:
     cls = STRATEGIES[name]
     strategy = build_strategy(name, DIGITS)
     [assignment] = strategy.configure(1, [ClientSlot("c0", level, 50)]).values()
-    program = build_program(assignment.meta, assignment.tensors)
+    program = build_program(assignment.spec, assignment.tensors)
 
     planned = cls.client_model(DIGITS, strategy.params, level)
 
@@ -50,7 +50,7 @@ def test_fedavg_small_with_a_fixed_width_trains_that_width_whatever_the_plan() -
     strategy = build_strategy("fedavg_small", DIGITS, {"level": 0.5})
     slot = ClientSlot("c0", 1.0, 50)
     [assignment] = strategy.configure(1, [slot]).values()
-    program = build_program(assignment.meta, assignment.tensors)
+    program = build_program(assignment.spec, assignment.tensors)
 
     planned = strategy.client_model(DIGITS, strategy.params, slot.level)
 
