@@ -15,9 +15,9 @@ from typing import Any
 from device_agent.atomic import append_line
 from export.check import FP32_TOLERANCE, accuracy, check_parity, latency_ms, quantize_int8
 from export.onnx_file import DEFAULT_OPSET, opset_of, write_onnx
+from export.records import EXPORTS_FILE
 from export.targets import ExportError, Target, TrainedRun, build_target, class_names, load_run_data
 
-EXPORTS_FILE = "exports.jsonl"
 PREPROCESSING = {"scale": 1 / 255, "resize": "bilinear", "layout": "NCHW"}
 
 
@@ -115,20 +115,6 @@ def export_run(run: TrainedRun, options: ExportOptions) -> ExportRecord:
             record.int8["latency_ms_b1"] = round(latency_ms(int8, shape, 1), 3)
     append_line(run.path / EXPORTS_FILE, json.dumps(asdict(record), sort_keys=True))
     return record
-
-
-def read_exports(run_dir: Path) -> list[dict[str, Any]]:
-    """The run's export records, oldest first (torn or unreadable lines are skipped)."""
-    path = Path(run_dir) / EXPORTS_FILE
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
 
 
 def describe(record: ExportRecord) -> str:
