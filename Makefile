@@ -33,6 +33,7 @@ bench: setup
 	$(PY) -m benchmarks.costmodel --json
 	$(PY) -m benchmarks.emulation --json
 	$(PY) -m benchmarks.compare --scenario all --json
+	$(PY) -m benchmarks.export --json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

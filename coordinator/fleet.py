@@ -33,6 +33,7 @@ from device_agent.clients.spec import TrainConfig
 from device_agent.models import MODELS
 from device_agent.probe import ComputeSpec, MemorySpec, NetworkSpec
 from device_agent.schema import DatasetName, DeviceName, FleetName, Partition, check_secret_ref
+from export.auto import ExportSettings
 from profiles.catalog import Catalog, ProfileError, format_validation_error, load_catalog, unknown_profile_message
 from profiles.costmodel import OPTIMIZER_STATES
 
@@ -277,6 +278,7 @@ class Fleet(_Strict):
         default_factory=list, description="extra profile directories (relative: to this file)"
     )
     devices: list[Device] = Field(min_length=1)
+    export: ExportSettings | None = Field(None, description="ONNX exports written when the run finishes")
 
     @field_validator("ratios", mode="before")
     @classmethod
@@ -322,6 +324,16 @@ class Fleet(_Strict):
                 raise ValueError(
                     f"devices[{index}].overrides.max_ratio {cap} is not one of the allowed ratios {self.ratios}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _export_fits(self) -> Fleet:
+        if self.export is not None:
+            strategy = STRATEGIES[self.strategy.name]
+            ids = [d.id for d in self.devices]
+            problems = self.export.problems(self.ratios, ids, strategy.personalized, strategy.levels == "rank")
+            if problems:
+                raise ValueError("export." + "; export.".join(problems))
         return self
 
     def samples_for(self, device: Device) -> int:

@@ -22,6 +22,7 @@ from matplotlib.lines import Line2D
 from coordinator.metrics import RoundMetrics
 from coordinator.rundir import FLEET_FILE, METRICS_FILE, RUN_FILE, RunDirError, read_metrics, read_run_file
 from device_agent.atomic import atomic_write
+from export.records import TABLE_HEADER, read_exports, table_rows
 
 REPORT_FILE = "report.html"
 PLOTS_DIR = "plots"
@@ -248,6 +249,12 @@ def load_run(run_dir: Path) -> tuple[dict, list[RoundMetrics]]:
     return run, rounds
 
 
+def _exports(run_dir: Path) -> str:
+    """The files ``coordinator export`` wrote from this run, with size, parity and latency."""
+    records = read_exports(run_dir)
+    return f"<h2>Exported models</h2>{_table(TABLE_HEADER, table_rows(records))}" if records else ""
+
+
 def write_report(run_dir: Path) -> Path:
     """(Re)write ``report.html`` and ``plots/*.png`` in ``run_dir``; returns the report's path."""
     run_dir = Path(run_dir)
@@ -267,6 +274,7 @@ def write_report(run_dir: Path) -> Path:
 {"".join(figures)}
 <h2>Devices</h2>{_per_device(rounds)}
 <h2>Rounds</h2>{_per_round(rounds)}
+{_exports(run_dir)}
 <h2>Configuration</h2><details><summary>{FLEET_FILE} snapshot</summary><pre>{snapshot}</pre></details>
 </body></html>
 """

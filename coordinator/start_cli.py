@@ -200,6 +200,10 @@ def run_start(
             before_broker_stops()
         broker.stop()
         rundir.close()
+    if finished:
+        from coordinator.exporting import export_finished_run
+
+        export_finished_run(fleet, run_dir)
     if rundir.metrics():
         print(f"report: {write_report(run_dir)}")
     print("all rounds done" if finished else f"stopped; run the same command to resume {run_dir}")

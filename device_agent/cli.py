@@ -1,6 +1,8 @@
 """``device-agent``: the command line of the runtime flashed onto Jetsons, Raspberry Pis and laptops.
 
-``probe`` measures the device; ``run`` (device_agent.run_cli) joins a fleet and trains.
+``probe`` measures the device; ``run`` (device_agent.run_cli) joins a fleet and trains; ``infer``
+(device_agent.infer) classifies with an exported model. Torch is imported only by the commands that
+train or probe, so ``infer`` runs on a device that has onnxruntime and numpy alone.
 """
 
 from __future__ import annotations
@@ -8,9 +10,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from typing import TYPE_CHECKING
 
-from device_agent import __version__, emulate_cli, run_cli
-from device_agent.probe import DeviceProfile, probe_device
+from device_agent import __version__, infer
+
+if TYPE_CHECKING:
+    from device_agent.probe import DeviceProfile
 
 _GIB = 1024**3
 
@@ -32,6 +37,8 @@ examples:
   device-agent probe --human            the same, as a short readable summary
   device-agent probe --device cpu --seconds 2
                                         benchmark the CPU only, for longer
+  device-agent infer --model model.onnx digit.pgm batch.npy
+                                        classify with an exported model (needs no torch)
 """
 
 
@@ -48,6 +55,8 @@ def _positive_seconds(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full parser, separate from ``main`` so its help can be tested and documented."""
+    from device_agent import emulate_cli, run_cli
+
     parser = argparse.ArgumentParser(
         prog="device-agent",
         description=_DESCRIPTION,
@@ -97,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     probe.set_defaults(handler=_run_probe)
     run_cli.add_parser(commands)
     emulate_cli.add_parser(commands)
+    infer.add_parser(commands)
     return parser
 
 
@@ -127,6 +137,8 @@ def format_human(profile: DeviceProfile) -> str:
 
 
 def _run_probe(args: argparse.Namespace) -> int:
+    from device_agent.probe import probe_device
+
     try:
         profile = probe_device(benchmark_seconds=args.seconds, device=args.device, broker_url=args.broker)
     except (ValueError, TimeoutError) as exc:
@@ -142,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     argparse's own exits (``--help``, ``--version``, usage errors) are turned into return codes so
     that callers and tests get an ``int`` back in every case.
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["infer"]:
+        return infer.main(argv[1:], prog="device-agent infer")
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
