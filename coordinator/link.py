@@ -51,6 +51,19 @@ class Link(Protocol):
         ...
 
 
+def _by_device(handler: Callable[[str, Any], None], what: str) -> Callable[[str, Any], None]:
+    """A topic-keyed session callback that hands ``handler`` the device id; anything else is logged and dropped."""
+
+    def on_topic(topic: str, item: Any) -> None:
+        device = device_of(topic)
+        if device is None:
+            log.warning("%s on %s, outside any device's subtree; ignored", what, topic)
+            return
+        handler(device, item)
+
+    return on_topic
+
+
 class MqttLink:
     """A fleet over an MQTT broker: one coordinator session, per-device topics under the fleet's name."""
 
@@ -67,22 +80,12 @@ class MqttLink:
         return self._topics[device]
 
     def start(self, on_message: MessageHandler, on_payload: PayloadHandler, timeout: float = 30.0) -> None:
-        def message(topic: str, msg: Message) -> None:
-            device = device_of(topic)
-            if device is None:
-                log.warning("message on %s, outside any device's subtree; ignored", topic)
-                return
-            on_message(device, msg)
-
-        def payload(topic: str, completed: Completed) -> None:
-            device = device_of(topic)
-            if device is None:
-                log.warning("payload on %s, outside any device's subtree; ignored", topic)
-                return
-            on_payload(device, completed)
-
         self.session = coordinator_session(
-            self.fleet, self.broker, on_message=message, on_payload=payload, **self.session_config
+            self.fleet,
+            self.broker,
+            on_message=_by_device(on_message, "message"),
+            on_payload=_by_device(on_payload, "payload"),
+            **self.session_config,
         )
         self.session.start(timeout=timeout)
 
