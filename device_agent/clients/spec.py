@@ -132,7 +132,7 @@ class FedFacSpec(SpecBase):
 
 
 class LoRASpec(SpecBase):
-    """Fine-tuning a pre-trained transformer: LoRA adapters of rank ``rank`` (fedlora, lora_homogeneous) or all of it (ft).
+    """Fine-tuning a pre-trained transformer: LoRA adapters of rank ``rank`` or all of it (ft).
 
     ``level`` is ``rank / max_rank`` (the planner's (0, 1] scale; FedLoRA's r in {2, 4, 8, 16} is
     levels 1/8 ... 1 with max_rank 16); ``rank`` is what the device builds. The frozen base is
