@@ -17,22 +17,16 @@ from pathlib import Path
 
 import torch
 
-from coordinator.pretrain import pretrain, save_checkpoint
+from coordinator.pretrain import class_subset, pretrain, save_checkpoint
 from coordinator.simulation import SimClient, simulate
 from coordinator.strategies import STRATEGIES, ModelSpec, build_strategy
-from device_agent.data.datasets import LabeledData, load_dataset
+from device_agent.data.datasets import load_dataset
 from device_agent.data.partition import PartitionSpec, client_shard
 from device_agent.training import TrainConfig
 
 ARCH = "vit_tiny"
 RANKS = (2, 4, 8, 16)
 MAX_RANK = 16
-
-
-def task(data: LabeledData, classes: range) -> LabeledData:
-    """The samples of ``classes`` only (labels unchanged, so both tasks share the 10-way head)."""
-    train, test = torch.isin(data.train_y, torch.tensor(classes)), torch.isin(data.test_y, torch.tensor(classes))
-    return LabeledData(data.train_x[train], data.train_y[train], data.test_x[test], data.test_y[test], data.num_classes)
 
 
 def entries() -> dict[str, tuple[str, dict, list[float]]]:
@@ -46,7 +40,7 @@ def entries() -> dict[str, tuple[str, dict, list[float]]]:
 
 def run(rounds: int, seeds: int, num_clients: int, epochs: int) -> dict:
     data = load_dataset("digits", 8, 1)
-    source, target = task(data, range(5)), task(data, range(5, 10))
+    source, target = class_subset(data, range(5)), class_subset(data, range(5, 10))
     model = ModelSpec(ARCH, data.num_classes, data.in_channels, data.image_size)
     train = TrainConfig(
         optimizer="adam", lr=2e-3, weight_decay=0.0, epochs=epochs, batch_size=16, mask_absent_classes=False

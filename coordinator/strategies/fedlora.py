@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import ClassVar, Literal
 
 import torch
@@ -79,6 +80,11 @@ def pretrained_state(model: ModelSpec, checkpoint: str | None, seed: int) -> dic
     reference = seeded_model(model, seed).state_dict()
     if checkpoint is None:
         return reference
+    if not Path(checkpoint).is_file():
+        raise ValueError(
+            f"base_checkpoint {checkpoint}: no such file; write one with `coordinator pretrain --arch {model.arch}"
+            f" --out {checkpoint}` or point at a downloaded timm/HF safetensors file"
+        )
     loaded = load_checkpoint(checkpoint)
     for key in ("head.weight", "head.bias"):
         if key not in loaded or loaded[key].shape != reference[key].shape:

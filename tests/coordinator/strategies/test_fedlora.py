@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -141,3 +143,9 @@ def test_a_timm_checkpoint_maps_onto_the_vit_with_qkv_split() -> None:
 
     assert converted.keys() == ours.keys()
     assert all(torch.equal(converted[k], ours[k]) for k in ours)
+
+
+def test_a_missing_base_checkpoint_says_how_to_write_one(tmp_path: Path) -> None:
+    missing = tmp_path / "base.safetensors"
+    with pytest.raises(ValueError, match=f"coordinator pretrain --arch vit_tiny --out {missing}"):
+        build_strategy("fedlora", VIT, {"base_checkpoint": str(missing)})
