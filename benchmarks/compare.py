@@ -7,7 +7,9 @@ Scenarios (8 clients by default):
   rank ratios 1, 1/2, 1/4, 1/8 and, for width strategies, the width whose dense model has the
   same trainable parameters as the FedHM hybrid; Dirichlet 0.5 and 0.1 label splits;
 - permuted-labels: every client its own label permutation (seed + client id), IID and Dirichlet 0.5;
-- domains: two disjoint class groups (digits 0-4 and 5-9), four clients each.
+- domains: two disjoint class groups (digits 0-4 and 5-9), four clients each;
+- fedlora: a ViT pre-trained on digits 0-4 fine-tuned on 5-9 under Dirichlet(0.01): ft, lora_r2 ...
+  lora_r16 and fedlora, with the paper's claims checked (``benchmarks.fedlora``).
 Strategies with no size levels train the full model on every device. Global accuracy under
 permuted labels is near chance by construction (no shared label space); read the personalized column.
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from benchmarks import fedlora
 from coordinator.simulation import SimClient, simulate
 from coordinator.strategies import STRATEGIES, ModelSpec, build_strategy
 from device_agent.data.datasets import LabeledData, load_dataset
@@ -180,8 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--scenario",
         required=True,
-        choices=[*SCENARIOS, "all"],
-        help="hetero-devices, permuted-labels, domains, or all",
+        choices=[*SCENARIOS, "fedlora", "all"],
+        help="hetero-devices, permuted-labels, domains, all (those three), or fedlora",
     )
     parser.add_argument("--rounds", type=int, default=10, help="federated rounds (default: 10)")
     parser.add_argument("--seeds", type=int, default=1, help="seeds 0..K-1 to average over (default: 1)")
@@ -210,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown strategies: {', '.join(unknown)}; known: {', '.join(STRATEGIES)}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
+    if args.scenario == "fedlora":
+        entries = fedlora.run(args.rounds, args.seeds, args.clients, args.epochs)
+        report = {"fedlora/dirichlet-0.01": entries, "checks": fedlora.checks(entries)}
+        print(json.dumps(report, indent=2) if args.json else fedlora.table(report))
+        return 0
     train = TrainConfig(epochs=args.epochs, batch_size=32, lr=0.05)
     results = compare(names, args.rounds, args.seeds, args.clients, train, strategies)
     if args.json:

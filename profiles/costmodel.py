@@ -37,6 +37,7 @@ from torch import nn
 from device_agent.factorized import LowRankLayer
 from device_agent.hybrid import hybrid
 from device_agent.layers import RankOneLayer
+from device_agent.lora import LoRALinear
 from device_agent.models import model_card
 from profiles.schema import DeviceClass
 
@@ -122,6 +123,17 @@ def _op_cost(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.
     if isinstance(module, nn.Linear):
         flops = 2.0 * output.numel() * module.in_features
         return OpCost(flops, io_bytes, float(module.weight.numel() * _FP32), out_bytes)
+    if isinstance(module, LoRALinear):
+        # The frozen dense matmul plus the bypass x -> r -> out; only A and B get gradients (the
+        # trace's trainable parameters), the frozen weight is read but never updated.
+        tokens = output.numel() // module.out_features
+        flops = 2.0 * output.numel() * module.in_features + 2.0 * tokens * module.rank * (
+            module.in_features + module.out_features
+        )
+        weights = module.weight.numel() + module.reduce.numel() + module.expand.numel()
+        return OpCost(flops, io_bytes, float(weights * _FP32), out_bytes)
+    if isinstance(module, nn.LayerNorm | nn.GELU):
+        return OpCost(0.0, io_bytes, 0.0, out_bytes)
     if isinstance(module, RankOneLayer):
         # A conv / linear whose weight pi(u v^T + mu) is rebuilt every step: u, v and mu are read and
         # the dense weight written (weight bytes, not scaled by the batch), then the layer runs as usual.

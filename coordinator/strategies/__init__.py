@@ -11,6 +11,7 @@ from coordinator.strategies.base import Assignment, ClientSlot, ModelSpec, Round
 from coordinator.strategies.factorized_fl import FactorizedFL, FactorizedFLBeta
 from coordinator.strategies.fedfac import FedFac
 from coordinator.strategies.fedhm import FedHM
+from coordinator.strategies.fedlora import FedLoRA, FineTune, HomogeneousLoRA
 from coordinator.strategies.simfed import SimFed
 from coordinator.strategies.width import FedAvg, FedAvgSmall, FedRolex, HeteroFL
 
@@ -26,6 +27,9 @@ STRATEGIES: dict[str, type[Strategy]] = {
         FactorizedFLBeta,
         SimFed,
         FedFac,
+        FedLoRA,
+        HomogeneousLoRA,
+        FineTune,
     )
 }
 

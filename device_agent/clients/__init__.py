@@ -15,6 +15,7 @@ import torch
 from device_agent.clients.base import ClientProgram
 from device_agent.clients.fedfac import FedFacProgram
 from device_agent.clients.fedhm import FedHMProgram
+from device_agent.clients.lora import LoRAProgram
 from device_agent.clients.rank_one import FactorizedFLBetaProgram, FactorizedFLProgram, SimFedProgram
 from device_agent.clients.spec import CLIENT_SPEC, SPEC_TYPES, ClientSpec, SpecBase, TrainConfig, strategies_of
 from device_agent.clients.width import WidthProgram
@@ -28,6 +29,7 @@ PROGRAMS: dict[type[SpecBase], type[ClientProgram]] = {
         FactorizedFLBetaProgram,
         SimFedProgram,
         FedFacProgram,
+        LoRAProgram,
     )
 }
 

@@ -131,8 +131,34 @@ class FedFacSpec(SpecBase):
     strategy: Literal["fedfac"]
 
 
+class LoRASpec(SpecBase):
+    """Fine-tuning a pre-trained transformer: LoRA adapters of rank ``rank`` or all of it (ft).
+
+    ``level`` is ``rank / max_rank`` (the planner's (0, 1] scale; FedLoRA's r in {2, 4, 8, 16} is
+    levels 1/8 ... 1 with max_rank 16); ``rank`` is what the device builds. The frozen base is
+    identified by ``base_sha256``: the device trains on a base with exactly that digest, sent
+    with its first assignment and kept on the device afterwards.
+    """
+
+    strategy: Literal["fedlora", "lora_homogeneous", "ft"]
+    rank: PositiveInt | None
+    """None: full fine-tuning (ft), every parameter trained and exchanged."""
+    alpha: PositiveFloat
+    """LoRA scale numerator: the bypass is scaled by alpha / rank."""
+    targets: Literal["attn", "attn_mlp"]
+    """attn: W^Q, W^K, W^V, W^O (the paper); attn_mlp: also both MLP layers."""
+    base_sha256: str | None
+
+    @model_validator(mode="after")
+    def _rank_and_base_only_with_lora(self) -> LoRASpec:
+        lora = self.strategy != "ft"
+        if lora != (self.rank is not None) or lora != (self.base_sha256 is not None):
+            raise ValueError("rank and base_sha256 are required with LoRA strategies and must be null with ft")
+        return self
+
+
 ClientSpec = Annotated[
-    FedHMSpec | WidthSpec | FactorizedFLSpec | FactorizedFLBetaSpec | SimFedSpec | FedFacSpec,
+    FedHMSpec | WidthSpec | FactorizedFLSpec | FactorizedFLBetaSpec | SimFedSpec | FedFacSpec | LoRASpec,
     Field(discriminator="strategy"),
 ]
 CLIENT_SPEC: TypeAdapter[ClientSpec] = TypeAdapter(ClientSpec)
@@ -143,6 +169,7 @@ SPEC_TYPES: tuple[type[SpecBase], ...] = (
     FactorizedFLBetaSpec,
     SimFedSpec,
     FedFacSpec,
+    LoRASpec,
 )
 
 
@@ -170,6 +197,7 @@ __all__ = [
     "FactorizedFLSpec",
     "FedFacSpec",
     "FedHMSpec",
+    "LoRASpec",
     "ModelSpec",
     "Optimizer",
     "RankOneSpec",

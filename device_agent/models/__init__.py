@@ -14,6 +14,7 @@ from torch import nn
 from device_agent.models.cnn import small_cnn
 from device_agent.models.resnet import resnet18, resnet34
 from device_agent.models.resnet9 import resnet9
+from device_agent.models.vit import vit_small, vit_tiny
 from device_agent.models.width import scaled_channels
 
 
@@ -61,6 +62,22 @@ MODELS: dict[str, ModelCard] = {
             1,
             8,
             "Small 3-conv CNN for 8x8-32x32 inputs on CPU: first conv and classifier full rank",
+        ),
+        ModelCard(
+            "vit_tiny",
+            vit_tiny,
+            ("patch_embed.*", "head"),
+            1,
+            8,
+            "Tiny ViT (patch 2, dim 64, depth 4, 4 heads) for 8x8 digits: FedLoRA on CPU",
+        ),
+        ModelCard(
+            "vit_small",
+            vit_small,
+            ("patch_embed.*", "head"),
+            3,
+            224,
+            "ViT-S/16 (dim 384, depth 12, 6 heads): FedLoRA's pre-trained model (timm/HF checkpoints)",
         ),
     )
 }

@@ -16,6 +16,8 @@ from coordinator.strategies import STRATEGIES, ClientSlot, ModelSpec, build_stra
 from device_agent.clients import build_program
 
 DIGITS = ModelSpec("cnn", 10, 1, 8)
+VIT = ModelSpec("vit_tiny", 10, 1, 8)
+FINE_TUNING = {"fedlora", "lora_homogeneous", "ft"}
 LEVELS = {"rank": (1.0, 0.5, 0.125), "width": (1.0, 0.5, 0.25), "none": (1.0,)}
 CASES = [(name, level) for name, cls in STRATEGIES.items() for level in LEVELS[cls.levels]]
 
@@ -34,16 +36,17 @@ def _bytes(tensors: dict[str, torch.Tensor]) -> int:
 @pytest.mark.parametrize(("name", "level"), CASES)
 def test_client_model_and_transfers_match_the_program_of_a_real_assignment(name: str, level: float) -> None:
     cls = STRATEGIES[name]
-    strategy = build_strategy(name, DIGITS)
+    model = VIT if name in FINE_TUNING else DIGITS
+    strategy = build_strategy(name, model)
     [assignment] = strategy.configure(1, [ClientSlot("c0", level, 50)]).values()
     program = build_program(assignment.spec, assignment.tensors)
 
-    planned = cls.client_model(DIGITS, strategy.params, level)
+    planned = cls.client_model(model, strategy.params, level)
 
     assert next(planned.parameters()).device.type == "meta"
     assert _shapes(planned) == _shapes(program.model)
-    assert cls.download_bytes(DIGITS, strategy.params, level) == _bytes(assignment.tensors)
-    assert cls.upload_bytes(DIGITS, strategy.params, level) == _bytes(program.upload())
+    assert cls.download_bytes(model, strategy.params, level) == _bytes(assignment.tensors)
+    assert cls.upload_bytes(model, strategy.params, level) == _bytes(program.upload())
 
 
 def test_fedavg_small_with_a_fixed_width_trains_that_width_whatever_the_plan() -> None:

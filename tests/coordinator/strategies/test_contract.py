@@ -20,6 +20,9 @@ from device_agent.wire.codec import decode_tensors, encode_tensors
 from device_agent.wire.messages import Assignment, encode, parse_message
 
 CNN = ModelSpec("cnn", 4, 1, 8)
+VIT = ModelSpec("vit_tiny", 4, 1, 8)
+FINE_TUNING = {"fedlora", "lora_homogeneous", "ft"}
+"""Strategies that fine-tune a pre-trained transformer: they run on the ViT."""
 LEVELS = {"rank": (1.0, 0.25), "width": (1.0, 0.5), "none": (1.0, 1.0)}
 
 
@@ -33,7 +36,7 @@ def test_every_spec_has_one_program_and_every_strategy_a_program_for_its_name() 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_assignment_over_the_wire_trains_and_folds_back(name: str) -> None:
-    strategy = build_strategy(name, CNN, {}, seed=1)
+    strategy = build_strategy(name, VIT if name in FINE_TUNING else CNN, {}, seed=1)
     slots = [ClientSlot(f"dev-{i}", level, 12) for i, level in enumerate(LEVELS[strategy.levels])]
     assignments = strategy.configure(1, slots)
     aggregate = strategy.open_round(1, slots)
