@@ -71,6 +71,7 @@ def write_agent_specs(
     threads: int = 1,
     device_type: str = "cpu",
     ca_file: str | None = None,
+    protocol: str = "5",
 ) -> list[AgentSpec]:
     """Write ``RUN_DIR/agents/<device>/agent.yaml`` for every device and return what to launch.
 
@@ -100,6 +101,7 @@ def write_agent_specs(
             (folder / "state").resolve(),
             limits[device.id],
             ca_file=ca_file,
+            protocol=protocol,
             device_type=device_type,
         )
         specs.append(
@@ -153,9 +155,11 @@ class Emulation:
         self.crashed: list[AgentExit] = []
 
     def launch(
-        self, broker_url: str, credentials: Mapping[str, Credentials], run_dir: Path
+        self, broker_url: str, credentials: Mapping[str, Credentials], run_dir: Path, protocol: str = "5"
     ) -> Callable[[], list[AgentExit]]:
         """Write every agent.yaml and start one agent per device; returns :meth:`stop`.
+
+        ``protocol`` is the MQTT version the broker speaks; the agents are told to use it.
 
         This is ``coordinator start``'s ``on_broker_ready``: the agents stop before the broker does, so
         they leave it cleanly instead of losing it under their feet.
@@ -169,6 +173,7 @@ class Emulation:
             self.host_gflops,
             threads=self.threads,
             device_type=self.device_type,
+            protocol=protocol,
         )
         for spec in self.specs:
             self.agents.start(spec)

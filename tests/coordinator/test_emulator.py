@@ -120,9 +120,11 @@ def test_launch_starts_one_agent_per_device_and_reports_a_crash(tmp_path: Path) 
     agents = AgentGroup(lambda config: [sys.executable, "-c", script, str(config)])
     emulation = Emulation(fleet, catalog, 50.0, agents=agents)
     credentials = {d.id: Credentials(d.id, "pw") for d in fleet.devices}
-    emulation.launch("mqtt://0.0.0.0:18999", credentials, tmp_path / "run")
+    emulation.launch("mqtt://0.0.0.0:18999", credentials, tmp_path / "run", "3.1.1")
     assert sorted(emulation.agents.pids) == sorted(credentials)
-    assert yaml.safe_load(emulation.specs[0].config.read_text())["broker"]["url"] == "mqtt://127.0.0.1:18999"
+    broker = yaml.safe_load(emulation.specs[0].config.read_text())["broker"]
+    assert broker["url"] == "mqtt://127.0.0.1:18999"
+    assert broker["protocol"] == "3.1.1"  # the agents speak what the broker speaks (amqtt: 3.1.1 only)
     deadline = time.monotonic() + 20
     while not emulation.crashed and time.monotonic() < deadline:
         time.sleep(0.1)
