@@ -6,6 +6,11 @@
 - link: 256 KiB chunks through a ``TokenBucket``; reports achieved / configured bytes per second.
 - memory: in a fresh process, ``cap_cpu_memory(budget)`` then the largest single tensor that can
   still be allocated; reports it as a fraction of the budget (what address-space accounting costs).
+- device time: ``coordinator emulate`` on the demo fleet (one device per class by default, side by
+  side over a real mosquitto) for ``--demo-rounds`` rounds; per class, the emulated training seconds
+  the agents report over the cost model's prediction (steps x predicted step time at the level
+  trained). ``host_bound`` marks a class whose host compute alone exceeded the prediction: this
+  host cannot run that device's step as fast as the device, so it is emulated slower.
 
     python -m benchmarks.emulation --json
 """
@@ -14,16 +19,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import torch
+import yaml
 
-from device_agent.limits import Throttle
+from device_agent.config import load_config
+from device_agent.data.datasets import load_dataset
+from device_agent.data.partition import partition
+from device_agent.limits import Throttle, step_seconds_at
 from device_agent.shaping import TokenBucket
+
+_ROOT = Path(__file__).resolve().parents[1]
+_DEMO = _ROOT / "examples" / "demo.yaml"
 
 _CHUNK = 256 * 1024
 
@@ -101,15 +116,75 @@ def usable_memory(budget: int) -> dict:
     return {"budget_bytes": budget, "largest_tensor_vs_budget": round(largest / budget, 4)}
 
 
-def run(factors: list[float], steps: int, rates: list[float], megabytes: float, budgets: list[int]) -> dict:
+def _predicted_train_seconds(agent_yaml: Path, level: float, fleet: dict) -> float:
+    """Steps of one round on the agent's own shard x the step time it is held to (what the planner predicts)."""
+    config = load_config(agent_yaml)
+    assert config.emulation is not None and config.emulation.step_seconds is not None
+    split = config.data.partition_spec()
+    assert split is not None and config.data.index is not None
+    samples = len(partition(load_dataset(config.data.source).train_y, split)[config.data.index])
+    training = fleet["training"]
+    steps = training["local_epochs"] * math.ceil(samples / training["batch_size"])
+    return steps * step_seconds_at(config.emulation.step_seconds, level)
+
+
+def device_time(rounds: int, every: int = 3, timeout: float = 600) -> list[dict]:
+    """The demo's device classes side by side: emulated vs predicted training seconds, per class."""
+    from coordinator.broker.base import free_port
+
+    fleet = yaml.safe_load(_DEMO.read_text())
+    fleet["broker"]["port"] = free_port()
+    fleet["rounds"] = rounds
+    fleet["devices"] = fleet["devices"][::every]
+    with tempfile.TemporaryDirectory(prefix="fedfleet-bench-emulation-") as folder:
+        path, run_dir = Path(folder) / "fleet.yaml", Path(folder) / "run"
+        path.write_text(yaml.safe_dump(fleet, sort_keys=False))
+        command = [sys.executable, "-m", "coordinator", "emulate", "--fleet", str(path), "--run-dir", str(run_dir)]
+        done = subprocess.run([*command, "--no-live"], capture_output=True, text=True, timeout=timeout, cwd=_ROOT)
+        if done.returncode != 0:
+            raise RuntimeError(f"coordinator emulate failed ({done.returncode}): {done.stderr[-2000:]}")
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        classes: dict[str, dict[str, list[float]]] = {}
+        for record in records:
+            for name, device in record["devices"].items():
+                if device["status"] != "accepted":
+                    continue
+                predicted = _predicted_train_seconds(run_dir / "agents" / name / "agent.yaml", device["ratio"], fleet)
+                row = classes.setdefault(device["device_class"], {"emulated": [], "predicted": [], "host": []})
+                row["emulated"].append(device["train_seconds"])
+                row["predicted"].append(predicted)
+                row["host"].append(device["host_seconds"])
+    return [
+        {
+            "device_class": name,
+            "rounds": len(row["emulated"]),
+            "emulated_seconds": round(statistics.mean(row["emulated"]), 3),
+            "predicted_seconds": round(statistics.mean(row["predicted"]), 3),
+            "host_seconds": round(statistics.mean(row["host"]), 3),
+            "emulated_vs_predicted": round(sum(row["emulated"]) / sum(row["predicted"]), 3),
+            "host_bound": sum(row["host"]) > sum(row["predicted"]),
+        }
+        for name, row in sorted(classes.items())
+    ]
+
+
+def run(
+    factors: list[float], steps: int, rates: list[float], megabytes: float, budgets: list[int], demo_rounds: int = 0
+) -> dict:
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each emulated agent on a small host runs
-    return {
-        "benchmark": "emulation",
-        "torch_threads": torch.get_num_threads(),
-        "slowdown": [slowdown(f, steps) for f in factors],
-        "link": [link(r, megabytes) for r in rates],
-        "memory": [usable_memory(b) for b in budgets],
-    }
+    try:
+        result = {
+            "benchmark": "emulation",
+            "torch_threads": torch.get_num_threads(),
+            "slowdown": [slowdown(f, steps) for f in factors],
+            "link": [link(r, megabytes) for r in rates],
+            "memory": [usable_memory(b) for b in budgets],
+        }
+    finally:
+        torch.set_num_threads(threads)
+    result["device_time"] = device_time(demo_rounds) if demo_rounds > 0 else []
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", default="1e6,1e7", help="link rates in bytes/s (default: 1e6,1e7)")
     parser.add_argument("--megabytes", type=float, default=2.0, help="data sent per link rate (default: 2)")
     parser.add_argument("--budgets-mib", default="256,1024", help="memory budgets in MiB (default: 256,1024)")
+    parser.add_argument(
+        "--demo-rounds",
+        type=int,
+        default=3,
+        help="rounds of the emulated demo (one device per class) for device time; 0 skips it (default: 3)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     result = run(
@@ -129,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         [float(x) for x in args.rates.split(",")],
         args.megabytes,
         [int(x) * 2**20 for x in args.budgets_mib.split(",")],
+        args.demo_rounds,
     )
     if args.json:
         print(json.dumps(result))
@@ -142,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"link {row['rate_bytes_per_s']:.0f} B/s: achieved / configured {row['measured_vs_configured']}")
     for row in result["memory"]:
         print(f"memory cap {row['budget_bytes'] >> 20} MiB: largest tensor / budget {row['largest_tensor_vs_budget']}")
+    for row in result["device_time"]:
+        print(
+            f"device time {row['device_class']}: emulated {row['emulated_seconds']} s / predicted "
+            f"{row['predicted_seconds']} s = {row['emulated_vs_predicted']} (host computed {row['host_seconds']} s"
+            f"{', host-bound' if row['host_bound'] else ''})"
+        )
     return 0
 
 

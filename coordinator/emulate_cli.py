@@ -31,8 +31,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "Run `coordinator start` on the fleet and, once its broker is up, one real `device-agent run` "
             "process per device of the fleet, each held to its profile (with the fleet's overrides): compute "
             "threads, a memory cap (the profile's usable memory: RLIMIT_AS on CPU, a memory fraction on CUDA), "
-            "a slowdown so its speed relative to this host matches the profile (host fp32 GFLOPS, measured once "
-            "per agent thread count, / profile GFLOPS, at least 1), and its link's bandwidth and latency. "
+            "its compute pace, and its link's bandwidth and latency. The pace is device time by default: every "
+            "training step lasts the seconds the cost model predicts for the profile (the planner's prediction; "
+            "the agent sleeps the difference and is never sped up), so a round takes as long as on the real "
+            "device on any host; --pace host-ratio stretches each step by host fp32 GFLOPS / profile GFLOPS "
+            "instead (the old behaviour; wrong where the host step is launch- or memory-bound). "
             "Device i of N trains on shard i of N of the fleet's dataset (dataset.partition, dataset.seed)."
         ),
         epilog=_EPILOG,
@@ -41,7 +44,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_run_arguments(parser, min_devices_default="every device", wait_timeout=300.0)
     parser.add_argument("--threads", type=int, default=1, metavar="N", help="compute threads per agent (default: 1)")
     parser.add_argument(
-        "--host-gflops", type=float, metavar="F", help="this host's fp32 GFLOPS per agent (default: measured)"
+        "--pace",
+        choices=["device-time", "host-ratio"],
+        default="device-time",
+        help="device-time: each step held to the cost model's step time for the profile (default); "
+        "host-ratio: each step stretched by host GFLOPS / profile GFLOPS",
+    )
+    parser.add_argument(
+        "--host-gflops",
+        type=float,
+        metavar="F",
+        help="with --pace host-ratio: this host's fp32 GFLOPS per agent (default: measured)",
     )
     parser.add_argument(
         "--device-type", default="cpu", metavar="TYPE", help="where agents train: cpu, cuda, cuda:N (default: cpu)"
@@ -51,13 +64,22 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def _emulate(args: argparse.Namespace) -> int:
     try:
+        if args.host_gflops is not None and args.pace != "host-ratio":
+            raise EmulatorError("--host-gflops is only used with --pace host-ratio")
         fleet, catalog = load_fleet(args.fleet)
-        host_gflops = args.host_gflops or measure_host_gflops(args.threads, args.device_type)
+        host_gflops = None
+        if args.pace == "host-ratio":
+            host_gflops = args.host_gflops or measure_host_gflops(args.threads, args.device_type)
         emulation = Emulation(fleet, catalog, host_gflops, threads=args.threads, device_type=args.device_type)
     except (FleetError, EmulatorError, ValueError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)
         return 2
-    print(f"emulating {len(fleet.devices)} devices; this host: {host_gflops:.1f} fp32 GFLOPS per agent")
+    pace = (
+        "device time (steps held to the cost model's prediction for each profile)"
+        if host_gflops is None
+        else f"host ratio ({host_gflops:.1f} fp32 GFLOPS per agent here)"
+    )
+    print(f"emulating {len(fleet.devices)} devices; pace: {pace}")
     args.min_devices = args.min_devices or len(fleet.devices)
     try:
         code = run_start(args, on_broker_ready=emulation.launch)

@@ -11,13 +11,14 @@ that works here works on a real fleet.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from coordinator.broker.credentials import Credentials
-from coordinator.fleet import REPORTED, Fleet, Partition
-from coordinator.planner import effective_profile
+from coordinator.fleet import REPORTED, Device, Fleet, Partition
+from coordinator.planner import effective_profile, level_cost
 from device_agent.emulation import (
     PASSWORD_ENV,
     DataShare,
@@ -28,6 +29,8 @@ from device_agent.emulation import (
     write_agent_config,
 )
 from device_agent.launcher import AgentExit, AgentGroup, AgentSpec
+from device_agent.probe import ComputeSpec
+from profiles.costmodel import Workload, predict_step_seconds
 from profiles.schema import DeviceClass
 
 log = logging.getLogger("fedfleet.emulator")
@@ -44,10 +47,28 @@ def partition_text(partition: Partition) -> str:
     return partition.text
 
 
+def predicted_step_seconds(fleet: Fleet, device: Device, profile: DeviceClass) -> dict[float, float]:
+    """Seconds of one training step of ``device`` at every level it may be assigned, as the planner predicts.
+
+    The levels are the fleet's ratios and 1 (what a strategy without levels assigns); the model is
+    the strategy's client model at that level, at the device's batch size and the fleet's optimizer.
+    """
+    batch = device.overrides.batch_size or fleet.training.batch_size
+    levels = sorted({*fleet.ratios, 1.0})
+    return {
+        level: predict_step_seconds(Workload(level_cost(fleet, level).trace, batch, fleet.training.optimizer), profile)
+        for level in levels
+    }
+
+
 def device_limits(
-    fleet: Fleet, catalog: Mapping[str, DeviceClass], host_gflops: float, threads: int = 1
+    fleet: Fleet, catalog: Mapping[str, DeviceClass], host_gflops: float | None = None, threads: int = 1
 ) -> dict[str, EmulationLimits]:
-    """Limits of every device, from its profile with the fleet's overrides applied (as the planner sees it)."""
+    """Limits of every device, from its profile with the fleet's overrides applied (as the planner sees it).
+
+    The compute pace is device time (each step held to the cost model's prediction for the profile)
+    unless ``host_gflops`` is given: then the host ratio (each step stretched host / profile GFLOPS).
+    """
     limits = {}
     for index, device in enumerate(fleet.devices):
         if device.profile == REPORTED:
@@ -56,7 +77,15 @@ def device_limits(
             )
         profile = effective_profile(device, catalog[device.profile], None)
         assert profile is not None  # a static profile is always there
-        limits[device.id] = limits_for(ProfileSpec.model_validate(profile.model_dump()), host_gflops, threads)
+        spec = ProfileSpec.model_validate(profile.model_dump())
+        if host_gflops is not None:
+            limits[device.id] = limits_for(spec, host_gflops, threads)
+            continue
+        limits[device.id] = dataclasses.replace(
+            limits_for(spec, spec.compute.fp32_gflops, threads),  # slowdown 1: the step time paces instead
+            step_seconds=predicted_step_seconds(fleet, device, profile),
+            compute=ComputeSpec.model_validate(profile.compute.model_dump()),
+        )
     return limits
 
 
@@ -66,15 +95,17 @@ def write_agent_specs(
     run_dir: Path,
     broker_url: str,
     passwords: Mapping[str, str],
-    host_gflops: float,
+    host_gflops: float | None = None,
     *,
     threads: int = 1,
     device_type: str = "cpu",
     ca_file: str | None = None,
+    protocol: str = "5",
 ) -> list[AgentSpec]:
     """Write ``RUN_DIR/agents/<device>/agent.yaml`` for every device and return what to launch.
 
     ``passwords`` maps device id to its broker password; it reaches the agent as ``$FEDFLEET_PASSWORD``.
+    ``host_gflops``: see :func:`device_limits` (None: device time).
     """
     missing = [device.id for device in fleet.devices if device.id not in passwords]
     if missing:
@@ -100,6 +131,7 @@ def write_agent_specs(
             (folder / "state").resolve(),
             limits[device.id],
             ca_file=ca_file,
+            protocol=protocol,
             device_type=device_type,
         )
         specs.append(
@@ -129,7 +161,7 @@ class Emulation:
         self,
         fleet: Fleet,
         catalog: Mapping[str, DeviceClass],
-        host_gflops: float,
+        host_gflops: float | None = None,
         *,
         threads: int = 1,
         device_type: str = "cpu",
@@ -153,9 +185,11 @@ class Emulation:
         self.crashed: list[AgentExit] = []
 
     def launch(
-        self, broker_url: str, credentials: Mapping[str, Credentials], run_dir: Path
+        self, broker_url: str, credentials: Mapping[str, Credentials], run_dir: Path, protocol: str = "5"
     ) -> Callable[[], list[AgentExit]]:
         """Write every agent.yaml and start one agent per device; returns :meth:`stop`.
+
+        ``protocol`` is the MQTT version the broker speaks; the agents are told to use it.
 
         This is ``coordinator start``'s ``on_broker_ready``: the agents stop before the broker does, so
         they leave it cleanly instead of losing it under their feet.
@@ -169,15 +203,16 @@ class Emulation:
             self.host_gflops,
             threads=self.threads,
             device_type=self.device_type,
+            protocol=protocol,
         )
         for spec in self.specs:
             self.agents.start(spec)
         self.agents.watch(self._on_exit)
+        pace = (
+            "device time" if self.host_gflops is None else f"host ratio, host {self.host_gflops:.1f} GFLOPS per agent"
+        )
         log.info(
-            "%d emulated devices started (host %.1f GFLOPS per agent); agent logs in %s",
-            len(self.specs),
-            self.host_gflops,
-            Path(run_dir) / AGENTS_DIR,
+            "%d emulated devices started (%s); agent logs in %s", len(self.specs), pace, Path(run_dir) / AGENTS_DIR
         )
         return self.stop
 

@@ -95,6 +95,7 @@ class Participant:
     bytes_down_start: int = 0
     payload_bytes: int = 0
     train_seconds: float | None = None
+    host_seconds: float | None = None
     error: str | None = None
     local_accuracy: float | None = None
 
@@ -323,6 +324,7 @@ class RoundEngine:
             participant = self.open.participants[entry.device]
             participant.status = "accepted"
             participant.train_seconds = float(entry.meta.get("train_seconds", 0.0))
+            participant.host_seconds = entry.meta.get("host_seconds")
             participant.payload_bytes = int(entry.meta.get("payload_bytes", 0))
             participant.local_accuracy = entry.meta.get("local_accuracy")
             log.info("round %d: replayed %s's journaled update", round_, entry.device)
@@ -431,6 +433,7 @@ class RoundEngine:
             bytes_down=self.link.bytes_down(device) - participant.bytes_down_start,
             payload_bytes=participant.payload_bytes,
             train_seconds=participant.train_seconds,
+            host_seconds=participant.host_seconds,
             status=status,
             error=participant.error,
             local_accuracy=participant.local_accuracy if status == "accepted" else None,
@@ -537,6 +540,7 @@ class RoundEngine:
         meta = {
             "samples": parsed.samples,
             "train_seconds": parsed.train_seconds,
+            "host_seconds": parsed.host_seconds,
             "loss": parsed.loss,
             "level": participant.level,
             "payload_bytes": len(data),
@@ -549,4 +553,5 @@ class RoundEngine:
         open_.aggregate.fold(device, upload, parsed.samples, extras)
         participant.status, participant.payload_bytes = "accepted", len(data)
         participant.train_seconds, participant.local_accuracy = parsed.train_seconds, parsed.local_accuracy
+        participant.host_seconds = parsed.host_seconds
         return "accepted"

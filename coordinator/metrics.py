@@ -30,7 +30,12 @@ class DeviceRoundMetrics(BaseModel):
     bytes_up: Bytes
     bytes_down: Bytes
     payload_bytes: Bytes = Field(description="the factor payload itself (safetensors), without protocol overhead")
-    train_seconds: NonNegative | None = None
+    train_seconds: NonNegative | None = Field(
+        None, description="local training as the device spends it (an emulated device: held to its profile's pace)"
+    )
+    host_seconds: NonNegative | None = Field(
+        None, description="an emulated device only: the part of train_seconds the host computed (it slept the rest)"
+    )
     status: DeviceStatus
     error: str | None = None
     local_accuracy: Fraction | None = Field(

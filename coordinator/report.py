@@ -145,11 +145,37 @@ def plot_time_breakdown(rounds: list[RoundMetrics]) -> Figure:
     return figure
 
 
+def plot_training_time(rounds: list[RoundMetrics]) -> Figure:
+    """Mean training seconds per device as the device spends them; for an emulated device, the host's part too."""
+    devices = _device_order(rounds)
+    figure = Figure(figsize=(7, 1.6 + 0.28 * len(devices)), layout="constrained")
+    axes = figure.add_subplot()
+    for y, (name, _) in enumerate(devices):
+        accepted = [row.devices[name] for row in rounds if name in row.devices]
+        accepted = [d for d in accepted if d.status == "accepted" and d.train_seconds is not None]
+        if not accepted:
+            continue
+        axes.barh(y, math.fsum(d.train_seconds or 0.0 for d in accepted) / len(accepted), color="C0")
+        hosts = [d.host_seconds for d in accepted if d.host_seconds is not None]
+        if hosts:
+            axes.barh(y, math.fsum(hosts) / len(hosts), height=0.35, color="C1")
+    handles = [Line2D([], [], color="C0", lw=8, label="device time"), Line2D([], [], color="C1", lw=4, label="host")]
+    figure.legend(handles=handles, loc="outside right upper")
+    axes.set_yticks(range(len(devices)), [f"{name} ({cls})" for name, cls in devices], size=8)
+    axes.set(xlabel="seconds per round (mean of accepted rounds)", title="Local training time per device")
+    axes.invert_yaxis()
+    return figure
+
+
 PLOTS = {
     "accuracy.png": ("Accuracy vs round", plot_accuracy),
     "bytes_per_class.png": ("Bytes per device class", plot_bytes_per_class),
     "rank_assignment.png": ("Rank assignment per device", plot_rank_assignment),
     "time_breakdown.png": ("Round time breakdown", plot_time_breakdown),
+    "training_time.png": (
+        "Local training time per device (device time; host part of emulated devices)",
+        plot_training_time,
+    ),
 }
 
 _STYLE = """

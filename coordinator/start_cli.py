@@ -144,10 +144,11 @@ def _broker(fleet: Fleet, credentials: dict[str, Credentials]):
 
 def run_start(
     args: argparse.Namespace,
-    on_broker_ready: Callable[[str, dict[str, Credentials], Path], Callable[[], object]] | None = None,
+    on_broker_ready: Callable[[str, dict[str, Credentials], Path, str], Callable[[], object]] | None = None,
 ) -> int:
-    """``coordinator start``. ``on_broker_ready(url, credentials, run_dir)`` runs once the broker is up and
-    returns what to run before it stops (``coordinator emulate`` starts and stops its agents there)."""
+    """``coordinator start``. ``on_broker_ready(url, credentials, run_dir, protocol)`` runs once the broker is
+    up and returns what to run before it stops (``coordinator emulate`` starts and stops its agents there);
+    ``protocol`` is the MQTT version the broker speaks ("3.1.1" for the amqtt fallback)."""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         fleet, catalog = load_fleet(args.fleet)
@@ -175,9 +176,9 @@ def run_start(
     try:
         broker.start()
         address = broker.address_for(credentials[COORDINATOR_USER])
-        print(f"broker: {address.url} ({fleet.broker.mode})")
+        print(f"broker: {address.url} ({fleet.broker.mode}, MQTT {broker.protocol})")
         if on_broker_ready is not None:
-            before_broker_stops = on_broker_ready(address.url, credentials, run_dir)
+            before_broker_stops = on_broker_ready(address.url, credentials, run_dir, broker.protocol)
         min_devices = args.min_devices or max(1, math.ceil(fleet.quorum * len(fleet.devices)))
         engine = RoundEngine(
             fleet,
@@ -185,7 +186,7 @@ def run_start(
             strategy,
             rundir,
             data,
-            MqttLink(fleet.fleet, address),
+            MqttLink(fleet.fleet, address, protocol=broker.protocol),
             EngineSettings(min_devices=min_devices, wait_timeout_s=args.wait_timeout),
         )
         signal.signal(signal.SIGTERM, lambda *_: engine.stop())

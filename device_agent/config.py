@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from device_agent.data.partition import PartitionSpec
+from device_agent.probe import ComputeSpec
 from device_agent.schema import (
     DatasetName,
     DeviceName,
@@ -105,13 +106,30 @@ class DataConfig(_Section):
 
 
 class EmulationConfig(_Section):
+    """How an emulated agent is held to its profile (written by ``coordinator emulate``, see limits.py).
+
+    Compute pace, one of: ``step_seconds`` (device time: each training step at level L lasts at least
+    ``step_seconds[L]``, the cost model's prediction for the profile, computed by the coordinator since
+    the agent does not carry the cost model) or ``slowdown`` (each step stretched to that many times
+    its host duration). ``compute`` is the profile's compute section, reported in ``hello`` in place
+    of the host's measurement so that the planner predicts with the numbers the device is held to.
+    """
+
     profile: str | None = None
     threads: int | None = Field(default=None, ge=1)
     memory_bytes: int | None = Field(default=None, gt=0)
     slowdown: float = Field(default=1.0, ge=1.0)
+    step_seconds: dict[float, Annotated[float, Field(gt=0)]] | None = None
+    compute: ComputeSpec | None = None
     uplink_bytes_per_s: float | None = Field(default=None, gt=0)
     downlink_bytes_per_s: float | None = Field(default=None, gt=0)
     latency_s: float = Field(default=0.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _one_pace(self) -> EmulationConfig:
+        if self.step_seconds is not None and self.slowdown != 1.0:
+            raise ValueError("step_seconds (device time) and slowdown (host ratio) exclude each other; set one")
+        return self
 
 
 class AgentConfig(_Section):

@@ -62,9 +62,13 @@ class EmulationLimits:
     uplink_bytes_per_s: float
     downlink_bytes_per_s: float
     latency_s: float
+    step_seconds: dict[float, float] | None = None
+    """Device time (set by the coordinator, which has the cost model): level -> seconds of one step."""
+    compute: ComputeSpec | None = None
+    """With ``step_seconds``: the profile's compute numbers, reported in ``hello`` instead of the host's."""
 
     def as_config(self) -> dict[str, Any]:
-        return {
+        config: dict[str, Any] = {
             "profile": self.profile,
             "threads": self.threads,
             "memory_bytes": self.memory_bytes,
@@ -73,6 +77,11 @@ class EmulationLimits:
             "downlink_bytes_per_s": self.downlink_bytes_per_s,
             "latency_s": self.latency_s,
         }
+        if self.step_seconds is not None:
+            config["step_seconds"] = {float(level): float(s) for level, s in sorted(self.step_seconds.items())}
+        if self.compute is not None:
+            config["compute"] = self.compute.model_dump()
+        return config
 
 
 @dataclass(frozen=True)

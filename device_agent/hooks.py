@@ -9,8 +9,9 @@ Where each is called:
 
 - :meth:`RuntimeHooks.profile` once at start-up, on the measured profile, before ``hello``;
 - :meth:`RuntimeHooks.memory_guard` around a round's work (building, training, evaluating, packing);
+- :meth:`RuntimeHooks.before_training` once before local training, with the level it trains;
 - :meth:`RuntimeHooks.step` around every optimizer step (forward, backward, update);
-- :meth:`RuntimeHooks.after_training` once local training ends;
+- :meth:`RuntimeHooks.after_training` once local training ends, then :meth:`RuntimeHooks.held_seconds`;
 - :meth:`RuntimeHooks.before_upload` before an update is offered to the coordinator;
 - :meth:`RuntimeHooks.before_chunk_out` / :meth:`RuntimeHooks.after_chunk_in` by the transport's
   threads, around every chunk sent or received (so they must be thread-safe).
@@ -34,12 +35,19 @@ class RuntimeHooks:
         """A context around one round's work; may turn an allocation failure into a clearer ``MemoryError``."""
         return nullcontext()
 
+    def before_training(self, level: float) -> None:
+        """Called before local training of a model at ``level`` (an emulated device's step time depends on it)."""
+
     def step(self) -> AbstractContextManager[object]:
         """A context around one training step."""
         return nullcontext()
 
     def after_training(self) -> float:
         """Called when local training ends; returns extra seconds it spent that count as training time."""
+        return 0.0
+
+    def held_seconds(self) -> float:
+        """Seconds of the last local training spent held back to a device's pace (sleeping), not computing."""
         return 0.0
 
     def before_upload(self) -> None:

@@ -1,9 +1,14 @@
 """Hold an emulated agent process to a device profile: threads, memory, compute speed.
 
 The emulator runs one real agent process per emulated device, and each must behave like its device
-where planning depends on it: it must fail when it outgrows the device's memory, and it must be as
-slow, relative to the others, as its profile says. Everything here takes plain numbers (threads,
-bytes, a factor), so the agent never needs the profiles package; bandwidth shaping is in
+where planning depends on it: it must fail when it outgrows the device's memory, and a training
+step must take as long as on the device. By default that is device time: each step lasts the
+seconds the coordinator's cost model predicts for the profile at the level trained (sleeping the
+difference, never speeding up), so a round takes as long as on the real device whatever the host.
+The older host ratio (stretch each step by host GFLOPS / profile GFLOPS) stays as an option; it is
+wrong wherever the host step is launch- or memory-bound (x40-x215 on an H100 for the demo CNN).
+Everything here takes plain numbers (threads, bytes, seconds, a factor), so the agent never needs
+the profiles package; bandwidth shaping is in
 :mod:`device_agent.shaping`. :class:`EmulatedDevice` applies them all to one process and hands the
 runtime the hooks (:mod:`device_agent.hooks`) through which it is held to them.
 
@@ -30,7 +35,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -138,21 +143,25 @@ def slowdown_factor(host_gflops: float, profile_gflops: float) -> float:
 
 
 class Throttle:
-    """Stretch compute to ``factor`` x its measured duration with duty-cycle sleeps.
+    """Hold compute to a device's pace with duty-cycle sleeps: a step time, or ``factor`` x the host's.
 
-    After each step of measured duration t the agent owes (factor - 1) x t of idle time; the debt is
+    After each step of measured duration t the agent owes idle time: ``step_seconds`` - t when a step
+    time is set (device time: the cost model's prediction for the profile; a host slower than that
+    owes nothing, it is never sped up), else (factor - 1) x t (host ratio). The debt is
     slept off once it reaches ``min_sleep`` and oversleeping is credited to the next steps. Sleeping
     after every step would overshoot: the step after a sleep runs on cold caches and measures slower,
     and that inflation is multiplied too (x2 came out as x3 on the 2-core CI host); sleeping every
     50 ms amortizes it. Sleeping, unlike busy work, leaves the shared cores to the other
     emulated devices, so a slowed device does not slow the rest. Pass ``sync`` on a GPU so t covers
-    the kernels, not their launch.
+    the kernels, not their launch. A step time absorbs that inflation too: a slower step owes less.
+    ``step_seconds`` may be changed between rounds (it depends on the level trained).
     """
 
     def __init__(
         self,
-        factor: float,
+        factor: float = 1.0,
         *,
+        step_seconds: float | None = None,
         sync: Callable[[], None] | None = None,
         min_sleep: float = 0.05,
         clock: Callable[[], float] = time.perf_counter,
@@ -160,7 +169,10 @@ class Throttle:
     ) -> None:
         if not (factor >= 1 and math.isfinite(factor)):
             raise ValueError(f"slowdown factor must be a finite number >= 1, got {factor}")
+        if step_seconds is not None and not (step_seconds > 0 and math.isfinite(step_seconds)):
+            raise ValueError(f"step_seconds must be a positive number, got {step_seconds}")
         self.factor = factor
+        self.step_seconds = step_seconds
         self._sync = sync or (lambda: None)
         self._min_sleep = min_sleep
         self._clock = clock
@@ -178,9 +190,15 @@ class Throttle:
         self._sync()
         elapsed = self._clock() - start
         self.busy_seconds += elapsed
-        self._debt += (self.factor - 1) * elapsed
+        self._debt += self.owed(elapsed)
         if self._debt >= self._min_sleep:
             self.flush()
+
+    def owed(self, elapsed: float) -> float:
+        """Idle seconds one step of ``elapsed`` host seconds owes (never negative)."""
+        if self.step_seconds is not None:
+            return max(0.0, self.step_seconds - elapsed)
+        return (self.factor - 1) * elapsed
 
     def flush(self) -> None:
         """Sleep off the remaining debt, e.g. at the end of local training before uploading."""
@@ -191,6 +209,15 @@ class Throttle:
         slept = self._clock() - start
         self.slept_seconds += slept
         self._debt -= slept
+
+
+def step_seconds_at(table: Mapping[float, float], level: float) -> float:
+    """The step time of ``level`` in an ``emulation.step_seconds`` table (levels compared as floats, to 1e-9)."""
+    for key, seconds in table.items():
+        if math.isclose(key, level, rel_tol=1e-9):
+            return seconds
+    known = ", ".join(f"{key:g}" for key in sorted(table))
+    raise ValueError(f"emulation.step_seconds has no step time for level {level:g} (it has {known})")
 
 
 class EmulatedDevice(RuntimeHooks):
@@ -214,7 +241,9 @@ class EmulatedDevice(RuntimeHooks):
             )
         # A throttle on a GPU must time the kernels, not their asynchronous launch.
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
-        self.throttle = Throttle(emulation.slowdown, sync=sync) if emulation.slowdown > 1 else None
+        paced = emulation.slowdown > 1 or emulation.step_seconds is not None
+        self.throttle = Throttle(emulation.slowdown, sync=sync) if paced else None
+        self._slept_before = 0.0
         up, down = emulation.uplink_bytes_per_s, emulation.downlink_bytes_per_s
         self.uplink = TokenBucket(up, latency_s=emulation.latency_s) if up else None
         self.downlink = TokenBucket(down, latency_s=emulation.latency_s) if down else None
@@ -223,9 +252,13 @@ class EmulatedDevice(RuntimeHooks):
         """The host as measured, then held to the emulation: what the coordinator should plan with."""
         emulation = self.emulation
         data = measured.model_dump()
-        gflops = measured.compute.fp32_gflops / emulation.slowdown
-        data["matmul_gflops"] = gflops
-        data["compute"]["fp32_gflops"] = gflops
+        if emulation.compute is not None:  # device time: the planner predicts with what paces the steps
+            data["compute"] = emulation.compute.model_dump()
+            data["matmul_gflops"] = emulation.compute.fp32_gflops
+        else:
+            gflops = measured.compute.fp32_gflops / emulation.slowdown
+            data["matmul_gflops"] = gflops
+            data["compute"]["fp32_gflops"] = gflops
         if emulation.memory_bytes is not None:
             data["memory"] = {"total": emulation.memory_bytes, "shared": measured.memory.shared, "reserved": 0}
         if emulation.uplink_bytes_per_s and emulation.downlink_bytes_per_s:
@@ -239,6 +272,15 @@ class EmulatedDevice(RuntimeHooks):
     def memory_guard(self) -> AbstractContextManager[object]:
         return self.memory.guard() if self.memory is not None else nullcontext()
 
+    def before_training(self, level: float) -> None:
+        """Set the step time of ``level`` (device time) and start counting this round's sleeps."""
+        if self.throttle is None:
+            return
+        self._slept_before = self.throttle.slept_seconds
+        table = self.emulation.step_seconds
+        if table is not None:
+            self.throttle.step_seconds = step_seconds_at(table, level)
+
     def step(self) -> AbstractContextManager[object]:
         # Step by step, so the slowed device computes at its pace instead of bursting then idling.
         return self.throttle.step() if self.throttle is not None else nullcontext()
@@ -250,6 +292,9 @@ class EmulatedDevice(RuntimeHooks):
         slept = self.throttle.slept_seconds
         self.throttle.flush()
         return self.throttle.slept_seconds - slept
+
+    def held_seconds(self) -> float:
+        return 0.0 if self.throttle is None else self.throttle.slept_seconds - self._slept_before
 
     def before_upload(self) -> None:
         if self.uplink is not None:

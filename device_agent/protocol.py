@@ -79,10 +79,21 @@ class UploadMeta:
     local_accuracy: float | None = None
     """Accuracy of the trained model on the device's own test shard: the only measure of a personalized
     model, whose private part never reaches the coordinator. None from agents that do not report it."""
+    host_seconds: float | None = None
+    """Of ``train_seconds``, what the host computed (an emulated device sleeps the rest); None: a real device."""
 
 
-def upload_meta(samples: int, train_seconds: float, loss: float, local_accuracy: float | None = None) -> dict[str, str]:
-    """Manifest meta of an update (str -> str); the sender adds the payload's ``sha256``."""
+def upload_meta(
+    samples: int,
+    train_seconds: float,
+    loss: float,
+    local_accuracy: float | None = None,
+    host_seconds: float | None = None,
+) -> dict[str, str]:
+    """Manifest meta of an update (str -> str); the sender adds the payload's ``sha256``.
+
+    ``host_seconds`` only from an emulated device: the part of ``train_seconds`` its host computed.
+    """
     meta = {
         "samples": str(int(samples)),
         "train_seconds": f"{train_seconds:.6f}",
@@ -90,6 +101,8 @@ def upload_meta(samples: int, train_seconds: float, loss: float, local_accuracy:
     }
     if local_accuracy is not None:
         meta["local_accuracy"] = f"{local_accuracy:.6f}"
+    if host_seconds is not None:
+        meta["host_seconds"] = f"{host_seconds:.6f}"
     return meta
 
 
@@ -104,6 +117,7 @@ def parse_upload_meta(meta: Mapping[str, str]) -> UploadMeta:
     try:
         samples, seconds, loss = int(meta["samples"]), float(meta["train_seconds"]), float(meta["loss"])
         accuracy = float(meta["local_accuracy"]) if "local_accuracy" in meta else None
+        host = float(meta["host_seconds"]) if "host_seconds" in meta else None
     except ValueError as exc:
         raise UploadMetaError(f"update manifest meta: {exc}") from None
     if samples < 1 or not (seconds >= 0 and math.isfinite(seconds)):
@@ -112,4 +126,6 @@ def parse_upload_meta(meta: Mapping[str, str]) -> UploadMeta:
         raise UploadMetaError(f"update manifest meta: loss={loss} is not a finite number")
     if accuracy is not None and not 0 <= accuracy <= 1:
         raise UploadMetaError(f"update manifest meta: local_accuracy={accuracy} is not in [0, 1]")
-    return UploadMeta(samples, seconds, loss, accuracy)
+    if host is not None and not 0 <= host <= seconds * 1.01 + 1e-3:
+        raise UploadMetaError(f"update manifest meta: host_seconds={host} is not in [0, train_seconds={seconds}]")
+    return UploadMeta(samples, seconds, loss, accuracy, host)

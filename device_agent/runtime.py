@@ -261,6 +261,7 @@ class Agent:
         spec, train = assignment.spec, assignment.train
         tensors = decode_tensors(payload)
         shard, test = self.data.for_model(spec.model.image_size, spec.model.in_channels, spec.model.num_classes)
+        self.hooks.before_training(spec.level)
         with self.hooks.memory_guard():
             trained = train_assignment(
                 spec, train, tensors, self.kept.load(assignment.run), shard, test, self.device, step=self.hooks.step
@@ -268,7 +269,9 @@ class Agent:
             self.kept.save(assignment.run, trained.keep)
         result, local_accuracy, upload = trained.result, trained.local_accuracy, trained.upload
         seconds = result.seconds + self.hooks.after_training()
-        meta = upload_meta(result.samples, seconds, result.mean_loss, local_accuracy)
+        held = self.hooks.held_seconds()
+        host = max(0.0, seconds - held) if self.config.emulation is not None else None
+        meta = upload_meta(result.samples, seconds, result.mean_loss, local_accuracy, host)
         item = self.outbox.put(assignment.run, assignment.round, new_transfer_id(), upload, meta)
         log.info(
             "%s: round %d trained in %.1f s (loss %.3f, local accuracy %s), update of %d bytes",

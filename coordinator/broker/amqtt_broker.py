@@ -113,6 +113,8 @@ def amqtt_config(settings: BrokerSettings, port: int, password_file: Path) -> di
 class AmqttBroker:
     """Same interface as ``MosquittoBroker``; the broker runs in a child Python process."""
 
+    protocol = "3.1.1"  # amqtt 0.12 refuses MQTT 5 CONNECTs
+
     def __init__(self, settings: BrokerSettings) -> None:
         self.settings = settings
         self.port = settings.port or free_port(settings.host)

@@ -48,6 +48,8 @@ class BrokerSettings:
 
 class ManagedBroker(Protocol):
     address: BrokerAddress
+    # The MQTT version clients must speak to it ("5" or "3.1.1"): amqtt knows only 3.1.1.
+    protocol: str
 
     def start(self, timeout: float = 10.0) -> None: ...
 

@@ -19,6 +19,8 @@ class ExternalBroker:
     Its users and ACLs are its operator's business; ``address_for`` just swaps in each device's login.
     """
 
+    protocol = "5"
+
     def __init__(self, address: BrokerAddress) -> None:
         self.address = address
 

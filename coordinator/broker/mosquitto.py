@@ -74,6 +74,8 @@ def config_text(settings: BrokerSettings, port: int, password_file: Path, acl_fi
 class MosquittoBroker:
     """``start()`` writes the files and launches mosquitto, ``stop()`` ends it; restartable on the same port."""
 
+    protocol = "5"
+
     def __init__(self, settings: BrokerSettings, binary: str | None = None) -> None:
         self.settings = settings
         self.binary = binary or find_mosquitto()

@@ -1,13 +1,32 @@
 import json
 
-from benchmarks.emulation import main
+import pytest
+
+from benchmarks.emulation import device_time, main
+from coordinator.broker.mosquitto import find_mosquitto
 
 
 def test_json_output_reports_each_limit_as_a_ratio(capsys):
-    args = ["--factors", "2", "--steps", "3", "--rates", "2e7", "--megabytes", "1", "--budgets-mib", "128", "--json"]
-    assert main(args) == 0
+    args = ["--factors", "2", "--steps", "3", "--rates", "2e7", "--megabytes", "1", "--budgets-mib", "128"]
+    assert main([*args, "--demo-rounds", "0", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["benchmark"] == "emulation"
     assert result["slowdown"][0]["factor"] == 2 and result["slowdown"][0]["measured_vs_own_compute"] > 1.5
     assert 0.5 < result["link"][0]["measured_vs_configured"] <= 1.05
     assert 0 < result["memory"][0]["largest_tensor_vs_budget"] <= 1
+    assert result["device_time"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_emulated_devices_take_the_predicted_training_time_unless_the_host_is_slower():
+    rows = device_time(rounds=1)
+    assert {row["device_class"] for row in rows} == {"jetson-orin-nano-8gb", "raspberry-pi-5", "raspberry-pi-4"}
+    for row in rows:
+        assert row["host_seconds"] <= row["emulated_seconds"] * 1.01
+        # never faster than the device (sleep granularity aside); as fast as it when the host keeps up
+        assert row["emulated_vs_predicted"] >= 0.9, row
+        if not row["host_bound"]:
+            assert row["emulated_vs_predicted"] <= 1.25, row
+        else:
+            assert row["emulated_seconds"] == pytest.approx(row["host_seconds"], rel=0.25), row

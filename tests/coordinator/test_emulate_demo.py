@@ -123,7 +123,7 @@ except torch.OutOfMemoryError:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_variant_caps_each_agent_with_a_memory_fraction(tmp_path: Path) -> None:
-    """Three Jetson classes on the GPU; slowdowns are relative to the GPU's measured throughput."""
+    """Three Jetson classes on the GPU, each step held to its profile's predicted step time (device time)."""
     devices = [
         {"id": "orin8-01", "profile": "jetson-orin-nano-8gb"},
         {"id": "orin4-01", "profile": "jetson-orin-nano-4gb", "overrides": {"max_ratio": "1/2"}},

@@ -13,10 +13,12 @@ import yaml
 from coordinator.broker.credentials import Credentials
 from coordinator.emulator import Emulation, EmulatorError, agent_url, write_agent_specs
 from coordinator.fleet import load_fleet
+from coordinator.planner import effective_profile, level_cost
 from device_agent.config import load_config
 from device_agent.data.datasets import load_dataset
 from device_agent.data.partition import partition
 from device_agent.launcher import AgentGroup
+from profiles.costmodel import Workload, predict_step_seconds
 
 _GIB = 1024**3
 HOST_GFLOPS = 72.0
@@ -71,6 +73,24 @@ def test_each_device_is_held_to_its_profile_with_the_fleet_overrides(tmp_path: P
     assert configs["laptop-a"].emulation.slowdown == 1.0  # faster than this host: host speed
 
 
+def test_by_default_each_step_is_held_to_the_planners_step_time_for_the_profile(tmp_path: Path) -> None:
+    fleet, catalog = load_fleet(_fleet_file(tmp_path))
+    specs = write_agent_specs(fleet, catalog, tmp_path / "run", "mqtt://127.0.0.1:18999", _passwords(fleet))
+    configs = {s.device: load_config(s.config).emulation for s in specs}
+    batch = fleet.training.batch_size
+    for device in fleet.devices:
+        emulation = configs[device.id]
+        profile = effective_profile(device, catalog[device.profile], None)
+        assert emulation.slowdown == 1.0
+        assert emulation.compute.fp32_gflops == profile.compute.fp32_gflops  # what hello reports
+        assert set(emulation.step_seconds) == {*fleet.ratios, 1.0}
+        for level, seconds in emulation.step_seconds.items():
+            work = Workload(level_cost(fleet, level).trace, batch, fleet.training.optimizer)
+            assert seconds == pytest.approx(predict_step_seconds(work, profile), rel=1e-6)
+    # the slower override (18 instead of 36 GFLOPS) makes the full model's step slower
+    assert configs["pi4-slow"].step_seconds[1.0] > configs["pi4-a"].step_seconds[1.0]
+
+
 def test_passwords_travel_in_the_environment_not_in_the_files(tmp_path: Path) -> None:
     fleet, catalog = load_fleet(_fleet_file(tmp_path))
     specs = write_agent_specs(fleet, catalog, tmp_path / "run", "mqtt://127.0.0.1:18999", _passwords(fleet), 50.0)
@@ -120,9 +140,11 @@ def test_launch_starts_one_agent_per_device_and_reports_a_crash(tmp_path: Path) 
     agents = AgentGroup(lambda config: [sys.executable, "-c", script, str(config)])
     emulation = Emulation(fleet, catalog, 50.0, agents=agents)
     credentials = {d.id: Credentials(d.id, "pw") for d in fleet.devices}
-    emulation.launch("mqtt://0.0.0.0:18999", credentials, tmp_path / "run")
+    emulation.launch("mqtt://0.0.0.0:18999", credentials, tmp_path / "run", "3.1.1")
     assert sorted(emulation.agents.pids) == sorted(credentials)
-    assert yaml.safe_load(emulation.specs[0].config.read_text())["broker"]["url"] == "mqtt://127.0.0.1:18999"
+    broker = yaml.safe_load(emulation.specs[0].config.read_text())["broker"]
+    assert broker["url"] == "mqtt://127.0.0.1:18999"
+    assert broker["protocol"] == "3.1.1"  # the agents speak what the broker speaks (amqtt: 3.1.1 only)
     deadline = time.monotonic() + 20
     while not emulation.crashed and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -135,9 +157,14 @@ def test_the_command_refuses_what_it_cannot_emulate(tmp_path: Path, capsys: pyte
     from coordinator.cli import main
 
     path = _fleet_file(tmp_path, extra_device="  - {id: mystery, profile: reported}\n")
-    assert main(["emulate", "--fleet", str(path), "--host-gflops", "50", "--run-dir", str(tmp_path / "run")]) == 2
+    assert main(["emulate", "--fleet", str(path), "--run-dir", str(tmp_path / "run")]) == 2
     assert "devices[5].profile: mystery is 'reported'" in capsys.readouterr().err
-    path.write_text(path.read_text().replace("raspberry-pi-5", "raspberry-pi-6"))
+    host_ratio = ["--pace", "host-ratio", "--host-gflops", "50"]
+    assert main(["emulate", "--fleet", str(path), *host_ratio, "--run-dir", str(tmp_path / "run")]) == 2
+    assert "devices[5].profile: mystery is 'reported'" in capsys.readouterr().err
     assert main(["emulate", "--fleet", str(path), "--host-gflops", "50"]) == 2
+    assert "--host-gflops is only used with --pace host-ratio" in capsys.readouterr().err
+    path.write_text(path.read_text().replace("raspberry-pi-5", "raspberry-pi-6"))
+    assert main(["emulate", "--fleet", str(path)]) == 2
     assert "devices[2].profile: unknown profile 'raspberry-pi-6'" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # nothing started, nothing written

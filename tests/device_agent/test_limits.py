@@ -166,3 +166,23 @@ def test_throttled_training_runs_factor_times_slower_than_unthrottled() -> None:
     # unthrottled blocks next to it, the shared cores add noise, hence the generous band.
     assert throttled / throttle.busy_seconds == pytest.approx(3.0, rel=0.15)
     assert 3.0 * 0.6 < throttled / plain < 3.0 * 1.6
+
+
+def test_a_step_time_holds_each_step_to_it_and_never_speeds_a_slow_step_up() -> None:
+    fake = FakeTime()
+    throttle = Throttle(step_seconds=0.004, min_sleep=0.005, clock=fake.clock, sleep=fake.sleep)
+    for _ in range(10):
+        with throttle.step():
+            fake.now += 0.001  # 1 ms on the host, 4 ms on the device: owes 3 ms
+    throttle.flush()
+    assert fake.now == pytest.approx(10 * 0.004, rel=0.12)
+    throttle.step_seconds = 0.0005  # the next round's level is cheaper than the host's step
+    start, slept = fake.now, throttle.slept_seconds
+    for _ in range(10):
+        with throttle.step():
+            fake.now += 0.001
+    throttle.flush()
+    assert throttle.slept_seconds == slept  # slower than the device: nothing owed, nothing gained
+    assert fake.now - start == pytest.approx(0.010)
+    with pytest.raises(ValueError, match="step_seconds must be a positive number"):
+        Throttle(step_seconds=0.0)

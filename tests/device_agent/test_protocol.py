@@ -48,6 +48,14 @@ def test_upload_meta_carries_the_local_accuracy_of_a_personalized_model() -> Non
         parse_upload_meta({**meta, "local_accuracy": "1.5"})
 
 
+def test_upload_meta_of_an_emulated_device_splits_host_from_device_seconds() -> None:
+    meta = upload_meta(90, 2.0, 0.1, host_seconds=0.5)
+    assert parse_upload_meta(meta).host_seconds == 0.5
+    assert parse_upload_meta(upload_meta(90, 2.0, 0.1)).host_seconds is None  # a real device, or an older agent
+    with pytest.raises(UploadMetaError, match=r"host_seconds=3\.0 is not in \[0, train_seconds=2\.0\]"):
+        parse_upload_meta({**meta, "host_seconds": "3.0"})
+
+
 def test_round_seeds_differ_per_device_and_round_and_repeat_per_run() -> None:
     seeds = {round_seed(7, r, d) for r in range(1, 4) for d in range(5)}
     assert len(seeds) == 15
