@@ -164,7 +164,7 @@ def _send_garbage(fleet: Fleet, device: str, run: str, round_: int) -> list[Mess
 
 
 def test_run_with_four_agents_survives_a_killed_agent_and_rejects_a_malformed_upload(fleet_factory) -> None:
-    fleet = fleet_factory(rounds=5, deadline_s=40)
+    fleet = fleet_factory(rounds=8, deadline_s=40)
     coordinator = fleet.coordinator(min_devices=len(DEVICES))
     agents = {d: fleet.agent(d, *(["--slowdown", "10"] if d == "d3" else [])) for d in DEVICES}
     fleet.wait_for("round 1 to open", lambda: fleet.open_round().get("round") == 1)
@@ -177,15 +177,15 @@ def test_run_with_four_agents_survives_a_killed_agent_and_rejects_a_malformed_up
     assert "d3" not in fleet.journaled(1), "d3 finished round 1 before it could be killed"
     # Kill d3 mid-training without a goodbye: its will closes round 1 at once, long before the new
     # process (Python, torch, the probe) says hello, so round 1 records it as dropped and it has
-    # four rounds to rejoin.
+    # seven rounds to rejoin (a loaded CI machine can take most of a round's worth of seconds to start it).
     agents["d3"].send_signal(signal.SIGKILL)
     agents["d3"].wait()
     fleet.agent("d3")
 
-    fleet.wait_for("all rounds", lambda: coordinator.poll() is not None, timeout=150)
+    fleet.wait_for("all rounds", lambda: coordinator.poll() is not None, timeout=240)
     assert coordinator.returncode == 0
     rounds = fleet.metrics()
-    assert [r["round"] for r in rounds] == [1, 2, 3, 4, 5]
+    assert [r["round"] for r in rounds] == list(range(1, 9))
 
     assert errors and errors[0].code == "rejected" and "safetensors" in errors[0].detail
     assert rounds[0]["devices"]["d3"]["status"] == "dropped"  # its last will said offline
