@@ -344,10 +344,21 @@ class FedAvgSmall(WidthStrategy):
             WidthStrategy.__init__(self, self.model, self.params, self.seed, width=level)
 
     def state_dict(self) -> dict[str, Tensor]:
-        return {**super().state_dict(), "width": torch.tensor([self.width], dtype=torch.float64)}
+        return {
+            **super().state_dict(),
+            "width": torch.tensor([self.width], dtype=torch.float64),
+            "fixed": torch.tensor([self._fixed]),
+        }
 
     def load_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        """Restore the width only once it was fixed: the initial state (round 0) must not fix it at 1.
+
+        A run directory starts from the round-0 state; loading it used to fix the width at 1.0, so
+        fedavg_small trained the full model under the engine. States without ``fixed`` are older and fixed.
+        """
         if "width" not in state:
             raise KeyError("fedavg_small state lacks 'width'")
-        self._shrink(float(state["width"][0]))
-        super().load_state_dict({k: v for k, v in state.items() if k != "width"})
+        fixed = bool(state["fixed"][0]) if "fixed" in state else True
+        if fixed:
+            self._shrink(float(state["width"][0]))
+        super().load_state_dict({k: v for k, v in state.items() if k not in ("width", "fixed")})

@@ -97,3 +97,14 @@ def test_params_are_validated_by_name():
         build_strategy("fedavg", SPEC, {"bogus": 1})
     with pytest.raises(ValueError, match=r"unknown strategy 'nope'; choose one of: .*fedhm"):
         build_strategy("nope", SPEC, {})
+
+
+def test_fedavg_small_restored_from_its_initial_state_still_shrinks_to_the_first_rounds_smallest_level():
+    initial = build_strategy("fedavg_small", SPEC, {}).state_dict()
+    restored = build_strategy("fedavg_small", SPEC, {})
+    restored.load_state_dict(initial)  # what the engine does when a run starts
+    sent = restored.configure(1, slots(1.0, 0.35))
+    assert {a.spec.level for a in sent.values()} == {0.35}
+    again = build_strategy("fedavg_small", SPEC, {})
+    again.load_state_dict(restored.state_dict())
+    assert again.width == 0.35
