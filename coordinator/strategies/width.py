@@ -337,6 +337,13 @@ class FedAvgSmall(WidthStrategy):
             self._shrink(min(slot.level for slot in clients))
         return super().configure(round, clients)
 
+    def open_round(self, round: int, clients: Sequence[ClientSlot]) -> RoundAggregate:
+        # The engine opens the round before it configures it: fix the width first, or the aggregate
+        # would be shaped for the full model.
+        if not self._fixed and clients:
+            self._shrink(min(slot.level for slot in clients))
+        return super().open_round(round, clients)
+
     def _shrink(self, level: float) -> None:
         """Fix the model width at the first round's smallest level (once; later rounds keep it)."""
         self._fixed = True

@@ -108,3 +108,14 @@ def test_fedavg_small_restored_from_its_initial_state_still_shrinks_to_the_first
     again = build_strategy("fedavg_small", SPEC, {})
     again.load_state_dict(restored.state_dict())
     assert again.width == 0.35
+
+
+def test_fedavg_small_opened_before_it_is_configured_aggregates_the_small_model():
+    strategy = build_strategy("fedavg_small", SPEC, {})
+    clients = slots(1.0, 0.35)
+    aggregate = strategy.open_round(1, clients)  # the engine's order: open, then configure
+    sent = strategy.configure(1, clients)
+    for slot in clients:
+        aggregate.add(slot.client_id, sent[slot.client_id].tensors, slot.num_samples)
+    strategy.close_round(aggregate)
+    assert strategy.global_state()["conv1.weight"].shape[0] == 12
