@@ -23,7 +23,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from torch import Tensor
@@ -124,8 +124,12 @@ class Agent:
 
     def _make_session(self) -> tuple[Session, DeviceTopics]:
         broker = self.config.broker
-        address = BrokerAddress.from_url(
-            broker.url, username=self.config.device, password=broker.resolve_password(), ca_file=broker.ca_file
+        address = replace(
+            BrokerAddress.from_url(
+                broker.url, username=self.config.device, password=broker.resolve_password(), ca_file=broker.ca_file
+            ),
+            cert_file=broker.cert_file,
+            key_file=broker.key_file,
         )
         return device_session(
             self.config.fleet,

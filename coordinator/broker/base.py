@@ -101,7 +101,7 @@ def probe(address: BrokerAddress, timeout: float) -> str:
     if address.username is not None:
         client.username_pw_set(address.username, address.password)
     if address.tls:
-        client.tls_set(ca_certs=address.ca_file)
+        client.tls_set(ca_certs=address.ca_file, certfile=address.cert_file, keyfile=address.key_file)
     client.on_connect = on_connect
     try:
         client.connect(address.host, address.port, keepalive=5)
