@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from coordinator.fleet import FleetError, load_fleet
-from coordinator.provision import DeviceLayout, ProvisionError, provision
+from coordinator.provision import DeviceLayout, ProvisionError, default_kits, provision
 
 _EPILOG = """\
 examples:
@@ -37,7 +37,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--fleet", type=Path, required=True, metavar="FILE", help="fleet.yaml")
-    parser.add_argument("--out", type=Path, default=Path("kits"), metavar="DIR", help="kits folder (default: kits)")
+    parser.add_argument(
+        "--out", type=Path, metavar="DIR", help="kits folder (default: kits/<fleet>/ next to fleet.yaml)"
+    )
     parser.add_argument(
         "--rotate",
         action="append",
@@ -71,7 +73,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run_provision(args: argparse.Namespace) -> int:
     try:
         fleet, _ = load_fleet(args.fleet)
-        done = provision(fleet, args.out, args.rotate, DeviceLayout(args.prefix, args.state_dir), args.broker_dir)
+        out = args.out or default_kits(args.fleet, fleet)
+        done = provision(fleet, out, args.rotate, DeviceLayout(args.prefix, args.state_dir), args.broker_dir)
     except (FleetError, ProvisionError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)
         return 2

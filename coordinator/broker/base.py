@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -66,6 +69,29 @@ def terminate(process: subprocess.Popen | None, timeout: float) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for a managed broker: the kernel sends it SIGTERM when the coordinator dies, even by
+    SIGKILL or SIGHUP, so no orphan broker keeps the port (Linux: prctl PR_SET_PDEATHSIG; elsewhere a no-op).
+
+    The signal follows the thread that started the child: start brokers from the main thread.
+    """
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
+def check_port_free(host: str, port: int) -> None:
+    """A ``BrokerError`` in one line when something already listens on ``host:port`` (an orphan broker?)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise BrokerError(
+                f"port {port} on {host} is taken ({exc.strerror}): another broker, or one left by an earlier "
+                "coordinator, is listening there; stop it or change broker.port"
+            ) from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -20,9 +20,10 @@ from coordinator.provision.agent_kit import DeviceLayout, broker_url, build_agen
 from coordinator.provision.broker_files import build_broker_files
 from coordinator.provision.bundle import build_bundle
 from coordinator.provision.certificates import Authority, build_certificates
-from coordinator.provision.layout import CA_CERT, CLIENT_CERT, CLIENT_KEY, Kits, private_dir, write_file
+from coordinator.provision.layout import CA_CERT, CLIENT_CERT, CLIENT_KEY, PASSWORD, Kits, private_dir, write_file
 from coordinator.provision.secrets import ProvisionError, build_credentials
 from coordinator.provision.wheel import build_agent_wheel
+from device_agent.schema import SecretError, resolve_secret
 
 MANIFEST = "fleet.json"
 
@@ -80,6 +81,33 @@ def provision(
     return Provisioned(kits, credentials, url, tls, tuple(rotate), missing)
 
 
+def default_kits(fleet_file: Path, fleet: Fleet) -> Path:
+    """Where a fleet's kits live unless told: next to its fleet.yaml, ``kits/<fleet>/``."""
+    return Path(fleet_file).parent / "kits" / fleet.fleet
+
+
+def read_credentials(fleet: Fleet, kits: Kits) -> dict[str, Credentials]:
+    """Every login of ``fleet`` from its kits (or fleet.yaml's references); never generates one."""
+    manifest = kits.root / MANIFEST
+    if manifest.exists() and json.loads(manifest.read_text()).get("fleet") != fleet.fleet:
+        raise ProvisionError(f"{kits.root} holds the kits of another fleet (see {manifest}), not of {fleet.fleet}")
+    refs = {COORDINATOR_USER: (fleet.broker.password, "broker.password")}
+    refs |= {d.id: (d.credentials, f"devices[{i}].credentials") for i, d in enumerate(fleet.devices)}
+    credentials = {}
+    for name, (ref, what) in refs.items():
+        path = kits.participant(name) / PASSWORD
+        try:
+            secret = resolve_secret(ref) if ref is not None else path.read_text().strip()
+        except SecretError as exc:
+            raise ProvisionError(f"{what}: {exc}") from None
+        except OSError:
+            raise ProvisionError(
+                f"{name} has no password in {kits.root}: provision it (coordinator provision --out {kits.root})"
+            ) from None
+        credentials[name] = Credentials(fleet.broker.username if name == COORDINATOR_USER else name, secret)
+    return credentials
+
+
 def coordinator_tls(kits: Kits) -> dict[str, str]:
     """The coordinator's CA and client certificate files (for a ``BrokerAddress``), if the kits have them."""
     folder = kits.coordinator
@@ -92,4 +120,13 @@ def coordinator_tls(kits: Kits) -> dict[str, str]:
     }
 
 
-__all__ = ["DeviceLayout", "Kits", "ProvisionError", "Provisioned", "coordinator_tls", "provision"]
+__all__ = [
+    "DeviceLayout",
+    "Kits",
+    "ProvisionError",
+    "Provisioned",
+    "coordinator_tls",
+    "default_kits",
+    "provision",
+    "read_credentials",
+]
