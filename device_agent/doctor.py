@@ -23,6 +23,7 @@ import psutil
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
 from device_agent.config import AgentConfig, ConfigError, load_config
+from device_agent.data.datasets import DatasetError, check_source
 from device_agent.wire.session import BrokerAddress
 from device_agent.wire.topics import ROOT, DeviceTopics
 
@@ -183,14 +184,9 @@ def check_data(config: AgentConfig) -> Check:
     data = config.data
     if data.dataset == "digits":
         try:
-            import sklearn  # noqa: F401
-        except ImportError:
-            return Check(
-                "data",
-                False,
-                "built-in digits need scikit-learn, which is not installed",
-                "pip install 'fedfleet-agent[demo]' (or give data.dataset and data.path)",
-            )
+            check_source("digits")
+        except DatasetError as exc:
+            return Check("data", False, "built-in digits need scikit-learn, which is not installed", str(exc))
         return Check("data", True, "built-in digits (scikit-learn)")
     path = Path(str(data.path)).expanduser()
     hint = f"copy this device's {data.dataset} data to {path} (readable by the agent's user) or fix data.path"

@@ -31,7 +31,7 @@ from torch import Tensor
 from device_agent import __version__
 from device_agent.clients.base import KeptStateMissing
 from device_agent.config import AgentConfig
-from device_agent.data.datasets import DatasetError, load_dataset
+from device_agent.data.datasets import DatasetError, check_source, load_dataset
 from device_agent.data.partition import client_shard
 from device_agent.hooks import RuntimeHooks
 from device_agent.kept import KeptStore
@@ -338,6 +338,10 @@ class Agent:
 
 def run_agent(config: AgentConfig, profile: DeviceProfile | None = None) -> int:
     """Run until SIGINT/SIGTERM; the exit code of ``device-agent run``."""
+    try:
+        check_source(config.data.source)
+    except DatasetError as exc:
+        raise AgentError(str(exc)) from None
     agent = Agent(config, profile)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: agent.stop())
