@@ -26,7 +26,7 @@ from coordinator.broker.base import (
     BrokerError,
     BrokerSettings,
     check_port_free,
-    die_with_parent,
+    child_options,
     free_port,
     terminate,
     wait_until_healthy,
@@ -153,7 +153,7 @@ class AmqttBroker:
                 [sys.executable, "-m", __name__, str(self.config_file)],
                 stdout=log_out,
                 stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent,
+                **child_options(),
             )
         try:
             wait_until_healthy(self.address, timeout, alive=lambda: self.running)

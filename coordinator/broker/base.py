@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
@@ -75,10 +75,21 @@ def die_with_parent() -> None:
     """``preexec_fn`` for a managed broker: the kernel sends it SIGTERM when the coordinator dies, even by
     SIGKILL or SIGHUP, so no orphan broker keeps the port (Linux: prctl PR_SET_PDEATHSIG; elsewhere a no-op).
 
-    The signal follows the thread that started the child: start brokers from the main thread.
+    The kernel clears this setting when a process changes its user, as mosquitto does when it drops
+    root: see :func:`child_options`, which makes the switch before. The signal follows the thread that
+    started the child: start brokers from the main thread.
     """
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
+def child_options(owner: tuple[int, int] | None = None) -> dict[str, Any]:
+    """``Popen`` arguments for a broker that must not outlive us: started directly as ``owner`` (uid, gid),
+    if given, so it has no user to drop and keeps its parent-death signal."""
+    options: dict[str, Any] = {"preexec_fn": die_with_parent}
+    if owner is not None:
+        options |= {"user": owner[0], "group": owner[1], "extra_groups": []}
+    return options
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -11,9 +11,9 @@ import re
 import subprocess
 from pathlib import Path
 
-from coordinator.broker.base import BrokerError, check_port_free, die_with_parent, terminate, wait_until_healthy
+from coordinator.broker.base import BrokerError, check_port_free, child_options, terminate, wait_until_healthy
 from coordinator.broker.credentials import Credentials
-from coordinator.broker.mosquitto import find_mosquitto
+from coordinator.broker.mosquitto import _broker_owner, find_mosquitto
 from device_agent.wire.session import BrokerAddress
 
 log = logging.getLogger("fedfleet.broker")
@@ -55,7 +55,7 @@ class KitBroker:
                 [self.binary, "-c", str(self.config_file)],  # type: ignore[list-item]
                 stdout=log_out,
                 stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent,
+                **child_options(_broker_owner()),
             )
         try:
             wait_until_healthy(self.address, timeout, alive=lambda: self.running)

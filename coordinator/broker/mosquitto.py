@@ -18,7 +18,7 @@ from coordinator.broker.base import (
     BrokerError,
     BrokerSettings,
     check_port_free,
-    die_with_parent,
+    child_options,
     free_port,
     terminate,
     wait_until_healthy,
@@ -124,7 +124,7 @@ class MosquittoBroker:
                 [self.binary, "-c", str(self.config_file)],
                 stdout=log_out,
                 stderr=subprocess.STDOUT,
-                preexec_fn=die_with_parent,
+                **child_options(_broker_owner()),
             )
         try:
             wait_until_healthy(self.address, timeout, alive=lambda: self.running)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import ssl
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -10,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
+import psutil
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
@@ -161,3 +165,36 @@ def test_kits_folder_of_another_fleet_is_refused(tmp_path: Path) -> None:
     other = fleet.model_copy(update={"fleet": "otherfleet"})
     with pytest.raises(ProvisionError, match="another fleet"):
         read_credentials(other, kits)
+
+
+def test_the_managed_broker_dies_with_its_coordinator(kit_fleet: tuple) -> None:
+    """A coordinator killed outright (SIGKILL, or SIGHUP of a closed terminal) leaves no orphan mosquitto."""
+    _, kits, running, root = kit_fleet
+    running.stop()
+    script = (
+        "import sys, time\n"
+        "from tests.coordinator.provision.kit_fixtures import kit_broker\n"
+        "from coordinator.fleet import load_fleet\n"
+        "from coordinator.provision import Kits\n"
+        f"fleet, _ = load_fleet({str(root / 'fleet.yaml')!r})\n"
+        f"broker = kit_broker(fleet, Kits(Path({str(kits.root)!r})))\n"
+        "broker.start()\n"
+        "print(broker._process.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "from pathlib import Path\n" + script],
+        cwd=Path(__file__).resolve().parents[3],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        child = psutil.Process(int(parent.stdout.readline()))
+        assert child.is_running()
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        child.wait(timeout=10)  # raises psutil.TimeoutExpired if mosquitto outlived the coordinator
+    finally:
+        parent.kill()
+        parent.wait()
+    running.start()  # the port is free again: nothing was left behind
