@@ -45,7 +45,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="DEVICE",
-        help="replace this device's (or 'coordinator''s) password and certificate; repeatable",
+        help="replace the password and certificate of DEVICE (or of 'coordinator'); repeatable",
     )
     parser.add_argument(
         "--prefix",
