@@ -99,6 +99,7 @@ def build_broker_files(
     write_file(folder / CRL, authority.crl(), 0o644)
     write_file(folder / CONFIG, config_text(fleet, at or folder.resolve()), 0o644)
     if owner is not None:
-        os.chown(folder / SERVER_KEY, *owner)
         os.chown(data, *owner)
+        if (folder / SERVER_KEY).exists():  # no TLS (external or plain broker): no key
+            os.chown(folder / SERVER_KEY, *owner)
     return folder / CONFIG

@@ -120,3 +120,15 @@ def test_the_systemd_unit_verifies(tmp_path: Path) -> None:
         text=True,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_an_external_broker_fleet_gets_kits_without_certificates(tmp_path: Path) -> None:
+    fleet_file = tmp_path / "fleet.yaml"
+    fleet_file.write_text(
+        "fleet: ext\nbroker: {mode: external, url: 'mqtt://broker.example:1883'}\n"
+        "devices:\n  - {id: a, profile: raspberry-pi-4}\n"
+    )
+    assert main(["provision", "--fleet", str(fleet_file), "--out", str(tmp_path / "kits")]) == 0
+    kit = tmp_path / "kits" / "a"
+    assert (kit / "password").exists() and not (kit / "client.pem").exists()
+    assert "url: mqtt://broker.example:1883" in (kit / "agent.yaml").read_text()
