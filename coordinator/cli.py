@@ -7,7 +7,7 @@ import json
 import sys
 from fractions import Fraction
 
-from coordinator import emulate_cli, planning_cli, pretrain, report_cli, start_cli
+from coordinator import emulate_cli, planning_cli, pretrain, provision_cli, report_cli, start_cli
 from coordinator.exporting import open_trained_run
 from coordinator.model_stats import model_stats
 from device_agent.models import MODELS
@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     planning_cli.add_profiles_parser(commands)
     planning_cli.add_validate_parser(commands)
     planning_cli.add_plan_parser(commands)
+    provision_cli.add_parser(commands)
     start_cli.add_parser(commands)
     emulate_cli.add_parser(commands)
     pretrain.add_parser(commands)

@@ -7,6 +7,7 @@ import sys
 
 from coordinator.emulator import AGENTS_DIR, Emulation, EmulatorError
 from coordinator.fleet import FleetError, load_fleet
+from coordinator.provision import default_kits
 from coordinator.start_cli import add_run_arguments, run_start
 from device_agent.emulation import measure_host_gflops
 
@@ -81,6 +82,8 @@ def _emulate(args: argparse.Namespace) -> int:
     )
     print(f"emulating {len(fleet.devices)} devices; pace: {pace}")
     args.min_devices = args.min_devices or len(fleet.devices)
+    args.kits = args.kits or default_kits(args.fleet, fleet)
+    emulation.kits = args.kits
     try:
         code = run_start(args, on_broker_ready=emulation.launch)
     finally:

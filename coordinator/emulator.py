@@ -101,11 +101,14 @@ def write_agent_specs(
     device_type: str = "cpu",
     ca_file: str | None = None,
     protocol: str = "5",
+    kits: Path | None = None,
 ) -> list[AgentSpec]:
     """Write ``RUN_DIR/agents/<device>/agent.yaml`` for every device and return what to launch.
 
     ``passwords`` maps device id to its broker password; it reaches the agent as ``$FEDFLEET_PASSWORD``.
     ``host_gflops``: see :func:`device_limits` (None: device time).
+    With the fleet's ``kits`` (``coordinator provision``), the agent reads its password, CA and client
+    certificate from its own kit instead, exactly the files a real device gets.
     """
     missing = [device.id for device in fleet.devices if device.id not in passwords]
     if missing:
@@ -123,6 +126,8 @@ def write_agent_specs(
             len(fleet.devices),
             None if dataset.path is None else str(dataset.path),
         )
+        kit = None if kits is None else (kits / device.id).resolve()
+        tls = {} if kit is None or not (kit / "client.pem").exists() else kit_tls_files(kit)
         config = agent_config(
             device.id,
             fleet.fleet,
@@ -130,7 +135,10 @@ def write_agent_specs(
             share,
             (folder / "state").resolve(),
             limits[device.id],
-            ca_file=ca_file,
+            password=f"file:{kit / 'password'}" if kit is not None else f"env:{PASSWORD_ENV}",
+            ca_file=tls.get("ca_file", ca_file),
+            cert_file=tls.get("cert_file"),
+            key_file=tls.get("key_file"),
             protocol=protocol,
             device_type=device_type,
         )
@@ -140,10 +148,15 @@ def write_agent_specs(
                 write_agent_config(folder / "agent.yaml", config),
                 folder / "agent.log",
                 threads,
-                {PASSWORD_ENV: passwords[device.id]},
+                {} if kit is not None else {PASSWORD_ENV: passwords[device.id]},
             )
         )
     return specs
+
+
+def kit_tls_files(kit: Path) -> dict[str, str]:
+    """The CA and client certificate of a device's kit, as agent.yaml's broker keys."""
+    return {"ca_file": str(kit / "ca.pem"), "cert_file": str(kit / "client.pem"), "key_file": str(kit / "client.key")}
 
 
 def agent_url(broker_url: str) -> str:
@@ -181,6 +194,7 @@ class Emulation:
         self.threads = threads
         self.device_type = device_type
         self.agents = agents or AgentGroup()
+        self.kits: Path | None = None  # the fleet's kits: agents take their secrets and certificates from them
         self.specs: list[AgentSpec] = []
         self.crashed: list[AgentExit] = []
 
@@ -204,6 +218,7 @@ class Emulation:
             threads=self.threads,
             device_type=self.device_type,
             protocol=protocol,
+            kits=self.kits,
         )
         for spec in self.specs:
             self.agents.start(spec)

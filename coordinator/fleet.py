@@ -69,7 +69,13 @@ class Broker(_Strict):
 
     mode: Literal["managed", "amqtt", "external"] = "managed"
     host: str = "0.0.0.0"
-    port: int = Field(1883, ge=1, le=65535)
+    port: int = Field(None, ge=1, le=65535, description="default 8883 with tls, 1883 without")  # type: ignore[assignment]
+    # Provisioning (`coordinator provision`): devices verify the broker and show it a client certificate.
+    tls: bool = Field(True, description="managed mosquitto: TLS listener, CA and certificates from the kits")
+    plain_port: int | None = Field(None, ge=1, le=65535, description="also a plain TCP listener (only when asked)")
+    hosts: list[str] = Field(
+        default_factory=list, description="names/IPs devices use to reach the broker (server certificate SANs)"
+    )
     url: str | None = None
     ca_file: Path | None = None
     username: str = "coordinator"
@@ -91,6 +97,10 @@ class Broker(_Strict):
             raise ValueError(f"url is only for mode external (mode is {self.mode}); set host/port instead")
         if self.ca_file is not None and not (self.url or "").startswith("mqtts://"):
             raise ValueError("ca_file only applies to an external mqtts:// broker")
+        if self.port is None:
+            self.port = 8883 if self.tls and self.mode == "managed" else 1883
+        if self.mode == "amqtt" and self.tls:
+            self.tls = False  # amqtt has no TLS here: the development fallback stays plain
         return self
 
 

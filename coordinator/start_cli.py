@@ -6,7 +6,6 @@ import argparse
 import logging
 import math
 import os
-import secrets
 import signal
 import sys
 import tempfile
@@ -14,21 +13,24 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
-from coordinator.broker.base import BrokerSettings
-from coordinator.broker.credentials import COORDINATOR_USER, Credentials, write_private
+from coordinator.broker.base import BrokerError, BrokerSettings
+from coordinator.broker.credentials import COORDINATOR_USER, Credentials
 from coordinator.broker.factory import external_broker, make_broker
+from coordinator.broker.kit import KitBroker
+from coordinator.broker.mosquitto import find_mosquitto
 from coordinator.engine import EngineSettings, RoundEngine
 from coordinator.fleet import Fleet, FleetError, load_fleet
 from coordinator.link import MqttLink
+from coordinator.provision import Kits, ProvisionError, coordinator_tls, default_kits, provision, read_credentials
+from coordinator.provision.broker_files import CONFIG
 from coordinator.report import write_report
 from coordinator.rundir import RunDir, RunDirError
 from coordinator.strategies import ModelSpec, build_strategy
 from device_agent.config import ConfigError
 from device_agent.data.datasets import DatasetError, LabeledData, load_dataset
-from device_agent.schema import resolve_secret as resolve_reference
+from device_agent.wire.session import BrokerAddress
 
 log = logging.getLogger("fedfleet.coordinator")
-CREDENTIALS_DIR = "credentials"
 
 _EPILOG = """\
 examples:
@@ -36,10 +38,11 @@ examples:
   coordinator start --fleet fleet.yaml --run-dir runs/lab         resume runs/lab if it exists
   coordinator start --fleet fleet.yaml --min-devices 2 --rounds 5
 
-Device passwords the fleet does not give (devices[].credentials) are generated once, written to
-RUN_DIR/credentials/<device>.password (mode 0600) and printed; point each device's agent.yaml at
-its file (broker.password: file:PATH) or an environment variable. Ctrl-C stops cleanly; running
-the same command again resumes the run, including the updates accepted in the open round.
+Broker logins, the CA and certificates belong to the fleet, not to a run: they are read from the
+fleet's kits (--kits, default kits/<fleet>/ next to fleet.yaml; `coordinator provision` writes them,
+and a first start provisions them if they are missing), so a new run never changes a device's secret.
+A managed broker runs kits/broker/mosquitto.conf and stops with the coordinator. Ctrl-C stops cleanly;
+running the same command again resumes the run, including the updates accepted in the open round.
 """
 
 
@@ -63,6 +66,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, min_devices_default: str,
     """The options of a run, shared by ``start`` and ``emulate`` (which is ``start`` plus agents)."""
     parser.add_argument("--fleet", type=Path, required=True, metavar="FILE", help="fleet.yaml")
     parser.add_argument("--run-dir", type=Path, metavar="DIR", help="new or existing run directory to resume")
+    parser.add_argument(
+        "--kits", type=Path, metavar="DIR", help="the fleet's provisioned kits (see `coordinator provision`)"
+    )
     parser.add_argument("--rounds", type=int, metavar="N", help="override fleet.yaml's rounds")
     parser.add_argument(
         "--min-devices", type=int, metavar="N", help=f"devices online before round 1 (default: {min_devices_default})"
@@ -78,45 +84,15 @@ def add_run_arguments(parser: argparse.ArgumentParser, min_devices_default: str,
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
-def resolve_secret(ref: str, what: str) -> str:
-    """The secret behind an ``env:NAME`` / ``file:PATH`` reference (same rules as agent.yaml)."""
-    try:
-        return resolve_reference(ref)
-    except ValueError as exc:  # an unset variable, an unreadable file, or not a reference at all
-        raise ConfigError(f"{what}: {exc}") from None
-
-
-def provision_credentials(fleet: Fleet, run_dir: Path) -> tuple[dict[str, Credentials], list[str]]:
-    """Every login of the fleet, and the device ids whose password was generated just now.
-
-    Generated passwords live in RUN_DIR/credentials (0600) so a resumed run keeps them.
-    """
-    folder = run_dir / CREDENTIALS_DIR
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fresh: list[str] = []
-
-    def stored(name: str) -> str:
-        path = folder / f"{name}.password"
-        if path.exists():
-            return path.read_text().strip()
-        secret = secrets.token_urlsafe(24)
-        write_private(path, secret + "\n")
-        os.chmod(path, 0o600)
-        fresh.append(name)
-        return secret
-
-    coordinator = (
-        resolve_secret(fleet.broker.password, "broker.password") if fleet.broker.password else stored(COORDINATOR_USER)
-    )
-    credentials = {COORDINATOR_USER: Credentials(fleet.broker.username, coordinator)}
-    for index, device in enumerate(fleet.devices):
-        secret = (
-            resolve_secret(device.credentials, f"devices[{index}].credentials")
-            if device.credentials
-            else stored(device.id)
-        )
-        credentials[device.id] = Credentials(device.id, secret)
-    return credentials, [name for name in fresh if name != COORDINATOR_USER]
+def fleet_kits(fleet: Fleet, kits_dir: Path) -> tuple[Kits, dict[str, Credentials]]:
+    """The fleet's kits and every login in them; a fleet never provisioned is provisioned now (quietly)."""
+    kits = Kits(kits_dir)
+    if not (kits_dir / "fleet.json").exists():
+        done = provision(fleet, kits_dir)
+        print(f"provisioned the fleet's kits in {kits_dir} (device kits: {kits_dir}/<device>.tar.gz)")
+        if done.missing:
+            raise ProvisionError("; ".join(done.missing.values()))
+    return kits, read_credentials(fleet, kits)
 
 
 def fleet_data(fleet: Fleet) -> tuple[ModelSpec, LabeledData]:
@@ -126,13 +102,18 @@ def fleet_data(fleet: Fleet) -> tuple[ModelSpec, LabeledData]:
     return ModelSpec(fleet.model.arch, fleet.model.num_classes, data.in_channels, data.image_size), data
 
 
-def _broker(fleet: Fleet, credentials: dict[str, Credentials]):
+def _broker(fleet: Fleet, credentials: dict[str, Credentials], kits: Kits):
     settings = fleet.broker
     coordinator = credentials[COORDINATOR_USER]
     if settings.mode == "external":
         assert settings.url is not None
         ca = str(settings.ca_file) if settings.ca_file else None
         return external_broker(settings.url, coordinator.username, coordinator.password, ca)
+    if settings.mode == "managed" and (settings.tls or find_mosquitto()):
+        host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+        tls = coordinator_tls(kits) if settings.tls else {}
+        address = BrokerAddress(host, settings.port, coordinator.username, coordinator.password, bool(tls), **tls)
+        return KitBroker(kits.broker / CONFIG, address)
     # mosquitto drops root to its own user: the work dir must be reachable by it (not under a 0700 home).
     workdir = Path(tempfile.mkdtemp(prefix=f"fedfleet-{fleet.fleet}-broker-"))
     os.chmod(workdir, 0o711)
@@ -163,18 +144,18 @@ def run_start(
         else:
             rundir = RunDir.create(run_dir, args.fleet, strategy.state_dict(), seed=fleet.dataset.seed)
             print(f"new run {rundir.run_id} in {run_dir}")
-        credentials, fresh = provision_credentials(fleet, run_dir)
-    except (FleetError, RunDirError, DatasetError, ConfigError, ValueError) as exc:
+        kits, credentials = fleet_kits(fleet, args.kits or default_kits(args.fleet, fleet))
+        broker = _broker(fleet, credentials, kits)
+    except (FleetError, RunDirError, DatasetError, ConfigError, BrokerError, ValueError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)
         return 2
-    if fresh:
-        print("generated broker passwords (shown once; kept in the run directory):")
-        for name in fresh:
-            print(f"  {name}: {credentials[name].password}   ({run_dir / CREDENTIALS_DIR / (name + '.password')})")
-    broker = _broker(fleet, credentials)
     before_broker_stops: Callable[[], object] | None = None
     try:
-        broker.start()
+        try:
+            broker.start()
+        except BrokerError as exc:
+            print(f"coordinator: error: {exc}", file=sys.stderr)
+            return 1
         address = broker.address_for(credentials[COORDINATOR_USER])
         print(f"broker: {address.url} ({fleet.broker.mode}, MQTT {broker.protocol})")
         if on_broker_ready is not None:

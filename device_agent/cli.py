@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from device_agent import __version__, infer
@@ -31,6 +32,8 @@ or a Jetson in a low power mode is far from its datasheet.
 _EPILOG = """\
 examples:
   device-agent run --config agent.yaml  join the fleet described in agent.yaml
+  device-agent doctor --config agent.yaml
+                                        check broker, TLS, login, topics, torch, data, disk
   device-agent probe                    measure and print the profile as JSON
   device-agent probe --broker mqtt://broker.local:1883
                                         also measure latency and throughput to the broker
@@ -104,6 +107,21 @@ def build_parser() -> argparse.ArgumentParser:
         "mqtts://...) by echoing messages on a scratch topic; off by default",
     )
     probe.set_defaults(handler=_run_probe)
+    doctor = commands.add_parser(
+        "doctor",
+        help="check this device is ready: broker, TLS, login, topics, torch, data, disk, memory",
+        description=(
+            "Check, one line each, everything the agent needs to join its fleet: agent.yaml and its secret files, "
+            "the broker's address, its TLS certificate against the kit's CA (and this clock), the login, "
+            "this device's topics, torch and the accelerator, the data, free disk and memory. A failed check "
+            "prints a hint. Exit status 1 if any check failed. Run it as the agent's user (sudo)."
+        ),
+    )
+    doctor.add_argument("--config", type=Path, required=True, metavar="FILE", help="agent.yaml")
+    doctor.add_argument(
+        "--timeout", type=_positive_seconds, default=5.0, metavar="S", help="per network step (default: %(default)s)"
+    )
+    doctor.set_defaults(handler=_run_doctor)
     run_cli.add_parser(commands)
     emulate_cli.add_parser(commands)
     infer.add_parser(commands)
@@ -146,6 +164,17 @@ def _run_probe(args: argparse.Namespace) -> int:
         return 1
     print(format_human(profile) if args.human else profile.model_dump_json(indent=2))
     return 0
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    from device_agent.doctor import diagnose
+
+    checks = diagnose(args.config, args.timeout)
+    for check in checks:
+        print(check.line())
+    failed = [c.name for c in checks if c.ok is False]
+    print(f"{len(failed)} check(s) failed: {', '.join(failed)}" if failed else "ready: start the agent")
+    return 1 if failed else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,8 @@ class BrokerConfig(_Section):
     url: str = "mqtt://127.0.0.1:1883"
     password: str | None = None
     ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
     protocol: Literal["5", "3.1.1"] = "5"
 
     @field_validator("url")
@@ -48,6 +50,14 @@ class BrokerConfig(_Section):
         if not url.startswith(("mqtt://", "mqtts://")):
             raise ValueError(f"must start with mqtt:// or mqtts://, got {url!r}")
         return url
+
+    @model_validator(mode="after")
+    def _client_certificate(self) -> BrokerConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("broker.cert_file and broker.key_file go together (a client certificate and its key)")
+        if self.cert_file is not None and not self.url.startswith("mqtts://"):
+            raise ValueError("a client certificate (broker.cert_file) needs an mqtts:// url")
+        return self
 
     @field_validator("password")
     @classmethod

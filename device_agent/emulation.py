@@ -202,14 +202,19 @@ def agent_config(
     *,
     password: str = f"env:{PASSWORD_ENV}",
     ca_file: str | None = None,
+    cert_file: str | None = None,
+    key_file: str | None = None,
     protocol: str = "5",
     device_type: str = "cpu",
 ) -> dict[str, Any]:
     """One agent.yaml as a mapping (see agent_config.md); ``password`` is a reference, never the secret."""
+    broker = {"url": broker_url, "password": password, "ca_file": ca_file, "protocol": protocol}
+    if cert_file is not None:
+        broker |= {"cert_file": cert_file, "key_file": key_file}
     return {
         "device": device,
         "fleet": fleet,
-        "broker": {"url": broker_url, "password": password, "ca_file": ca_file, "protocol": protocol},
+        "broker": broker,
         "data": data.as_config(),
         "device_type": device_type,
         "state_dir": str(state_dir),

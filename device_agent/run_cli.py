@@ -29,6 +29,8 @@ _OVERRIDES = {
     "broker": "broker.url",
     "password": "broker.password",
     "ca_file": "broker.ca_file",
+    "cert_file": "broker.cert_file",
+    "key_file": "broker.key_file",
     "protocol": "broker.protocol",
     "dataset": "data.dataset",
     "data_path": "data.path",
@@ -67,6 +69,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     who.add_argument("--broker", metavar="URL", help="mqtt://host[:port] or mqtts://host[:port]")
     who.add_argument("--password", metavar="REF", help="env:NAME or file:PATH holding the broker password")
     who.add_argument("--ca-file", metavar="FILE", help="CA certificate for mqtts://")
+    who.add_argument("--cert-file", metavar="FILE", help="this device's client certificate (PEM) for mqtts://")
+    who.add_argument("--key-file", metavar="FILE", help="the key of --cert-file (PEM)")
     who.add_argument("--protocol", choices=["5", "3.1.1"], help="MQTT protocol version (default 5)")
     data = run.add_argument_group("local data")
     data.add_argument("--dataset", choices=DATASETS, help="default digits (built in)")

@@ -23,7 +23,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from torch import Tensor
@@ -31,7 +31,7 @@ from torch import Tensor
 from device_agent import __version__
 from device_agent.clients.base import KeptStateMissing
 from device_agent.config import AgentConfig
-from device_agent.data.datasets import DatasetError, load_dataset
+from device_agent.data.datasets import DatasetError, check_source, load_dataset
 from device_agent.data.partition import client_shard
 from device_agent.hooks import RuntimeHooks
 from device_agent.kept import KeptStore
@@ -124,8 +124,12 @@ class Agent:
 
     def _make_session(self) -> tuple[Session, DeviceTopics]:
         broker = self.config.broker
-        address = BrokerAddress.from_url(
-            broker.url, username=self.config.device, password=broker.resolve_password(), ca_file=broker.ca_file
+        address = replace(
+            BrokerAddress.from_url(
+                broker.url, username=self.config.device, password=broker.resolve_password(), ca_file=broker.ca_file
+            ),
+            cert_file=broker.cert_file,
+            key_file=broker.key_file,
         )
         return device_session(
             self.config.fleet,
@@ -337,6 +341,10 @@ class Agent:
 
 def run_agent(config: AgentConfig, profile: DeviceProfile | None = None) -> int:
     """Run until SIGINT/SIGTERM; the exit code of ``device-agent run``."""
+    try:
+        check_source(config.data.source)
+    except DatasetError as exc:
+        raise AgentError(str(exc)) from None
     agent = Agent(config, profile)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: agent.stop())

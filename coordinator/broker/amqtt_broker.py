@@ -22,7 +22,15 @@ from amqtt.broker import Broker
 from amqtt.contexts import Action
 from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 
-from coordinator.broker.base import BrokerError, BrokerSettings, free_port, terminate, wait_until_healthy
+from coordinator.broker.base import (
+    BrokerError,
+    BrokerSettings,
+    check_port_free,
+    child_options,
+    free_port,
+    terminate,
+    wait_until_healthy,
+)
 from coordinator.broker.credentials import (
     COORDINATOR_USER,
     Credentials,
@@ -137,13 +145,17 @@ class AmqttBroker:
     def start(self, timeout: float = 20.0) -> None:
         if self.running:
             return
+        check_port_free(self.settings.host, self.port)
         self.workdir.mkdir(parents=True, exist_ok=True)
         password_file = self.workdir / "passwd"
         write_password_file(password_file, self.settings.credentials)
         write_private(self.config_file, json.dumps(amqtt_config(self.settings, self.port, password_file), indent=2))
         with open(self.log_file, "ab") as log_out:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(self.config_file)], stdout=log_out, stderr=subprocess.STDOUT
+                [sys.executable, "-m", __name__, str(self.config_file)],
+                stdout=log_out,
+                stderr=subprocess.STDOUT,
+                **child_options(),
             )
         try:
             wait_until_healthy(self.address, timeout, alive=lambda: self.running)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
@@ -70,6 +73,40 @@ def terminate(process: subprocess.Popen | None, timeout: float) -> None:
         process.wait()
 
 
+def die_with_parent() -> None:
+    """``preexec_fn`` for a managed broker: the kernel sends it SIGTERM when the coordinator dies, even by
+    SIGKILL or SIGHUP, so no orphan broker keeps the port (Linux: prctl PR_SET_PDEATHSIG; elsewhere a no-op).
+
+    The kernel clears this setting when a process changes its user, as mosquitto does when it drops
+    root: see :func:`child_options`, which makes the switch before. The signal follows the thread that
+    started the child: start brokers from the main thread.
+    """
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
+def child_options(owner: tuple[int, int] | None = None) -> dict[str, Any]:
+    """``Popen`` arguments for a broker that must not outlive us: started directly as ``owner`` (uid, gid),
+    if given, so it has no user to drop and keeps its parent-death signal."""
+    options: dict[str, Any] = {"preexec_fn": die_with_parent}
+    if owner is not None:
+        options |= {"user": owner[0], "group": owner[1], "extra_groups": []}
+    return options
+
+
+def check_port_free(host: str, port: int) -> None:
+    """A ``BrokerError`` in one line when something already listens on ``host:port`` (an orphan broker?)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise BrokerError(
+                f"port {port} on {host} is taken ({exc.strerror}): another broker, or one left by an earlier "
+                "coordinator, is listening there; stop it or change broker.port"
+            ) from None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -103,7 +140,7 @@ def probe(address: BrokerAddress, timeout: float) -> str:
     if address.username is not None:
         client.username_pw_set(address.username, address.password)
     if address.tls:
-        client.tls_set(ca_certs=address.ca_file)
+        client.tls_set(ca_certs=address.ca_file, certfile=address.cert_file, keyfile=address.key_file)
     client.on_connect = on_connect
     try:
         client.connect(address.host, address.port, keepalive=5)

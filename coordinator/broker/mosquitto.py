@@ -14,7 +14,15 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from coordinator.broker.base import BrokerError, BrokerSettings, free_port, terminate, wait_until_healthy
+from coordinator.broker.base import (
+    BrokerError,
+    BrokerSettings,
+    check_port_free,
+    child_options,
+    free_port,
+    terminate,
+    wait_until_healthy,
+)
 from coordinator.broker.credentials import COORDINATOR_USER, Credentials, write_password_file, write_private
 from device_agent.wire.session import BrokerAddress
 from device_agent.wire.topics import ROOT, acl_patterns, check_name
@@ -111,10 +119,14 @@ class MosquittoBroker:
     def start(self, timeout: float = 10.0) -> None:
         if self.running:
             return
+        check_port_free(self.settings.host, self.port)
         self.write_files()
         with open(self.log_file, "ab") as log_out:
             self._process = subprocess.Popen(
-                [self.binary, "-c", str(self.config_file)], stdout=log_out, stderr=subprocess.STDOUT
+                [self.binary, "-c", str(self.config_file)],
+                stdout=log_out,
+                stderr=subprocess.STDOUT,
+                **child_options(_broker_owner()),
             )
         try:
             wait_until_healthy(self.address, timeout, alive=lambda: self.running)

@@ -28,8 +28,23 @@ TEST_FRACTION = 0.2
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".pgm")
 
 
+DIGITS_NEED_SKLEARN = (
+    "the built-in 'digits' demo data needs scikit-learn, which is not installed: "
+    "pip install 'fedfleet-agent[demo]' (or scikit-learn), or train on this device's own data (data.dataset, data.path)"
+)
+
+
 class DatasetError(ValueError):
     """A data source that cannot be read; the message names the file and the problem."""
+
+
+def check_source(source: str | Path) -> None:
+    """Fail now, with the reason, when ``source`` can never load here (not at every round's assignment)."""
+    if str(source) == "digits":
+        try:
+            import sklearn  # noqa: F401
+        except ImportError:
+            raise DatasetError(DIGITS_NEED_SKLEARN) from None
 
 
 @dataclass(frozen=True)
@@ -142,7 +157,7 @@ def _digits() -> LabeledData:
     try:
         from sklearn.datasets import load_digits
     except ImportError:
-        raise DatasetError("the built-in 'digits' data set needs scikit-learn (pip install scikit-learn)") from None
+        raise DatasetError(DIGITS_NEED_SKLEARN) from None
     x, y = load_digits(return_X_y=True)
     return _from_arrays((x / 16.0).reshape(-1, 8, 8).astype(np.float32), y, "digits")
 

@@ -86,6 +86,9 @@ class BrokerAddress:
     password: str | None = None
     tls: bool = False
     ca_file: str | None = None
+    # A client certificate and its key (PEM), for brokers that require one (a provisioned fleet's do).
+    cert_file: str | None = None
+    key_file: str | None = None
 
     @classmethod
     def from_url(
@@ -241,7 +244,12 @@ class Session:
         if cfg.broker.username is not None:
             client.username_pw_set(cfg.broker.username, cfg.broker.password)
         if cfg.broker.tls:
-            client.tls_set(ca_certs=cfg.broker.ca_file, cert_reqs=ssl.CERT_REQUIRED)
+            client.tls_set(
+                ca_certs=cfg.broker.ca_file,
+                certfile=cfg.broker.cert_file,
+                keyfile=cfg.broker.key_file,
+                cert_reqs=ssl.CERT_REQUIRED,
+            )
         if will is not None:
             client.will_set(will[0], encode(will[1]), qos=1, retain=True)
         client.reconnect_delay_set(cfg.reconnect_min_s, cfg.reconnect_max_s)

@@ -38,7 +38,7 @@ def test_a_minimal_fleet_gets_sane_defaults() -> None:
     assert fleet.strategy.name == "fedhm"
     assert fleet.ratios == [1.0, 0.5, 0.25, 0.125]
     assert fleet.training.batch_size == 32
-    assert fleet.broker.port == 1883
+    assert fleet.broker.port == 8883 and fleet.broker.tls  # a provisioned managed broker speaks TLS
     assert fleet.samples_for(fleet.devices[0]) == 50_000 // 2
 
 

@@ -1,0 +1,107 @@
+"""``device-agent doctor`` on a provisioned kit: healthy, and each failure it names (real mosquitto)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from device_agent.cli import main
+from tests.coordinator.provision.kit_fixtures import kit_broker, make_fleet, provision_into
+
+
+@pytest.fixture(scope="module")
+def kit() -> Iterator[tuple]:
+    fleet_file, fleet = make_fleet()
+    root = fleet_file.parent
+    kits = provision_into(fleet, root)
+    broker = kit_broker(fleet, kits)
+    broker.start()
+    yield kits, broker, root
+    broker.stop()
+
+
+def _config(kits, root: Path, name: str, **broker: str) -> Path:
+    """Device a's agent.yaml pointed at its kit folder (as install.sh would at PREFIX/etc), with changes."""
+    folder = kits.participant("a")
+    raw = yaml.safe_load((folder / "agent.yaml").read_text())
+    for key in ("ca_file", "cert_file", "key_file"):
+        raw["broker"][key] = str(folder / Path(raw["broker"][key]).name)
+    raw["broker"]["password"] = f"file:{folder / 'password'}"
+    raw["broker"] |= broker
+    raw["state_dir"] = str(root / "state-a")
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _doctor(config: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = main(["doctor", "--config", str(config), "--timeout", "3"])
+    return code, capsys.readouterr().out
+
+
+def test_a_healthy_kit_passes_every_check(kit: tuple, capsys: pytest.CaptureFixture[str]) -> None:
+    kits, _, root = kit
+    code, out = _doctor(_config(kits, root, "healthy"), capsys)
+    assert code == 0, out
+    for name in ("broker reachable", "TLS verifies", "clock", "login accepted", "may read own topics"):
+        assert f"PASS  {name}" in out
+    assert (
+        "PASS  may write own topics" in out and "PASS  data" in out and out.rstrip().endswith("ready: start the agent")
+    )
+
+
+def test_a_wrong_password_is_named(kit: tuple, capsys: pytest.CaptureFixture[str]) -> None:
+    kits, _, root = kit
+    code, out = _doctor(_config(kits, root, "wrong-pw", password=f"file:{kits.participant('b') / 'password'}"), capsys)
+    assert code == 1
+    assert "FAIL  login accepted         refused as a: Not authorized" in out
+    assert "hint: broker.password is not this device's current secret" in out
+
+
+def test_a_ca_of_another_fleet_fails_tls(kit: tuple, capsys: pytest.CaptureFixture[str]) -> None:
+    kits, _, root = kit
+    other = provision_into(make_fleet()[1], root / "other")
+    code, out = _doctor(_config(kits, root, "wrong-ca", ca_file=str(other.participant("a") / "ca.pem")), capsys)
+    assert code == 1
+    assert "FAIL  TLS verifies" in out and "hint: broker.ca_file is not the CA of this fleet's broker" in out
+    assert "SKIP  login accepted" in out
+
+
+def test_missing_data_is_named(kit: tuple, capsys: pytest.CaptureFixture[str]) -> None:
+    kits, _, root = kit
+    config = _config(kits, root, "no-data")
+    raw = yaml.safe_load(config.read_text())
+    raw["data"] = {"dataset": "npz", "path": str(root / "nowhere.npz")}
+    config.write_text(yaml.safe_dump(raw))
+    code, out = _doctor(config, capsys)
+    assert code == 1
+    assert f"FAIL  data                   {root / 'nowhere.npz'}: does not exist" in out
+
+
+def test_a_broker_that_is_down_is_named(kit: tuple, capsys: pytest.CaptureFixture[str]) -> None:
+    kits, broker, root = kit
+    broker.stop()
+    try:
+        code, out = _doctor(_config(kits, root, "down"), capsys)
+    finally:
+        broker.start()
+    assert code == 1
+    assert "FAIL  broker reachable" in out and "Connection refused" in out and "is the broker running" in out
+
+
+def test_an_agent_without_scikit_learn_refuses_digits_at_start(kit: tuple) -> None:
+    kits, _, root = kit
+    blocked = "import sys; sys.modules['sklearn'] = None; from device_agent.cli import main; sys.exit(main())"
+    result = subprocess.run(
+        [sys.executable, "-c", blocked, "run", "--config", str(_config(kits, root, "no-sklearn"))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "needs scikit-learn" in result.stderr and "fedfleet-agent[demo]" in result.stderr

@@ -1,0 +1,200 @@
+"""The broker of ``kits/broker/`` (real mosquitto, TLS, client certificates): confinement and rotation."""
+
+from __future__ import annotations
+
+import signal
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import psutil
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
+
+from coordinator.broker.base import BrokerError, check_port_free, probe
+from coordinator.broker.kit import KitBroker
+from tests.coordinator.provision.kit_fixtures import device_address, kit_broker, make_fleet, provision_into
+
+
+class Probe:
+    """An MQTT 5 client that records the broker's answer to each request."""
+
+    def __init__(self, address) -> None:
+        self.answers: dict[str, object] = {}
+        self.received: list[str] = []
+        self._done = {k: threading.Event() for k in ("connect", "subscribe", "publish")}
+        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=MQTTProtocolVersion.MQTTv5)
+        self.client.username_pw_set(address.username, address.password)
+        self.client.tls_set(address.ca_file, address.cert_file, address.key_file, cert_reqs=ssl.CERT_REQUIRED)
+        self.client.on_connect = lambda c, u, f, rc, p: self._set("connect", rc)
+        self.client.on_subscribe = lambda c, u, m, rcs, p: self._set("subscribe", rcs[0])
+        self.client.on_publish = lambda c, u, m, rc, p: self._set("publish", rc)
+        self.client.on_message = lambda c, u, message: self.received.append(message.topic)
+        self.client.connect(address.host, address.port)
+        self.client.loop_start()
+        assert self._done["connect"].wait(10)
+
+    def _set(self, key: str, value: object) -> None:
+        self.answers[key] = value
+        self._done[key].set()
+
+    @property
+    def accepted(self) -> bool:
+        return not self.answers["connect"].is_failure
+
+    def subscribe(self, topic: str) -> bool:
+        self._done["subscribe"].clear()
+        self.client.subscribe(topic, qos=1)
+        assert self._done["subscribe"].wait(10)
+        return not self.answers["subscribe"].is_failure
+
+    def publish(self, topic: str) -> bool:
+        self._done["publish"].clear()
+        self.client.publish(topic, b"x", qos=1)
+        assert self._done["publish"].wait(10)
+        return not self.answers["publish"].is_failure
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+@pytest.fixture
+def kit_fleet() -> Iterator[tuple]:
+    fleet_file, fleet = make_fleet()
+    kits = provision_into(fleet, fleet_file.parent)
+    broker = kit_broker(fleet, kits)
+    broker.start()
+    yield fleet, kits, broker, fleet_file.parent
+    broker.stop()
+
+
+def test_a_device_cannot_touch_another_devices_subtree(kit_fleet: tuple) -> None:
+    """mosquitto grants any subscription and filters on delivery: what matters is what b receives."""
+    fleet, kits, broker, _ = kit_fleet
+    b = Probe(device_address(fleet, kits, "b"))
+    coordinator = Probe(broker.address)
+    a = Probe(device_address(fleet, kits, "a"))
+    try:
+        assert b.accepted and coordinator.accepted and a.accepted
+        own, other = "fedfleet/kitfleet/dev/b", "fedfleet/kitfleet/dev/a"
+        assert b.publish(f"{own}/up/data")
+        assert not b.publish(f"{other}/up/data")  # MQTT 5: the broker answers "not authorized"
+        assert not b.publish(f"{other}/down/data")
+        assert not b.publish(f"{own}/down/data")  # a device never writes its own downlink either
+        for topic in (f"{own}/down/#", f"{other}/down/#", f"{other}/up/#", "fedfleet/kitfleet/#"):
+            b.subscribe(topic)
+        assert a.publish(f"{other}/up/data")  # a's upload...
+        assert coordinator.publish(f"{other}/down/data")  # ...and a's assignment...
+        assert coordinator.publish(f"{own}/down/data")  # ...and b's own
+        deadline = time.monotonic() + 3
+        while len(b.received) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert set(b.received) == {f"{own}/down/data"}  # nothing of a's reached b
+    finally:
+        for client in (a, b, coordinator):
+            client.close()
+
+
+def test_a_device_needs_its_password_and_a_fleet_certificate(kit_fleet: tuple) -> None:
+    fleet, kits, _, root = kit_fleet
+    a = device_address(fleet, kits, "a")
+    assert probe(a, 5) == "ok"
+    assert probe(replace(a, password="guess"), 5).startswith("refused")
+    assert probe(replace(a, username="b"), 5).startswith("refused")  # a's password is not b's
+    assert probe(replace(a, cert_file=None, key_file=None), 5) != "ok"  # no client certificate: no TLS session
+    other = provision_into(make_fleet()[1], root / "elsewhere")  # a kit of another fleet (another CA)
+    assert (
+        probe(
+            replace(
+                a,
+                cert_file=str(other.participant("a") / "client.pem"),
+                key_file=str(other.participant("a") / "client.key"),
+            ),
+            5,
+        )
+        != "ok"
+    )
+    assert probe(replace(a, ca_file=str(other.participant("a") / "ca.pem")), 5) != "ok"  # the agent verifies the broker
+
+
+def test_after_rotation_the_old_secret_is_refused_and_the_new_kit_works(kit_fleet: tuple) -> None:
+    fleet, kits, broker, root = kit_fleet
+    old = device_address(fleet, kits, "b")
+    saved = {name: (kits.participant("b") / name).read_bytes() for name in ("client.pem", "client.key")}
+    provision_into(fleet, root, rotate=("b",))
+    broker.stop()
+    broker.start()
+    new = device_address(fleet, kits, "b")
+    assert new.password != old.password
+    assert probe(old, 5).startswith("refused")
+    assert probe(new, 5) == "ok"
+    # the old certificate is revoked: even with the new password it does not get in
+    keep = root / "old-b"
+    keep.mkdir()
+    for name, data in saved.items():
+        (keep / name).write_bytes(data)
+    assert probe(replace(new, cert_file=str(keep / "client.pem"), key_file=str(keep / "client.key")), 5) != "ok"
+    assert probe(device_address(fleet, kits, "a"), 5) == "ok"  # the others are untouched
+
+
+def test_a_taken_port_is_one_clear_line(kit_fleet: tuple) -> None:
+    fleet, kits, _, _ = kit_fleet
+    second = kit_broker(fleet, kits)
+    with pytest.raises(BrokerError, match=rf"port {fleet.broker.port} on 127.0.0.1 is taken"):
+        second.start()
+    assert isinstance(second, KitBroker) and not second.running
+
+
+def test_check_port_free_accepts_a_free_port() -> None:
+    check_port_free("127.0.0.1", 0)
+
+
+def test_kits_folder_of_another_fleet_is_refused(tmp_path: Path) -> None:
+    from coordinator.provision import ProvisionError, read_credentials
+
+    _, fleet = make_fleet()
+    kits = provision_into(fleet, tmp_path)
+    other = fleet.model_copy(update={"fleet": "otherfleet"})
+    with pytest.raises(ProvisionError, match="another fleet"):
+        read_credentials(other, kits)
+
+
+def test_the_managed_broker_dies_with_its_coordinator(kit_fleet: tuple) -> None:
+    """A coordinator killed outright (SIGKILL, or SIGHUP of a closed terminal) leaves no orphan mosquitto."""
+    _, kits, running, root = kit_fleet
+    running.stop()
+    script = (
+        "import sys, time\n"
+        "from tests.coordinator.provision.kit_fixtures import kit_broker\n"
+        "from coordinator.fleet import load_fleet\n"
+        "from coordinator.provision import Kits\n"
+        f"fleet, _ = load_fleet({str(root / 'fleet.yaml')!r})\n"
+        f"broker = kit_broker(fleet, Kits(Path({str(kits.root)!r})))\n"
+        "broker.start()\n"
+        "print(broker._process.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "from pathlib import Path\n" + script],
+        cwd=Path(__file__).resolve().parents[3],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        child = psutil.Process(int(parent.stdout.readline()))
+        assert child.is_running()
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        child.wait(timeout=10)  # raises psutil.TimeoutExpired if mosquitto outlived the coordinator
+    finally:
+        parent.kill()
+        parent.wait()
+    running.start()  # the port is free again: nothing was left behind
