@@ -25,14 +25,7 @@ class ExternalBroker:
         self.address = address
 
     def address_for(self, credentials: Credentials) -> BrokerAddress:
-        return BrokerAddress(
-            self.address.host,
-            self.address.port,
-            credentials.username,
-            credentials.password,
-            self.address.tls,
-            self.address.ca_file,
-        )
+        return self.address.with_login(credentials.username, credentials.password)
 
     def start(self, timeout: float = 10.0) -> None:
         wait_until_healthy(self.address, timeout)

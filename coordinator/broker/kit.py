@@ -38,16 +38,7 @@ class KitBroker:
         self._stage: Path | None = None
 
     def address_for(self, credentials: Credentials) -> BrokerAddress:
-        return BrokerAddress(
-            self.address.host,
-            self.address.port,
-            credentials.username,
-            credentials.password,
-            self.address.tls,
-            self.address.ca_file,
-            self.address.cert_file,
-            self.address.key_file,
-        )
+        return self.address.with_login(credentials.username, credentials.password)
 
     @property
     def running(self) -> bool:

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
 
@@ -89,6 +89,10 @@ class BrokerAddress:
     # A client certificate and its key (PEM), for brokers that require one (a provisioned fleet's do).
     cert_file: str | None = None
     key_file: str | None = None
+
+    def with_login(self, username: str, password: str) -> BrokerAddress:
+        """The same broker and TLS files, another user's login."""
+        return replace(self, username=username, password=password)
 
     @classmethod
     def from_url(
