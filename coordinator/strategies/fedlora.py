@@ -20,6 +20,7 @@ sends it again only after :meth:`forget` (the device lost it).
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -258,8 +259,9 @@ class LoRAStrategy(FineTune):
         )
 
     @classmethod
+    @abstractmethod
     def rank_of(cls, params: LoRAParams, level: float) -> int:
-        raise NotImplementedError
+        """The adapter rank a client at ``level`` trains (heterogeneous, or one rank everywhere)."""
 
     def expected_upload(self, level: float) -> dict[str, tuple[int, ...]]:
         r = self.rank_of(self.params, level)
@@ -268,9 +270,9 @@ class LoRAStrategy(FineTune):
             shapes[f"{name}.reduce"], shapes[f"{name}.expand"] = (r, in_features), (out_features, r)
         return shapes
 
+    @abstractmethod
     def adapters(self, ranks: set[int]) -> dict[int, dict[str, Tensor]]:
         """Each rank's adapter tensors and the head, for the next round."""
-        raise NotImplementedError
 
     def fresh_adapters(self, rank: int) -> dict[str, Tensor]:
         """LoRA's own init, seeded: A Kaiming-uniform, B = 0 (the pre-trained model, unchanged)."""
