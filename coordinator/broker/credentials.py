@@ -89,10 +89,17 @@ def write_private(path: Path, text: str, owner: tuple[int, int] | None = None) -
     mosquitto started as root drops to the ``mosquitto`` user before reading its password and ACL
     files, so they must belong to (or be group-readable by) that user, yet stay private to others.
     """
+    write_file(path, text, 0o640, owner)
+
+
+def write_file(path: Path, data: bytes | str, mode: int, owner: tuple[int, int] | None = None) -> None:
+    """Write atomically with ``mode`` (created with it, so a secret is never readable in between)."""
+    raw = data.encode() if isinstance(data, str) else data
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
-        os.write(fd, text.encode())
+        os.fchmod(fd, mode)
+        os.write(fd, raw)
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -61,6 +61,15 @@ def config_text(settings: BrokerSettings, port: int, password_file: Path, acl_fi
         f"listener {port} {settings.host}",
         f"password_file {password_file}",
         f"acl_file {acl_file}",
+        *limits_and_persistence(settings, data_dir),
+        *settings.extra_config,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def limits_and_persistence(settings: BrokerSettings, data_dir: Path) -> list[str]:
+    """The mosquitto.conf lines every fedfleet broker shares: size limits, persistence, Nagle off, logging."""
+    return [
         f"max_packet_size {settings.max_packet_bytes}",
         f"max_queued_messages {settings.max_queued_messages}",
         f"max_queued_bytes {settings.max_queued_bytes}",
@@ -74,9 +83,7 @@ def config_text(settings: BrokerSettings, port: int, password_file: Path, acl_fi
         "log_type error",
         "log_type warning",
         "log_type notice",
-        *settings.extra_config,
     ]
-    return "\n".join(lines) + "\n"
 
 
 class MosquittoBroker:

@@ -14,13 +14,13 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.broker.credentials import COORDINATOR_USER, Credentials
+from coordinator.broker.credentials import COORDINATOR_USER, Credentials, write_file
 from coordinator.fleet import Fleet
 from coordinator.provision.agent_kit import DeviceLayout, broker_url, build_agent_kit
 from coordinator.provision.broker_files import build_broker_files
 from coordinator.provision.bundle import build_bundle
 from coordinator.provision.certificates import Authority, build_certificates
-from coordinator.provision.layout import CA_CERT, CLIENT_CERT, CLIENT_KEY, PASSWORD, Kits, private_dir, write_file
+from coordinator.provision.layout import CA_CERT, CLIENT_CERT, CLIENT_KEY, PASSWORD, Kits, private_dir
 from coordinator.provision.secrets import ProvisionError, build_credentials
 from coordinator.provision.wheel import build_agent_wheel
 from device_agent.schema import SecretError, resolve_secret

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import yaml
 
+from coordinator.broker.credentials import write_file
 from coordinator.fleet import Device, Fleet
-from coordinator.provision.layout import CA_CERT, CLIENT_CERT, CLIENT_KEY, PASSWORD, Kits, write_file
+from coordinator.provision.layout import CA_CERT, CLIENT_CERT, CLIENT_KEY, PASSWORD, Kits
 from coordinator.provision.wheel import wheel_name
 from device_agent.emulation import DataShare
 

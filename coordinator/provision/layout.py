@@ -55,19 +55,3 @@ def private_dir(path: Path, mode: int = 0o700) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     os.chmod(path, mode)
     return path
-
-
-def write_file(path: Path, data: bytes | str, mode: int, owner: tuple[int, int] | None = None) -> None:
-    """Write atomically with ``mode`` (created with it, so a secret is never readable in between)."""
-    raw = data.encode() if isinstance(data, str) else data
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        os.fchmod(fd, mode)
-        os.write(fd, raw)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    if owner is not None:
-        os.chown(tmp, *owner)
-    os.replace(tmp, path)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import secrets as random
 from collections.abc import Collection
 
-from coordinator.broker.credentials import COORDINATOR_USER, Credentials
+from coordinator.broker.credentials import COORDINATOR_USER, Credentials, write_file
 from coordinator.fleet import Fleet
-from coordinator.provision.layout import PASSWORD, Kits, private_dir, write_file
+from coordinator.provision.layout import PASSWORD, Kits, private_dir
 from device_agent.schema import SecretError, resolve_secret
 
 
