@@ -36,6 +36,7 @@ import queue
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -64,6 +65,15 @@ from device_agent.wire.transfer import Completed
 from profiles.schema import DeviceClass
 
 log = logging.getLogger("fedfleet.engine")
+
+
+def refusal_reason(exc: Exception) -> str:
+    """A bounded label for why an upload was refused: the error's ``reason`` code or its kind."""
+    reason = getattr(exc, "reason", None)
+    if isinstance(reason, str) and reason:
+        return reason
+    return {UpdateRejected: "rejected", UploadMetaError: "bad_meta", CodecError: "bad_payload"}.get(type(exc), "other")
+
 
 OPEN_ROUND_FILE = "open-round.json"
 
@@ -151,6 +161,10 @@ class RoundEngine:
         self.devices = {d.id: DeviceState(d) for d in fleet.devices}
         self.ceilings: dict[str, float] = {}
         self.plans: dict[str, DevicePlan] = {}
+        # Observability counters read by metrics exporters: (device, reason) -> refused uploads, and
+        # device -> out-of-memory step-downs. Reasons are short snake_case codes (a bounded label set).
+        self.refusals: Counter[tuple[str, str]] = Counter()
+        self.step_downs: Counter[str] = Counter()
         self.open: OpenRound | None = None
         self.last: RoundMetrics | None = None
         self.stopping = threading.Event()
@@ -483,6 +497,7 @@ class RoundEngine:
         participant.status, participant.error = "failed", f"{failure.reason}: {failure.detail}"[:500]
         log.warning("round %d: %s failed: %s", open_.round, device, participant.error)
         if failure.reason == "out_of_memory":
+            self.step_downs[device] += 1
             self.ceilings = after_out_of_memory(self.ceilings, device, participant.level, self.fleet.ratios)
         elif failure.reason == "state_lost":
             self.strategy.forget(device)
@@ -501,6 +516,7 @@ class RoundEngine:
             status = self._accept(device, completed)
         except (UpdateRejected, UploadMetaError, CodecError) as exc:
             log.warning("rejected %s's update for round %d: %s", device, manifest.round, exc)
+            self.refusals[(device, refusal_reason(exc))] += 1
             participant = self.open.participants.get(device) if self.open else None
             if participant is not None and participant.status != "accepted":
                 participant.status, participant.error = "rejected", str(exc)[:500]
