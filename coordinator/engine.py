@@ -36,7 +36,7 @@ import queue
 import random
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -74,6 +74,19 @@ def refusal_reason(exc: Exception) -> str:
         return reason
     return {UpdateRejected: "rejected", UploadMetaError: "bad_meta", CodecError: "bad_payload"}.get(type(exc), "other")
 
+
+@dataclass(frozen=True)
+class Refusal:
+    """One refused upload, kept for the status page (the engine keeps the last ``RECENT_REFUSALS``)."""
+
+    device: str
+    round: int
+    reason: str
+    detail: str
+    time: float
+
+
+RECENT_REFUSALS = 50
 
 OPEN_ROUND_FILE = "open-round.json"
 
@@ -165,6 +178,7 @@ class RoundEngine:
         # device -> out-of-memory step-downs. Reasons are short snake_case codes (a bounded label set).
         self.refusals: Counter[tuple[str, str]] = Counter()
         self.step_downs: Counter[str] = Counter()
+        self.recent_refusals: deque[Refusal] = deque(maxlen=RECENT_REFUSALS)
         self.open: OpenRound | None = None
         self.last: RoundMetrics | None = None
         self.stopping = threading.Event()
@@ -517,6 +531,9 @@ class RoundEngine:
         except (UpdateRejected, UploadMetaError, CodecError) as exc:
             log.warning("rejected %s's update for round %d: %s", device, manifest.round, exc)
             self.refusals[(device, refusal_reason(exc))] += 1
+            self.recent_refusals.append(
+                Refusal(device, manifest.round, refusal_reason(exc), str(exc)[:300], time.time())
+            )
             participant = self.open.participants.get(device) if self.open else None
             if participant is not None and participant.status != "accepted":
                 participant.status, participant.error = "rejected", str(exc)[:500]

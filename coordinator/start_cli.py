@@ -21,6 +21,7 @@ from coordinator.broker.mosquitto import find_mosquitto
 from coordinator.engine import EngineSettings, RoundEngine
 from coordinator.fleet import Fleet, FleetError, load_fleet
 from coordinator.link import MqttLink
+from coordinator.observe import ObserveError, Watch, add_observe_arguments
 from coordinator.provision import Kits, ProvisionError, coordinator_tls, default_kits, provision, read_credentials
 from coordinator.provision.broker_files import CONFIG
 from coordinator.report import write_report
@@ -82,6 +83,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, min_devices_default: str,
     )
     parser.add_argument("--no-live", action="store_true", help="log lines instead of the live table")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_observe_arguments(parser)
 
 
 def fleet_kits(fleet: Fleet, kits_dir: Path) -> tuple[Kits, dict[str, Credentials]]:
@@ -146,7 +148,8 @@ def run_start(
             print(f"new run {rundir.run_id} in {run_dir}")
         kits, credentials = fleet_kits(fleet, args.kits or default_kits(args.fleet, fleet))
         broker = _broker(fleet, credentials, kits)
-    except (FleetError, RunDirError, DatasetError, ConfigError, BrokerError, ValueError) as exc:
+        watch = Watch(args, rundir)
+    except (FleetError, RunDirError, DatasetError, ConfigError, BrokerError, ObserveError, ValueError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)
         return 2
     before_broker_stops: Callable[[], object] | None = None
@@ -171,13 +174,14 @@ def run_start(
             EngineSettings(min_devices=min_devices, wait_timeout_s=args.wait_timeout),
         )
         signal.signal(signal.SIGTERM, lambda *_: engine.stop())
-        finished = _run(engine, live=not args.no_live and sys.stdout.isatty())
+        finished = _run(engine, live=not args.no_live and sys.stdout.isatty(), watch=watch)
     except KeyboardInterrupt:
         finished = False
     except TimeoutError as exc:
         print(f"coordinator: {exc}", file=sys.stderr)
         return 1
     finally:
+        watch.stop()
         if before_broker_stops is not None:
             before_broker_stops()
         broker.stop()
@@ -192,17 +196,17 @@ def run_start(
     return 0
 
 
-def _run(engine: RoundEngine, live: bool) -> bool:
+def _run(engine: RoundEngine, live: bool, watch: Watch) -> bool:
     """Run with Ctrl-C as a clean stop: the open round's accepted updates stay journaled."""
     previous = signal.signal(signal.SIGINT, lambda *_: engine.stop())
     try:
         if not live:
-            return engine.run()
+            return engine.run(watch.update)
         from rich.live import Live
 
         from coordinator.live import round_table
 
         with Live(round_table(engine), refresh_per_second=2, transient=False) as view:
-            return engine.run(lambda e: view.update(round_table(e)))
+            return engine.run(lambda e: (view.update(round_table(e)), watch.update(e)))
     finally:
         signal.signal(signal.SIGINT, previous)

@@ -1,0 +1,210 @@
+"""A consistent, thread-safe picture of a running engine for the metrics exporter and the status page.
+
+The engine owns its state on one thread and takes no locks. :meth:`FleetWatch.update` runs on that
+thread (as ``engine.run``'s progress callback), copies what the observers need into plain frozen
+records and swaps them in under a lock; the HTTP threads only ever read the latest copy. Totals per
+device are summed from closed rounds (the same records ``metrics.jsonl`` holds, so a scrape and the
+file agree round for round); refusals and out-of-memory step-downs are the engine's own counters.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from coordinator.metrics import RoundMetrics
+
+if TYPE_CHECKING:
+    from coordinator.engine import RoundEngine
+
+STRAGGLER_STATUSES = ("late", "dropped")
+"""A selected device whose update did not arrive in time: it missed the deadline or went offline."""
+
+
+@dataclass
+class DeviceTotals:
+    """One device over the closed rounds of the run (resumed rounds included)."""
+
+    bytes_up: int = 0
+    bytes_down: int = 0
+    train_seconds: float = 0.0
+    host_seconds: float = 0.0
+    accepted: int = 0
+    last_round: int | None = None
+    last_status: str | None = None
+
+
+@dataclass(frozen=True)
+class DeviceView:
+    id: str
+    device_class: str
+    online: bool
+    agent_state: str
+    ratio: float | None
+    """The level the device trains in the open round, else the planner's latest choice for it."""
+    round_status: str | None
+    totals: DeviceTotals
+    refused: dict[str, int]
+    step_downs: int
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """One closed round, as plotted and exported."""
+
+    round: int
+    accuracy: float
+    loss: float
+    personalized_accuracy: float | None
+    participants: int
+    selected: int
+    stragglers: int
+    bytes_up: int
+    bytes_down: int
+    seconds: float
+    phases: dict[str, float]
+
+    @classmethod
+    def of(cls, metrics: RoundMetrics) -> RoundView:
+        statuses = Counter(d.status for d in metrics.devices.values())
+        return cls(
+            round=metrics.round,
+            accuracy=metrics.accuracy,
+            loss=metrics.loss,
+            personalized_accuracy=metrics.personalized_accuracy,
+            participants=metrics.participants,
+            selected=len(metrics.devices),
+            stragglers=sum(statuses[s] for s in STRAGGLER_STATUSES),
+            bytes_up=metrics.bytes_up,
+            bytes_down=metrics.bytes_down,
+            seconds=metrics.seconds,
+            phases=dict(metrics.phases),
+        )
+
+
+@dataclass(frozen=True)
+class OpenRoundView:
+    round: int
+    elapsed_s: float
+    deadline_in_s: float
+    selected: int
+    statuses: dict[str, int]
+
+
+@dataclass(frozen=True)
+class RefusalView:
+    device: str
+    round: int
+    reason: str
+    detail: str
+    time: float
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    fleet: str
+    run_id: str
+    rounds_planned: int
+    next_round: int
+    taken: float
+    devices: list[DeviceView]
+    open_round: OpenRoundView | None
+    history: list[RoundView]
+    refusals: list[RefusalView] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class FleetWatch:
+    """Folds closed rounds into per-device totals and keeps the latest :class:`Snapshot` for readers."""
+
+    def __init__(self, history: list[RoundMetrics]) -> None:
+        self._totals: dict[str, DeviceTotals] = {}
+        self._history: list[RoundView] = []
+        for metrics in history:
+            self._fold(metrics)
+        self._lock = threading.Lock()
+        self._snapshot: Snapshot | None = None
+
+    @property
+    def snapshot(self) -> Snapshot | None:
+        """The latest copy, or None before the engine's first progress tick."""
+        with self._lock:
+            return self._snapshot
+
+    def update(self, engine: RoundEngine) -> None:
+        """The engine's progress callback: runs on the engine's thread, so reading its state is safe here."""
+        last = engine.last
+        if last is not None and (not self._history or last.round > self._history[-1].round):
+            self._fold(last)
+        snapshot = Snapshot(
+            fleet=engine.fleet.fleet,
+            run_id=engine.rundir.run_id,
+            rounds_planned=engine.fleet.rounds,
+            next_round=engine.next_round,
+            taken=time.time(),
+            devices=self._devices(engine),
+            open_round=self._open_round(engine),
+            history=list(self._history),
+            refusals=[RefusalView(r.device, r.round, r.reason, r.detail, r.time) for r in engine.recent_refusals],
+        )
+        with self._lock:
+            self._snapshot = snapshot
+
+    def _fold(self, metrics: RoundMetrics) -> None:
+        self._history.append(RoundView.of(metrics))
+        for device, m in metrics.devices.items():
+            totals = self._totals.setdefault(device, DeviceTotals())
+            totals.bytes_up += m.bytes_up
+            totals.bytes_down += m.bytes_down
+            totals.train_seconds += m.train_seconds or 0.0
+            totals.host_seconds += m.host_seconds or 0.0
+            totals.accepted += m.status == "accepted"
+            totals.last_round, totals.last_status = metrics.round, m.status
+
+    def _devices(self, engine: RoundEngine) -> list[DeviceView]:
+        open_ = engine.open
+        refused: dict[str, dict[str, int]] = {}
+        for (device, reason), count in engine.refusals.items():
+            refused.setdefault(device, {})[reason] = count
+        views = []
+        for device_id, state in engine.devices.items():
+            participant = open_.participants.get(device_id) if open_ else None
+            plan = engine.plans.get(device_id)
+            if participant is not None:
+                ratio: float | None = participant.trained_level or participant.level
+            else:
+                ratio = plan.ratio if plan is not None else None
+            totals = self._totals.get(device_id, DeviceTotals())
+            views.append(
+                DeviceView(
+                    id=device_id,
+                    device_class=state.device.profile,
+                    online=state.online,
+                    agent_state=state.state,
+                    ratio=None if ratio is None else float(ratio),
+                    round_status=participant.status if participant else None,
+                    totals=DeviceTotals(**asdict(totals)),
+                    refused=refused.get(device_id, {}),
+                    step_downs=engine.step_downs[device_id],
+                )
+            )
+        return views
+
+    @staticmethod
+    def _open_round(engine: RoundEngine) -> OpenRoundView | None:
+        open_ = engine.open
+        if open_ is None:
+            return None
+        now = time.monotonic()
+        return OpenRoundView(
+            round=open_.round,
+            elapsed_s=now - open_.started,
+            deadline_in_s=open_.deadline - now,
+            selected=len(open_.participants),
+            statuses=dict(Counter(p.status for p in open_.participants.values())),
+        )
