@@ -148,7 +148,7 @@ def run_start(
             print(f"new run {rundir.run_id} in {run_dir}")
         kits, credentials = fleet_kits(fleet, args.kits or default_kits(args.fleet, fleet))
         broker = _broker(fleet, credentials, kits)
-        watch = Watch(args, rundir)
+        watch = Watch(args, rundir.metrics)
     except (FleetError, RunDirError, DatasetError, ConfigError, BrokerError, ObserveError, ValueError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)
         return 2

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from coordinator.metrics import RoundMetrics
 from coordinator.observe.serving import BackgroundServer, ObserveError
 from coordinator.observe.snapshot import FleetWatch
 
 if TYPE_CHECKING:
     from coordinator.engine import RoundEngine
-    from coordinator.rundir import RunDir
 
 LOCALHOST = "127.0.0.1"
 
@@ -44,12 +45,16 @@ def add_observe_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class Watch:
-    """The servers a run was asked for, fed by the engine's progress callback; stop() frees their ports."""
+    """The servers a run was asked for, fed by the engine's progress callback; stop() frees their ports.
 
-    def __init__(self, args: argparse.Namespace, rundir: RunDir) -> None:
+    ``history`` (``RunDir.metrics``) gives the rounds closed before this process; it is read only when a
+    server is asked for, so a resumed run's charts and totals start from its first round.
+    """
+
+    def __init__(self, args: argparse.Namespace, history: Callable[[], list[RoundMetrics]]) -> None:
         self.servers: list[BackgroundServer] = []
         wanted = args.metrics_port is not None or args.status_port is not None
-        self.fleet = FleetWatch(rundir.metrics() if wanted else [])
+        self.fleet = FleetWatch(history() if wanted else [])
         try:
             if args.metrics_port is not None:
                 self._serve_metrics(args.metrics_host, args.metrics_port)

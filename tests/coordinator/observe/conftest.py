@@ -1,0 +1,72 @@
+"""One small in-process run watched by a :class:`FleetWatch`: two devices, one of which sends a NaN loss.
+
+The engine runs behind an :class:`InProcessLink` exactly as ``coordinator.simulation`` runs it, with the
+watch as its progress callback, so the observers see real engine state (refusals included) in seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from coordinator.engine import EngineSettings, RoundEngine
+from coordinator.fleet import parse_fleet
+from coordinator.local_link import LocalDevice
+from coordinator.metrics import RoundMetrics
+from coordinator.observe.snapshot import FleetWatch
+from coordinator.rundir import RunDir
+from coordinator.simulation import SimClient, fixed_levels, simulation_fleet
+from coordinator.strategies import ModelSpec, build_strategy
+from device_agent.clients.spec import TrainConfig
+from device_agent.data.datasets import LabeledData, load_dataset
+from device_agent.data.partition import PartitionSpec, client_shard
+from tests.coordinator.test_upload_gate import TamperingLink, nan_loss
+
+ROUNDS = 2
+
+
+@dataclass
+class WatchedRun:
+    watch: FleetWatch
+    engine: RoundEngine
+    metrics: list[RoundMetrics]
+
+
+@pytest.fixture(scope="package")
+def watched_run(tmp_path_factory: pytest.TempPathFactory) -> WatchedRun:
+    data = load_dataset("digits", 8, 1)
+    spec = PartitionSpec("iid", 2, seed=0)
+    clients = [
+        SimClient(
+            name,
+            level,
+            client_shard(data.train_x, data.train_y, spec, i),
+            client_shard(data.test_x, data.test_y, spec, i),
+        )
+        for i, (name, level) in enumerate((("bad", 1.0), ("good", 0.5)))
+    ]
+    strategy = build_strategy("fedhm", ModelSpec("cnn", 10, 1, 8), {}, seed=0)
+    raw = simulation_fleet(strategy, clients, ROUNDS, TrainConfig(batch_size=32))
+    tmp = tmp_path_factory.mktemp("watched")
+    (tmp / "fleet.yaml").write_text(yaml.safe_dump(raw))
+    rundir = RunDir.create(Path(tmp) / "run", tmp / "fleet.yaml", strategy.state_dict(), seed=0)
+    calibration = data.train_x[:256]
+    engine = RoundEngine(
+        parse_fleet(raw, source="test"),
+        {},
+        strategy,
+        rundir,
+        LabeledData(calibration, calibration.new_zeros(len(calibration)), data.test_x, data.test_y, 10),
+        TamperingLink([LocalDevice(c.client_id, c.train, c.test) for c in clients], nan_loss),
+        EngineSettings(min_devices=2, wait_timeout_s=60, calibration_samples=len(calibration)),
+        planner=fixed_levels({c.client_id: c.level for c in clients}),
+    )
+    watch = FleetWatch(rundir.metrics())
+    try:
+        assert engine.run(watch.update)
+        return WatchedRun(watch, engine, rundir.metrics())
+    finally:
+        rundir.close()

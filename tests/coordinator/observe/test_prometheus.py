@@ -1,0 +1,69 @@
+"""The ``fedfleet_*`` families: conventional names, bounded labels, values equal to the run's records."""
+
+from __future__ import annotations
+
+import re
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from coordinator.observe.prometheus import RunCollector
+from coordinator.observe.snapshot import FleetWatch
+from tests.coordinator.observe.conftest import ROUNDS, WatchedRun
+
+LABELS = {"device", "device_class", "reason", "phase", "status"}
+
+
+def scrape(watch: FleetWatch) -> dict[tuple[str, frozenset], float]:
+    registry = CollectorRegistry()
+    registry.register(RunCollector(lambda: watch.snapshot))
+    text = generate_latest(registry).decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_names_follow_prometheus_conventions_and_labels_stay_bounded(watched_run: WatchedRun) -> None:
+    samples = scrape(watched_run.watch)
+    names = {name for name, _ in samples}
+    assert all(re.fullmatch(r"fedfleet_[a-z_]+", name) for name in names), names
+    counters = {name for name in names if name.endswith("_total")}
+    assert "fedfleet_device_upload_bytes_total" in counters and "fedfleet_device_train_seconds_total" in counters
+    assert all(not name.endswith("_created") for name in names)  # no timestamps posing as series
+    assert set().union(*(dict(labels).keys() for _, labels in samples)) <= LABELS
+
+
+def test_values_match_metrics_jsonl(watched_run: WatchedRun) -> None:
+    samples = scrape(watched_run.watch)
+    rounds = watched_run.metrics
+
+    def device(name: str, device_id: str) -> float:
+        return samples[(name, frozenset({"device": device_id, "device_class": "simulated"}.items()))]
+
+    for device_id in ("bad", "good"):
+        rows = [m.devices[device_id] for m in rounds]
+        assert device("fedfleet_device_upload_bytes_total", device_id) == sum(r.bytes_up for r in rows)
+        assert device("fedfleet_device_download_bytes_total", device_id) == sum(r.bytes_down for r in rows)
+        assert device("fedfleet_device_uploads_accepted_total", device_id) == sum(r.status == "accepted" for r in rows)
+        assert device("fedfleet_device_online", device_id) == 1.0
+    assert device("fedfleet_device_rank_ratio", "good") == 0.5
+    refused = {"device": "bad", "device_class": "simulated", "reason": "bad_meta"}
+    assert samples[("fedfleet_device_uploads_refused_total", frozenset(refused.items()))] == ROUNDS
+    by_class = frozenset({"device_class": "simulated"}.items())
+    assert samples[("fedfleet_class_upload_bytes_total", by_class)] == sum(m.bytes_up for m in rounds)
+    assert samples[("fedfleet_class_devices_online", by_class)] == 2
+    last = rounds[-1]
+    plain = frozenset()
+    assert samples[("fedfleet_rounds_completed_total", plain)] == ROUNDS
+    assert samples[("fedfleet_round_accuracy_ratio", plain)] == last.accuracy
+    assert samples[("fedfleet_round_loss", plain)] == last.loss
+    assert samples[("fedfleet_round_participants", plain)] == last.participants == 1
+    assert samples[("fedfleet_round_duration_seconds", plain)] == last.seconds
+    for phase, seconds in last.phases.items():
+        assert samples[("fedfleet_round_phase_seconds", frozenset({"phase": phase}.items()))] == seconds
+
+
+def test_nothing_is_exported_before_the_engine_first_reports() -> None:
+    assert scrape(FleetWatch([])) == {}
