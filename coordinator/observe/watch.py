@@ -73,14 +73,14 @@ class Watch:
             ) from exc
         server = serve_metrics(host, port, lambda: self.fleet.snapshot)
         self.servers.append(server)
-        print(f"metrics: {server.url('/metrics')}")
+        print(f"metrics: {server.url('/metrics')}", flush=True)
 
     def _serve_status(self, host: str, port: int) -> None:
         from coordinator.observe.status_server import StatusServer
 
         server = StatusServer(host, port, lambda: self.fleet.snapshot)
         self.servers.append(server)
-        print(f"status page: {server.page_url}")
+        print(f"status page: {server.page_url}", flush=True)
 
     def update(self, engine: RoundEngine) -> None:
         if self.servers:

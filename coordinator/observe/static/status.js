@@ -92,7 +92,7 @@ function renderOpenRound(open) {
 // A line chart in hand-written SVG: x = round, one path per series, y axis from yMin to yMax.
 function lineChart(svg, rounds, series, yMin, yMax, format) {
   svg.replaceChildren();
-  const W = 480, H = 220, left = 62, right = 12, top = 12, bottom = 30;
+  const W = 480, H = 220, left = 72, right = 12, top = 12, bottom = 30;
   const xMax = Math.max(2, ...rounds);
   const x = (r) => left + ((r - 1) / (xMax - 1)) * (W - left - right);
   const y = (v) => top + (1 - (v - yMin) / (yMax - yMin || 1)) * (H - top - bottom);
@@ -112,15 +112,18 @@ function lineChart(svg, rounds, series, yMin, yMax, format) {
     const d = s.values.map((v, j) => (j ? "L" : "M") + x(rounds[j]).toFixed(1) + " " + y(v).toFixed(1)).join(" ");
     svg.appendChild(svgEl("path", { class: "line " + s.cls, d: d, "data-points": String(s.values.length) }));
     s.values.forEach((v, j) => svg.appendChild(svgEl("circle", { class: "dot-" + s.cls, cx: x(rounds[j]), cy: y(v), r: 2.5 })));
-    svg.appendChild(svgEl("text", { x: W - right - 4, y: top + 12 + 14 * i, "text-anchor": "end", class: s.cls }, s.name));
+    svg.appendChild(svgEl("text", { x: W - right - 4, y: H - bottom - 8 - 14 * i, "text-anchor": "end", class: "key-" + s.cls }, s.name));
   });
 }
 
 function renderCharts(history) {
   const rounds = history.map((r) => r.round);
-  lineChart(document.getElementById("accuracy-chart"), rounds,
-    [{ name: "accuracy", cls: "accuracy", values: history.map((r) => r.accuracy) }], 0, 1, (v) => v.toFixed(2));
-  const most = Math.max(1, ...history.map((r) => Math.max(r.bytes_up, r.bytes_down)));
+  const accuracy = [{ name: "global model", cls: "accuracy", values: history.map((r) => r.accuracy) }];
+  if (history.length && history.every((r) => r.personalized_accuracy !== null)) {
+    accuracy.push({ name: "devices' own (mean)", cls: "local", values: history.map((r) => r.personalized_accuracy) });
+  }
+  lineChart(document.getElementById("accuracy-chart"), rounds, accuracy, 0, 1, (v) => v.toFixed(2));
+  const most = 1.2 * Math.max(1, ...history.map((r) => Math.max(r.bytes_up, r.bytes_down))); // room for the key
   lineChart(document.getElementById("bytes-chart"), rounds, [
     { name: "up", cls: "up", values: history.map((r) => r.bytes_up) },
     { name: "down", cls: "down", values: history.map((r) => r.bytes_down) },

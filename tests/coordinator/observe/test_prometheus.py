@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -11,6 +13,7 @@ from coordinator.observe.prometheus import RunCollector
 from coordinator.observe.snapshot import FleetWatch
 from tests.coordinator.observe.conftest import ROUNDS, WatchedRun
 
+ROOT = Path(__file__).resolve().parents[3]
 LABELS = {"device", "device_class", "reason", "phase", "status"}
 
 
@@ -67,3 +70,16 @@ def test_values_match_metrics_jsonl(watched_run: WatchedRun) -> None:
 
 def test_nothing_is_exported_before_the_engine_first_reports() -> None:
     assert scrape(FleetWatch([])) == {}
+
+
+def test_the_grafana_example_is_valid_json_and_queries_only_exported_metrics(watched_run: WatchedRun) -> None:
+    dashboard = json.loads((ROOT / "examples" / "grafana-dashboard.json").read_text())
+    exported = {name for name, _ in scrape(watched_run.watch)}
+    queried = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"fedfleet_[a-z_]+", target["expr"])
+    }
+    assert len(dashboard["panels"]) >= 10 and queried
+    assert queried <= exported, queried - exported
