@@ -207,6 +207,11 @@ def _run(engine: RoundEngine, live: bool, watch: Watch) -> bool:
         from coordinator.live import round_table
 
         with Live(round_table(engine), refresh_per_second=2, transient=False) as view:
-            return engine.run(lambda e: (view.update(round_table(e)), watch.update(e)))
+
+            def show(e: RoundEngine) -> None:
+                view.update(round_table(e))
+                watch.update(e)
+
+            return engine.run(show)
     finally:
         signal.signal(signal.SIGINT, previous)
