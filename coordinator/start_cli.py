@@ -23,6 +23,7 @@ from coordinator.fleet import Fleet, FleetError, load_fleet
 from coordinator.link import MqttLink
 from coordinator.provision import Kits, ProvisionError, coordinator_tls, default_kits, provision, read_credentials
 from coordinator.provision.broker_files import CONFIG
+from coordinator.readiness import start_problems
 from coordinator.report import write_report
 from coordinator.rundir import RunDir, RunDirError
 from coordinator.strategies import ModelSpec, build_strategy
@@ -133,6 +134,9 @@ def run_start(
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         fleet, catalog = load_fleet(args.fleet)
+        problems = start_problems(fleet)
+        if problems:
+            raise FleetError(f"{args.fleet} cannot start here:\n" + "\n".join(problems))
         if args.rounds is not None:
             fleet = fleet.model_copy(update={"rounds": args.rounds})
         spec, data = fleet_data(fleet)

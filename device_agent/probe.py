@@ -130,6 +130,10 @@ class DeviceProfile(BaseModel):
         return data
 
 
+class DeviceUnavailable(ValueError):
+    """The accelerator asked for is not on this machine (a user's setting, not a bug)."""
+
+
 def resolve_device(device: str | None = None) -> torch.device:
     """Pick the device the agent will train on, failing loudly rather than falling back.
 
@@ -147,21 +151,23 @@ def resolve_device(device: str | None = None) -> torch.device:
     try:
         dev = torch.device(device)
     except RuntimeError:
-        raise ValueError(f"unknown device {device!r}; expected auto, cpu, cuda, cuda:N or mps") from None
+        raise DeviceUnavailable(f"unknown device {device!r}; expected auto, cpu, cuda, cuda:N or mps") from None
     if dev.type == "cpu":
         return dev
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} requested but CUDA is not available on this machine")
+            raise DeviceUnavailable(f"device {device!r} requested but CUDA is not available on this machine")
         index = torch.cuda.current_device() if dev.index is None else dev.index
         if index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+            raise DeviceUnavailable(
+                f"device {device!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist"
+            )
         return torch.device("cuda", index)
     if dev.type == "mps":
         if not torch.backends.mps.is_available():
-            raise ValueError(f"device {device!r} requested but MPS is not available on this machine")
+            raise DeviceUnavailable(f"device {device!r} requested but MPS is not available on this machine")
         return dev
-    raise ValueError(f"unsupported device {device!r}; expected auto, cpu, cuda, cuda:N or mps")
+    raise DeviceUnavailable(f"unsupported device {device!r}; expected auto, cpu, cuda, cuda:N or mps")
 
 
 def _synchronizer(dev: torch.device) -> Callable[[], None]:
