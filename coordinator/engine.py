@@ -45,8 +45,9 @@ from coordinator.evaluation import evaluate_global, personalized_accuracy
 from coordinator.fleet import Device, Fleet
 from coordinator.link import Link
 from coordinator.metrics import DeviceRoundMetrics, DeviceStatus, RoundMetrics
-from coordinator.planner import DevicePlan, after_out_of_memory, fmt_ratio, plan_fleet
+from coordinator.planner import DevicePlan, after_out_of_memory, fmt_ratio, plan_fleet, why_no_one
 from coordinator.rundir import RoundNotOpen, RunDir
+from coordinator.steady_reports import SteadyReports
 from coordinator.strategies import ClientSlot, RoundAggregate, Strategy
 from device_agent.atomic import atomic_write
 from device_agent.data.datasets import LabeledData
@@ -161,6 +162,8 @@ class RoundEngine:
         self.devices = {d.id: DeviceState(d) for d in fleet.devices}
         self.ceilings: dict[str, float] = {}
         self.plans: dict[str, DevicePlan] = {}
+        self.reports = SteadyReports()
+        self._last_plan: tuple[int, str] | None = None
         # Observability counters read by metrics exporters: (device, reason) -> refused uploads, and
         # device -> out-of-memory step-downs. Reasons are short snake_case codes (a bounded label set).
         self.refusals: Counter[tuple[str, str]] = Counter()
@@ -243,8 +246,18 @@ class RoundEngine:
         started = time.monotonic()
         self._drain()
         participants = self._participants(round_)
+        if not participants and not self.stopping.is_set():
+            log.warning(
+                "round %d: no online device can take part (%s); waiting up to %.0f s",
+                round_,
+                why_no_one(self.plans, {d for d, s in self.devices.items() if s.online}),
+                self.settings.wait_timeout_s,
+            )
         while not participants and not self.stopping.is_set():
-            log.warning("round %d: no online device can take part; waiting", round_)
+            if time.monotonic() - started > self.settings.wait_timeout_s:
+                raise TimeoutError(
+                    f"round {round_}: no device could take part within {self.settings.wait_timeout_s:.0f} s"
+                )
             self._pump(time.monotonic() + 1.0, progress)
             participants = self._participants(round_)
         if self.stopping.is_set():
@@ -324,7 +337,10 @@ class RoundEngine:
                 parts.append(f"{device} out ({plan.reason})")
             else:
                 parts.append(f"{device} out (not drawn)")
-        log.info("round %d: %s", round_, "; ".join(parts))
+        line = "; ".join(parts)
+        if (round_, line) != self._last_plan:  # re-planned while waiting: say it again only if it changed
+            log.info("round %d: %s", round_, line)
+        self._last_plan = (round_, line)
 
     def _replay_journal(self, round_: int) -> None:
         """Fold the uploads accepted before a restart back into the re-opened round."""
@@ -464,7 +480,7 @@ class RoundEngine:
             if message.device != device:
                 log.warning("%s sent a hello as %r; ignored", device, message.device)
                 return
-            state.profile = message.profile
+            state.profile = self.reports.adopt(device, message.profile, self.catalog.get(state.device.profile))
             log.info(
                 "%s: hello from agent %s (%s, %.2f GFLOPS measured)",
                 device,

@@ -39,8 +39,9 @@ from device_agent.limits import runtime_hooks
 from device_agent.local_round import train_assignment
 from device_agent.oom import free_memory, is_out_of_memory
 from device_agent.outbox import Outbox, OutboxCorrupt, OutboxItem
-from device_agent.probe import DeviceProfile, probe_device, resolve_device
+from device_agent.probe import DeviceProfile, resolve_device
 from device_agent.protocol import UPDATE_KIND, upload_meta
+from device_agent.speed import measured_profile
 from device_agent.wire.codec import CodecError, decode_tensors
 from device_agent.wire.messages import Assignment, Error, Hello, Message, Receipt, RoundFailed, Status
 from device_agent.wire.session import BrokerAddress, Delivery, Session, device_session
@@ -106,9 +107,9 @@ class Agent:
         self.config = config
         self.device = resolve_device(config.device_type)
         self.hooks = hooks if hooks is not None else runtime_hooks(config.emulation, self.device)
-        self.profile = self.hooks.profile(profile or probe_device(0.2, config.device_type))
         state = Path(config.state_dir)
         state.mkdir(parents=True, exist_ok=True)
+        self.profile = self.hooks.profile(profile or measured_profile(config.device_type, state))
         self.outbox = Outbox(state / "outbox")
         self.kept = KeptStore(state / "kept")
         self.data = LocalData(config)
