@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from coordinator.algorithms.aggregation import UpdateRejected
+from coordinator.compatibility import release_note
 from coordinator.evaluation import evaluate_global, personalized_accuracy
 from coordinator.fleet import Device, Fleet
 from coordinator.link import Link
@@ -61,7 +62,17 @@ from device_agent.protocol import (
     split_upload,
 )
 from device_agent.wire.codec import CodecError, decode_tensors, encode_tensors
-from device_agent.wire.messages import Assignment, Error, Hello, Manifest, Message, Receipt, RoundFailed, Status
+from device_agent.wire.messages import (
+    INCOMPATIBLE,
+    Assignment,
+    Error,
+    Hello,
+    Manifest,
+    Message,
+    Receipt,
+    RoundFailed,
+    Status,
+)
 from device_agent.wire.transfer import Completed
 from profiles.schema import DeviceClass
 
@@ -92,6 +103,9 @@ class DeviceState:
     online: bool = False
     state: str = "unknown"
     profile: DeviceProfile | None = None
+    agent_version: str | None = None
+    refused: str | None = None
+    """Why the coordinator will not work with this device (another protocol version), until it says hello."""
 
 
 @dataclass
@@ -488,12 +502,21 @@ class RoundEngine:
                 message.profile.accelerator,
                 message.profile.compute.fp32_gflops,
             )
+            note = release_note(message.agent_version)
+            if note is not None and state.agent_version != message.agent_version:
+                log.warning("%s: %s", device, note)
+            state.agent_version, state.refused = message.agent_version, None
             self._set_online(state, True, "hello")
         elif isinstance(message, Status):
             state.state = message.state
             self._set_online(state, message.state != "offline", f"{message.state} {message.detail}".strip())
         elif isinstance(message, RoundFailed):
             self._on_failed(device, message)
+        elif isinstance(message, Error) and message.code == INCOMPATIBLE:
+            if state.refused != message.detail:
+                log.warning("%s: refused: %s", device, message.detail)
+            state.refused = message.detail
+            self._set_online(state, False, "incompatible")
         elif isinstance(message, Error):
             log.warning("%s reports: %s: %s", device, message.code, message.detail)
 

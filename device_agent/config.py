@@ -167,6 +167,9 @@ class AgentConfig(_Section):
     emulation: EmulationConfig | None = None
     # Not in the lead's sample file: how often the agent refreshes its retained status (seconds).
     heartbeat_s: float = Field(default=10.0, gt=0)
+    connect_timeout_s: float = Field(
+        default=300.0, gt=0, description="give up (exit 1) if the broker cannot be reached this long at start-up"
+    )
 
     @field_validator("device_type")
     @classmethod

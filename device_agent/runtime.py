@@ -43,7 +43,8 @@ from device_agent.probe import DeviceProfile, resolve_device
 from device_agent.protocol import UPDATE_KIND, upload_meta
 from device_agent.speed import measured_profile
 from device_agent.wire.codec import CodecError, decode_tensors
-from device_agent.wire.messages import Assignment, Error, Hello, Message, Receipt, RoundFailed, Status
+from device_agent.wire.messages import INCOMPATIBLE, Assignment, Error, Hello, Message, Receipt, RoundFailed, Status
+from device_agent.wire.reachability import wait_for_broker
 from device_agent.wire.session import BrokerAddress, Delivery, Session, device_session
 from device_agent.wire.topics import DeviceTopics
 from device_agent.wire.transfer import Completed, new_transfer_id
@@ -163,6 +164,11 @@ class Agent:
             while not self._stopping.is_set():
                 if self.session.refused:
                     raise AgentError(f"{self.session.refused}; check the device's broker.password (--password)")
+                if self.session.stats.publish_denied and not self.session.stats.published:
+                    raise AgentError(
+                        f"the broker refuses every message this device sends on {self.topics.up}: is fleet "
+                        f"{self.config.fleet!r} the coordinator's fleet name? (a device may publish only there)"
+                    )
                 try:
                     event = self._events.get(timeout=0.2)
                 except queue.Empty:
@@ -207,6 +213,8 @@ class Agent:
             self._on_assignment(message)
         elif isinstance(message, Receipt):
             self._forget(message.run, message.round, f"receipt: {message.status}")
+        elif isinstance(message, Error) and message.code == INCOMPATIBLE:
+            raise AgentError(f"the coordinator cannot work with this agent: {message.detail}")
         elif isinstance(message, Error):
             log.warning("%s: coordinator refused something: %s: %s", self.config.device, message.code, message.detail)
             for key, sent in list(self._sent.items()):
@@ -345,6 +353,11 @@ def run_agent(config: AgentConfig, profile: DeviceProfile | None = None) -> int:
     try:
         check_source(config.data.source)
     except DatasetError as exc:
+        raise AgentError(str(exc)) from None
+    broker = BrokerAddress.from_url(config.broker.url)
+    try:
+        wait_for_broker(broker.host, broker.port, config.connect_timeout_s)
+    except ConnectionError as exc:
         raise AgentError(str(exc)) from None
     agent = Agent(config, profile)
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -3,7 +3,8 @@
 Every message is small and idempotent; bulk bytes never travel as JSON (see ``transfer`` for the
 binary chunk frames). A receiver parses with ``parse_message``, which raises ``ProtocolError``
 naming the problem (bad JSON, missing ``v``, an unknown version, an unknown ``type``, a bad field)
-so the session can log and drop a bad message instead of dying on it.
+so the session can log and drop a bad message instead of dying on it. An ``incompatible`` error
+is the one message read whatever its version: it tells a peer of another version to stop.
 """
 
 from __future__ import annotations
@@ -29,6 +30,14 @@ _TRANSFER_ID = r"^[0-9a-f]{32}$"
 
 class ProtocolError(ValueError):
     """A message that does not follow the wire protocol; the text says what is wrong."""
+
+
+class VersionMismatch(ProtocolError):
+    """A message of another protocol version: the peer needs another release, not a retry."""
+
+    def __init__(self, version: object) -> None:
+        super().__init__(f"unsupported protocol version {version!r} (this side speaks {PROTOCOL_VERSION})")
+        self.version = version
 
 
 class _Message(BaseModel):
@@ -141,7 +150,7 @@ class Error(_Message):
     """Tells the peer why something it sent was refused, so failures are visible on both sides."""
 
     type: Literal["error"] = "error"
-    code: Literal["malformed", "unknown_transfer", "too_large", "rejected", "internal"]
+    code: Literal["malformed", "unknown_transfer", "too_large", "rejected", "internal", "incompatible"]
     detail: str
     transfer: str | None = None
 
@@ -170,6 +179,22 @@ class RoundFailed(_Message):
     detail: str = ""
 
 
+INCOMPATIBLE = "incompatible"
+
+
+def incompatible(peer_version: object) -> Error:
+    """The answer to a message of another protocol version; understood by every version since 3.
+
+    Its three fields (``type``, ``code``, ``detail``) are the part of the protocol that never
+    changes, so the peer reads it whatever version it speaks and can stop instead of retrying.
+    """
+    return Error(
+        code=INCOMPATIBLE,
+        detail=f"protocol version {peer_version!r} is not spoken here (this side speaks {PROTOCOL_VERSION}); "
+        "install the agent kit that matches the coordinator's release",
+    )
+
+
 Message = Annotated[
     Hello | Assignment | Manifest | Ack | Nack | Status | Error | Receipt | RoundFailed, Field(discriminator="type")
 ]
@@ -194,7 +219,9 @@ def parse_message(data: bytes | str) -> Message:
     if "v" not in raw:
         raise ProtocolError("missing protocol version field 'v'")
     if raw["v"] != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {raw['v']!r} (this side speaks {PROTOCOL_VERSION})")
+        if raw.get("type") == "error" and raw.get("code") == INCOMPATIBLE:
+            return Error(code=INCOMPATIBLE, detail=str(raw.get("detail", ""))[:1000])
+        raise VersionMismatch(raw["v"])
     try:
         return _ADAPTER.validate_python(raw)
     except ValidationError as exc:
