@@ -40,3 +40,9 @@ def test_the_agents_profile_reports_the_steady_speed(tmp_path: Path) -> None:
 
     kept = json.loads((tmp_path / SPEED_FILE).read_text())
     assert profile.compute.fp32_gflops == profile.matmul_gflops == kept["gflops"][-1] > 0
+
+
+def test_a_busy_second_start_does_not_halve_the_first(tmp_path: Path) -> None:
+    steady_gflops([190.0], WHO, tmp_path)
+
+    assert steady_gflops([20.0], WHO, tmp_path) == 190.0

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 
 import pytest
 
 from device_agent.wire.reachability import wait_for_broker, why_unreachable
+from device_agent.wire.session import BrokerAddress, Session, SessionConfig
 
 
 def _closed_port() -> int:
@@ -41,3 +43,20 @@ def test_waiting_backs_off_then_gives_up_with_the_cause(caplog: pytest.LogCaptur
 
     assert slept == [1.0, 2.0, 4.0]
     assert len(caplog.records) == 3 and "retrying in 1 s" in caplog.records[0].getMessage()
+
+
+def test_a_session_that_cannot_reach_its_broker_says_why_once(caplog: pytest.LogCaptureFixture) -> None:
+    port = _closed_port()
+    session = Session(SessionConfig("dev-a", BrokerAddress("127.0.0.1", port), reconnect_max_s=1), subscriptions=[])
+    caplog.set_level(logging.WARNING, logger="fedfleet.wire")
+    session.start(timeout=None)
+    try:
+        time.sleep(3.5)  # paho retries about every second meanwhile
+    finally:
+        session.stop()
+
+    said = [r.getMessage() for r in caplog.records if "cannot reach broker" in r.getMessage()]
+    assert said == [
+        f"dev-a: cannot reach broker mqtt://127.0.0.1:{port}: nothing is listening on 127.0.0.1:{port} "
+        "(connection refused); retrying"
+    ]
