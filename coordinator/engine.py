@@ -46,7 +46,7 @@ from coordinator.fleet import Device, Fleet
 from coordinator.link import Link
 from coordinator.metrics import DeviceRoundMetrics, DeviceStatus, RoundMetrics
 from coordinator.planner import DevicePlan, after_out_of_memory, fmt_ratio, plan_fleet
-from coordinator.rundir import RoundNotOpen, RunDir
+from coordinator.rundir import OPEN_ROUND_FILE, RoundNotOpen, RunDir
 from coordinator.strategies import ClientSlot, RoundAggregate, Strategy
 from device_agent.atomic import atomic_write
 from device_agent.data.datasets import LabeledData
@@ -74,8 +74,6 @@ def refusal_reason(exc: Exception) -> str:
         return reason
     return {UpdateRejected: "rejected", UploadMetaError: "bad_meta", CodecError: "bad_payload"}.get(type(exc), "other")
 
-
-OPEN_ROUND_FILE = "open-round.json"
 
 Planner = Callable[
     [Fleet, Mapping[str, DeviceClass], Mapping[str, DeviceProfile], Mapping[str, float]], list[DevicePlan]
