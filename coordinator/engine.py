@@ -47,7 +47,7 @@ from coordinator.fleet import Device, Fleet
 from coordinator.link import Link
 from coordinator.metrics import DeviceRoundMetrics, DeviceStatus, RoundMetrics
 from coordinator.planner import DevicePlan, after_out_of_memory, fmt_ratio, plan_fleet, why_no_one
-from coordinator.rundir import RoundNotOpen, RunDir
+from coordinator.rundir import OPEN_ROUND_FILE, RoundNotOpen, RunDir
 from coordinator.steady_reports import SteadyReports
 from coordinator.strategies import ClientSlot, RoundAggregate, Strategy
 from device_agent.atomic import atomic_write
@@ -86,8 +86,6 @@ def refusal_reason(exc: Exception) -> str:
         return reason
     return {UpdateRejected: "rejected", UploadMetaError: "bad_meta", CodecError: "bad_payload"}.get(type(exc), "other")
 
-
-OPEN_ROUND_FILE = "open-round.json"
 
 Planner = Callable[
     [Fleet, Mapping[str, DeviceClass], Mapping[str, DeviceProfile], Mapping[str, float]], list[DevicePlan]

@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from coordinator.broker.credentials import COORDINATOR_USER
+from coordinator.checkpoints import Retention
 from coordinator.strategies import STRATEGIES
 from device_agent.clients.spec import TrainConfig
 from device_agent.models import MODELS
@@ -296,6 +297,7 @@ class Fleet(_Strict):
     )
     devices: list[Device] = Field(min_length=1)
     export: ExportSettings | None = Field(None, description="ONNX exports written when the run finishes")
+    checkpoints: Retention = Field(default_factory=Retention, description="which round states the run keeps")
 
     @field_validator("ratios", mode="before")
     @classmethod

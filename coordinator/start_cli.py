@@ -5,19 +5,19 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import signal
 import sys
-import tempfile
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
 from coordinator.broker.base import BrokerError, BrokerSettings
 from coordinator.broker.credentials import COORDINATOR_USER, Credentials
-from coordinator.broker.factory import external_broker, make_broker
+from coordinator.broker.factory import ExternalBroker, external_broker, make_broker
 from coordinator.broker.kit import KitBroker
 from coordinator.broker.mosquitto import find_mosquitto
+from coordinator.broker.scratch import scratch_dir, sweep_stale
+from coordinator.broker.supervisor import PID_FILE, BrokerSupervisor
 from coordinator.engine import EngineSettings, RoundEngine
 from coordinator.fleet import Fleet, FleetError, load_fleet
 from coordinator.link import MqttLink
@@ -26,6 +26,7 @@ from coordinator.provision.broker_files import CONFIG
 from coordinator.readiness import start_problems
 from coordinator.report import write_report
 from coordinator.rundir import RunDir, RunDirError
+from coordinator.storage import out_of_space_message
 from coordinator.strategies import ModelSpec, build_strategy
 from device_agent.config import ConfigError
 from device_agent.data.datasets import DatasetError, LabeledData, load_dataset
@@ -116,8 +117,7 @@ def _broker(fleet: Fleet, credentials: dict[str, Credentials], kits: Kits):
         address = BrokerAddress(host, settings.port, coordinator.username, coordinator.password, bool(tls), **tls)
         return KitBroker(kits.broker / CONFIG, address)
     # mosquitto drops root to its own user: the work dir must be reachable by it (not under a 0700 home).
-    workdir = Path(tempfile.mkdtemp(prefix=f"fedfleet-{fleet.fleet}-broker-"))
-    os.chmod(workdir, 0o711)
+    workdir = scratch_dir(f"fedfleet-{fleet.fleet}-broker-")
     broker_settings = BrokerSettings(
         fleet.fleet, workdir, {COORDINATOR_USER: coordinator, **credentials}, host=settings.host, port=settings.port
     )
@@ -142,17 +142,28 @@ def run_start(
         spec, data = fleet_data(fleet)
         strategy = build_strategy(fleet.strategy.name, spec, fleet.strategy.params, seed=fleet.dataset.seed)
         run_dir = args.run_dir or Path("runs") / f"{fleet.fleet}-{datetime.now():%Y%m%d-%H%M%S}"
+        sweep_stale()
         if (run_dir / "run.json").exists():
-            rundir = RunDir.open(run_dir, args.fleet)
+            rundir = RunDir.open(run_dir, args.fleet, retention=fleet.checkpoints)
+            if rundir.last_completed_round >= fleet.rounds:
+                rundir.close()
+                print(f"{run_dir} is complete: all {fleet.rounds} rounds are done (--rounds N runs more)")
+                return 0
             print(f"resuming {run_dir} after round {rundir.last_completed_round}")
         else:
-            rundir = RunDir.create(run_dir, args.fleet, strategy.state_dict(), seed=fleet.dataset.seed)
+            state = strategy.state_dict()
+            rundir = RunDir.create(run_dir, args.fleet, state, seed=fleet.dataset.seed, retention=fleet.checkpoints)
             print(f"new run {rundir.run_id} in {run_dir}")
         kits, credentials = fleet_kits(fleet, args.kits or default_kits(args.fleet, fleet))
         broker = _broker(fleet, credentials, kits)
+        if not isinstance(broker, ExternalBroker):
+            broker = BrokerSupervisor(broker, run_dir / PID_FILE)
     except (FleetError, RunDirError, DatasetError, ConfigError, BrokerError, ValueError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(f"coordinator: error: {out_of_space_message(exc, args.run_dir or Path('runs'))}", file=sys.stderr)
+        return 1
     before_broker_stops: Callable[[], object] | None = None
     try:
         try:
@@ -175,17 +186,25 @@ def run_start(
             EngineSettings(min_devices=min_devices, wait_timeout_s=args.wait_timeout),
         )
         signal.signal(signal.SIGTERM, lambda *_: engine.stop())
+        if isinstance(broker, BrokerSupervisor):
+            broker.on_give_up = lambda _why: engine.stop()
         finished = _run(engine, live=not args.no_live and sys.stdout.isatty())
     except KeyboardInterrupt:
         finished = False
     except TimeoutError as exc:
         print(f"coordinator: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:
+        print(f"coordinator: error: {out_of_space_message(exc, run_dir)}", file=sys.stderr)
+        return 1
     finally:
         if before_broker_stops is not None:
             before_broker_stops()
         broker.stop()
         rundir.close()
+    if isinstance(broker, BrokerSupervisor) and broker.failure:
+        print(f"coordinator: error: {broker.failure}; run the same command to resume {run_dir}", file=sys.stderr)
+        return 1
     if finished:
         from coordinator.exporting import export_finished_run
 
