@@ -25,6 +25,7 @@ from coordinator.provision import Kits, ProvisionError, coordinator_tls, default
 from coordinator.provision.broker_files import CONFIG
 from coordinator.report import write_report
 from coordinator.rundir import RunDir, RunDirError
+from coordinator.signing import upload_signatures
 from coordinator.strategies import ModelSpec, build_strategy
 from device_agent.config import ConfigError
 from device_agent.data.datasets import DatasetError, LabeledData, load_dataset
@@ -145,6 +146,7 @@ def run_start(
             rundir = RunDir.create(run_dir, args.fleet, strategy.state_dict(), seed=fleet.dataset.seed)
             print(f"new run {rundir.run_id} in {run_dir}")
         kits, credentials = fleet_kits(fleet, args.kits or default_kits(args.fleet, fleet))
+        signatures = upload_signatures(fleet, kits)
         broker = _broker(fleet, credentials, kits)
     except (FleetError, RunDirError, DatasetError, ConfigError, BrokerError, ValueError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)
@@ -169,6 +171,7 @@ def run_start(
             data,
             MqttLink(fleet.fleet, address, protocol=broker.protocol),
             EngineSettings(min_devices=min_devices, wait_timeout_s=args.wait_timeout),
+            signatures=signatures,
         )
         signal.signal(signal.SIGTERM, lambda *_: engine.stop())
         finished = _run(engine, live=not args.no_live and sys.stdout.isatty())
