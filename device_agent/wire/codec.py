@@ -134,7 +134,7 @@ def _header(data: bytes) -> dict[str, Any]:
     if len(data) < 8 or header_len > len(data) - 8:
         raise CodecError(f"not a safetensors payload: header of {header_len} bytes in a {len(data)}-byte buffer")
     raw = bytes(data[8 : 8 + header_len])
-    if nesting_depth(raw, _MAX_HEADER_NESTING) > _MAX_HEADER_NESTING:
+    if nesting_depth(raw) > _MAX_HEADER_NESTING:
         raise CodecError(f"not a safetensors payload: header nested deeper than {_MAX_HEADER_NESTING} levels")
     try:
         header = json.loads(raw)

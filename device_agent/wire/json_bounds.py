@@ -1,36 +1,35 @@
 """Cheap bounds on raw JSON bytes, checked before ``json.loads`` ever sees them.
 
 ``json.loads`` recurses once per nesting level, so a few kilobytes of ``[[[[...`` raise
-``RecursionError`` (not a ``ValueError``) deep inside whichever handler parses them. Scanning the
-bytes for bracket depth first costs one regex pass and lets the parser refuse such a message with
-a clear error instead.
+``RecursionError`` (not a ``ValueError``) deep inside whichever handler parses them. Measuring the
+bracket depth first, in time linear in the size and without a Python-level loop per byte, lets the
+parser refuse such a message with a clear error instead.
 """
 
 from __future__ import annotations
 
 import re
 
-# A JSON string, escapes included: brackets inside strings do not nest. DOTALL so an escaped
-# newline byte cannot stop the match and make the scan backtrack.
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_BRACKETS = re.compile(rb"[\[\]{}]")
-_OPENING = frozenset(b"[{")
+import numpy as np
+
+# A JSON string once its escaped backslashes and quotes are gone (brackets inside strings do not
+# nest). The closing quote is optional so that an unterminated string still matches, to the end: a
+# pattern that can fail makes the regex engine retry from every later quote, which is quadratic.
+_STRING = re.compile(rb'"[^"]*"?')
+_OPEN_CLOSE = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
 
 
-def nesting_depth(data: bytes, limit: int) -> int:
-    """The deepest bracket nesting of ``data`` outside strings, counted up to ``limit + 1`` and no further.
+def nesting_depth(data: bytes) -> int:
+    """The deepest bracket nesting of ``data`` outside strings.
 
-    Malformed JSON gets a number too (unbalanced closers count as nothing): the parser refuses it
-    later with its own message; this scan only has to keep the parser's recursion bounded.
+    For malformed JSON the count is an upper bound on how deep a parser gets before it stops at the
+    error (up to the first error, openers minus closers is exactly its depth).
     """
-    depth = deepest = 0
-    for match in _BRACKETS.finditer(_STRING.sub(b"", data)):
-        if match.group()[0] in _OPENING:
-            depth += 1
-            if depth > deepest:
-                deepest = depth
-                if deepest > limit:
-                    break
-        elif depth:
-            depth -= 1
-    return deepest
+    # Escapes first, by plain replacement: inside a string every backslash run starts on an escape,
+    # and a backslash outside one is where any parser stops, so what follows it cannot matter.
+    unescaped = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    steps = _STRING.sub(b"", unescaped).translate(_OPEN_CLOSE, _NOT_BRACKETS)
+    if not steps:
+        return 0
+    return max(0, int(np.cumsum(np.frombuffer(steps, dtype=np.int8), dtype=np.int64).max()))

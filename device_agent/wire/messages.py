@@ -197,7 +197,7 @@ def parse_message(data: bytes | str) -> Message:
     raw_bytes = data.encode(errors="surrogatepass") if isinstance(data, str) else bytes(data)
     if len(raw_bytes) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"control message of {len(raw_bytes)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
-    if nesting_depth(raw_bytes, MAX_NESTING) > MAX_NESTING:
+    if nesting_depth(raw_bytes) > MAX_NESTING:
         raise ProtocolError(f"control message nested deeper than {MAX_NESTING} levels")
     try:
         raw = json.loads(raw_bytes)

@@ -75,7 +75,7 @@ def test_brackets_inside_strings_do_not_count_as_nesting():
     detail = '[{"' * 200 + '\\"]'
     status = Status(device="dev-a", state="idle", detail=detail)
     assert parse_message(encode(status)) == status
-    assert nesting_depth(b'{"a": "[[[[\\"[[[", "b": [[1]]}', 10) == 3
+    assert nesting_depth(b'{"a": "[[[[\\"[[[", "b": [[1]]}') == 3
 
 
 def test_each_message_kind_has_its_own_size_limit():
