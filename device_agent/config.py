@@ -166,7 +166,7 @@ class AgentConfig(_Section):
         if self.signing_key is None:
             return None
         try:
-            return parse_key(resolve_secret(self.signing_key), f"signing_key {self.signing_key}")
+            return parse_key(resolve_secret(self.signing_key), self.signing_key)
         except ValueError as exc:  # SecretError included
             raise ConfigError(f"signing_key: {exc}") from None
 
