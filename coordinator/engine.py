@@ -48,6 +48,7 @@ from coordinator.link import Link
 from coordinator.metrics import DeviceRoundMetrics, DeviceStatus, RoundMetrics
 from coordinator.planner import DevicePlan, after_out_of_memory, fmt_ratio, plan_fleet, why_no_one
 from coordinator.rundir import OPEN_ROUND_FILE, RoundNotOpen, RunDir
+from coordinator.signing import UploadSignatures
 from coordinator.steady_reports import SteadyReports
 from coordinator.strategies import ClientSlot, RoundAggregate, Strategy
 from device_agent.atomic import atomic_write
@@ -164,8 +165,11 @@ class RoundEngine:
         link: Link,
         settings: EngineSettings,
         planner: Planner = plan_fleet,
+        signatures: UploadSignatures | None = None,
     ) -> None:
+        """``signatures``: the fleet's upload signature check (``security.sign_uploads``), None when off."""
         self.fleet = fleet
+        self.signatures = signatures
         self.catalog = catalog
         self.strategy = strategy
         self.rundir = rundir
@@ -586,8 +590,10 @@ class RoundEngine:
             raise UpdateRejected(f"{device!r} is not a participant of round {open_.round}")
         if participant.status == "accepted":
             return "duplicate"
-        parsed = parse_upload_meta(manifest.meta)
         data = completed.data
+        if self.signatures is not None:
+            self.signatures.check(device, manifest, data)
+        parsed = parse_upload_meta(manifest.meta)
         upload, extras = split_upload(decode_tensors(data))
         open_.aggregate.check(device, upload, parsed.samples, extras)
         meta = {

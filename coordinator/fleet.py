@@ -204,6 +204,13 @@ class Planning(_Strict):
     )
 
 
+class Security(_Strict):
+    sign_uploads: bool = Field(
+        False,
+        description="every update must carry its device's HMAC-SHA256 signature (keys made by coordinator provision)",
+    )
+
+
 def _partial(model: type[BaseModel]) -> type[BaseModel]:
     """``model`` with every field optional (constraints kept): a patch over a profile section."""
     fields: dict[str, Any] = {}
@@ -292,6 +299,7 @@ class Fleet(_Strict):
     )
     training: Training = Training()
     planning: Planning = Planning()
+    security: Security = Security()
     profile_dirs: list[Path] = Field(
         default_factory=list, description="extra profile directories (relative: to this file)"
     )

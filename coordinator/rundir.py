@@ -514,8 +514,10 @@ class RunDir:
                     path=journal / Path(raw["file"]).name,
                     meta=dict(raw.get("meta") or {}),
                 )
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise RunDirError(f"{index} line {number}: not a journal entry ({exc})") from None
+            except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+                raise RunDirError(
+                    f"{index} line {number}: not a journal entry ({type(exc).__name__}: {str(exc)[:200]})"
+                ) from None
             if entry.device in seen:
                 continue
             if not entry.path.is_file():

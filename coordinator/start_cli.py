@@ -26,6 +26,7 @@ from coordinator.provision.broker_files import CONFIG
 from coordinator.readiness import start_problems
 from coordinator.report import write_report
 from coordinator.rundir import RunDir, RunDirError
+from coordinator.signing import upload_signatures
 from coordinator.storage import out_of_space_message
 from coordinator.strategies import ModelSpec, build_strategy
 from device_agent.config import ConfigError
@@ -155,6 +156,7 @@ def run_start(
             rundir = RunDir.create(run_dir, args.fleet, state, seed=fleet.dataset.seed, retention=fleet.checkpoints)
             print(f"new run {rundir.run_id} in {run_dir}")
         kits, credentials = fleet_kits(fleet, args.kits or default_kits(args.fleet, fleet))
+        signatures = upload_signatures(fleet, kits)
         broker = _broker(fleet, credentials, kits)
         if not isinstance(broker, ExternalBroker):
             broker = BrokerSupervisor(broker, run_dir / PID_FILE)
@@ -184,6 +186,7 @@ def run_start(
             data,
             MqttLink(fleet.fleet, address, protocol=broker.protocol),
             EngineSettings(min_devices=min_devices, wait_timeout_s=args.wait_timeout),
+            signatures=signatures,
         )
         signal.signal(signal.SIGTERM, lambda *_: engine.stop())
         if isinstance(broker, BrokerSupervisor):

@@ -29,6 +29,7 @@ from device_agent.schema import (
     parse_partition,
     resolve_secret,
 )
+from device_agent.signing import parse_key
 
 # Relative to agent.yaml's folder when read from a file, else to the working directory.
 DEFAULT_STATE_DIR = "agent-state"
@@ -170,6 +171,23 @@ class AgentConfig(_Section):
     connect_timeout_s: float = Field(
         default=300.0, gt=0, description="give up (exit 1) if the broker cannot be reached this long at start-up"
     )
+
+    # Where this device's upload-signing key is (env:/file:); set when the fleet has security.sign_uploads.
+    signing_key: str | None = None
+
+    @field_validator("signing_key")
+    @classmethod
+    def _signing_key_reference(cls, ref: str | None) -> str | None:
+        return check_secret_ref(ref)
+
+    def resolve_signing_key(self) -> bytes | None:
+        """The key the reference points at; an unset or unreadable one is an error naming it."""
+        if self.signing_key is None:
+            return None
+        try:
+            return parse_key(resolve_secret(self.signing_key), self.signing_key)
+        except ValueError as exc:  # SecretError included
+            raise ConfigError(f"signing_key: {exc}") from None
 
     @field_validator("device_type")
     @classmethod

@@ -120,7 +120,13 @@ class DeviceProfile(BaseModel):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        if "memory" not in data and "memory_total_bytes" in data:
+        # Derived only from integers: anything else is left to the fields' own validation, which names it.
+        flat = (
+            data.get("memory_total_bytes"),
+            data.get("memory_available_bytes"),
+            data.get("accelerator_memory_bytes"),
+        )
+        if "memory" not in data and all(_is_int(v) for v in flat[:2]) and (flat[2] is None or _is_int(flat[2])):
             total = data.get("accelerator_memory_bytes") or data["memory_total_bytes"]
             shared = data.get("accelerator") != "cuda"
             reserved = total - data["memory_available_bytes"] if shared else 0
@@ -132,6 +138,10 @@ class DeviceProfile(BaseModel):
 
 class DeviceUnavailable(ValueError):
     """The accelerator asked for is not on this machine (a user's setting, not a bug)."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def resolve_device(device: str | None = None) -> torch.device:

@@ -33,6 +33,7 @@ _OVERRIDES = {
     "key_file": "broker.key_file",
     "protocol": "broker.protocol",
     "connect_timeout": "connect_timeout_s",
+    "signing_key": "signing_key",
     "dataset": "data.dataset",
     "data_path": "data.path",
     "partition": "data.partition",
@@ -79,6 +80,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         metavar="S",
         help="at start-up, retry an unreachable broker with backoff for S s, then exit 1 (default 300)",
     )
+    who.add_argument("--signing-key", metavar="REF", help="env:NAME or file:PATH holding this device's upload key")
     data = run.add_argument_group("local data")
     data.add_argument("--dataset", choices=DATASETS, help="default digits (built in)")
     data.add_argument("--data-path", metavar="PATH", help="folder or file for the non built-in datasets")

@@ -41,6 +41,7 @@ from device_agent.oom import free_memory, is_out_of_memory
 from device_agent.outbox import Outbox, OutboxCorrupt, OutboxItem
 from device_agent.probe import DeviceProfile, resolve_device
 from device_agent.protocol import UPDATE_KIND, upload_meta
+from device_agent.signing import UploadIdentity, signed_meta
 from device_agent.speed import measured_profile
 from device_agent.wire.codec import CodecError, decode_tensors
 from device_agent.wire.messages import INCOMPATIBLE, Assignment, Error, Hello, Message, Receipt, RoundFailed, Status
@@ -112,6 +113,7 @@ class Agent:
         state.mkdir(parents=True, exist_ok=True)
         self.profile = self.hooks.profile(profile or measured_profile(config.device_type, state))
         self.outbox = Outbox(state / "outbox")
+        self.signing_key = config.resolve_signing_key()
         self.kept = KeptStore(state / "kept")
         self.data = LocalData(config)
         self._events: queue.Queue[Callable[[], None] | None] = queue.Queue()
@@ -312,13 +314,20 @@ class Agent:
             return
         self.hooks.before_upload()
         self._set_state("uploading", f"round {item.round}")
+        transfer, meta = new_transfer_id(), dict(item.meta)
+        if self.signing_key is not None:
+            identity = UploadIdentity(
+                self.config.fleet, item.run, item.round, self.config.device, transfer, item.sha256
+            )
+            meta = signed_meta(meta, self.signing_key, identity)
         delivery = self.session.send(
             self.topics.up,
             payload,
             run=item.run,
             round=item.round,
             kind=UPDATE_KIND,
-            meta=dict(item.meta),
+            meta=meta,
+            transfer=transfer,
         )
         self._sent[(item.run, item.round)] = _Sent(item, delivery, time.monotonic())
 

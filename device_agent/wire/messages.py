@@ -18,11 +18,22 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from device_agent.clients.spec import ClientSpec, TrainConfig
 from device_agent.probe import DeviceProfile
 from device_agent.schema import NAME_PATTERN as _NAME
+from device_agent.wire.json_bounds import nesting_depth
 
 # 3: the assignment carries a typed client spec and training config (2 carried an untyped options dict).
 PROTOCOL_VERSION = 3
 # Control messages are tiny; anything bigger is a bug or an attack, refused before json.loads.
 MAX_MESSAGE_BYTES = 1 << 20
+# Every message is a few levels deep; json.loads recurses per level, so deeper input is refused unparsed.
+MAX_NESTING = 32
+# Only sealed manifests (a digest per chunk) and nacks (missing chunk indexes) grow with a payload.
+MAX_BYTES_BY_TYPE = {
+    "hello": 64 << 10,
+    "assignment": 64 << 10,
+    "manifest": MAX_MESSAGE_BYTES,
+    "nack": MAX_MESSAGE_BYTES,
+}
+MAX_OTHER_BYTES = 32 << 10
 
 _HEX64 = r"^[0-9a-f]{64}$"
 _TRANSFER_ID = r"^[0-9a-f]{32}$"
@@ -208,14 +219,21 @@ def encode(message: _Message) -> bytes:
 
 def parse_message(data: bytes | str) -> Message:
     """Decode and validate one control message, or raise ``ProtocolError`` saying what is wrong."""
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"control message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    raw_bytes = data.encode(errors="surrogatepass") if isinstance(data, str) else bytes(data)
+    if len(raw_bytes) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"control message of {len(raw_bytes)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    if nesting_depth(raw_bytes) > MAX_NESTING:
+        raise ProtocolError(f"control message nested deeper than {MAX_NESTING} levels")
     try:
-        raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raw = json.loads(raw_bytes)
+    except ValueError as exc:  # not UTF-8, not JSON, or a number past int's digit limit
         raise ProtocolError(f"not JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise ProtocolError(f"expected a JSON object, got {type(raw).__name__}")
+    kind = raw.get("type")
+    limit = MAX_BYTES_BY_TYPE.get(kind, MAX_OTHER_BYTES) if isinstance(kind, str) else MAX_OTHER_BYTES
+    if len(raw_bytes) > limit:
+        raise ProtocolError(f"{kind!r} message of {len(raw_bytes)} bytes exceeds its {limit}-byte limit")
     if "v" not in raw:
         raise ProtocolError("missing protocol version field 'v'")
     if raw["v"] != PROTOCOL_VERSION:

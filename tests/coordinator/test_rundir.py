@@ -307,3 +307,17 @@ def test_a_coordinator_killed_mid_round_loses_no_accepted_upload(tmp_path: Path,
         assert [e.device for e in entries] == ["dev-0", "dev-1", "dev-2"]
         assert [rundir.load_upload(e)["w"][0].item() for e in entries] == [0.0, 1.0, 2.0]
         assert not any(p.name.startswith(".tmp-") for p in journal.iterdir())
+
+
+@pytest.mark.parametrize(
+    "line",
+    ["[" * 100_000, '{"round": Infinity, "device": "pi-2"}', '["round"]', '{"round": 1}'],
+    ids=["nesting-bomb", "infinite-round", "not-an-object", "incomplete"],
+)
+def test_an_unreadable_journal_line_is_named_by_file_and_line(run: RunDir, fleet_file: Path, line: str) -> None:
+    run.accept_upload(1, "pi-1", "a", upload(1.0))
+    with open(run.journal_path(1) / "index.jsonl", "a") as index:
+        index.write(line + "\n")
+    run.close()
+    with pytest.raises(RunDirError, match=r"index\.jsonl line 2: not a journal entry"):
+        RunDir.open(run.path, fleet_file)

@@ -119,3 +119,17 @@ def test_flags_stay_relative_to_the_working_directory(tmp_path: Path) -> None:
     config = load_config(path, {"state_dir": "elsewhere"})
 
     assert config.state_dir == Path("elsewhere")
+
+
+def test_the_signing_key_is_a_reference_resolved_at_start(tmp_path, monkeypatch) -> None:
+    key = bytes(range(32))
+    monkeypatch.setenv("PI_SIGNING_KEY", key.hex())
+    config = parse_config({"device": "pi-1", "fleet": "lab", "signing_key": "env:PI_SIGNING_KEY"})
+    assert config.resolve_signing_key() == key
+    assert parse_config({"device": "pi-1", "fleet": "lab"}).resolve_signing_key() is None
+    (tmp_path / "short.key").write_text("00ff")
+    short = parse_config({"device": "pi-1", "fleet": "lab", "signing_key": f"file:{tmp_path / 'short.key'}"})
+    with pytest.raises(ConfigError, match=r"signing_key: file:.*short\.key: 2 bytes, at least 16 needed"):
+        short.resolve_signing_key()
+    with pytest.raises(ConfigError, match="never the secret itself"):
+        parse_config({"device": "pi-1", "fleet": "lab", "signing_key": key.hex()})
