@@ -10,6 +10,7 @@ from fractions import Fraction
 from coordinator import emulate_cli, planning_cli, pretrain, provision_cli, report_cli, start_cli
 from coordinator.exporting import open_trained_run
 from coordinator.model_stats import model_stats
+from device_agent.error_boundary import DEBUG_FLAG, DEBUG_HELP
 from device_agent.models import MODELS
 from export import cli as export_cli
 
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="coordinator",
         description="fedfleet coordinator: plans, runs and inspects federated training on a device fleet.",
     )
+    parser.add_argument(DEBUG_FLAG, action="store_true", help=DEBUG_HELP)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     models = commands.add_parser(
         "models",

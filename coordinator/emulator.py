@@ -19,6 +19,7 @@ from pathlib import Path
 from coordinator.broker.credentials import Credentials
 from coordinator.fleet import REPORTED, Device, Fleet, Partition
 from coordinator.planner import effective_profile, level_cost
+from coordinator.provision.layout import SIGNING_KEY
 from device_agent.emulation import (
     PASSWORD_ENV,
     DataShare,
@@ -142,6 +143,8 @@ def write_agent_specs(
             protocol=protocol,
             device_type=device_type,
         )
+        if kit is not None and (kit / SIGNING_KEY).exists():
+            config["signing_key"] = f"file:{kit / SIGNING_KEY}"
         specs.append(
             AgentSpec(
                 device.id,

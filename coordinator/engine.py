@@ -41,12 +41,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from coordinator.algorithms.aggregation import UpdateRejected
+from coordinator.compatibility import release_note
 from coordinator.evaluation import evaluate_global, personalized_accuracy
 from coordinator.fleet import Device, Fleet
 from coordinator.link import Link
 from coordinator.metrics import DeviceRoundMetrics, DeviceStatus, RoundMetrics
-from coordinator.planner import DevicePlan, after_out_of_memory, fmt_ratio, plan_fleet
-from coordinator.rundir import RoundNotOpen, RunDir
+from coordinator.planner import DevicePlan, after_out_of_memory, fmt_ratio, plan_fleet, why_no_one
+from coordinator.rundir import OPEN_ROUND_FILE, RoundNotOpen, RunDir
+from coordinator.signing import UploadSignatures
+from coordinator.steady_reports import SteadyReports
 from coordinator.strategies import ClientSlot, RoundAggregate, Strategy
 from device_agent.atomic import atomic_write
 from device_agent.data.datasets import LabeledData
@@ -60,7 +63,17 @@ from device_agent.protocol import (
     split_upload,
 )
 from device_agent.wire.codec import CodecError, decode_tensors, encode_tensors
-from device_agent.wire.messages import Assignment, Error, Hello, Manifest, Message, Receipt, RoundFailed, Status
+from device_agent.wire.messages import (
+    INCOMPATIBLE,
+    Assignment,
+    Error,
+    Hello,
+    Manifest,
+    Message,
+    Receipt,
+    RoundFailed,
+    Status,
+)
 from device_agent.wire.transfer import Completed
 from profiles.schema import DeviceClass
 
@@ -88,8 +101,6 @@ class Refusal:
 
 RECENT_REFUSALS = 50
 
-OPEN_ROUND_FILE = "open-round.json"
-
 Planner = Callable[
     [Fleet, Mapping[str, DeviceClass], Mapping[str, DeviceProfile], Mapping[str, float]], list[DevicePlan]
 ]
@@ -104,6 +115,9 @@ class DeviceState:
     online: bool = False
     state: str = "unknown"
     profile: DeviceProfile | None = None
+    agent_version: str | None = None
+    refused: str | None = None
+    """Why the coordinator will not work with this device (another protocol version), until it says hello."""
 
 
 @dataclass
@@ -164,8 +178,11 @@ class RoundEngine:
         link: Link,
         settings: EngineSettings,
         planner: Planner = plan_fleet,
+        signatures: UploadSignatures | None = None,
     ) -> None:
+        """``signatures``: the fleet's upload signature check (``security.sign_uploads``), None when off."""
         self.fleet = fleet
+        self.signatures = signatures
         self.catalog = catalog
         self.strategy = strategy
         self.rundir = rundir
@@ -174,6 +191,8 @@ class RoundEngine:
         self.devices = {d.id: DeviceState(d) for d in fleet.devices}
         self.ceilings: dict[str, float] = {}
         self.plans: dict[str, DevicePlan] = {}
+        self.reports = SteadyReports()
+        self._last_plan: tuple[int, str] | None = None
         # Observability counters read by metrics exporters: (device, reason) -> refused uploads, and
         # device -> out-of-memory step-downs. Reasons are short snake_case codes (a bounded label set).
         self.refusals: Counter[tuple[str, str]] = Counter()
@@ -257,8 +276,18 @@ class RoundEngine:
         started = time.monotonic()
         self._drain()
         participants = self._participants(round_)
+        if not participants and not self.stopping.is_set():
+            log.warning(
+                "round %d: no online device can take part (%s); waiting up to %.0f s",
+                round_,
+                why_no_one(self.plans, {d for d, s in self.devices.items() if s.online}),
+                self.settings.wait_timeout_s,
+            )
         while not participants and not self.stopping.is_set():
-            log.warning("round %d: no online device can take part; waiting", round_)
+            if time.monotonic() - started > self.settings.wait_timeout_s:
+                raise TimeoutError(
+                    f"round {round_}: no device could take part within {self.settings.wait_timeout_s:.0f} s"
+                )
             self._pump(time.monotonic() + 1.0, progress)
             participants = self._participants(round_)
         if self.stopping.is_set():
@@ -338,7 +367,10 @@ class RoundEngine:
                 parts.append(f"{device} out ({plan.reason})")
             else:
                 parts.append(f"{device} out (not drawn)")
-        log.info("round %d: %s", round_, "; ".join(parts))
+        line = "; ".join(parts)
+        if (round_, line) != self._last_plan:  # re-planned while waiting: say it again only if it changed
+            log.info("round %d: %s", round_, line)
+        self._last_plan = (round_, line)
 
     def _replay_journal(self, round_: int) -> None:
         """Fold the uploads accepted before a restart back into the re-opened round."""
@@ -478,7 +510,7 @@ class RoundEngine:
             if message.device != device:
                 log.warning("%s sent a hello as %r; ignored", device, message.device)
                 return
-            state.profile = message.profile
+            state.profile = self.reports.adopt(device, message.profile, self.catalog.get(state.device.profile))
             log.info(
                 "%s: hello from agent %s (%s, %.2f GFLOPS measured)",
                 device,
@@ -486,12 +518,21 @@ class RoundEngine:
                 message.profile.accelerator,
                 message.profile.compute.fp32_gflops,
             )
+            note = release_note(message.agent_version)
+            if note is not None and state.agent_version != message.agent_version:
+                log.warning("%s: %s", device, note)
+            state.agent_version, state.refused = message.agent_version, None
             self._set_online(state, True, "hello")
         elif isinstance(message, Status):
             state.state = message.state
             self._set_online(state, message.state != "offline", f"{message.state} {message.detail}".strip())
         elif isinstance(message, RoundFailed):
             self._on_failed(device, message)
+        elif isinstance(message, Error) and message.code == INCOMPATIBLE:
+            if state.refused != message.detail:
+                log.warning("%s: refused: %s", device, message.detail)
+            state.refused = message.detail
+            self._set_online(state, False, "incompatible")
         elif isinstance(message, Error):
             log.warning("%s reports: %s: %s", device, message.code, message.detail)
 
@@ -566,8 +607,10 @@ class RoundEngine:
             raise UpdateRejected(f"{device!r} is not a participant of round {open_.round}")
         if participant.status == "accepted":
             return "duplicate"
-        parsed = parse_upload_meta(manifest.meta)
         data = completed.data
+        if self.signatures is not None:
+            self.signatures.check(device, manifest, data)
+        parsed = parse_upload_meta(manifest.meta)
         upload, extras = split_upload(decode_tensors(data))
         open_.aggregate.check(device, upload, parsed.samples, extras)
         meta = {

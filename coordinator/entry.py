@@ -1,4 +1,5 @@
-"""The ``coordinator`` console script: a clear message instead of a traceback where its extra is missing.
+"""The ``coordinator`` console script: a clear message instead of a traceback where its extra is missing,
+and for every user error (see :mod:`device_agent.error_boundary`).
 
 ``pip install fedfleet`` without ``[coordinator]`` (say, by mistake on a device) still installs this
 command; devices install the agent kit's ``fedfleet-agent`` wheel, which has no coordinator at all.
@@ -19,7 +20,39 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
-    return run()
+    from device_agent.error_boundary import debug_requested, guarded
+
+    return guarded("coordinator", run, user_errors(), debug_requested(sys.argv[1:]))
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """What a wrong setting or a busy or missing resource raises: one line for the user, not a traceback."""
+    from coordinator.broker.base import BrokerError
+    from coordinator.emulator import EmulatorError
+    from coordinator.fleet import FleetError
+    from coordinator.provision.secrets import ProvisionError
+    from coordinator.report import ReportError
+    from coordinator.rundir import RunDirError
+    from device_agent.config import ConfigError
+    from device_agent.data.datasets import DatasetError
+    from device_agent.probe import DeviceUnavailable
+    from device_agent.schema import SecretError
+    from profiles.catalog import ProfileError
+
+    return (
+        FleetError,
+        BrokerError,
+        EmulatorError,
+        ProvisionError,
+        ReportError,
+        RunDirError,
+        ConfigError,
+        DatasetError,
+        DeviceUnavailable,
+        SecretError,
+        ProfileError,
+        OSError,
+    )
 
 
 if __name__ == "__main__":

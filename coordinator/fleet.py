@@ -28,9 +28,12 @@ from pydantic import (
     model_validator,
 )
 
+from coordinator.broker.credentials import COORDINATOR_USER
+from coordinator.checkpoints import Retention
 from coordinator.strategies import STRATEGIES
 from device_agent.clients.spec import TrainConfig
 from device_agent.models import MODELS
+from device_agent.paths import anchor_keys
 from device_agent.probe import ComputeSpec, MemorySpec, NetworkSpec
 from device_agent.schema import DatasetName, DeviceName, FleetName, Partition, check_secret_ref
 from export.auto import ExportSettings
@@ -78,7 +81,7 @@ class Broker(_Strict):
     )
     url: str | None = None
     ca_file: Path | None = None
-    username: str = "coordinator"
+    username: str = COORDINATOR_USER
     password: str | None = None
 
     @field_validator("password")
@@ -99,6 +102,11 @@ class Broker(_Strict):
             raise ValueError("ca_file only applies to an external mqtts:// broker")
         if self.port is None:
             self.port = 8883 if self.tls and self.mode == "managed" else 1883
+        if self.mode != "external" and self.username != COORDINATOR_USER:
+            raise ValueError(
+                f"username {self.username!r} only applies to an external broker; a {self.mode} broker's "
+                f"password file and ACL name the coordinator {COORDINATOR_USER!r}: leave username out"
+            )
         if self.mode == "amqtt" and self.tls:
             self.tls = False  # amqtt has no TLS here: the development fallback stays plain
         return self
@@ -196,6 +204,13 @@ class Planning(_Strict):
     )
 
 
+class Security(_Strict):
+    sign_uploads: bool = Field(
+        False,
+        description="every update must carry its device's HMAC-SHA256 signature (keys made by coordinator provision)",
+    )
+
+
 def _partial(model: type[BaseModel]) -> type[BaseModel]:
     """``model`` with every field optional (constraints kept): a patch over a profile section."""
     fields: dict[str, Any] = {}
@@ -284,11 +299,13 @@ class Fleet(_Strict):
     )
     training: Training = Training()
     planning: Planning = Planning()
+    security: Security = Security()
     profile_dirs: list[Path] = Field(
         default_factory=list, description="extra profile directories (relative: to this file)"
     )
     devices: list[Device] = Field(min_length=1)
     export: ExportSettings | None = Field(None, description="ONNX exports written when the run finishes")
+    checkpoints: Retention = Field(default_factory=Retention, description="which round states the run keeps")
 
     @field_validator("ratios", mode="before")
     @classmethod
@@ -309,6 +326,18 @@ class Fleet(_Strict):
                 raise ValueError(f"duplicate device id {device.id!r} (devices[{seen[device.id]}] and devices[{index}])")
             seen[device.id] = index
         return devices
+
+    @model_validator(mode="after")
+    def _ids_are_not_the_coordinators(self) -> Fleet:
+        """A device named like the coordinator's login would get its password and its fleet-wide ACL."""
+        reserved = {COORDINATOR_USER, self.broker.username}
+        for index, device in enumerate(self.devices):
+            if device.id in reserved:
+                raise ValueError(
+                    f"devices[{index}].id: {device.id!r} is the coordinator's broker login "
+                    f"(reserved: {', '.join(sorted(reserved))}); rename the device"
+                )
+        return self
 
     @model_validator(mode="after")
     def _ratios_fit_the_strategy(self) -> Fleet:
@@ -364,8 +393,27 @@ def parse_fleet(data: Any, catalog: Mapping[str, Any] | None = None, source: str
         raise FleetError(f"{source}:\n{format_validation_error(exc)}") from None
 
 
+def anchor_file_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """A copy of a fleet.yaml mapping whose relative paths (data, CA, ``file:`` secrets) point into ``base``."""
+    anchored = dict(data)
+    for key in ("broker", "dataset"):
+        if isinstance(anchored.get(key), dict):
+            anchored[key] = dict(anchored[key])
+    anchor_keys(anchored.get("broker"), ("ca_file",), base, secrets=("password",))
+    anchor_keys(anchored.get("dataset"), ("path",), base)
+    if isinstance(anchored.get("devices"), list):
+        anchored["devices"] = [dict(d) if isinstance(d, dict) else d for d in anchored["devices"]]
+        for device in anchored["devices"]:
+            anchor_keys(device, (), base, secrets=("credentials",))
+    return anchored
+
+
 def load_fleet(path: Path | str) -> tuple[Fleet, Catalog]:
-    """Read and validate a fleet.yaml, with the shipped profiles plus its ``profile_dirs``."""
+    """Read and validate a fleet.yaml, with the shipped profiles plus its ``profile_dirs``.
+
+    Relative paths in the file (``dataset.path``, ``broker.ca_file``, ``file:`` secrets, ``profile_dirs``)
+    are relative to the file's folder, so the fleet means the same from any working directory.
+    """
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -373,6 +421,8 @@ def load_fleet(path: Path | str) -> tuple[Fleet, Catalog]:
         raise FleetError(f"cannot read {path}: {exc.strerror}") from None
     except yaml.YAMLError as exc:
         raise FleetError(f"{path}: not valid YAML: {exc}") from None
+    if isinstance(data, dict):
+        data = anchor_file_paths(data, path.resolve().parent)
     dirs = data.get("profile_dirs", []) if isinstance(data, dict) else []
     try:
         catalog = load_catalog([path.parent / Path(d) for d in dirs] if isinstance(dirs, list) else [])

@@ -221,6 +221,13 @@ def plan_device(
     )
 
 
+def why_no_one(plans: Mapping[str, DevicePlan], online: set[str]) -> str:
+    """Why a round has no participant, in one line: nobody online, or each online device's reason."""
+    if not online:
+        return "no device is online"
+    return "; ".join(f"{d}: {plans[d].reason}" for d in sorted(online) if d in plans and plans[d].ratio is None)
+
+
 def _unplanned(device: str, profile: str, budget: int | None, deadline: float, reason: str) -> DevicePlan:
     """A row without estimates: the device has no profile yet, or no level is left to try."""
     return DevicePlan(device, profile, None, None, None, None, budget, None, deadline, reason)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from coordinator.fleet import FleetError, load_fleet
 from coordinator.planner import fmt_bytes, plan_fleet
+from coordinator.readiness import start_problems
 from profiles.catalog import ENV_VAR, ProfileError, load_catalog
 
 
@@ -113,6 +114,11 @@ def _validate(args: argparse.Namespace) -> int:
         fleet, _ = load_fleet(args.fleet)
     except FleetError as exc:
         print(f"coordinator: invalid fleet: {exc}", file=sys.stderr)
+        return 1
+    problems = start_problems(fleet)
+    if problems:
+        print(f"coordinator: {args.fleet} is valid but cannot start here:", file=sys.stderr)
+        print("\n".join(problems), file=sys.stderr)
         return 1
     print(f"{args.fleet}: ok (fleet {fleet.fleet!r}, {len(fleet.devices)} devices, strategy {fleet.strategy.name})")
     return 0

@@ -3,7 +3,8 @@
 Layout::
 
     RUN_DIR/
-      run.json                       run id, seed, last completed round  (the commit point of a round)
+      run.json                       run id, seed, last completed round  (the commit point of a round),
+                                     and the sha256 of every kept round state
       fleet.yaml                     the configuration the run started with
       state/round-000007.safetensors global state after round 7 (round 0 = the initial model)
       journal/round-000008/          accepted uploads of the open round
@@ -14,7 +15,10 @@ Layout::
 Closing round r writes the state, then appends its metrics line, then rewrites run.json; only the last
 step commits. Opening the directory repairs whatever a crash left between those steps (metrics lines or
 journals of rounds past or before the commit, torn journal lines, temporary files), so ``resume()`` is
-a plain read. Pure files: no FL math, no clocks beyond timestamps for people.
+a plain read. It also checks digests: a round state that is truncated or altered (a bad disk, a copy cut
+short) is refused by name and the run falls back to the newest kept state that verifies; a journaled
+upload whose payload no longer matches its digest is dropped by name. Pure files: no FL math, no clocks
+beyond timestamps for people.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -41,6 +46,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from coordinator.checkpoints import Retention, kept_rounds
 from coordinator.metrics import RoundMetrics
 from device_agent.atomic import append_line, atomic_write, remove_temp_files
 from device_agent.wire.codec import decode_tensors
@@ -53,6 +59,10 @@ STATE_DIR = "state"
 JOURNAL_DIR = "journal"
 INDEX_FILE = "index.jsonl"
 LOCK_FILE = ".lock"
+# The engine's record of the open round's participants; stale once the run rolls back past it.
+OPEN_ROUND_FILE = "open-round.json"
+
+log = logging.getLogger("fedfleet.rundir")
 
 
 class RunDirError(Exception):
@@ -172,13 +182,11 @@ class RunDir:
     :meth:`close` to release the lock.
     """
 
-    def __init__(self, path: Path, lock_fd: int, run: dict[str, Any], keep_states: int | None) -> None:
-        if keep_states is not None and keep_states < 1:
-            raise ValueError(f"keep_states must be at least 1 (the last completed round), got {keep_states}")
+    def __init__(self, path: Path, lock_fd: int, run: dict[str, Any], retention: Retention | None) -> None:
         self.path = path
         self._lock_fd = lock_fd
         self._run = run
-        self._keep_states = keep_states
+        self._retention = retention
         self._writing = threading.Lock()  # uploads may be accepted from the transport's thread
 
     # ---- opening -------------------------------------------------------------------------------
@@ -192,11 +200,11 @@ class RunDir:
         seed: int,
         *,
         run_id: str | None = None,
-        keep_states: int | None = None,
+        retention: Retention | None = None,
     ) -> RunDir:
         """Start a new run in ``path`` (absent or empty): snapshot the fleet file and the round-0 model.
 
-        ``keep_states`` keeps only the last N round states (all by default; ResNet-18 is 45 MB a round).
+        ``retention`` prunes old round states (all are kept without it; ResNet-18 is 43 MB a round).
         """
         path = Path(path)
         if path.exists() and any(path.iterdir()):
@@ -215,8 +223,8 @@ class RunDir:
                 "created": _now(),
                 "updated": _now(),
             }
-            rundir = cls(path, lock_fd, run, keep_states)
-            rundir._write_state(0, initial_state)
+            rundir = cls(path, lock_fd, run, retention)
+            run["states"] = {"0": rundir._write_state(0, initial_state)}
             atomic_write(path / RUN_FILE, json.dumps(run, indent=2).encode())
         except BaseException:
             os.close(lock_fd)
@@ -227,7 +235,7 @@ class RunDir:
         return rundir
 
     @classmethod
-    def open(cls, path: Path, fleet_file: Path | None = None, *, keep_states: int | None = None) -> RunDir:
+    def open(cls, path: Path, fleet_file: Path | None = None, *, retention: Retention | None = None) -> RunDir:
         """Reopen a run to resume it, repairing what a crash left behind.
 
         With ``fleet_file``, refuse when it differs from the snapshot: resuming under another
@@ -242,7 +250,7 @@ class RunDir:
             run = read_run_file(path / RUN_FILE)
             if fleet_file is not None:
                 cls._check_snapshot(path, Path(fleet_file))
-            rundir = cls(path, lock_fd, run, keep_states)
+            rundir = cls(path, lock_fd, run, retention)
             rundir._recover()
         except BaseException:
             os.close(lock_fd)
@@ -273,11 +281,12 @@ class RunDir:
             )
 
     def _recover(self) -> None:
-        """Undo every step of an uncommitted round close and drop torn appends."""
-        done = self.last_completed_round
+        """Undo every step of an uncommitted round close, drop torn appends, fall back past a corrupt state."""
         for directory in (self.path, self.path / STATE_DIR, self.path / JOURNAL_DIR):
             if directory.is_dir():
                 remove_temp_files(directory)
+        self._fall_back_to_good_state()
+        done = self.last_completed_round
         metrics = self.path / METRICS_FILE
         if metrics.exists():
             lines = metrics.read_text().splitlines(keepends=True)
@@ -287,8 +296,6 @@ class RunDir:
         for state in (self.path / STATE_DIR).glob("round-*.safetensors"):
             if self._round_of(state) > done:
                 state.unlink()
-        if not self.state_path(done).is_file():
-            raise RunDirError(f"{self.state_path(done)} is missing: the state of the last completed round is lost")
         journal_root = self.path / JOURNAL_DIR
         for journal in journal_root.glob("round-*") if journal_root.is_dir() else ():
             round_ = self._round_of(journal)
@@ -298,6 +305,54 @@ class RunDir:
                 raise RunDirError(f"{journal} belongs to round {round_}, but only round {done + 1} can be open")
             else:
                 self._repair_journal(journal)
+
+    def state_problem(self, round_: int) -> str | None:
+        """Why round ``round_``'s saved state cannot be used (missing, truncated, digest mismatch), or None."""
+        path = self.state_path(round_)
+        if not path.is_file():
+            return f"{path} is missing"
+        data = path.read_bytes()
+        expected = self._run.get("states", {}).get(str(round_))
+        if expected is not None:
+            if _sha256(data) != expected:
+                return f"{path} is corrupt: its sha256 does not match {self.path / RUN_FILE}"
+            return None
+        try:
+            load_tensors(data)
+        except SafetensorError as exc:
+            return f"{path} is not a valid safetensors file ({exc})"
+        return None
+
+    def _fall_back_to_good_state(self) -> None:
+        """Make the newest round whose state verifies the last completed one, saying what is redone."""
+        done = self.last_completed_round
+        problem = self.state_problem(done)
+        if problem is None:
+            return
+        earlier = [r for r in self._kept_rounds() if r < done and self.state_problem(r) is None]
+        if not earlier:
+            raise RunDirError(f"{problem}, and no earlier round state is kept to resume from; start a new run")
+        good = max(earlier)
+        log.error(
+            "%s: resuming from round %d, the last good state; rounds %d-%d run again", problem, good, good + 1, done
+        )
+        for journal in self._journals():
+            if self._round_of(journal) > good:
+                shutil.rmtree(journal)
+        (self.path / OPEN_ROUND_FILE).unlink(missing_ok=True)
+        states = {r: sha for r, sha in self._run.get("states", {}).items() if int(r) <= good}
+        self._commit_run({**self._run, "last_completed_round": good, "states": states, "updated": _now()})
+
+    def _kept_rounds(self) -> list[int]:
+        return sorted(self._round_of(p) for p in (self.path / STATE_DIR).glob("round-*.safetensors"))
+
+    def _journals(self) -> list[Path]:
+        root = self.path / JOURNAL_DIR
+        return sorted(root.glob("round-*")) if root.is_dir() else []
+
+    def _commit_run(self, run: dict[str, Any]) -> None:
+        atomic_write(self.path / RUN_FILE, json.dumps(run, indent=2).encode())
+        self._run = run
 
     def _metrics_round(self, line: str) -> int:
         try:
@@ -320,7 +375,22 @@ class RunDir:
         if text and not text.endswith("\n"):
             text = text[: text.rfind("\n") + 1]
             atomic_write(index, text.encode())
-        committed = {entry.path.name for entry in self._read_journal(journal)}
+        entries = self._read_journal(journal)
+        corrupt = [entry for entry in entries if _sha256(entry.path.read_bytes()) != entry.sha256]
+        if corrupt:
+            for entry in corrupt:
+                log.error(
+                    "%s: sha256 does not match %s; %s's accepted upload for round %d is dropped",
+                    entry.path,
+                    index,
+                    entry.device,
+                    entry.round,
+                )
+            names = {entry.path.name for entry in corrupt}
+            lines = [line for line in text.splitlines(keepends=True) if json.loads(line).get("file") not in names]
+            atomic_write(index, "".join(lines).encode())
+            entries = [entry for entry in entries if entry.path.name not in names]
+        committed = {entry.path.name for entry in entries}
         for payload in journal.glob("*.safetensors"):
             if payload.name not in committed:
                 payload.unlink()
@@ -359,9 +429,11 @@ class RunDir:
         )
 
     def load_state(self, round_: int) -> dict[str, torch.Tensor]:
+        """A saved round state, refused by name when it is missing or fails its digest."""
         path = self.state_path(round_)
-        if not path.is_file():
-            raise RunDirError(f"{path} does not exist (no saved state for round {round_})")
+        problem = self.state_problem(round_)
+        if problem is not None:
+            raise RunDirError(problem)
         try:
             return load_tensors(path.read_bytes())
         except SafetensorError as exc:
@@ -442,8 +514,10 @@ class RunDir:
                     path=journal / Path(raw["file"]).name,
                     meta=dict(raw.get("meta") or {}),
                 )
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise RunDirError(f"{index} line {number}: not a journal entry ({exc})") from None
+            except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+                raise RunDirError(
+                    f"{index} line {number}: not a journal entry ({type(exc).__name__}: {str(exc)[:200]})"
+                ) from None
             if entry.device in seen:
                 continue
             if not entry.path.is_file():
@@ -464,20 +538,36 @@ class RunDir:
                 f"cannot complete round {round_} with metrics of round {metrics.round}: "
                 f"the open round is {self.last_completed_round + 1}"
             )
-        self._write_state(round_, state)
+        digest = self._write_state(round_, state)
         append_line(self.path / METRICS_FILE, metrics.model_dump_json())
-        run = {**self._run, "last_completed_round": round_, "updated": _now()}
-        atomic_write(self.path / RUN_FILE, json.dumps(run, indent=2).encode())
-        self._run = run
+        states = {**self._run.get("states", {}), str(round_): digest}
+        keep = self._retained(states)
+        states = {r: sha for r, sha in states.items() if int(r) in keep}
+        self._commit_run({**self._run, "last_completed_round": round_, "states": states, "updated": _now()})
         if self.journal_path(round_).exists():
             shutil.rmtree(self.journal_path(round_))
-        if self._keep_states is not None:
-            for old in sorted((self.path / STATE_DIR).glob("round-*.safetensors"))[: -self._keep_states]:
-                old.unlink()
+        for old in self._kept_rounds():
+            if old not in keep:
+                self.state_path(old).unlink()
 
-    def _write_state(self, round_: int, state: Mapping[str, torch.Tensor]) -> None:
-        metadata = {"run_id": self.run_id, "round": str(round_)}
-        atomic_write(self.state_path(round_), _tensor_bytes(state, metadata))
+    def _retained(self, states: Mapping[str, str]) -> set[int]:
+        """Rounds whose states the retention setting keeps (every round without one)."""
+        rounds = set(self._kept_rounds()) | {int(r) for r in states}
+        if self._retention is None:
+            return rounds
+        accuracy = {}
+        if self._retention.keep_best:
+            accuracy = {
+                m.round: m.personalized_accuracy if m.personalized_accuracy is not None else m.accuracy
+                for m in self.metrics()
+            }
+        return kept_rounds(rounds, accuracy, self._retention)
+
+    def _write_state(self, round_: int, state: Mapping[str, torch.Tensor]) -> str:
+        """Write one round state; returns its sha256 for run.json."""
+        data = _tensor_bytes(state, {"run_id": self.run_id, "round": str(round_)})
+        atomic_write(self.state_path(round_), data)
+        return _sha256(data)
 
     def metrics(self) -> list[RoundMetrics]:
         path = self.path / METRICS_FILE

@@ -5,27 +5,30 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import signal
 import sys
-import tempfile
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
 from coordinator.broker.base import BrokerError, BrokerSettings
 from coordinator.broker.credentials import COORDINATOR_USER, Credentials
-from coordinator.broker.factory import external_broker, make_broker
+from coordinator.broker.factory import ExternalBroker, external_broker, make_broker
 from coordinator.broker.kit import KitBroker
 from coordinator.broker.mosquitto import find_mosquitto
+from coordinator.broker.scratch import scratch_dir, sweep_stale
+from coordinator.broker.supervisor import PID_FILE, BrokerSupervisor
 from coordinator.engine import EngineSettings, RoundEngine
 from coordinator.fleet import Fleet, FleetError, load_fleet
 from coordinator.link import MqttLink
 from coordinator.observe import ObserveError, Watch, add_observe_arguments
 from coordinator.provision import Kits, ProvisionError, coordinator_tls, default_kits, provision, read_credentials
 from coordinator.provision.broker_files import CONFIG
+from coordinator.readiness import start_problems
 from coordinator.report import write_report
 from coordinator.rundir import RunDir, RunDirError
+from coordinator.signing import upload_signatures
+from coordinator.storage import out_of_space_message
 from coordinator.strategies import ModelSpec, build_strategy
 from device_agent.config import ConfigError
 from device_agent.data.datasets import DatasetError, LabeledData, load_dataset
@@ -117,8 +120,7 @@ def _broker(fleet: Fleet, credentials: dict[str, Credentials], kits: Kits):
         address = BrokerAddress(host, settings.port, coordinator.username, coordinator.password, bool(tls), **tls)
         return KitBroker(kits.broker / CONFIG, address)
     # mosquitto drops root to its own user: the work dir must be reachable by it (not under a 0700 home).
-    workdir = Path(tempfile.mkdtemp(prefix=f"fedfleet-{fleet.fleet}-broker-"))
-    os.chmod(workdir, 0o711)
+    workdir = scratch_dir(f"fedfleet-{fleet.fleet}-broker-")
     broker_settings = BrokerSettings(
         fleet.fleet, workdir, {COORDINATOR_USER: coordinator, **credentials}, host=settings.host, port=settings.port
     )
@@ -135,23 +137,38 @@ def run_start(
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         fleet, catalog = load_fleet(args.fleet)
+        problems = start_problems(fleet)
+        if problems:
+            raise FleetError(f"{args.fleet} cannot start here:\n" + "\n".join(problems))
         if args.rounds is not None:
             fleet = fleet.model_copy(update={"rounds": args.rounds})
         spec, data = fleet_data(fleet)
         strategy = build_strategy(fleet.strategy.name, spec, fleet.strategy.params, seed=fleet.dataset.seed)
         run_dir = args.run_dir or Path("runs") / f"{fleet.fleet}-{datetime.now():%Y%m%d-%H%M%S}"
+        sweep_stale()
         if (run_dir / "run.json").exists():
-            rundir = RunDir.open(run_dir, args.fleet)
+            rundir = RunDir.open(run_dir, args.fleet, retention=fleet.checkpoints)
+            if rundir.last_completed_round >= fleet.rounds:
+                rundir.close()
+                print(f"{run_dir} is complete: all {fleet.rounds} rounds are done (--rounds N runs more)")
+                return 0
             print(f"resuming {run_dir} after round {rundir.last_completed_round}")
         else:
-            rundir = RunDir.create(run_dir, args.fleet, strategy.state_dict(), seed=fleet.dataset.seed)
+            state = strategy.state_dict()
+            rundir = RunDir.create(run_dir, args.fleet, state, seed=fleet.dataset.seed, retention=fleet.checkpoints)
             print(f"new run {rundir.run_id} in {run_dir}")
         kits, credentials = fleet_kits(fleet, args.kits or default_kits(args.fleet, fleet))
+        signatures = upload_signatures(fleet, kits)
         broker = _broker(fleet, credentials, kits)
+        if not isinstance(broker, ExternalBroker):
+            broker = BrokerSupervisor(broker, run_dir / PID_FILE)
         watch = Watch(args, rundir.metrics)
     except (FleetError, RunDirError, DatasetError, ConfigError, BrokerError, ObserveError, ValueError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(f"coordinator: error: {out_of_space_message(exc, args.run_dir or Path('runs'))}", file=sys.stderr)
+        return 1
     before_broker_stops: Callable[[], object] | None = None
     try:
         try:
@@ -172,13 +189,19 @@ def run_start(
             data,
             MqttLink(fleet.fleet, address, protocol=broker.protocol),
             EngineSettings(min_devices=min_devices, wait_timeout_s=args.wait_timeout),
+            signatures=signatures,
         )
         signal.signal(signal.SIGTERM, lambda *_: engine.stop())
+        if isinstance(broker, BrokerSupervisor):
+            broker.on_give_up = lambda _why: engine.stop()
         finished = _run(engine, live=not args.no_live and sys.stdout.isatty(), watch=watch)
     except KeyboardInterrupt:
         finished = False
     except TimeoutError as exc:
         print(f"coordinator: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"coordinator: error: {out_of_space_message(exc, run_dir)}", file=sys.stderr)
         return 1
     finally:
         watch.stop()
@@ -186,6 +209,9 @@ def run_start(
             before_broker_stops()
         broker.stop()
         rundir.close()
+    if isinstance(broker, BrokerSupervisor) and broker.failure:
+        print(f"coordinator: error: {broker.failure}; run the same command to resume {run_dir}", file=sys.stderr)
+        return 1
     if finished:
         from coordinator.exporting import export_finished_run
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from device_agent import __version__, infer
+from device_agent.error_boundary import DEBUG_FLAG, DEBUG_HELP, debug_requested, guarded
 
 if TYPE_CHECKING:
     from device_agent.probe import DeviceProfile
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"device-agent {__version__}")
+    parser.add_argument(DEBUG_FLAG, action="store_true", help=DEBUG_HELP)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     probe = commands.add_parser(
@@ -177,6 +179,17 @@ def _run_doctor(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def user_errors() -> tuple[type[BaseException], ...]:
+    """What a wrong setting or a missing resource raises: reported in one line, not as a traceback."""
+    from device_agent.config import ConfigError
+    from device_agent.data.datasets import DatasetError
+    from device_agent.probe import DeviceUnavailable
+    from device_agent.runtime import AgentError
+    from device_agent.schema import SecretError
+
+    return (ConfigError, AgentError, DatasetError, SecretError, DeviceUnavailable, OSError)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``device-agent`` console script; returns the process exit code.
 
@@ -192,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 2
     if args.command is not None:
-        return args.handler(args)
+        return guarded("device-agent", lambda: args.handler(args), user_errors(), debug_requested(argv))
     # No command: help rather than a guess, and a usage-error status so scripts notice.
     parser.print_help(sys.stderr)
     return 2

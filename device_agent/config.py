@@ -4,6 +4,7 @@ The file never holds the broker password itself, only where to find it (``env:NA
 ``file:PATH``), so agent.yaml can be copied around, committed or baked into an image. Every field
 has a default except ``device`` and ``fleet``; command-line flags override the file (see
 ``device_agent.run_cli``). A bad value is reported with its key path, e.g. ``data.partition``.
+Relative paths in the file (``file:`` secrets, certificates, data, state dir) are relative to the file.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from device_agent.data.partition import PartitionSpec
+from device_agent.paths import anchor_keys
 from device_agent.probe import ComputeSpec
 from device_agent.schema import (
     DatasetName,
@@ -26,6 +29,10 @@ from device_agent.schema import (
     parse_partition,
     resolve_secret,
 )
+from device_agent.signing import parse_key
+
+# Relative to agent.yaml's folder when read from a file, else to the working directory.
+DEFAULT_STATE_DIR = "agent-state"
 
 
 class ConfigError(ValueError):
@@ -49,6 +56,15 @@ class BrokerConfig(_Section):
     def _scheme(cls, url: str) -> str:
         if not url.startswith(("mqtt://", "mqtts://")):
             raise ValueError(f"must start with mqtt:// or mqtts://, got {url!r}")
+        parts = urlsplit(url)
+        if not parts.hostname:
+            raise ValueError(f"{url!r} has no host (mqtt://host:port)")
+        try:
+            port = parts.port
+        except ValueError:
+            port = 0
+        if port == 0:
+            raise ValueError(f"{url!r}: the port must be a number from 1 to 65535")
         return url
 
     @model_validator(mode="after")
@@ -148,10 +164,30 @@ class AgentConfig(_Section):
     broker: BrokerConfig = Field(default_factory=BrokerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     device_type: str = "auto"
-    state_dir: Path = Path("./agent-state")
+    state_dir: Path = Path(DEFAULT_STATE_DIR)
     emulation: EmulationConfig | None = None
     # Not in the lead's sample file: how often the agent refreshes its retained status (seconds).
     heartbeat_s: float = Field(default=10.0, gt=0)
+    connect_timeout_s: float = Field(
+        default=300.0, gt=0, description="give up (exit 1) if the broker cannot be reached this long at start-up"
+    )
+
+    # Where this device's upload-signing key is (env:/file:); set when the fleet has security.sign_uploads.
+    signing_key: str | None = None
+
+    @field_validator("signing_key")
+    @classmethod
+    def _signing_key_reference(cls, ref: str | None) -> str | None:
+        return check_secret_ref(ref)
+
+    def resolve_signing_key(self) -> bytes | None:
+        """The key the reference points at; an unset or unreadable one is an error naming it."""
+        if self.signing_key is None:
+            return None
+        try:
+            return parse_key(resolve_secret(self.signing_key), self.signing_key)
+        except ValueError as exc:  # SecretError included
+            raise ConfigError(f"signing_key: {exc}") from None
 
     @field_validator("device_type")
     @classmethod
@@ -189,8 +225,23 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 
 def load_config(path: Path, overrides: dict[str, Any] | None = None) -> AgentConfig:
-    """agent.yaml with ``overrides`` (dotted keys, e.g. ``{"broker.url": ...}``) applied on top."""
-    return parse_config(merge_overrides(read_config_file(path), overrides or {}), str(path))
+    """agent.yaml with ``overrides`` (dotted keys, e.g. ``{"broker.url": ...}``) applied on top.
+
+    The file's relative paths (and the default state dir) are anchored at the file's folder;
+    the overrides, being flags, stay relative to the working directory.
+    """
+    raw = anchor_file_paths(read_config_file(path), Path(path).resolve().parent)
+    return parse_config(merge_overrides(raw, overrides or {}), str(path))
+
+
+def anchor_file_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
+    """A copy of an agent.yaml mapping whose relative paths point into ``base``."""
+    anchored = merge_overrides(raw, {})
+    anchored.setdefault("state_dir", DEFAULT_STATE_DIR)
+    anchor_keys(anchored, ("state_dir",), base)
+    anchor_keys(anchored.get("broker"), ("ca_file", "cert_file", "key_file"), base, secrets=("password",))
+    anchor_keys(anchored.get("data"), ("path",), base)
+    return anchored
 
 
 def merge_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -105,16 +105,18 @@ class Outbox:
             try:
                 raw = json.loads(sidecar.read_text())
                 item = OutboxItem(
-                    run=raw["run"],
+                    run=_check_name("run", raw["run"]),
                     round=int(raw["round"]),
-                    transfer_id=raw["transfer_id"],
-                    sha256=raw["sha256"],
+                    transfer_id=_check_name("transfer id", raw["transfer_id"]),
+                    sha256=str(raw["sha256"]),
                     size=int(raw["size"]),
                     payload_path=sidecar.with_suffix(".safetensors"),
                     meta=dict(raw.get("meta") or {}),
                 )
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise OutboxCorrupt(f"{sidecar}: not an outbox entry ({exc})") from None
+            except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+                raise OutboxCorrupt(
+                    f"{sidecar}: not an outbox entry ({type(exc).__name__}: {str(exc)[:200]})"
+                ) from None
             items.append(item)
         return sorted(items, key=lambda item: (item.run, item.round, item.transfer_id))
 

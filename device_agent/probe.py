@@ -120,7 +120,13 @@ class DeviceProfile(BaseModel):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        if "memory" not in data and "memory_total_bytes" in data:
+        # Derived only from integers: anything else is left to the fields' own validation, which names it.
+        flat = (
+            data.get("memory_total_bytes"),
+            data.get("memory_available_bytes"),
+            data.get("accelerator_memory_bytes"),
+        )
+        if "memory" not in data and all(_is_int(v) for v in flat[:2]) and (flat[2] is None or _is_int(flat[2])):
             total = data.get("accelerator_memory_bytes") or data["memory_total_bytes"]
             shared = data.get("accelerator") != "cuda"
             reserved = total - data["memory_available_bytes"] if shared else 0
@@ -128,6 +134,14 @@ class DeviceProfile(BaseModel):
         if "compute" not in data and "matmul_gflops" in data:
             data["compute"] = {"fp32_gflops": data["matmul_gflops"]}
         return data
+
+
+class DeviceUnavailable(ValueError):
+    """The accelerator asked for is not on this machine (a user's setting, not a bug)."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def resolve_device(device: str | None = None) -> torch.device:
@@ -147,21 +161,23 @@ def resolve_device(device: str | None = None) -> torch.device:
     try:
         dev = torch.device(device)
     except RuntimeError:
-        raise ValueError(f"unknown device {device!r}; expected auto, cpu, cuda, cuda:N or mps") from None
+        raise DeviceUnavailable(f"unknown device {device!r}; expected auto, cpu, cuda, cuda:N or mps") from None
     if dev.type == "cpu":
         return dev
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} requested but CUDA is not available on this machine")
+            raise DeviceUnavailable(f"device {device!r} requested but CUDA is not available on this machine")
         index = torch.cuda.current_device() if dev.index is None else dev.index
         if index >= torch.cuda.device_count():
-            raise ValueError(f"device {device!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist")
+            raise DeviceUnavailable(
+                f"device {device!r} requested but only {torch.cuda.device_count()} CUDA device(s) exist"
+            )
         return torch.device("cuda", index)
     if dev.type == "mps":
         if not torch.backends.mps.is_available():
-            raise ValueError(f"device {device!r} requested but MPS is not available on this machine")
+            raise DeviceUnavailable(f"device {device!r} requested but MPS is not available on this machine")
         return dev
-    raise ValueError(f"unsupported device {device!r}; expected auto, cpu, cuda, cuda:N or mps")
+    raise DeviceUnavailable(f"unsupported device {device!r}; expected auto, cpu, cuda, cuda:N or mps")
 
 
 def _synchronizer(dev: torch.device) -> Callable[[], None]:

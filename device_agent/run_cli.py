@@ -32,6 +32,8 @@ _OVERRIDES = {
     "cert_file": "broker.cert_file",
     "key_file": "broker.key_file",
     "protocol": "broker.protocol",
+    "connect_timeout": "connect_timeout_s",
+    "signing_key": "signing_key",
     "dataset": "data.dataset",
     "data_path": "data.path",
     "partition": "data.partition",
@@ -72,6 +74,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     who.add_argument("--cert-file", metavar="FILE", help="this device's client certificate (PEM) for mqtts://")
     who.add_argument("--key-file", metavar="FILE", help="the key of --cert-file (PEM)")
     who.add_argument("--protocol", choices=["5", "3.1.1"], help="MQTT protocol version (default 5)")
+    who.add_argument(
+        "--connect-timeout",
+        type=float,
+        metavar="S",
+        help="at start-up, retry an unreachable broker with backoff for S s, then exit 1 (default 300)",
+    )
+    who.add_argument("--signing-key", metavar="REF", help="env:NAME or file:PATH holding this device's upload key")
     data = run.add_argument_group("local data")
     data.add_argument("--dataset", choices=DATASETS, help="default digits (built in)")
     data.add_argument("--data-path", metavar="PATH", help="folder or file for the non built-in datasets")

@@ -39,10 +39,13 @@ from device_agent.limits import runtime_hooks
 from device_agent.local_round import train_assignment
 from device_agent.oom import free_memory, is_out_of_memory
 from device_agent.outbox import Outbox, OutboxCorrupt, OutboxItem
-from device_agent.probe import DeviceProfile, probe_device, resolve_device
+from device_agent.probe import DeviceProfile, resolve_device
 from device_agent.protocol import UPDATE_KIND, upload_meta
+from device_agent.signing import UploadIdentity, signed_meta
+from device_agent.speed import measured_profile
 from device_agent.wire.codec import CodecError, decode_tensors
-from device_agent.wire.messages import Assignment, Error, Hello, Message, Receipt, RoundFailed, Status
+from device_agent.wire.messages import INCOMPATIBLE, Assignment, Error, Hello, Message, Receipt, RoundFailed, Status
+from device_agent.wire.reachability import wait_for_broker
 from device_agent.wire.session import BrokerAddress, Delivery, Session, device_session
 from device_agent.wire.topics import DeviceTopics
 from device_agent.wire.transfer import Completed, new_transfer_id
@@ -106,10 +109,11 @@ class Agent:
         self.config = config
         self.device = resolve_device(config.device_type)
         self.hooks = hooks if hooks is not None else runtime_hooks(config.emulation, self.device)
-        self.profile = self.hooks.profile(profile or probe_device(0.2, config.device_type))
         state = Path(config.state_dir)
         state.mkdir(parents=True, exist_ok=True)
+        self.profile = self.hooks.profile(profile or measured_profile(config.device_type, state))
         self.outbox = Outbox(state / "outbox")
+        self.signing_key = config.resolve_signing_key()
         self.kept = KeptStore(state / "kept")
         self.data = LocalData(config)
         self._events: queue.Queue[Callable[[], None] | None] = queue.Queue()
@@ -162,6 +166,11 @@ class Agent:
             while not self._stopping.is_set():
                 if self.session.refused:
                     raise AgentError(f"{self.session.refused}; check the device's broker.password (--password)")
+                if self.session.stats.publish_denied and not self.session.stats.published:
+                    raise AgentError(
+                        f"the broker refuses every message this device sends on {self.topics.up}: is fleet "
+                        f"{self.config.fleet!r} the coordinator's fleet name? (a device may publish only there)"
+                    )
                 try:
                     event = self._events.get(timeout=0.2)
                 except queue.Empty:
@@ -206,6 +215,8 @@ class Agent:
             self._on_assignment(message)
         elif isinstance(message, Receipt):
             self._forget(message.run, message.round, f"receipt: {message.status}")
+        elif isinstance(message, Error) and message.code == INCOMPATIBLE:
+            raise AgentError(f"the coordinator cannot work with this agent: {message.detail}")
         elif isinstance(message, Error):
             log.warning("%s: coordinator refused something: %s: %s", self.config.device, message.code, message.detail)
             for key, sent in list(self._sent.items()):
@@ -303,13 +314,20 @@ class Agent:
             return
         self.hooks.before_upload()
         self._set_state("uploading", f"round {item.round}")
+        transfer, meta = new_transfer_id(), dict(item.meta)
+        if self.signing_key is not None:
+            identity = UploadIdentity(
+                self.config.fleet, item.run, item.round, self.config.device, transfer, item.sha256
+            )
+            meta = signed_meta(meta, self.signing_key, identity)
         delivery = self.session.send(
             self.topics.up,
             payload,
             run=item.run,
             round=item.round,
             kind=UPDATE_KIND,
-            meta=dict(item.meta),
+            meta=meta,
+            transfer=transfer,
         )
         self._sent[(item.run, item.round)] = _Sent(item, delivery, time.monotonic())
 
@@ -344,6 +362,11 @@ def run_agent(config: AgentConfig, profile: DeviceProfile | None = None) -> int:
     try:
         check_source(config.data.source)
     except DatasetError as exc:
+        raise AgentError(str(exc)) from None
+    broker = BrokerAddress.from_url(config.broker.url)
+    try:
+        wait_for_broker(broker.host, broker.port, config.connect_timeout_s)
+    except ConnectionError as exc:
         raise AgentError(str(exc)) from None
     agent = Agent(config, profile)
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -11,8 +11,6 @@ Each is a ``TestBroker``: ``.broker`` (``start``/``stop``), ``.fleet``, ``.crede
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +20,7 @@ import pytest
 from coordinator.broker.base import BrokerSettings, ManagedBroker
 from coordinator.broker.credentials import COORDINATOR_USER, Credentials, generate_credentials
 from coordinator.broker.mosquitto import MosquittoBroker, find_mosquitto
+from coordinator.broker.scratch import scratch_dir
 from device_agent.wire.session import BrokerAddress
 
 FLEET = "test"
@@ -42,9 +41,7 @@ class TestBroker:
 
 def _workdir() -> Path:
     # Not pytest's tmp_path: its 0700 parents keep out mosquitto, which drops root to its own user.
-    path = Path(tempfile.mkdtemp(prefix="fedfleet-broker-"))
-    os.chmod(path, 0o711)
-    return path
+    return scratch_dir("fedfleet-broker-")
 
 
 def _start(kind: str) -> TestBroker:

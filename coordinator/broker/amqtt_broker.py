@@ -139,6 +139,11 @@ class AmqttBroker:
         return BrokerAddress(self.settings.host, self.port, credentials.username, credentials.password)
 
     @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        """The broker's process while we run it (for the supervisor)."""
+        return self._process
+
+    @property
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 

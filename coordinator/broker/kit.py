@@ -11,12 +11,12 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 from coordinator.broker.base import BrokerError, check_port_free, child_options, terminate, wait_until_healthy
 from coordinator.broker.credentials import Credentials
 from coordinator.broker.mosquitto import _broker_owner, find_mosquitto
+from coordinator.broker.scratch import scratch_dir
 from device_agent.wire.session import BrokerAddress
 
 log = logging.getLogger("fedfleet.broker")
@@ -39,6 +39,11 @@ class KitBroker:
 
     def address_for(self, credentials: Credentials) -> BrokerAddress:
         return self.address.with_login(credentials.username, credentials.password)
+
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        """The broker's process while we run it (for the supervisor)."""
+        return self._process
 
     @property
     def running(self) -> bool:
@@ -71,8 +76,7 @@ class KitBroker:
         blocked = [d for d in folder.parents if not os.stat(d).st_mode & 0o001]
         if owner is None or not blocked:
             return self.config_file
-        stage = self._stage = Path(tempfile.mkdtemp(prefix="fedfleet-broker-"))
-        os.chmod(stage, 0o711)
+        stage = self._stage = scratch_dir("fedfleet-broker-")
         for item in folder.iterdir():
             if item.is_file() and item.name != self.log_file.name:
                 shutil.copy2(item, stage / item.name)

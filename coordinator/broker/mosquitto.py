@@ -143,6 +143,11 @@ class MosquittoBroker:
         log.info("mosquitto (pid %d) listening on %s", self._process.pid, self.address.url)
 
     @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        """The broker's process while we run it (for the supervisor)."""
+        return self._process
+
+    @property
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 

@@ -22,6 +22,7 @@ from coordinator.provision.bundle import build_bundle
 from coordinator.provision.certificates import Authority, build_certificates
 from coordinator.provision.layout import CA_CERT, CLIENT_CERT, CLIENT_KEY, PASSWORD, Kits, private_dir
 from coordinator.provision.secrets import ProvisionError, build_credentials
+from coordinator.provision.signing_keys import build_signing_keys
 from coordinator.provision.wheel import build_agent_wheel
 from device_agent.schema import SecretError, resolve_secret
 
@@ -64,6 +65,7 @@ def provision(
     kits = Kits(private_dir(out, 0o711))
     layout = layout or DeviceLayout()
     credentials, missing = build_credentials(fleet, kits, rotate)
+    build_signing_keys(fleet, kits, rotate)
     tls = fleet.broker.tls and fleet.broker.mode == "managed"
     authority = Authority(kits, fleet.fleet)
     if tls:

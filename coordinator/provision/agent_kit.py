@@ -18,7 +18,7 @@ import yaml
 
 from coordinator.broker.credentials import write_file
 from coordinator.fleet import Device, Fleet
-from coordinator.provision.layout import CA_CERT, CLIENT_CERT, CLIENT_KEY, PASSWORD, Kits
+from coordinator.provision.layout import CA_CERT, CLIENT_CERT, CLIENT_KEY, PASSWORD, SIGNING_KEY, Kits
 from coordinator.provision.wheel import wheel_name
 from device_agent.emulation import DataShare
 
@@ -100,6 +100,8 @@ def agent_yaml(fleet: Fleet, index: int, layout: DeviceLayout, tls: bool, passwo
         "state_dir": str(layout.state_dir),
         "data": data,
     }
+    if fleet.security.sign_uploads:
+        config["signing_key"] = f"file:{layout.etc / SIGNING_KEY}"
     head = (
         f"# fedfleet agent for device {device.id} of fleet {fleet.fleet}; written by `coordinator provision`.\n"
         "# Secrets are files next to this one (references only here). Check: device-agent doctor --config THIS_FILE\n"
@@ -188,13 +190,13 @@ install -m 0644 "$KIT/agent.yaml" "$PREFIX/etc/"
 for public in {CA_CERT} {CLIENT_CERT}; do
     if [ -f "$KIT/$public" ]; then install -m 0644 "$KIT/$public" "$PREFIX/etc/"; fi
 done
-for secret in {PASSWORD} {CLIENT_KEY}; do
+for secret in {PASSWORD} {CLIENT_KEY} {SIGNING_KEY}; do
     if [ -f "$KIT/$secret" ]; then install -m 0600 "$KIT/$secret" "$PREFIX/etc/"; fi
 done
 if [ "${{NO_SERVICE:-0}}" != 1 ] && [ "$(id -u)" = 0 ] && command -v systemctl >/dev/null 2>&1; then
     id {SERVICE_USER} >/dev/null 2>&1 || \\
         useradd --system --home-dir {layout.state_dir} --shell /usr/sbin/nologin {SERVICE_USER}
-    for secret in {PASSWORD} {CLIENT_KEY}; do
+    for secret in {PASSWORD} {CLIENT_KEY} {SIGNING_KEY}; do
         if [ -f "$PREFIX/etc/$secret" ]; then chown {SERVICE_USER}:{SERVICE_USER} "$PREFIX/etc/$secret"; fi
     done
     install -m 0644 "$KIT/{UNIT}" /etc/systemd/system/{UNIT}

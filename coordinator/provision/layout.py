@@ -22,6 +22,7 @@ PASSWORD = "password"
 CLIENT_CERT = "client.pem"
 CLIENT_KEY = "client.key"
 CA_CERT = "ca.pem"
+SIGNING_KEY = "signing.key"
 
 
 @dataclass(frozen=True)

@@ -11,15 +11,40 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 from torch import Tensor
 
+from device_agent.wire.json_bounds import nesting_depth
+
 # safetensors metadata key recording the dtypes that were narrowed to fp16 for transfer.
 _CAST_KEY = "fedfleet.fp16_from"
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.bfloat16)}
+# The safetensors dtypes torch loads; anything else is refused before safetensors hands it to torch.
+_WIRE_DTYPES = frozenset(
+    {
+        "F64",
+        "F32",
+        "F16",
+        "BF16",
+        "F8_E4M3",
+        "F8_E5M2",
+        "C64",
+        "BOOL",
+        "I64",
+        "I32",
+        "I16",
+        "I8",
+        "U64",
+        "U32",
+        "U16",
+        "U8",
+    }
+)
+_MAX_HEADER_NESTING = 8
 
 
 class CodecError(ValueError):
@@ -65,11 +90,12 @@ def decode_tensors(data: bytes, expected: Mapping[str, TensorSpec] | None = None
 
     ``expected`` (if given) must match exactly: same names, shapes and dtypes.
     """
+    header = _header(data)
     try:
         tensors = load(bytes(data))
     except (SafetensorError, ValueError, RuntimeError) as exc:
         raise CodecError(f"not a safetensors payload: {exc}") from None
-    narrowed = _narrowed(data)
+    narrowed = _narrowed(header)
     for name, dtype in narrowed.items():
         if name not in tensors or tensors[name].dtype != torch.float16:
             raise CodecError(f"metadata says {name!r} travelled as fp16, but the payload disagrees")
@@ -97,10 +123,39 @@ def check_tensors(tensors: Mapping[str, Tensor], expected: Mapping[str, TensorSp
             raise CodecError(f"tensor {name!r} has dtype {t.dtype}, expected {spec.dtype}")
 
 
-def _narrowed(data: bytes) -> dict[str, torch.dtype]:
-    """The fp16 casts recorded in the header by ``encode_tensors``."""
+def _header(data: bytes) -> dict[str, Any]:
+    """The safetensors header, with what safetensors itself leaves to torch checked first.
+
+    safetensors checks the header length, the JSON and every offset against the buffer, but hands
+    dtypes torch lacks (F4, F8_E8M0, ...) and dimensions past int64 to torch, which fails with
+    KeyError or TypeError instead of a decoding error.
+    """
     header_len = int.from_bytes(data[:8], "little")
-    metadata = json.loads(bytes(data[8 : 8 + header_len])).get("__metadata__") or {}
+    if len(data) < 8 or header_len > len(data) - 8:
+        raise CodecError(f"not a safetensors payload: header of {header_len} bytes in a {len(data)}-byte buffer")
+    raw = bytes(data[8 : 8 + header_len])
+    if nesting_depth(raw) > _MAX_HEADER_NESTING:
+        raise CodecError(f"not a safetensors payload: header nested deeper than {_MAX_HEADER_NESTING} levels")
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:
+        raise CodecError(f"not a safetensors payload: header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise CodecError("not a safetensors payload: header is not a JSON object")
+    for name, info in header.items():
+        if name == "__metadata__" or not isinstance(info, dict):
+            continue  # safetensors refuses a malformed entry with its own message
+        dtype, shape = info.get("dtype"), info.get("shape")
+        if isinstance(dtype, str) and dtype not in _WIRE_DTYPES:
+            raise CodecError(f"tensor {name!r} has dtype {dtype!r}, which torch cannot load")
+        if isinstance(shape, list) and any(isinstance(d, int) and not 0 <= d < 2**63 for d in shape):
+            raise CodecError(f"tensor {name!r} has shape {shape}, with a dimension outside int64")
+    return header
+
+
+def _narrowed(header: Mapping[str, Any]) -> dict[str, torch.dtype]:
+    """The fp16 casts recorded in the header by ``encode_tensors``."""
+    metadata = header.get("__metadata__") or {}
     if _CAST_KEY not in metadata:
         return {}
     try:

@@ -3,7 +3,8 @@
 Every message is small and idempotent; bulk bytes never travel as JSON (see ``transfer`` for the
 binary chunk frames). A receiver parses with ``parse_message``, which raises ``ProtocolError``
 naming the problem (bad JSON, missing ``v``, an unknown version, an unknown ``type``, a bad field)
-so the session can log and drop a bad message instead of dying on it.
+so the session can log and drop a bad message instead of dying on it. An ``incompatible`` error
+is the one message read whatever its version: it tells a peer of another version to stop.
 """
 
 from __future__ import annotations
@@ -17,11 +18,22 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from device_agent.clients.spec import ClientSpec, TrainConfig
 from device_agent.probe import DeviceProfile
 from device_agent.schema import NAME_PATTERN as _NAME
+from device_agent.wire.json_bounds import nesting_depth
 
 # 3: the assignment carries a typed client spec and training config (2 carried an untyped options dict).
 PROTOCOL_VERSION = 3
 # Control messages are tiny; anything bigger is a bug or an attack, refused before json.loads.
 MAX_MESSAGE_BYTES = 1 << 20
+# Every message is a few levels deep; json.loads recurses per level, so deeper input is refused unparsed.
+MAX_NESTING = 32
+# Only sealed manifests (a digest per chunk) and nacks (missing chunk indexes) grow with a payload.
+MAX_BYTES_BY_TYPE = {
+    "hello": 64 << 10,
+    "assignment": 64 << 10,
+    "manifest": MAX_MESSAGE_BYTES,
+    "nack": MAX_MESSAGE_BYTES,
+}
+MAX_OTHER_BYTES = 32 << 10
 
 _HEX64 = r"^[0-9a-f]{64}$"
 _TRANSFER_ID = r"^[0-9a-f]{32}$"
@@ -29,6 +41,14 @@ _TRANSFER_ID = r"^[0-9a-f]{32}$"
 
 class ProtocolError(ValueError):
     """A message that does not follow the wire protocol; the text says what is wrong."""
+
+
+class VersionMismatch(ProtocolError):
+    """A message of another protocol version: the peer needs another release, not a retry."""
+
+    def __init__(self, version: object) -> None:
+        super().__init__(f"unsupported protocol version {version!r} (this side speaks {PROTOCOL_VERSION})")
+        self.version = version
 
 
 class _Message(BaseModel):
@@ -141,7 +161,7 @@ class Error(_Message):
     """Tells the peer why something it sent was refused, so failures are visible on both sides."""
 
     type: Literal["error"] = "error"
-    code: Literal["malformed", "unknown_transfer", "too_large", "rejected", "internal"]
+    code: Literal["malformed", "unknown_transfer", "too_large", "rejected", "internal", "incompatible"]
     detail: str
     transfer: str | None = None
 
@@ -170,6 +190,22 @@ class RoundFailed(_Message):
     detail: str = ""
 
 
+INCOMPATIBLE = "incompatible"
+
+
+def incompatible(peer_version: object) -> Error:
+    """The answer to a message of another protocol version; understood by every version since 3.
+
+    Its three fields (``type``, ``code``, ``detail``) are the part of the protocol that never
+    changes, so the peer reads it whatever version it speaks and can stop instead of retrying.
+    """
+    return Error(
+        code=INCOMPATIBLE,
+        detail=f"protocol version {peer_version!r} is not spoken here (this side speaks {PROTOCOL_VERSION}); "
+        "install the agent kit that matches the coordinator's release",
+    )
+
+
 Message = Annotated[
     Hello | Assignment | Manifest | Ack | Nack | Status | Error | Receipt | RoundFailed, Field(discriminator="type")
 ]
@@ -183,18 +219,27 @@ def encode(message: _Message) -> bytes:
 
 def parse_message(data: bytes | str) -> Message:
     """Decode and validate one control message, or raise ``ProtocolError`` saying what is wrong."""
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"control message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    raw_bytes = data.encode(errors="surrogatepass") if isinstance(data, str) else bytes(data)
+    if len(raw_bytes) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"control message of {len(raw_bytes)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+    if nesting_depth(raw_bytes) > MAX_NESTING:
+        raise ProtocolError(f"control message nested deeper than {MAX_NESTING} levels")
     try:
-        raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raw = json.loads(raw_bytes)
+    except ValueError as exc:  # not UTF-8, not JSON, or a number past int's digit limit
         raise ProtocolError(f"not JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise ProtocolError(f"expected a JSON object, got {type(raw).__name__}")
+    kind = raw.get("type")
+    limit = MAX_BYTES_BY_TYPE.get(kind, MAX_OTHER_BYTES) if isinstance(kind, str) else MAX_OTHER_BYTES
+    if len(raw_bytes) > limit:
+        raise ProtocolError(f"{kind!r} message of {len(raw_bytes)} bytes exceeds its {limit}-byte limit")
     if "v" not in raw:
         raise ProtocolError("missing protocol version field 'v'")
     if raw["v"] != PROTOCOL_VERSION:
-        raise ProtocolError(f"unsupported protocol version {raw['v']!r} (this side speaks {PROTOCOL_VERSION})")
+        if raw.get("type") == "error" and raw.get("code") == INCOMPATIBLE:
+            return Error(code=INCOMPATIBLE, detail=str(raw.get("detail", ""))[:1000])
+        raise VersionMismatch(raw["v"])
     try:
         return _ADAPTER.validate_python(raw)
     except ValidationError as exc:

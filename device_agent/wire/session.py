@@ -47,9 +47,12 @@ from device_agent.wire.messages import (
     Nack,
     ProtocolError,
     Status,
+    VersionMismatch,
     encode,
+    incompatible,
     parse_message,
 )
+from device_agent.wire.reachability import why_unreachable
 from device_agent.wire.transfer import (
     DEFAULT_CHUNK_SIZE,
     Completed,
@@ -153,6 +156,7 @@ class SessionStats:
     rejected: int = 0
     connects: int = 0
     publish_denied: int = 0
+    published: int = 0
     # Bytes of every MQTT payload by topic, retransmissions included: the true protocol cost.
     bytes_in: dict[str, int] = field(default_factory=dict)
     bytes_out: dict[str, int] = field(default_factory=dict)
@@ -226,6 +230,7 @@ class Session:
         self._connected = threading.Event()
         self._refused = threading.Event()
         self._refusal = ""
+        self._unreachable_said = False
         self._stopping = threading.Event()
         self._events: queue.Queue[Callable[[], None] | None] = queue.Queue()
         # Bounded: when hashing falls behind, paho's thread waits here and TCP pushes back on the broker.
@@ -260,6 +265,7 @@ class Session:
         client.max_inflight_messages_set(cfg.max_inflight)
         client.on_connect = self._guard(self._handle_connect)
         client.on_disconnect = self._guard(self._handle_disconnect)
+        client.on_connect_fail = self._guard(self._handle_connect_fail)
         client.on_message = self._guard(self._handle_message)
         client.on_publish = self._guard(self._handle_publish)
         client.on_socket_open = self._guard(_no_delay)
@@ -422,6 +428,7 @@ class Session:
                 client.disconnect()
             return
         self.stats.connects += 1
+        self._unreachable_said = False
         for topic in self._subscriptions:
             client.subscribe(topic, qos=1)
         now = time.monotonic()
@@ -447,6 +454,14 @@ class Session:
         )
         self._connected.set()
 
+    def _handle_connect_fail(self, _client: mqtt.Client, _userdata: Any) -> None:
+        # paho retries in silence; say why once per outage (a wrong host or port looks like a hang).
+        if not self._unreachable_said:
+            self._unreachable_said = True
+            broker = self.config.broker
+            why = why_unreachable(broker.host, broker.port) or "the connection failed"
+            log.warning("%s: cannot reach broker %s: %s; retrying", self.config.client_id, broker.url, why)
+
     def _handle_disconnect(self, _client: mqtt.Client, _userdata: Any, _flags: Any, reason: Any, _props: Any) -> None:
         self._connected.clear()
         if not self._stopping.is_set():
@@ -460,6 +475,7 @@ class Session:
             self.stats.publish_denied += 1
             log.warning("%s: broker refused a publish: %s", self.config.client_id, reason)
             return
+        self.stats.published += 1
         entry = self._outgoing.get(transfer) if transfer is not None else None
         if entry is not None:
             # Without self._lock on purpose (see _publish): a lone float update, atomic under the GIL.
@@ -477,6 +493,8 @@ class Session:
         except ProtocolError as exc:
             self.stats.rejected += 1
             log.warning("%s: rejected a message on %s: %s", self.config.client_id, msg.topic, exc)
+            if isinstance(exc, VersionMismatch):
+                self._answer_incompatible(msg.topic, exc.version)
             return
         if isinstance(message, Manifest):
             self._inbound.put((msg.topic, message, now, len(data)))  # behind the chunks already queued, in order
@@ -488,6 +506,17 @@ class Session:
             if self._on_message is not None:
                 handler = self._on_message
                 self._events.put(lambda: handler(msg.topic, message))
+
+    def _answer_incompatible(self, topic: str, version: object) -> None:
+        """Tell a peer of another protocol version to stop, and this session's owner who it was."""
+        answer = incompatible(version)
+        try:
+            self._publish(topics.reply_topic(topic), encode(answer))
+        except ValueError:
+            return  # not a device topic: nobody to answer
+        if self._on_message is not None:
+            handler = self._on_message
+            self._events.put(lambda: handler(topic, answer))
 
     # ---- transfer plumbing -----------------------------------------------------------------
 

@@ -342,12 +342,15 @@ class IncomingTransfers:
     """The receiver's side for one peer: reassembly, verification, nacks, dedupe of finished transfers.
 
     ``max_payload_bytes`` bounds one transfer and ``max_pending_bytes`` all unfinished ones, so a
-    misbehaving peer cannot make the receiver allocate without limit. Transfers that stay silent for
+    misbehaving peer cannot make the receiver allocate without limit; ``max_pending_chunks`` bounds
+    the per-chunk bookkeeping of unfinished ones (a manifest of 1 GiB in 1-byte chunks would
+    otherwise cost a billion-entry list before a byte arrived). Transfers that stay silent for
     ``abandon_after`` seconds are dropped (the sender will re-announce if it is still alive).
     """
 
     max_payload_bytes: int = 1 << 30
     max_pending_bytes: int = 2 << 30
+    max_pending_chunks: int = 1 << 17
     nack_after: float = 1.0
     abandon_after: float = 600.0
     remember_done: int = 4096
@@ -380,6 +383,13 @@ class IncomingTransfers:
                 detail = f"receiver already holds {pending} bytes of unfinished transfers"
                 return [Error(code="too_large", transfer=tid, detail=detail)], None
             count = manifest.chunk_count
+            open_chunks = sum(t.manifest.chunk_count for t in self._open.values())
+            if open_chunks + count > self.max_pending_chunks:
+                detail = (
+                    f"{count} chunks of {manifest.chunk_size} bytes exceed the receiver's "
+                    f"{self.max_pending_chunks - open_chunks} chunks left to track; send bigger chunks"
+                )
+                return [Error(code="too_large", transfer=tid, detail=detail)], None
             current = _Incoming(manifest, [None] * count, [None] * count, set(range(count)), now)
             self._open[tid] = current
             if manifest.sealed:

@@ -104,6 +104,8 @@ MISTAKES = [
         "devices[0]: overrides.memory: reserved (5.0GiB) must be below total (4.0GiB)",
     ),
     ("devices", [], "devices: List should have at least 1 item"),
+    ("devices.0.id", "coordinator", "devices[0].id: 'coordinator' is the coordinator's broker login"),
+    ("broker.username", "fedcoord", "broker: username 'fedcoord' only applies to an external broker"),
     ("fleet", "my fleet", "fleet: invalid fleet name 'my fleet'"),
 ]
 
@@ -192,3 +194,29 @@ def test_profile_dirs_are_relative_to_the_fleet_file(tmp_path: Path) -> None:
     fleet, catalog = load_fleet(tmp_path / "fleet.yaml")
 
     assert catalog[fleet.devices[1].profile].title == "Pi 5 at 3 GHz"
+
+
+def test_a_device_cannot_take_an_external_brokers_coordinator_login() -> None:
+    data = _with("broker", {"mode": "external", "url": "mqtt://broker:1883", "username": "fedcoord"})
+    data["devices"][1]["id"] = "fedcoord"
+
+    with pytest.raises(FleetError, match=r"devices\[1\]\.id: 'fedcoord' is the coordinator's broker login"):
+        parse_fleet(data, CATALOG)
+    assert parse_fleet(_with("devices.1.id", "coordinator-2"), CATALOG).devices[1].id == "coordinator-2"
+
+
+def test_relative_paths_are_relative_to_the_fleet_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = _with("dataset", {"name": "npz", "path": "data/train.npz", "samples_per_device": 10})
+    data["broker"] = {"mode": "external", "url": "mqtts://broker:8883", "ca_file": "ca.pem", "password": "file:pw"}
+    data["devices"][0]["credentials"] = "file:secrets/nano-01"
+    data["devices"][1]["credentials"] = "env:PI5_PASSWORD"
+    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.chdir("/")
+
+    fleet, _ = load_fleet(tmp_path / "fleet.yaml")
+
+    assert fleet.dataset.path == tmp_path / "data" / "train.npz"
+    assert fleet.broker.ca_file == tmp_path / "ca.pem"
+    assert fleet.broker.password == f"file:{tmp_path / 'pw'}"
+    assert fleet.devices[0].credentials == f"file:{tmp_path / 'secrets' / 'nano-01'}"
+    assert fleet.devices[1].credentials == "env:PI5_PASSWORD"

@@ -47,10 +47,30 @@ def test_plan_table_names_every_device(capsys: pytest.CaptureFixture[str]) -> No
     assert "devices planned" in out
 
 
-def test_validate_accepts_the_example(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["validate", "--fleet", str(EXAMPLE)]) == 0
+def test_validate_accepts_the_example_once_its_data_and_passwords_are_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("FEDFLEET_COORDINATOR_PASSWORD", "coordinator-secret")
+    monkeypatch.setenv("FEDFLEET_RTX4060_ANA", "device-secret")
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(EXAMPLE.read_text())
+    (tmp_path / "data" / "cifar-10-batches-py").mkdir(parents=True)
+
+    assert main(["validate", "--fleet", str(fleet)]) == 0
 
     assert "ok" in capsys.readouterr().out
+
+
+def test_validate_refuses_what_start_would_refuse(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("FEDFLEET_COORDINATOR_PASSWORD", raising=False)
+    assert main(["validate", "--fleet", str(EXAMPLE)]) == 1
+
+    err = capsys.readouterr().err
+    assert "cannot start here" in err
+    assert f"dataset.path: {EXAMPLE.parent / 'data' / 'cifar-10-batches-py'}: no such file or folder" in err
+    assert "broker.password: environment variable 'FEDFLEET_COORDINATOR_PASSWORD' is not set" in err
 
 
 def test_validate_prints_the_key_path_of_a_mistake(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from coordinator.checkpoints import Retention
 from coordinator.metrics import DeviceRoundMetrics, RoundMetrics
 from coordinator.rundir import RoundNotOpen, RunDir, RunDirError, read_metrics
 
@@ -29,7 +30,7 @@ def upload(value: float) -> dict[str, torch.Tensor]:
     return {"conv.reduce": torch.full((2, 3, 1, 3), value), "conv.expand": torch.full((4, 2, 3, 1), value)}
 
 
-def round_metrics(round_: int, devices: dict[str, str]) -> RoundMetrics:
+def round_metrics(round_: int, devices: dict[str, str], accuracy: float | None = None) -> RoundMetrics:
     per_device = {
         name: DeviceRoundMetrics(
             device_class="pi4",
@@ -45,7 +46,7 @@ def round_metrics(round_: int, devices: dict[str, str]) -> RoundMetrics:
     accepted = sum(status == "accepted" for status in devices.values())
     return RoundMetrics(
         round=round_,
-        accuracy=0.5 + 0.01 * round_,
+        accuracy=0.5 + 0.01 * round_ if accuracy is None else accuracy,
         loss=1.0 / round_,
         participants=accepted,
         bytes_up=1100 * len(devices),
@@ -199,14 +200,62 @@ def test_rounds_close_in_order(run: RunDir) -> None:
         run.accept_upload(3, "pi-1", "a", upload(1.0))
 
 
-def test_keep_states_prunes_old_rounds_but_never_the_last(tmp_path: Path, fleet_file: Path) -> None:
-    with RunDir.create(tmp_path / "run", fleet_file, model_state(), seed=0, keep_states=2) as rundir:
-        for round_ in (1, 2, 3):
-            rundir.complete_round(round_, model_state(round_), round_metrics(round_, {}))
+def test_retention_keeps_the_last_rounds_and_the_best(tmp_path: Path, fleet_file: Path) -> None:
+    retention = Retention(keep_last=2, keep_best=True)
+    with RunDir.create(tmp_path / "run", fleet_file, model_state(), seed=0, retention=retention) as rundir:
+        for round_, accuracy in ((1, 0.5), (2, 0.9), (3, 0.6), (4, 0.7)):
+            rundir.complete_round(round_, model_state(round_), round_metrics(round_, {}, accuracy=accuracy))
         assert sorted(p.name for p in (rundir.path / "state").iterdir()) == [
             "round-000002.safetensors",
             "round-000003.safetensors",
+            "round-000004.safetensors",
         ]
+        assert sorted(json.loads((rundir.path / "run.json").read_text())["states"]) == ["2", "3", "4"]
+
+
+def test_a_corrupt_checkpoint_is_refused_and_the_run_resumes_from_the_last_good_one(
+    tmp_path: Path, fleet_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with RunDir.create(tmp_path / "run", fleet_file, model_state(), seed=0) as rundir:
+        for round_ in (1, 2):
+            rundir.complete_round(round_, model_state(round_), round_metrics(round_, {}))
+        rundir.accept_upload(3, "pi-1", "t1", upload(3.0))
+        newest = rundir.state_path(2)
+    data = bytearray(newest.read_bytes())
+    data[-8:-4] = torch.tensor([float("nan")]).numpy().tobytes()  # NaN bytes: still a valid safetensors file
+    newest.write_bytes(bytes(data))
+    with caplog.at_level("ERROR"), RunDir.open(tmp_path / "run") as rundir:
+        assert rundir.last_completed_round == 1
+        point = rundir.resume()
+        assert torch.equal(point.state["fc.bias"], model_state(1.0)["fc.bias"])
+        assert point.journal == []
+        assert [m.round for m in rundir.metrics()] == [1]
+    assert "round-000002.safetensors is corrupt: its sha256 does not match" in caplog.text
+    assert "resuming from round 1, the last good state" in caplog.text
+
+
+def test_a_truncated_checkpoint_with_no_earlier_state_is_refused_by_name(tmp_path: Path, fleet_file: Path) -> None:
+    retention = Retention(keep_last=1, keep_best=False)
+    with RunDir.create(tmp_path / "run", fleet_file, model_state(), seed=0, retention=retention) as rundir:
+        rundir.complete_round(1, model_state(1.0), round_metrics(1, {}))
+        state = rundir.state_path(1)
+    state.write_bytes(state.read_bytes()[:40])
+    with pytest.raises(RunDirError, match=r"round-000001\.safetensors is corrupt.*no earlier round state is kept"):
+        RunDir.open(tmp_path / "run")
+
+
+def test_a_corrupt_journaled_upload_is_dropped_by_name(
+    tmp_path: Path, fleet_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with RunDir.create(tmp_path / "run", fleet_file, model_state(), seed=0) as rundir:
+        rundir.accept_upload(1, "pi-1", "t1", upload(1.0))
+        rundir.accept_upload(1, "pi-2", "t2", upload(2.0))
+        first = rundir.resume().journal[0].path
+    first.write_bytes(first.read_bytes()[:-3])
+    with caplog.at_level("ERROR"), RunDir.open(tmp_path / "run") as rundir:
+        assert [entry.device for entry in rundir.resume().journal] == ["pi-2"]
+        assert rundir.accept_upload(1, "pi-1", "t1-again", upload(1.0))
+    assert "pi-1's accepted upload for round 1 is dropped" in caplog.text
 
 
 def test_metrics_are_validated_with_a_clear_message() -> None:
@@ -258,3 +307,17 @@ def test_a_coordinator_killed_mid_round_loses_no_accepted_upload(tmp_path: Path,
         assert [e.device for e in entries] == ["dev-0", "dev-1", "dev-2"]
         assert [rundir.load_upload(e)["w"][0].item() for e in entries] == [0.0, 1.0, 2.0]
         assert not any(p.name.startswith(".tmp-") for p in journal.iterdir())
+
+
+@pytest.mark.parametrize(
+    "line",
+    ["[" * 100_000, '{"round": Infinity, "device": "pi-2"}', '["round"]', '{"round": 1}'],
+    ids=["nesting-bomb", "infinite-round", "not-an-object", "incomplete"],
+)
+def test_an_unreadable_journal_line_is_named_by_file_and_line(run: RunDir, fleet_file: Path, line: str) -> None:
+    run.accept_upload(1, "pi-1", "a", upload(1.0))
+    with open(run.journal_path(1) / "index.jsonl", "a") as index:
+        index.write(line + "\n")
+    run.close()
+    with pytest.raises(RunDirError, match=r"index\.jsonl line 2: not a journal entry"):
+        RunDir.open(run.path, fleet_file)

@@ -87,3 +87,49 @@ def test_password_references_resolve_or_say_what_is_missing(tmp_path: Path, monk
         parse_config(
             {"device": "a", "fleet": "f", "broker": {"password": "env:AGENT_SECRET"}}
         ).broker.resolve_password()
+
+
+def test_relative_paths_in_the_file_are_relative_to_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "etc" / "agent.yaml"
+    path.parent.mkdir()
+    path.write_text(
+        "device: pi5-01\nfleet: demo\n"
+        "broker: {url: 'mqtts://broker:8883', password: 'file:password', ca_file: ca.pem,"
+        " cert_file: certs/client.pem, key_file: /abs/client.key}\n"
+        "data: {dataset: npz, path: ../data/train.npz}\n"
+    )
+    monkeypatch.chdir("/")
+
+    config = load_config(path)
+
+    assert config.state_dir == tmp_path / "etc" / "agent-state"
+    assert config.broker.password == f"file:{tmp_path / 'etc' / 'password'}"
+    assert (config.broker.ca_file, config.broker.cert_file) == (
+        str(tmp_path / "etc" / "ca.pem"),
+        str(tmp_path / "etc" / "certs" / "client.pem"),
+    )
+    assert config.broker.key_file == "/abs/client.key"
+    assert Path(config.data.path or "").resolve() == tmp_path / "data" / "train.npz"
+
+
+def test_flags_stay_relative_to_the_working_directory(tmp_path: Path) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text("device: pi5-01\nfleet: demo\nstate_dir: state\n")
+
+    config = load_config(path, {"state_dir": "elsewhere"})
+
+    assert config.state_dir == Path("elsewhere")
+
+
+def test_the_signing_key_is_a_reference_resolved_at_start(tmp_path, monkeypatch) -> None:
+    key = bytes(range(32))
+    monkeypatch.setenv("PI_SIGNING_KEY", key.hex())
+    config = parse_config({"device": "pi-1", "fleet": "lab", "signing_key": "env:PI_SIGNING_KEY"})
+    assert config.resolve_signing_key() == key
+    assert parse_config({"device": "pi-1", "fleet": "lab"}).resolve_signing_key() is None
+    (tmp_path / "short.key").write_text("00ff")
+    short = parse_config({"device": "pi-1", "fleet": "lab", "signing_key": f"file:{tmp_path / 'short.key'}"})
+    with pytest.raises(ConfigError, match=r"signing_key: file:.*short\.key: 2 bytes, at least 16 needed"):
+        short.resolve_signing_key()
+    with pytest.raises(ConfigError, match="never the secret itself"):
+        parse_config({"device": "pi-1", "fleet": "lab", "signing_key": key.hex()})

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +17,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from coordinator.broker.base import BrokerSettings
 from coordinator.broker.credentials import generate_credentials
 from coordinator.broker.mosquitto import MosquittoBroker, find_mosquitto
+from coordinator.broker.scratch import scratch_dir
 from device_agent.wire.messages import Status, parse_message
 from device_agent.wire.topics import ROOT
 
@@ -30,8 +29,7 @@ DEVICES = [f"pi-{i:02d}" for i in range(3)]
 def broker(tmp_path: Path) -> Iterator[tuple[MosquittoBroker, dict]]:
     if find_mosquitto() is None:
         pytest.skip("mosquitto is not installed")
-    workdir = Path(tempfile.mkdtemp(prefix="fedfleet-broker-"))  # not tmp_path: mosquitto may drop root
-    os.chmod(workdir, 0o711)
+    workdir = scratch_dir("fedfleet-broker-")  # not tmp_path: mosquitto may drop root
     credentials = generate_credentials(DEVICES)
     running = MosquittoBroker(BrokerSettings(FLEET, workdir, credentials))
     running.start()

@@ -3,7 +3,18 @@ import json
 import pytest
 
 from device_agent.probe import DeviceProfile
-from device_agent.wire.messages import Ack, Hello, Manifest, ProtocolError, Status, encode, parse_message
+from device_agent.wire.messages import (
+    Ack,
+    Error,
+    Hello,
+    Manifest,
+    ProtocolError,
+    Status,
+    VersionMismatch,
+    encode,
+    incompatible,
+    parse_message,
+)
 
 PROFILE = DeviceProfile(
     hostname="pi",
@@ -56,3 +67,13 @@ def test_a_manifest_whose_chunk_count_disagrees_with_its_size_is_refused():
         Manifest(transfer="a" * 32, size=10, chunk_size=4, chunks=[digest], digest=digest)
     ack = Ack(transfer="a" * 32, digest=digest)
     assert parse_message(encode(ack)).digest == digest
+
+
+def test_an_incompatible_error_is_read_whatever_version_sent_it() -> None:
+    newer = b'{"v": 4, "type": "error", "code": "incompatible", "detail": "speak 4", "new_field": 1}'
+    answer = parse_message(newer)
+    assert isinstance(answer, Error) and (answer.code, answer.detail) == ("incompatible", "speak 4")
+    with pytest.raises(VersionMismatch) as info:
+        parse_message(b'{"v": 4, "type": "hello"}')
+    assert info.value.version == 4
+    assert "(this side speaks 3)" in incompatible(4).detail

@@ -1,0 +1,442 @@
+"""Run-time faults against a real emulated fleet: does the run survive, and is any update lost?
+
+Every scenario runs ``coordinator emulate`` (the real coordinator, its supervised mosquitto and one
+``device-agent run`` process per device) on a small digits fleet in a folder of its own, injects a
+fault with real signals, restarts what a person or systemd would restart, and lets the run finish::
+
+    python -m benchmarks.faults --json
+    python -m benchmarks.faults --scenarios agent,coordinator --repeats 1 --json
+    python -m benchmarks.faults --readme README.md          # also rewrite the README Reliability table
+
+An update is *lost* when its agent logged the coordinator's receipt ``accepted`` (or ``duplicate``,
+which says it was accepted before) for a round whose metrics do not count that device as accepted:
+the device dropped the update believing it counted. "Mid-upload" means the agent's outbox holds a
+finished update the coordinator has not acknowledged (each device's uplink is held to 2 Mbit/s, so
+an upload takes about a second). Leftovers (a broker still listening, broker scratch folders of
+exited coordinators) make a scenario fail too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import psutil
+
+from benchmarks.reliability import update_readme
+from coordinator.broker.base import free_port
+from coordinator.broker.scratch import OWNER_FILE, PATTERN
+from device_agent.launcher import agent_command
+from device_agent.limits import thread_env
+
+DEVICES = ("orin-01", "orin-02", "pi5-01", "pi5-02")
+FLEET = """\
+fleet: faults
+broker: {{mode: managed, host: 127.0.0.1, port: {port}}}
+model: {{arch: cnn, num_classes: 10}}
+dataset: {{name: digits, partition: dirichlet(1.0), seed: 0}}
+strategy: {{name: fedhm}}
+ratios: [1, 1/2]
+rounds: {rounds}
+round_deadline_s: {deadline}
+quorum: 0.5
+checkpoints: {{keep_last: 2, keep_best: true}}
+training: {{batch_size: 16, local_epochs: 1, lr: 0.05, optimizer: momentum}}
+devices:
+  - {{id: orin-01, profile: jetson-orin-nano-8gb, overrides: {{network: {{uplink_mbps: 2}}}}}}
+  - {{id: orin-02, profile: jetson-orin-nano-8gb, overrides: {{network: {{uplink_mbps: 2}}}}}}
+  - {{id: pi5-01, profile: raspberry-pi-5, overrides: {{max_ratio: 1/2, network: {{uplink_mbps: 2}}}}}}
+  - {{id: pi5-02, profile: raspberry-pi-5, overrides: {{max_ratio: 1/2, network: {{uplink_mbps: 2}}}}}}
+"""
+SETTLED = re.compile(r"(\S+): round (\d+) update settled \(receipt: (accepted|duplicate)\)")
+WAIT_S = 90.0
+DEADLINE_S = 12.0
+
+
+class ScenarioFailed(Exception):
+    """A fault scenario that could not go on (a timeout, a process that would not start)."""
+
+
+@dataclass
+class Outcome:
+    survived: bool | None  # None: not run here (e.g. no way to make a full disk)
+    lost_updates: int
+    rounds_completed: int
+    detail: str
+
+
+class FleetRun:
+    """One scenario's folder (fleet.yaml, kits, run directory) and the processes of its run."""
+
+    def __init__(self, root: Path, rounds: int, deadline_s: float) -> None:
+        self.root = root
+        self.rounds = rounds
+        self.port = free_port()
+        self.fleet_file = root / "fleet.yaml"
+        self.fleet_file.write_text(FLEET.format(port=self.port, rounds=rounds, deadline=deadline_s))
+        self.run_dir = root / "run"
+        self.coordinators: list[subprocess.Popen[bytes]] = []
+        self.agents: list[subprocess.Popen[bytes]] = []
+
+    # ---- processes -----------------------------------------------------------------------------
+
+    def start_coordinator(self) -> subprocess.Popen[bytes]:
+        number = len(self.coordinators)
+        command = [sys.executable, "-m", "coordinator", "emulate", "--fleet", str(self.fleet_file)]
+        command += ["--run-dir", str(self.run_dir), "--no-live", "--wait-timeout", "60"]
+        with open(self.root / f"coordinator-{number}.out", "wb") as out, open(self.err_file(number), "wb") as err:
+            process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        self.coordinators.append(process)
+        return process
+
+    def err_file(self, number: int) -> Path:
+        return self.root / f"coordinator-{number}.err"
+
+    def agent_pids(self) -> dict[str, int]:
+        """Live agent processes of this run by device, whoever started them."""
+        found = {}
+        for process in psutil.process_iter(["pid", "cmdline"]):
+            command = " ".join(process.info["cmdline"] or [])
+            for device in DEVICES:
+                if str(self.run_dir / "agents" / device / "agent.yaml") in command:
+                    found[device] = process.info["pid"]
+        return found
+
+    def restart_agent(self, device: str) -> None:
+        """What systemd's Restart=on-failure does for a real device."""
+        config = self.run_dir / "agents" / device / "agent.yaml"
+        with open(config.parent / "agent.log", "ab") as log:
+            env = {**os.environ, **thread_env(1)}
+            process = subprocess.Popen(
+                agent_command(config), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        self.agents.append(process)
+
+    def broker_pid(self) -> int:
+        return int((self.run_dir / "broker.pid").read_text().split()[0])
+
+    def finish(self, coordinator: subprocess.Popen[bytes], timeout: float = WAIT_S) -> int:
+        try:
+            return coordinator.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise ScenarioFailed(f"the coordinator did not finish within {timeout:.0f} s") from None
+
+    def stop_all(self) -> None:
+        """End every process this scenario started that still runs (SIGTERM, then SIGKILL)."""
+        for process in [*self.coordinators, *self.agents]:
+            if process.poll() is None:
+                process.terminate()
+        for process in [*self.coordinators, *self.agents]:
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    # ---- observing -----------------------------------------------------------------------------
+
+    def rounds_completed(self) -> int:
+        try:
+            return int(json.loads((self.run_dir / "run.json").read_text())["last_completed_round"])
+        except (OSError, ValueError, KeyError):
+            return 0
+
+    def pending(self, round_: int) -> list[str]:
+        """Devices whose outbox holds a finished, unacknowledged update of ``round_``."""
+        marker = f".r{round_:06d}."
+        return [
+            device
+            for device in DEVICES
+            if any(marker in p.name for p in (self.run_dir / "agents" / device / "state" / "outbox").glob("*.json"))
+        ]
+
+    def wait_for(self, what: str, condition: Callable[[], object], timeout: float = WAIT_S) -> object:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = condition()
+            if value:
+                return value
+            if self.coordinators and self.coordinators[-1].poll() is not None:
+                raise ScenarioFailed(
+                    f"the coordinator exited (status {self.coordinators[-1].returncode}) before {what}"
+                )
+            time.sleep(0.02)
+        raise ScenarioFailed(f"timed out after {timeout:.0f} s waiting for {what}")
+
+    def mid_upload(self, round_: int) -> list[str]:
+        return self.wait_for(f"an upload of round {round_}", lambda: self.pending(round_))  # type: ignore[return-value]
+
+    def acknowledged(self) -> set[tuple[str, int]]:
+        """(device, round) of every update an agent logged as accepted by the coordinator."""
+        acked = set()
+        for device in DEVICES:
+            log = self.run_dir / "agents" / device / "agent.log"
+            text = log.read_text(errors="replace") if log.exists() else ""
+            acked |= {(name, int(round_)) for name, round_, _status in SETTLED.findall(text)}
+        return acked
+
+    def lost_updates(self) -> int:
+        """Updates an agent was told were accepted that the round's metrics do not count."""
+        accepted: dict[int, set[str]] = {}
+        metrics = self.run_dir / "metrics.jsonl"
+        for line in metrics.read_text().splitlines() if metrics.exists() else []:
+            row = json.loads(line)
+            accepted[row["round"]] = {d for d, m in row["devices"].items() if m["status"] == "accepted"}
+        return sum(device not in accepted.get(round_, set()) for device, round_ in self.acknowledged())
+
+    def leftovers(self) -> list[str]:
+        """A broker still on our port, or scratch folders of our exited coordinators."""
+        found = []
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", self.port))
+            except OSError:
+                found.append(f"something still listens on port {self.port}")
+        ours = {str(p.pid) for p in self.coordinators}
+        for folder in Path(tempfile.gettempdir()).glob(PATTERN):
+            try:
+                owner = (folder / OWNER_FILE).read_text().split()
+            except OSError:
+                continue
+            if owner and owner[0] in ours:
+                found.append(f"{folder} was left behind")
+        return found
+
+    def errors(self) -> list[str]:
+        """Tracebacks the coordinator printed: every failure must be a one-line message."""
+        return [
+            f"coordinator-{n}.err has a traceback"
+            for n in range(len(self.coordinators))
+            if "Traceback" in self.err_file(n).read_text(errors="replace")
+        ]
+
+    def outcome(self, did: str) -> Outcome:
+        lost, done, problems = self.lost_updates(), self.rounds_completed(), self.leftovers() + self.errors()
+        survived = done == self.rounds and lost == 0 and not problems
+        checked = f"{done}/{self.rounds} rounds, {len(self.acknowledged())} acknowledged updates checked"
+        detail = "; ".join([did, checked, *problems])
+        return Outcome(survived, lost, done, detail)
+
+
+# ---- scenarios ---------------------------------------------------------------------------------
+
+
+def kill_agents(run: FleetRun, repeats: int, half: bool) -> str:
+    coordinator = run.start_coordinator()
+    for round_ in range(1, repeats + 1):
+        victims = run.mid_upload(round_)[:1]
+        if half:
+            victims += [d for d in DEVICES if d not in victims][: len(DEVICES) // 2 - 1]
+        pids = run.agent_pids()
+        for device in victims:
+            os.kill(pids[device], signal.SIGKILL)
+        psutil.wait_procs([psutil.Process(pids[d]) for d in victims if psutil.pid_exists(pids[d])], timeout=10)
+        for device in victims:
+            run.restart_agent(device)
+        run.wait_for(f"round {round_} to close", lambda r=round_: run.rounds_completed() >= r)
+    run.finish(coordinator)
+    what = "half the fleet (one mid-upload)" if half else "one agent mid-upload"
+    return f"kill -9 of {what} in rounds 1-{repeats}, restarted as systemd would"
+
+
+def kill_coordinator(run: FleetRun, repeats: int) -> str:
+    for round_ in range(1, repeats + 1):
+        coordinator = run.start_coordinator()
+        run.mid_upload(round_)
+        agents = [psutil.Process(pid) for pid in run.agent_pids().values()]
+        coordinator.kill()
+        coordinator.wait()
+        _gone, alive = psutil.wait_procs(agents, timeout=15)
+        if alive:
+            raise ScenarioFailed(f"{len(alive)} agents outlived their killed coordinator")
+    run.finish(run.start_coordinator())
+    again = run.start_coordinator()
+    finished = (
+        run.finish(again, 60) == 0
+        and "is complete" in (run.root / f"coordinator-{len(run.coordinators) - 1}.out").read_text()
+    )
+    return f"kill -9 of the coordinator mid-upload in rounds 1-{repeats}, resumed each time; " + (
+        "resuming the finished run says it is complete (exit 0)"
+        if finished
+        else "**resuming the finished run did not say it is complete**"
+    )
+
+
+def kill_broker(run: FleetRun, repeats: int, wipe: bool) -> str:
+    coordinator = run.start_coordinator()
+    for round_ in range(1, repeats + 1):
+        run.mid_upload(round_)
+        pid = run.broker_pid()
+        if wipe:
+            os.kill(pid, signal.SIGSTOP)  # frozen: it cannot write its persistence while we delete it
+            for file in persistence_dir(pid).glob("*"):
+                file.unlink()
+        os.kill(pid, signal.SIGKILL)
+        run.wait_for("the broker to be restarted", lambda p=pid: run.broker_pid() != p)
+        run.wait_for(f"round {round_} to close", lambda r=round_: run.rounds_completed() >= r)
+    run.finish(coordinator)
+    restarts = (run.root / "coordinator-0.err").read_text(errors="replace").count("broker restarted")
+    if wipe:
+        return f"broker frozen, its persistence deleted (sessions lost), kill -9; supervisor restarts: {restarts}"
+    return f"kill -9 of the broker mid-upload in rounds 1-{repeats}; supervisor restarts: {restarts}"
+
+
+def persistence_dir(pid: int) -> Path:
+    command = psutil.Process(pid).cmdline()
+    config = Path(command[command.index("-c") + 1])
+    location = re.search(r"^persistence_location\s+(\S+)", config.read_text(), flags=re.MULTILINE)
+    if location is None:
+        raise ScenarioFailed(f"{config} has no persistence_location")
+    return Path(location.group(1))
+
+
+def offline_past_deadline(run: FleetRun, deadline_s: float) -> str:
+    coordinator = run.start_coordinator()
+    run.wait_for("round 1 to close", lambda: run.rounds_completed() >= 1)
+    device = DEVICES[-1]
+    agent = psutil.Process(run.agent_pids()[device])
+    agent.suspend()  # no network, no CPU: from the broker's side the device is gone
+    time.sleep(deadline_s + 3)
+    agent.resume()
+    back = run.rounds_completed()
+    run.finish(coordinator)
+    rejoined = [
+        row["round"]
+        for row in map(json.loads, (run.run_dir / "metrics.jsonl").read_text().splitlines())
+        if row["round"] > back + 1 and row["devices"].get(device, {}).get("status") == "accepted"
+    ]
+    if not rejoined:
+        raise ScenarioFailed(f"{device} never had an update accepted after it came back")
+    frozen = f"{device} frozen {deadline_s + 3:.0f} s (deadline {deadline_s:.0f} s)"
+    return f"{frozen}, its rounds closed without it; back, it was accepted in round {rejoined[0]}"
+
+
+def disk_full(run: FleetRun) -> str:
+    run.run_dir.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(run.run_dir)]
+    mounted = subprocess.run(mount, capture_output=True, text=True)
+    if mounted.returncode != 0:
+        raise NotRunnable(f"mounting a tmpfs needs root ({mounted.stderr.strip()})")
+    try:
+        coordinator = run.start_coordinator()
+        run.mid_upload(2)
+        filler = run.run_dir / "filler"
+        fill(filler)
+        code = run.finish(coordinator, 60)
+        if code != 1 or "no space left to write the run directory" not in run.err_file(0).read_text():
+            raise ScenarioFailed(f"the coordinator exited with status {code} without the disk-full message")
+        stopped_after = run.rounds_completed()
+        filler.unlink()
+        run.finish(run.start_coordinator())
+    finally:
+        run.stop_all()
+        kept = run.root / "run-kept"
+        shutil.copytree(run.run_dir, kept, ignore=shutil.ignore_patterns("filler"))
+        subprocess.run(["umount", str(run.run_dir)], check=False)
+        run.run_dir = kept
+    return (
+        f"run directory on a 64 MB tmpfs, filled mid-upload in round 2: the coordinator stopped cleanly "
+        f"(status 1, one-line message) after round {stopped_after}; freed and resumed"
+    )
+
+
+class NotRunnable(Exception):
+    """A scenario this host cannot stage (no root for a tmpfs)."""
+
+
+def fill(path: Path) -> None:
+    """Take every free byte of ``path``'s file system."""
+    with open(path, "wb") as out:
+        for size in (1 << 20, 4096, 1):
+            try:
+                while True:
+                    out.write(b"\0" * size)
+                    out.flush()
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+
+
+SCENARIOS: dict[str, tuple[str, Callable[[FleetRun, int], str]]] = {
+    "agent": ("kill -9 one agent mid-upload", lambda run, n: kill_agents(run, n, half=False)),
+    "half": ("kill -9 half the fleet mid-upload", lambda run, n: kill_agents(run, n, half=True)),
+    "coordinator": ("kill -9 the coordinator mid-upload", kill_coordinator),
+    "broker": ("kill -9 the broker mid-upload", lambda run, n: kill_broker(run, n, wipe=False)),
+    "offline": ("a device offline past the deadline rejoins", lambda run, _n: offline_past_deadline(run, DEADLINE_S)),
+    "broker-wiped": ("broker restarted with persistence wiped", lambda run, _n: kill_broker(run, 1, wipe=True)),
+    "disk-full": ("disk full in the run directory", lambda run, _n: disk_full(run)),
+}
+
+
+def run_scenario(name: str, repeats: int, root: Path) -> Outcome:
+    folder = root / name
+    folder.mkdir()
+    run = FleetRun(folder, rounds=max(repeats, 2) + 1, deadline_s=DEADLINE_S)
+    try:
+        did = SCENARIOS[name][1](run, repeats)
+    except NotRunnable as exc:
+        return Outcome(None, 0, 0, f"not run: {exc}")
+    except (ScenarioFailed, OSError, psutil.Error, KeyError) as exc:
+        run.stop_all()
+        return Outcome(False, run.lost_updates(), run.rounds_completed(), f"{type(exc).__name__}: {exc}")
+    finally:
+        run.stop_all()
+    return run.outcome(did)
+
+
+def run_scenarios(names: list[str], repeats: int) -> dict[str, dict[str, object]]:
+    """``{scenario title: Outcome as a dict}`` for each named scenario, each in a fresh folder."""
+    unknown = sorted(set(names) - set(SCENARIOS))
+    if unknown:
+        raise ValueError(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
+    root = Path(tempfile.mkdtemp(prefix="fedfleet-faults-"))
+    os.chmod(root, 0o711)  # the mosquitto user must reach the kits (as on a real broker host)
+    try:
+        return {SCENARIOS[name][0]: asdict(run_scenario(name, repeats, root)) for name in names}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.faults", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--scenarios", default=",".join(SCENARIOS), help=f"comma-separated (default: all: {','.join(SCENARIOS)})"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="faults per run for the kill scenarios (default: 3)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--readme", type=Path, help="rewrite this README's Reliability table with the results")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    started = time.monotonic()
+    try:
+        scenarios = run_scenarios([s.strip() for s in args.scenarios.split(",") if s.strip()], args.repeats)
+    except ValueError as exc:
+        parser.error(str(exc))
+    result = {"scenarios": scenarios, "repeats": args.repeats, "seconds": round(time.monotonic() - started, 1)}
+    if args.readme is not None:
+        args.readme.write_text(update_readme(args.readme.read_text(), result))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for title, row in scenarios.items():
+            print(f"{title}: survived={row['survived']} lost={row['lost_updates']} ({row['detail']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""What the engine says about devices that cannot take part: once, with the reason, and not forever."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from coordinator.engine import EngineSettings, RoundEngine
+from coordinator.fleet import parse_fleet
+from coordinator.local_link import InProcessLink, LocalDevice
+from coordinator.planner import DevicePlan
+from coordinator.rundir import RunDir
+from coordinator.strategies import ModelSpec, build_strategy
+from device_agent.data.datasets import LabeledData
+from device_agent.wire.messages import Hello, incompatible
+from tests.device_agent.test_misconfiguration import PROFILE
+
+FLEET = {
+    "fleet": "waiting",
+    "broker": {"mode": "managed"},
+    "model": {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 8},
+    "dataset": {"name": "digits"},
+    "ratios": [1],
+    "devices": [{"id": "laptop-01", "profile": "rtx-4060-laptop"}],
+}
+TOO_SLOW = "excluded: round takes ~217 s > deadline 60 s"
+
+
+def _nobody_fits(fleet, _catalog, _reports, _ceilings) -> list[DevicePlan]:
+    return [DevicePlan(d.id, d.profile, None, None, None, None, None, 217.0, 60.0, TOO_SLOW) for d in fleet.devices]
+
+
+def _engine(tmp_path: Path, wait_timeout_s: float) -> RoundEngine:
+    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(FLEET))
+    strategy = build_strategy("fedavg", ModelSpec("cnn", 10, 1, 8))
+    rundir = RunDir.create(tmp_path / "run", tmp_path / "fleet.yaml", strategy.state_dict(), seed=0)
+    x, y = torch.zeros(4, 1, 8, 8), torch.zeros(4, dtype=torch.long)
+    return RoundEngine(
+        parse_fleet(FLEET),
+        {},
+        strategy,
+        rundir,
+        LabeledData(x, y, x, y, 10),
+        InProcessLink([LocalDevice("laptop-01", (x, y), (x, y))]),
+        EngineSettings(min_devices=1, wait_timeout_s=wait_timeout_s),
+        planner=_nobody_fits,
+    )
+
+
+def test_waiting_for_a_participant_is_logged_once_and_times_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = _engine(tmp_path, wait_timeout_s=1.5)
+    caplog.set_level(logging.INFO, logger="fedfleet.engine")
+    try:
+        with pytest.raises(TimeoutError, match="round 1: no device could take part within 2 s"):
+            engine.run()
+    finally:
+        engine.rundir.close()
+
+    waits = [r.getMessage() for r in caplog.records if "no online device can take part" in r.getMessage()]
+    assert waits == [f"round 1: no online device can take part (laptop-01: {TOO_SLOW}); waiting up to 2 s"]
+    assert sum("laptop-01 out" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_device_of_another_protocol_version_is_refused_with_why_until_it_says_hello(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = _engine(tmp_path, wait_timeout_s=1)
+    caplog.set_level(logging.WARNING, logger="fedfleet.engine")
+    try:
+        for _ in range(3):
+            engine._on_message("laptop-01", incompatible(4))
+        refused = engine.devices["laptop-01"]
+        assert refused.refused == incompatible(4).detail and not refused.online
+        assert [r.getMessage() for r in caplog.records] == [f"laptop-01: refused: {incompatible(4).detail}"]
+
+        engine._on_message("laptop-01", Hello(device="laptop-01", agent_version="0.1.0", profile=PROFILE))
+        assert refused.refused is None and refused.online
+    finally:
+        engine.rundir.close()
+
+
+def test_an_agent_of_another_release_is_warned_about_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    engine = _engine(tmp_path, wait_timeout_s=1)
+    caplog.set_level(logging.WARNING, logger="fedfleet.engine")
+    try:
+        for _ in range(2):
+            engine._on_message("laptop-01", Hello(device="laptop-01", agent_version="0.9.2", profile=PROFILE))
+    finally:
+        engine.rundir.close()
+
+    releases = [r.getMessage() for r in caplog.records if "another release" in r.getMessage()]
+    assert len(releases) == 1 and releases[0].startswith("laptop-01: agent 0.9.2 is another release")
