@@ -8,13 +8,14 @@ refusal codes, ``phase`` from the round's fixed phases. Totals span the run's cl
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from coordinator.observe.snapshot import DeviceView, Snapshot
+from coordinator.planner import fmt_ratio
 
 PREFIX = "fedfleet_"
 
@@ -91,7 +92,16 @@ def _class_families(devices: list[DeviceView]) -> Iterator[Metric]:
                 reasons[reason] += n
         for reason, n in sorted(reasons.items()):
             refused.add_metric([name, reason], n)
-    yield from (count, online, refused)
+    at_ratio = GaugeMetricFamily(
+        f"{PREFIX}class_devices_at_rank_ratio",
+        "devices of the class per rank ratio they train or were last planned at (ratios are fleet.yaml's levels)",
+        labels=["device_class", "rank_ratio"],
+    )
+    for name, members in sorted(by_class.items()):
+        levels = Counter(fmt_ratio(d.ratio) for d in members if d.ratio is not None)
+        for level, n in sorted(levels.items()):
+            at_ratio.add_metric([name, level], n)
+    yield from (count, online, refused, at_ratio)
     for metric, help_, value in _DEVICE_COUNTERS:
         family = CounterMetricFamily(f"{PREFIX}class_{metric}", help_, labels=["device_class"])
         for name, members in sorted(by_class.items()):

@@ -14,7 +14,7 @@ from coordinator.observe.snapshot import FleetWatch
 from tests.coordinator.observe.conftest import ROUNDS, WatchedRun
 
 ROOT = Path(__file__).resolve().parents[3]
-LABELS = {"device", "device_class", "reason", "phase", "status"}
+LABELS = {"device", "device_class", "rank_ratio", "reason", "phase", "status"}
 
 
 def scrape(watch: FleetWatch) -> dict[tuple[str, frozenset], float]:
@@ -57,6 +57,8 @@ def test_values_match_metrics_jsonl(watched_run: WatchedRun) -> None:
     by_class = frozenset({"device_class": "simulated"}.items())
     assert samples[("fedfleet_class_upload_bytes_total", by_class)] == sum(m.bytes_up for m in rounds)
     assert samples[("fedfleet_class_devices_online", by_class)] == 2
+    for level in ("1", "1/2"):  # bad at 1, good at 1/2
+        assert samples[("fedfleet_class_devices_at_rank_ratio", by_class | {("rank_ratio", level)})] == 1
     last = rounds[-1]
     plain = frozenset()
     assert samples[("fedfleet_rounds_completed_total", plain)] == ROUNDS
