@@ -12,9 +12,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from coordinator.engine import Refusal
 from coordinator.metrics import RoundMetrics
 
 if TYPE_CHECKING:
@@ -95,15 +96,6 @@ class OpenRoundView:
 
 
 @dataclass(frozen=True)
-class RefusalView:
-    device: str
-    round: int
-    reason: str
-    detail: str
-    time: float
-
-
-@dataclass(frozen=True)
 class Snapshot:
     fleet: str
     run_id: str
@@ -113,7 +105,8 @@ class Snapshot:
     devices: list[DeviceView]
     open_round: OpenRoundView | None
     history: list[RoundView]
-    refusals: list[RefusalView] = field(default_factory=list)
+    refusals: list[Refusal]
+    """The engine's last refused uploads, oldest first."""
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -150,7 +143,7 @@ class FleetWatch:
             devices=self._devices(engine),
             open_round=self._open_round(engine),
             history=list(self._history),
-            refusals=[RefusalView(r.device, r.round, r.reason, r.detail, r.time) for r in engine.recent_refusals],
+            refusals=list(engine.recent_refusals),
         )
         with self._lock:
             self._snapshot = snapshot
