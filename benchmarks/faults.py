@@ -360,34 +360,46 @@ class NotRunnable(Exception):
 
 def fill(path: Path) -> None:
     """Take every free byte of ``path``'s file system."""
-    with open(path, "wb") as out:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
         for size in (1 << 20, 4096, 1):
             try:
                 while True:
-                    out.write(b"\0" * size)
-                    out.flush()
+                    os.write(fd, b"\0" * size)
             except OSError as exc:
                 if exc.errno != errno.ENOSPC:
                     raise
+    finally:
+        os.close(fd)
 
 
-SCENARIOS: dict[str, tuple[str, Callable[[FleetRun, int], str]]] = {
-    "agent": ("kill -9 one agent mid-upload", lambda run, n: kill_agents(run, n, half=False)),
-    "half": ("kill -9 half the fleet mid-upload", lambda run, n: kill_agents(run, n, half=True)),
-    "coordinator": ("kill -9 the coordinator mid-upload", kill_coordinator),
-    "broker": ("kill -9 the broker mid-upload", lambda run, n: kill_broker(run, n, wipe=False)),
-    "offline": ("a device offline past the deadline rejoins", lambda run, _n: offline_past_deadline(run, DEADLINE_S)),
-    "broker-wiped": ("broker restarted with persistence wiped", lambda run, _n: kill_broker(run, 1, wipe=True)),
-    "disk-full": ("disk full in the run directory", lambda run, _n: disk_full(run)),
+# name -> (title, rounds of its run given the repeats, the fault)
+SCENARIOS: dict[str, tuple[str, Callable[[int], int], Callable[[FleetRun, int], str]]] = {
+    "agent": ("kill -9 one agent mid-upload", lambda n: n, lambda run, n: kill_agents(run, n, half=False)),
+    "half": ("kill -9 half the fleet mid-upload", lambda n: n, lambda run, n: kill_agents(run, n, half=True)),
+    "coordinator": ("kill -9 the coordinator mid-upload", lambda n: n, kill_coordinator),
+    "broker": ("kill -9 the broker mid-upload", lambda n: n, lambda run, n: kill_broker(run, n, wipe=False)),
+    "offline": (
+        "a device offline past the deadline rejoins",
+        lambda _n: 4,
+        lambda run, _n: offline_past_deadline(run, DEADLINE_S),
+    ),
+    "broker-wiped": (
+        "broker restarted with persistence wiped",
+        lambda _n: 2,
+        lambda run, _n: kill_broker(run, 1, True),
+    ),
+    "disk-full": ("disk full in the run directory", lambda _n: 3, lambda run, _n: disk_full(run)),
 }
 
 
 def run_scenario(name: str, repeats: int, root: Path) -> Outcome:
     folder = root / name
     folder.mkdir()
-    run = FleetRun(folder, rounds=max(repeats, 2) + 1, deadline_s=DEADLINE_S)
+    _title, rounds, fault = SCENARIOS[name]
+    run = FleetRun(folder, rounds=rounds(repeats), deadline_s=DEADLINE_S)
     try:
-        did = SCENARIOS[name][1](run, repeats)
+        did = fault(run, repeats)
     except NotRunnable as exc:
         return Outcome(None, 0, 0, f"not run: {exc}")
     except (ScenarioFailed, OSError, psutil.Error, KeyError) as exc:

@@ -19,7 +19,11 @@ END = "<!-- faults:end -->"
 
 
 def _cell(value: Any) -> str:
-    text = "yes" if value is True else "**no**" if value is False else str(value)
+    if value is None:
+        return "not run"
+    if isinstance(value, bool):
+        return "yes" if value else "**no**"
+    text = str(value)
     return text.replace("|", "\\|").replace("\n", " ")
 
 

@@ -473,7 +473,8 @@ class RunDir:
             return False
         data = payload if isinstance(payload, bytes) else _tensor_bytes(payload)
         journal.mkdir(parents=True, exist_ok=True)
-        name = f"{len(entries) + 1:06d}.safetensors"
+        # Numbered past the highest entry, not by count: a dropped corrupt entry leaves a gap.
+        name = f"{max((int(entry.path.stem) for entry in entries), default=0) + 1:06d}.safetensors"
         atomic_write(journal / name, data)
         line = {
             "round": round_,

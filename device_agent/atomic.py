@@ -35,10 +35,10 @@ def atomic_write(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             temp.unlink()
-        raise
+        raise _naming(exc, path) from None
     fsync_dir(path.parent)
 
 
@@ -48,12 +48,23 @@ def append_line(path: Path, line: str) -> None:
         raise ValueError("a journal line must not contain a newline")
     path = Path(path)
     new = not path.exists()
-    with open(path, "ab") as f:
-        f.write(line.encode() + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "ab") as f:
+            f.write(line.encode() + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise _naming(exc, path) from None
     if new:
         fsync_dir(path.parent)
+
+
+def _naming(exc: BaseException, path: Path) -> BaseException:
+    """``exc`` with the file it failed on: a failed write (ENOSPC) often carries no file name, and a
+    message saying which file could not be written is the one a person can act on."""
+    if isinstance(exc, OSError) and exc.filename is None and exc.errno is not None:
+        return OSError(exc.errno, exc.strerror, str(path))
+    return exc
 
 
 def remove_temp_files(directory: Path) -> list[Path]:

@@ -255,6 +255,10 @@ def test_a_corrupt_journaled_upload_is_dropped_by_name(
     with caplog.at_level("ERROR"), RunDir.open(tmp_path / "run") as rundir:
         assert [entry.device for entry in rundir.resume().journal] == ["pi-2"]
         assert rundir.accept_upload(1, "pi-1", "t1-again", upload(1.0))
+        journal = rundir.resume().journal
+        assert [entry.device for entry in journal] == ["pi-2", "pi-1"]
+        for entry, value in zip(journal, (2.0, 1.0), strict=True):  # neither payload overwrote the other
+            assert torch.equal(rundir.load_upload(entry)["conv.reduce"], upload(value)["conv.reduce"])
     assert "pi-1's accepted upload for round 1 is dropped" in caplog.text
 
 

@@ -31,8 +31,9 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path: Path, monkeypa
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(atomic.os, "replace", disk_full)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(OSError, match="No space left") as failed:
         atomic_write(target, b"new" * 1000)
+    assert failed.value.errno == 28 and failed.value.filename == str(target)  # names the file it could not write
     assert target.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["state.bin"]
 

@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.broker.mosquitto import find_mosquitto
 from coordinator.broker.scratch import OWNER_FILE, scratch_dir, sweep_stale
+
+ROOT = Path(__file__).resolve().parents[3]
 
 MAKE = "from coordinator.broker.scratch import scratch_dir; print(scratch_dir('fedfleet-t-broker-'), flush=True)"
 
@@ -39,3 +42,12 @@ def test_one_left_by_a_killed_process_is_swept_and_live_or_foreign_ones_are_kept
 
     assert sweep_stale() == [killed]
     assert ours.exists() and foreign.exists() and not killed.exists()
+
+
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+def test_the_suites_broker_fixture_leaves_no_folder_behind() -> None:
+    child = "from tests.transport_fixtures import _start; print(_start('mosquitto').broker.workdir, flush=True)"
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True, cwd=ROOT)
+    folder = Path(done.stdout.strip())
+
+    assert folder.name.startswith("fedfleet-broker-") and not folder.exists()

@@ -1,0 +1,37 @@
+"""The fault benchmark on a quick subset: an agent and the coordinator killed -9 mid-upload lose nothing."""
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from benchmarks.faults import main
+from coordinator.broker.mosquitto import find_mosquitto
+from coordinator.broker.scratch import PATTERN
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
+@pytest.mark.parametrize(
+    ("scenario", "title"),
+    [("agent", "kill -9 one agent mid-upload"), ("coordinator", "kill -9 the coordinator mid-upload")],
+)
+def test_a_killed_process_loses_no_update_and_leaves_nothing_behind(scenario, title, capsys):
+    before = set(Path(tempfile.gettempdir()).glob(PATTERN))
+
+    assert main(["--scenarios", scenario, "--repeats", "1", "--json"]) == 0
+
+    row = json.loads(capsys.readouterr().out)["scenarios"][title]
+    assert row["lost_updates"] == 0, row
+    assert row["survived"] is True and row["rounds_completed"] == 1, row
+    assert "acknowledged updates checked" in row["detail"]
+    if scenario == "coordinator":
+        assert "says it is complete" in row["detail"]
+    assert set(Path(tempfile.gettempdir()).glob(PATTERN)) <= before  # no broker scratch folder left behind
+
+
+def test_an_unknown_scenario_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        main(["--scenarios", "agent,meteor"])
+    assert "unknown scenario(s) meteor; choose from agent, half" in capsys.readouterr().err
