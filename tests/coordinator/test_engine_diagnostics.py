@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from rich.console import Console
 
 from coordinator.engine import EngineSettings, RoundEngine
 from coordinator.fleet import parse_fleet
+from coordinator.live import round_table
 from coordinator.local_link import InProcessLink, LocalDevice
 from coordinator.planner import DevicePlan
 from coordinator.rundir import RunDir
@@ -78,6 +80,9 @@ def test_a_device_of_another_protocol_version_is_refused_with_why_until_it_says_
         refused = engine.devices["laptop-01"]
         assert refused.refused == incompatible(4).detail and not refused.online
         assert [r.getMessage() for r in caplog.records] == [f"laptop-01: refused: {incompatible(4).detail}"]
+        console = Console(record=True, width=200)
+        console.print(round_table(engine))
+        assert "refused" in console.export_text()
 
         engine._on_message("laptop-01", Hello(device="laptop-01", agent_version="0.1.0", profile=PROFILE))
         assert refused.refused is None and refused.online
