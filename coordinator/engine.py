@@ -263,9 +263,11 @@ class RoundEngine:
             if online >= self.settings.min_devices or (self._journal and online):
                 return True
             if time.monotonic() > give_up:
+                offline = ", ".join(d for d, s in self.devices.items() if not s.online)
                 raise TimeoutError(
                     f"only {online} of the {self.settings.min_devices} devices needed came online "
-                    f"within {self.settings.wait_timeout_s:.0f} s"
+                    f"within {self.settings.wait_timeout_s:.0f} s (offline: {offline}; a device that never "
+                    "comes online may have the wrong fleet name, broker URL or password: `device-agent doctor`)"
                 )
             self._pump(time.monotonic() + 0.5, progress)
         return False

@@ -28,7 +28,7 @@ def round_table(engine: RoundEngine) -> Table:
         table.add_row(
             device_id,
             state.device.profile,
-            "yes" if state.online else "no",
+            "refused" if state.refused else "yes" if state.online else "no",
             state.state,
             str(Fraction(participant.level).limit_denominator(1000)) if participant else "-",
             participant.status if participant else "-",

@@ -33,7 +33,7 @@ class SteadyReports:
     def adopt(self, device: str, report: DeviceProfile, profile: DeviceClass | None) -> DeviceProfile:
         """What the planner uses for ``device`` after it reported ``report`` (``profile``: its static one)."""
         previous = self._in_use.get(device)
-        gflops = self._trusted_gflops(device, report.compute.fp32_gflops, profile)
+        gflops = self._trusted_gflops(report.compute.fp32_gflops, profile)
         memory = report.memory
         if previous is not None:
             if _close(gflops, previous.compute.fp32_gflops):
@@ -48,7 +48,7 @@ class SteadyReports:
         return adopted
 
     @staticmethod
-    def _trusted_gflops(device: str, measured: float, profile: DeviceClass | None) -> float:
+    def _trusted_gflops(measured: float, profile: DeviceClass | None) -> float:
         if profile is None:
             return measured
         expected = profile.compute.fp32_gflops

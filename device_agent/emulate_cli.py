@@ -26,6 +26,7 @@ from device_agent.emulation import (
     write_agent_config,
 )
 from device_agent.launcher import AgentExit, AgentGroup, AgentSpec
+from device_agent.paths import anchor, anchor_secret
 
 _EPILOG = """\
 examples:
@@ -125,12 +126,14 @@ def agent_specs(args: argparse.Namespace, host_gflops: float) -> list[AgentSpec]
             f"--first-index {args.first_index} + --count {args.count} exceeds --total {total} data shares"
         )
     limits = limits_for(profile, host_gflops, args.threads)
-    run_dir = args.run_dir or Path(f"emulated-{prefix}")
+    run_dir = (args.run_dir or Path(f"emulated-{prefix}")).resolve()
+    # Flags are relative to the working directory; the agent.yaml written here is read relative to itself.
+    here = Path.cwd()
     specs = []
     for index in range(args.first_index, args.first_index + args.count):
         device = f"{prefix}-{index:02d}"
         folder = run_dir / device
-        share = DataShare(args.dataset, args.partition, args.seed, index, total, args.data_path)
+        share = DataShare(args.dataset, args.partition, args.seed, index, total, anchor(args.data_path, here))
         config = agent_config(
             device,
             args.fleet,
@@ -138,8 +141,8 @@ def agent_specs(args: argparse.Namespace, host_gflops: float) -> list[AgentSpec]
             share,
             folder / "state",
             limits,
-            password=args.password.replace("{device}", device),
-            ca_file=args.ca_file,
+            password=anchor_secret(args.password.replace("{device}", device), here),
+            ca_file=anchor(args.ca_file, here),
             protocol=args.protocol,
             device_type=args.device_type,
         )

@@ -363,12 +363,12 @@ def run_agent(config: AgentConfig, profile: DeviceProfile | None = None) -> int:
         check_source(config.data.source)
     except DatasetError as exc:
         raise AgentError(str(exc)) from None
+    agent = Agent(config, profile)  # first: a setting of this device (no CUDA...) fails before any waiting
     broker = BrokerAddress.from_url(config.broker.url)
     try:
         wait_for_broker(broker.host, broker.port, config.connect_timeout_s)
     except ConnectionError as exc:
         raise AgentError(str(exc)) from None
-    agent = Agent(config, profile)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: agent.stop())
     agent.run()

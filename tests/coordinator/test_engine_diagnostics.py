@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from rich.console import Console
 
 from coordinator.engine import EngineSettings, RoundEngine
 from coordinator.fleet import parse_fleet
+from coordinator.live import round_table
 from coordinator.local_link import InProcessLink, LocalDevice
 from coordinator.planner import DevicePlan
 from coordinator.rundir import RunDir
@@ -34,19 +36,20 @@ def _nobody_fits(fleet, _catalog, _reports, _ceilings) -> list[DevicePlan]:
     return [DevicePlan(d.id, d.profile, None, None, None, None, None, 217.0, 60.0, TOO_SLOW) for d in fleet.devices]
 
 
-def _engine(tmp_path: Path, wait_timeout_s: float) -> RoundEngine:
-    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(FLEET))
+def _engine(tmp_path: Path, wait_timeout_s: float, fleet: dict = FLEET, min_devices: int = 1) -> RoundEngine:
+    """An engine over one in-process device, laptop-01, that no plan lets take part."""
+    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(fleet))
     strategy = build_strategy("fedavg", ModelSpec("cnn", 10, 1, 8))
     rundir = RunDir.create(tmp_path / "run", tmp_path / "fleet.yaml", strategy.state_dict(), seed=0)
     x, y = torch.zeros(4, 1, 8, 8), torch.zeros(4, dtype=torch.long)
     return RoundEngine(
-        parse_fleet(FLEET),
+        parse_fleet(fleet),
         {},
         strategy,
         rundir,
         LabeledData(x, y, x, y, 10),
         InProcessLink([LocalDevice("laptop-01", (x, y), (x, y))]),
-        EngineSettings(min_devices=1, wait_timeout_s=wait_timeout_s),
+        EngineSettings(min_devices=min_devices, wait_timeout_s=wait_timeout_s),
         planner=_nobody_fits,
     )
 
@@ -78,6 +81,9 @@ def test_a_device_of_another_protocol_version_is_refused_with_why_until_it_says_
         refused = engine.devices["laptop-01"]
         assert refused.refused == incompatible(4).detail and not refused.online
         assert [r.getMessage() for r in caplog.records] == [f"laptop-01: refused: {incompatible(4).detail}"]
+        console = Console(record=True, width=200)
+        console.print(round_table(engine))
+        assert "refused" in console.export_text()
 
         engine._on_message("laptop-01", Hello(device="laptop-01", agent_version="0.1.0", profile=PROFILE))
         assert refused.refused is None and refused.online
@@ -96,3 +102,15 @@ def test_an_agent_of_another_release_is_warned_about_once(tmp_path: Path, caplog
 
     releases = [r.getMessage() for r in caplog.records if "another release" in r.getMessage()]
     assert len(releases) == 1 and releases[0].startswith("laptop-01: agent 0.9.2 is another release")
+
+
+def test_giving_up_on_devices_names_the_ones_that_never_came(tmp_path: Path) -> None:
+    fleet = {**FLEET, "devices": [*FLEET["devices"], {"id": "pi5-01", "profile": "raspberry-pi-5"}]}
+    engine = _engine(tmp_path, wait_timeout_s=0.5, fleet=fleet, min_devices=2)
+    try:
+        with pytest.raises(
+            TimeoutError, match=r"only 1 of the 2 devices .* \(offline: pi5-01; .* `device-agent doctor`\)"
+        ):
+            engine.run()
+    finally:
+        engine.rundir.close()

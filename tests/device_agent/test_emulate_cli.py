@@ -126,3 +126,25 @@ def test_bad_settings_are_usage_errors(tmp_path: Path) -> None:
            "--host-gflops", "10", "--run-dir", str(tmp_path), "--partition", "dirichlet(-1)"]  # fmt: skip
     assert main(bad) == 2
     assert not list(tmp_path.iterdir())  # checked before anything is written or started
+
+
+def test_relative_flags_are_written_as_the_working_directory_means_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from device_agent.cli import build_parser
+    from device_agent.config import load_config
+    from device_agent.emulate_cli import agent_specs
+
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(
+        ["emulate", "--profile", "raspberry-pi-4", "--count", "1", "--prefix", "pi", "--broker", "mqtts://h:8883",
+         "--fleet", "f", "--password", "file:secrets/{device}.pw", "--ca-file", "ca.pem", "--host-gflops", "10",
+         "--run-dir", "run", "--dataset", "npz", "--data-path", "data/train.npz"]
+    )  # fmt: skip
+
+    (spec,) = agent_specs(args, host_gflops=10)
+    config = load_config(spec.config)
+
+    assert config.state_dir == tmp_path / "run" / "pi-00" / "state"
+    assert config.broker.password == f"file:{tmp_path / 'secrets' / 'pi-00.pw'}"
+    assert (config.broker.ca_file, config.data.path) == (str(tmp_path / "ca.pem"), str(tmp_path / "data/train.npz"))

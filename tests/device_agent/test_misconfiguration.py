@@ -102,7 +102,13 @@ def test_nothing_listening_on_the_broker_port_is_named_and_given_up_on(
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     config = parse_config(
-        {"device": "dev-a", "fleet": "test", "broker": {"url": f"mqtt://127.0.0.1:{port}"}, "connect_timeout_s": 2}
+        {
+            "device": "dev-a",
+            "fleet": "test",
+            "broker": {"url": f"mqtt://127.0.0.1:{port}"},
+            "connect_timeout_s": 2,
+            "state_dir": str(tmp_path / "agent"),
+        }
     )
 
     with pytest.raises(AgentError, match=rf"nothing is listening on 127.0.0.1:{port} .* gave up after 1 s"):
