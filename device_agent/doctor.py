@@ -240,12 +240,14 @@ def diagnose(config_path: Path, timeout: float = 5.0) -> list[Check]:
         )
         for name in filter(None, (broker.ca_file, broker.cert_file, broker.key_file)):
             Path(name).read_bytes()
+        config.resolve_signing_key()
     except (ConfigError, ValueError, OSError) as exc:
         detail = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) else str(exc)
         checks.append(Check("secrets readable", False, detail, "run doctor as the agent's user (sudo) or fix the path"))
         address = None
     else:
-        checks.append(Check("secrets readable", True, "password" + (", CA, client certificate" if address.tls else "")))
+        read = "password" + (", CA, client certificate" if address.tls else "")
+        checks.append(Check("secrets readable", True, read + (", signing key" if config.signing_key else "")))
     network = check_network(address, timeout) if address else [Check("broker", None, "no usable broker settings")]
     checks += network
     if address is not None and all(c.ok is not False for c in network):

@@ -67,12 +67,14 @@ class ComputeSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    fp32_gflops: float = Field(gt=0, description="fp32 matmul throughput (datasheet peak, or measured by the probe)")
+    # Lower bounds, not just > 0: a reported 5e-324 GFLOPS underflowed the cost model's rates to 0.0
+    # (ZeroDivisionError in the coordinator's planning). Nothing trains below a MFLOPS anyway.
+    fp32_gflops: float = Field(ge=1e-3, description="fp32 matmul throughput (datasheet peak, or measured by the probe)")
     memory_bandwidth_gbs: float | None = Field(
         None, gt=0, description="GB/s that bandwidth-bound kernels reach (datasheet peak, or probed); None: unknown"
     )
     training_efficiency: float | None = Field(
-        None, gt=0, le=1, description="fraction of fp32_gflops a training step's convolutions reach; None = default"
+        None, ge=1e-3, le=1, description="fraction of fp32_gflops a training step's convolutions reach; None = default"
     )
     kernel_overhead_us: float | None = Field(
         None, ge=0, description="fixed cost per launched operator (Python + dispatch + launch); None = default"

@@ -41,6 +41,9 @@ from dataclasses import dataclass
 import torch
 
 EXTRA_PREFIX = "__extra__."
+# Sample counts become float64 aggregation weights: beyond 2**53 they are not exact, and past ~1e308 they
+# raise OverflowError at the round's close, after the update was journaled (and again on every resume).
+MAX_SAMPLES = 2**53
 ASSIGNMENT_KIND = "assignment"
 UPDATE_KIND = "update"
 
@@ -120,7 +123,9 @@ def parse_upload_meta(meta: Mapping[str, str]) -> UploadMeta:
         host = float(meta["host_seconds"]) if "host_seconds" in meta else None
     except ValueError as exc:
         raise UploadMetaError(f"update manifest meta: {exc}") from None
-    if samples < 1 or not (seconds >= 0 and math.isfinite(seconds)):
+    if not 1 <= samples <= MAX_SAMPLES:
+        raise UploadMetaError(f"update manifest meta: samples={str(samples)[:30]} out of range [1, 2**53]")
+    if not (seconds >= 0 and math.isfinite(seconds)):
         raise UploadMetaError(f"update manifest meta: samples={samples}, train_seconds={seconds} out of range")
     if not math.isfinite(loss):
         raise UploadMetaError(f"update manifest meta: loss={loss} is not a finite number")

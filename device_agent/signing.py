@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ SIGNED_ROUND = "signed_round"
 SIGNED_TRANSFER = "signed_transfer"
 KEY_BYTES = 32
 _VERSION = "fedfleet-upload-signature-v1"
+_HEX_MAC = re.compile(r"[0-9a-f]{64}")
 
 
 class SignatureError(ValueError):
@@ -93,7 +95,10 @@ def verify(key: bytes, meta: Mapping[str, str], identity: UploadIdentity) -> Non
     claimed = UploadIdentity(
         identity.fleet, identity.run, claimed_round, identity.device, claimed_transfer, identity.payload_sha256
     )
-    if not hmac.compare_digest(sign(key, claimed).encode(), str(meta[SIGNATURE]).encode()):
+    signature = meta[SIGNATURE]
+    if not (isinstance(signature, str) and _HEX_MAC.fullmatch(signature)):
+        raise SignatureError("bad_signature", "update signature is not 64 hexadecimal digits")
+    if not hmac.compare_digest(sign(key, claimed), signature):
         raise SignatureError("bad_signature", f"update signature does not verify with {identity.device}'s key")
     if (claimed.round, claimed.transfer) != (identity.round, identity.transfer):
         raise SignatureError(

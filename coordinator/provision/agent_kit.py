@@ -223,7 +223,8 @@ agent wheel), copies agent.yaml and the secrets to {layout.etc} (secrets mode 06
 `{SERVICE_USER}` user) and installs the systemd unit. Logs: `journalctl -u fedfleet-agent -f`.
 `doctor` checks the broker, TLS, the login, the agent's topics, torch, the data and the disk.
 
-Keep `{PASSWORD}` and `{CLIENT_KEY}` secret: together they are this device's identity. If they leak,
+Keep `{PASSWORD}` and `{CLIENT_KEY}` secret: together they are this device's identity (so is `{SIGNING_KEY}`,
+where the fleet signs uploads). If they leak,
 re-provision with `coordinator provision --rotate {device.id}` and install the new kit.
 Python >= 3.10 is needed (a Jetson Nano on JetPack 4 has 3.6 and cannot run the agent).
 """

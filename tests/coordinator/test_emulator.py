@@ -168,3 +168,17 @@ def test_the_command_refuses_what_it_cannot_emulate(tmp_path: Path, capsys: pyte
     assert main(["emulate", "--fleet", str(path)]) == 2
     assert "devices[2].profile: unknown profile 'raspberry-pi-6'" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def test_an_emulated_agent_signs_with_its_kits_key(tmp_path: Path) -> None:
+    fleet, catalog = load_fleet(_fleet_file(tmp_path))
+    kits = tmp_path / "kits"
+    (kits / "pi4-a").mkdir(parents=True)
+    (kits / "pi4-a" / "signing.key").write_text("00" * 32)
+    specs = write_agent_specs(
+        fleet, catalog, tmp_path / "run", "mqtt://127.0.0.1:18999", _passwords(fleet), 50.0, kits=kits
+    )
+    configs = {spec.device: load_config(spec.config) for spec in specs}
+    assert configs["pi4-a"].signing_key == f"file:{(kits / 'pi4-a' / 'signing.key').resolve()}"
+    assert configs["pi4-a"].resolve_signing_key() == bytes(32)
+    assert configs["pi5-a"].signing_key is None  # no key in its kit: the fleet does not sign

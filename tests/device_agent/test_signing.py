@@ -1,6 +1,8 @@
 """Upload signatures: what the agent signs and how the coordinator tells a forgery from a replay."""
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from device_agent.signing import SignatureError, UploadIdentity, parse_key, signed_meta, verify
 
@@ -50,3 +52,15 @@ def test_a_bad_key_file_is_named(text, problem):
     with pytest.raises(ValueError, match=f"kits/pi-1/signing.key: {problem}"):
         parse_key(text, "kits/pi-1/signing.key")
     assert parse_key(KEY.hex() + "\n") == KEY
+
+
+@settings(max_examples=200, deadline=1000)
+@given(st.dictionaries(st.sampled_from(["signature", "signed_round", "signed_transfer"]), st.text(max_size=70)))
+@example({"signature": "\ud800" * 64, "signed_round": "3", "signed_transfer": "a" * 32})  # was UnicodeEncodeError
+@example({"signature": "é" * 64, "signed_round": "3", "signed_transfer": "a" * 32})
+@example({"signature": "0" * 64, "signed_round": "9" * 5000, "signed_transfer": "\ud800"})
+def test_any_meta_verifies_or_raises_signature_error(meta):
+    try:
+        verify(KEY, {**META, **meta}, IDENTITY)
+    except SignatureError as exc:
+        assert exc.reason in {"unsigned", "bad_signature", "replayed"}

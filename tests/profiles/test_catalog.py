@@ -93,7 +93,10 @@ def test_an_unknown_name_suggests_the_closest() -> None:
     ("edit", "message"),
     [
         (lambda d: d["memory"].pop("total"), "memory.total: Field required"),
-        (lambda d: d["compute"].update(fp32_gflops=-1), "compute.fp32_gflops: Input should be greater than 0"),
+        (
+            lambda d: d["compute"].update(fp32_gflops=-1),
+            "compute.fp32_gflops: Input should be greater than or equal to 0.001",
+        ),
         (lambda d: d["sources"][0].update(fields=["compute.teraflops"]), "unknown field(s) compute.teraflops"),
         (lambda d: d["memory"].update(reserved="9 GiB"), "must be below total"),
         (lambda d: d.update(accelerator="tpu"), "accelerator: Input should be 'cpu', 'cuda' or 'mps'"),

@@ -105,3 +105,17 @@ def test_an_agent_without_scikit_learn_refuses_digits_at_start(kit: tuple) -> No
     )
     assert result.returncode == 1
     assert "needs scikit-learn" in result.stderr and "fedfleet-agent[demo]" in result.stderr
+
+
+def test_an_unreadable_signing_key_is_named(kit: tuple, capsys: pytest.CaptureFixture[str]) -> None:
+    kits, _, root = kit
+    config = _config(kits, root, "no-signing-key")
+    raw = yaml.safe_load(config.read_text())
+    config.write_text(yaml.safe_dump({**raw, "signing_key": f"file:{root / 'missing.key'}"}))
+    code, out = _doctor(config, capsys)
+    assert code == 1
+    assert "FAIL  secrets readable" in out and "signing_key: cannot read" in out and "missing.key" in out
+    (root / "signing.key").write_text("ab" * 32)
+    config.write_text(yaml.safe_dump({**raw, "signing_key": f"file:{root / 'signing.key'}"}))
+    code, out = _doctor(config, capsys)
+    assert "PASS  secrets readable" in out and "signing key" in out, out

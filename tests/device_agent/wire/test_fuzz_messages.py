@@ -11,6 +11,7 @@ from device_agent.wire.messages import (
     MAX_MESSAGE_BYTES,
     MAX_NESTING,
     Ack,
+    Assignment,
     Manifest,
     Nack,
     ProtocolError,
@@ -94,3 +95,41 @@ def test_valid_messages_still_round_trip():
         Manifest(transfer=TRANSFER, size=10, chunk_size=4, chunks=["b" * 64] * 3, digest="c" * 64),
     ):
         assert parse_message(encode(message)) == message
+
+
+ASSIGNMENT = {
+    "v": 3,
+    "type": "assignment",
+    "run": "run-1",
+    "round": 1,
+    "deadline_s": 60.0,
+    "download": TRANSFER,
+    "spec": {
+        "strategy": "fedhm",
+        "model": {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 8},
+        "level": 0.5,
+        "frobenius_decay": 1e-3,
+    },
+    "train": {"optimizer": "momentum", "lr": 0.05, "epochs": 1, "batch_size": 32, "seed": 0},
+}
+PATHS = [(), ("spec",), ("spec", "model"), ("train",)]
+
+
+@FUZZ
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(PATHS), st.text(max_size=15) | st.sampled_from(["strategy", "arch", "level", "lr"])),
+        min_size=1,
+        max_size=3,
+    ),
+    st.lists(json_values | st.sampled_from(["fedavg", "fedlora", "resnet18", -1, 0, 2**64, "nan"]), min_size=3),
+)
+def test_assignments_with_altered_fields_parse_or_raise_protocol_error(changes, values):
+    assert isinstance(parse_message(json.dumps(ASSIGNMENT).encode()), Assignment)  # the unaltered one is valid
+    message = json.loads(json.dumps(ASSIGNMENT))
+    for (path, key), value in zip(changes, values, strict=False):
+        node = message
+        for step in path:
+            node = node[step]
+        node[key] = value
+    _parses_or_refuses(json.dumps(message).encode())
