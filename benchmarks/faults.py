@@ -62,7 +62,7 @@ devices:
   - {{id: pi5-02, profile: raspberry-pi-5, overrides: {{max_ratio: 1/2, network: {{uplink_mbps: 2}}}}}}
 """
 SETTLED = re.compile(r"(\S+): round (\d+) update settled \(receipt: (accepted|duplicate)\)")
-WAIT_S = 90.0
+WAIT_S = 150.0  # generous: on a loaded 2-core host every process start imports torch for seconds
 DEADLINE_S = 12.0
 
 
@@ -266,7 +266,7 @@ def kill_coordinator(run: FleetRun, repeats: int) -> str:
     run.finish(run.start_coordinator())
     again = run.start_coordinator()
     finished = (
-        run.finish(again, 60) == 0
+        run.finish(again) == 0
         and "is complete" in (run.root / f"coordinator-{len(run.coordinators) - 1}.out").read_text()
     )
     return f"kill -9 of the coordinator mid-upload in rounds 1-{repeats}, resumed each time; " + (
@@ -336,7 +336,7 @@ def disk_full(run: FleetRun) -> str:
         run.mid_upload(2)
         filler = run.run_dir / "filler"
         fill(filler)
-        code = run.finish(coordinator, 60)
+        code = run.finish(coordinator)
         if code != 1 or "no space left to write the run directory" not in run.err_file(0).read_text():
             raise ScenarioFailed(f"the coordinator exited with status {code} without the disk-full message")
         stopped_after = run.rounds_completed()
