@@ -358,6 +358,13 @@ class IncomingTransfers:
     def pending(self) -> list[str]:
         return list(self._open)
 
+    def knows(self, transfer: str) -> bool:
+        """Whether ``transfer`` is open or recently finished here (a repeat, not a new transfer)."""
+        return transfer in self._open or transfer in self._done
+
+    def pending_bytes(self) -> int:
+        return sum(t.manifest.size for t in self._open.values())
+
     def on_manifest(self, manifest: Manifest, now: float) -> tuple[list[Message], Completed | None]:
         """Start, seal or resume a transfer; answers a repeated manifest with what the sender needs.
 

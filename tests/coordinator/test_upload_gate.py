@@ -31,7 +31,7 @@ class TamperingLink(InProcessLink):
         super().__init__(devices)
         self.tamper = tamper
 
-    def start(self, on_message, on_payload) -> None:
+    def start(self, on_message, on_payload, on_refused=None) -> None:
         def intercept(device: str, completed: Completed) -> None:
             if device == "bad":
                 tensors, meta = self.tamper(decode_tensors(completed.data), dict(completed.manifest.meta))
