@@ -38,6 +38,7 @@ class InboundLimits:
     max_transfer_bytes: int = 1 << 30
     max_pending_bytes: int = 1 << 30
     max_open_transfers: int = 4
+    """Beyond this, a new transfer evicts the peer's least recently active one (an honest sender re-announces)."""
     max_chunks: int = 1 << 16
     min_chunk_bytes: int = 1024
     """Unless the transfer is one chunk: tiny chunks make the receiver keep a slot per few bytes."""
@@ -106,22 +107,22 @@ class InboundGuard:
             return self.refuse(peer, "rate_limited", f"more than {rate} messages; dropped unanswered", now)
         return True
 
-    def manifest_problem(self, manifest: Manifest, open_transfers: int, pending_bytes: int) -> str | None:
-        """Why a new transfer from a peer holding ``open_transfers`` (``pending_bytes``) is refused, or None."""
+    def manifest_problem(self, manifest: Manifest) -> str | None:
+        """Why a new transfer is refused whatever else the peer has open, or None."""
         limits = self.limits
-        if manifest.size > limits.max_transfer_bytes:
-            return f"{manifest.size} bytes exceed the {limits.max_transfer_bytes}-byte transfer limit"
+        most = min(limits.max_transfer_bytes, limits.max_pending_bytes)
+        if manifest.size > most:
+            return f"{manifest.size} bytes exceed the {most}-byte transfer limit"
         if manifest.chunk_count > limits.max_chunks:
             return f"{manifest.chunk_count} chunks exceed the limit of {limits.max_chunks}"
         if manifest.chunk_count > 1 and manifest.chunk_size < limits.min_chunk_bytes:
             return f"chunks of {manifest.chunk_size} bytes are below the {limits.min_chunk_bytes}-byte minimum"
-        if open_transfers >= limits.max_open_transfers:
-            return f"already {open_transfers} unfinished transfers from this peer (limit {limits.max_open_transfers})"
-        if pending_bytes + manifest.size > limits.max_pending_bytes:
-            return (
-                f"{pending_bytes} bytes of unfinished transfers plus {manifest.size} exceed {limits.max_pending_bytes}"
-            )
         return None
+
+    def over(self, manifest: Manifest, open_transfers: int, pending_bytes: int) -> bool:
+        """Whether admitting ``manifest`` next to the peer's unfinished transfers breaks a per-peer bound."""
+        limits = self.limits
+        return open_transfers >= limits.max_open_transfers or pending_bytes + manifest.size > limits.max_pending_bytes
 
     def refuse(self, peer: str, reason: str, detail: str, now: float) -> bool:
         """Count a refusal and log it if it starts a burst; returns False (not admitted)."""

@@ -598,7 +598,11 @@ class Session:
                 log.exception("%s: error receiving on %s (the session keeps running)", self.config.client_id, topic)
 
     def _transfer_refusal(self, topic: str, manifest: Manifest) -> Error | None:
-        """The error answering a new transfer the guard's per-peer bounds refuse (called under ``self._lock``)."""
+        """The error answering a new transfer the guard refuses (called under ``self._lock``).
+
+        Bounds hold per peer, whatever topic of its subtree a transfer uses: a new transfer past them evicts
+        the peer's least recently active one, so a sender whose old transfers were cut off is not locked out.
+        """
         guard = self._guard_in
         if guard is None:
             return None
@@ -606,13 +610,16 @@ class Session:
         mine = [t for source, t in self._incoming.items() if (topics.device_of(source) or source) == peer]
         if any(t.knows(manifest.transfer) for t in mine):
             return None
-        problem = guard.manifest_problem(
-            manifest, sum(len(t.pending()) for t in mine), sum(t.pending_bytes() for t in mine)
-        )
-        if problem is None:
-            return None
-        guard.refuse(peer, "transfer_refused", f"transfer {manifest.transfer}: {problem}", time.monotonic())
-        return Error(code="too_large", transfer=manifest.transfer, detail=problem)
+        now = time.monotonic()
+        problem = guard.manifest_problem(manifest)
+        if problem is not None:
+            guard.refuse(peer, "transfer_refused", f"transfer {manifest.transfer}: {problem}", now)
+            return Error(code="too_large", transfer=manifest.transfer, detail=problem)
+        while guard.over(manifest, sum(len(t.pending()) for t in mine), sum(t.pending_bytes() for t in mine)):
+            _seen, tid, holder = min(((*o, t) for t in mine if (o := t.oldest()) is not None), key=lambda x: x[:2])
+            holder.drop(tid)
+            guard.refuse(peer, "transfer_evicted", f"unfinished transfer {tid} dropped for a newer one", now)
+        return None
 
     def _dispatch_loop(self) -> None:
         while (event := self._events.get()) is not None:

@@ -365,6 +365,14 @@ class IncomingTransfers:
     def pending_bytes(self) -> int:
         return sum(t.manifest.size for t in self._open.values())
 
+    def oldest(self) -> tuple[float, str] | None:
+        """(last activity, id) of the unfinished transfer heard from least recently, or None."""
+        return min(((t.last_seen, tid) for tid, t in self._open.items()), default=None)
+
+    def drop(self, transfer: str) -> None:
+        """Forget an unfinished transfer (the sender re-announces it if it is still alive)."""
+        self._open.pop(transfer, None)
+
     def on_manifest(self, manifest: Manifest, now: float) -> tuple[list[Message], Completed | None]:
         """Start, seal or resume a transfer; answers a repeated manifest with what the sender needs.
 
