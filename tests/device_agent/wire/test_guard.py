@@ -64,7 +64,7 @@ def test_a_manifest_beyond_the_bounds_is_refused(size, chunk_size, problem) -> N
 
 def test_small_payloads_in_one_chunk_and_normal_transfers_pass() -> None:
     guard = InboundGuard()
-    assert guard.manifest_problem(manifest(10, 1)) is None  # one chunk: its size does not matter
+    assert guard.manifest_problem(manifest(10, 64)) is None  # one chunk: its size does not matter
     assert guard.manifest_problem(manifest(45 << 20)) is None  # a ResNet-18 update
     assert not guard.over(manifest(1 << 20), open_transfers=3, pending_bytes=1 << 20)
     assert guard.over(manifest(1 << 20), open_transfers=4, pending_bytes=0)
