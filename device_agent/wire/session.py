@@ -588,7 +588,11 @@ class Session:
                     intact = chunk_is_intact(chunk, digest)  # outside the lock: the slow part
                     with self._lock:
                         receiver = self._receiver(topic)
+                        corrupt = receiver.stats.corrupt
                         replies, completed = receiver.on_chunk(transfer, index, chunk, digest, now, intact)
+                    if self._guard_in is not None and receiver.stats.corrupt > corrupt:
+                        detail = f"chunk {index} of transfer {transfer} does not match its digest; asked for again"
+                        self._guard_in.refuse(topics.device_of(topic) or topic, "corrupt_chunk", detail, now)
                     if self._after_chunk_in is not None:
                         self._after_chunk_in(size)
                 self._reply(topic, replies)
