@@ -515,8 +515,6 @@ def _fleet(tmp: Path, port: int) -> dict:
 
 def run(flood_count: int = 20_000, kinds: list[str] | None = None) -> dict:
     """Every kind (or ``kinds``) against one round; returns {"bad_inputs": {kind: outcome}}."""
-    if find_mosquitto() is None:
-        raise RuntimeError("mosquitto is not installed (apt-get install mosquitto)")
     catalog = {**control_kinds(), **payload_kinds()}
     chosen = list(catalog) if kinds is None else kinds
     unknown = sorted(
@@ -524,6 +522,8 @@ def run(flood_count: int = 20_000, kinds: list[str] | None = None) -> dict:
     )
     if unknown:
         raise ValueError(f"unknown kinds {unknown}; choose from {sorted(catalog)}")
+    if find_mosquitto() is None:
+        raise RuntimeError("mosquitto is not installed (apt-get install mosquitto)")
     data = load_dataset("digits", MODEL.image_size, 1)
     split = PartitionSpec("iid", 2, seed=0)
     shards = [client_shard(data.train_x, data.train_y, split, i) for i in range(2)]

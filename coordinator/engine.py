@@ -502,7 +502,7 @@ class RoundEngine:
                 return
             problem = profile_problem(message.profile)
             if problem is not None:
-                log.warning("%s sent a hello with %s; ignored", device, problem)
+                log.warning("%s sent a hello with %s; ignored (bad_message)", device, problem)
                 self._count_refusal(device, "bad_message")
                 return
             state.profile = message.profile
@@ -529,7 +529,7 @@ class RoundEngine:
 
     def _refuse_message(self, device: str, what: str) -> None:
         """A message whose content contradicts its topic's device (the broker-authenticated sender)."""
-        log.warning("%s sent %s; ignored", device, what)
+        log.warning("%s sent %s; ignored (wrong_sender)", device, what)
         self._count_refusal(device, "wrong_sender")
 
     def _count_refusal(self, device: str, reason: str) -> None:
