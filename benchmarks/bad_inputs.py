@@ -557,7 +557,8 @@ def run(flood_count: int = 20_000, kinds: list[str] | None = None) -> dict:
                 rundir,
                 LabeledData(calibration, calibration.new_zeros(len(calibration)), data.test_x, data.test_y, 10),
                 MqttLink(FLEET, broker.address, limits=InboundLimits(quiet_s=QUIET_S)),
-                EngineSettings(min_devices=2, wait_timeout_s=60, calibration_samples=256),
+                # Mallory keeps sending for longer than the default grace after a refusal: the round waits for it.
+                EngineSettings(min_devices=2, wait_timeout_s=60, calibration_samples=256, rejected_grace_s=120),
                 planner=fixed_levels({HONEST: 1.0, MALLORY: 0.5}),
             )
             crashed: list[BaseException] = []
