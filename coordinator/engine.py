@@ -51,6 +51,14 @@ from coordinator.rundir import OPEN_ROUND_FILE, RoundNotOpen, RunDir
 from coordinator.signing import UploadSignatures
 from coordinator.steady_reports import SteadyReports
 from coordinator.strategies import ClientSlot, RoundAggregate, Strategy
+from coordinator.upload_gate import (
+    GateSettings,
+    UploadGate,
+    UploadRefused,
+    check_dtypes,
+    profile_problem,
+    squared_norms,
+)
 from device_agent.atomic import atomic_write
 from device_agent.data.datasets import LabeledData
 from device_agent.probe import DeviceProfile
@@ -58,7 +66,6 @@ from device_agent.protocol import (
     ASSIGNMENT_KIND,
     UPDATE_KIND,
     UploadMetaError,
-    parse_upload_meta,
     round_seed,
     split_upload,
 )
@@ -101,6 +108,13 @@ class Refusal:
 
 RECENT_REFUSALS = 50
 
+
+def printable(text: str, limit: int = 200) -> str:
+    """A device-chosen string fit for one log line: no control characters, bounded length."""
+    clean = "".join(c if c.isprintable() else "?" for c in text[:limit])
+    return clean + ("..." if len(text) > limit else "")
+
+
 Planner = Callable[
     [Fleet, Mapping[str, DeviceClass], Mapping[str, DeviceProfile], Mapping[str, float]], list[DevicePlan]
 ]
@@ -135,6 +149,7 @@ class Participant:
     host_seconds: float | None = None
     error: str | None = None
     local_accuracy: float | None = None
+    rejected_at: float = math.inf
 
 
 @dataclass
@@ -147,9 +162,15 @@ class OpenRound:
     extended: bool = False
     phases: dict[str, float] = field(default_factory=dict)
 
-    def answered(self, devices: dict[str, DeviceState]) -> bool:
+    def answered(self, devices: dict[str, DeviceState], rejected_before: float = math.inf) -> bool:
+        """Every participant accepted, failed, offline, or refused at or before ``rejected_before`` (monotonic).
+
+        A fresh refusal is no answer yet: the device may still send a valid update, which must not be late.
+        """
         return all(
-            p.status in ("accepted", "rejected", "failed") or not devices[d].online
+            p.status in ("accepted", "failed")
+            or (p.status == "rejected" and p.rejected_at <= rejected_before)
+            or not devices[d].online
             for d, p in self.participants.items()
         )
 
@@ -163,6 +184,11 @@ class EngineSettings:
     min_devices: int
     wait_timeout_s: float = 600.0
     calibration_samples: int = 1024
+    gate: GateSettings = field(default_factory=GateSettings)
+    resend_after_s: float = 5.0
+    rejected_grace_s: float = 10.0
+    """How long a refused participant may still send a valid update before the round stops waiting for it."""
+    """An assignment is sent again to a participant that says it is idle at least this long after the last one."""
 
 
 class RoundEngine:
@@ -205,6 +231,9 @@ class RoundEngine:
         self._deferred: list[tuple[str, Completed]] = []
         self.link = link
         self.planner = planner
+        self.gate = UploadGate(settings.gate)
+        # device -> (payload, its manifest, the assignment, when it was last sent), for re-sending it.
+        self._assigned: dict[str, tuple[bytes, Manifest, Assignment, float]] = {}
         resume = rundir.resume()
         self.strategy.load_state_dict(resume.state)
         self.next_round = resume.next_round
@@ -217,6 +246,7 @@ class RoundEngine:
         self.link.start(
             on_message=lambda device, m: self._events.put(lambda: self._on_message(device, m)),
             on_payload=lambda device, c: self._events.put(lambda: self._on_payload(device, c)),
+            on_refused=lambda device, reason: self._events.put(lambda: self._count_refusal(device, reason)),
         )
         try:
             if not self._wait_for_devices(progress):
@@ -300,6 +330,8 @@ class RoundEngine:
             json.dumps({"round": round_, "participants": dict(participants)}).encode(),
         )
         aggregate = self.strategy.open_round(round_, slots)
+        self.gate.open_round()
+        self._assigned.clear()
         deadline = started + self.fleet.round_deadline_s
         self.open = OpenRound(
             round_, {d: Participant(level) for d, level in participants}, aggregate, deadline, started
@@ -314,7 +346,7 @@ class RoundEngine:
         self.open.phases.update(plan=planned - started, push=pushed - planned)
         while not self.stopping.is_set():
             self._pump(self.open.deadline, progress)
-            if self.open.answered(self.devices):
+            if self.open.answered(self.devices, time.monotonic() - self.settings.rejected_grace_s):
                 break
             if time.monotonic() >= self.open.deadline:
                 if len(self.open.accepted) >= self._quorum() or self.fleet.on_quorum_miss == "skip":
@@ -384,6 +416,7 @@ class RoundEngine:
             self.open.aggregate.check(entry.device, upload, int(entry.meta["samples"]), extras)
             self.open.aggregate.fold(entry.device, upload, int(entry.meta["samples"]), extras)
             participant = self.open.participants[entry.device]
+            self.gate.accepted(participant.level, math.sqrt(sum(squared_norms(upload).values())))
             participant.status = "accepted"
             participant.train_seconds = float(entry.meta.get("train_seconds", 0.0))
             participant.host_seconds = entry.meta.get("host_seconds")
@@ -398,6 +431,8 @@ class RoundEngine:
         # Devices whose payloads are byte-identical (FedHM at one level) share one manifest; personalized
         # strategies give each device its own payload at the same level, so the level is no key.
         manifests: dict[bytes, Manifest] = {}
+        norms: dict[bytes, dict[str, float]] = {}
+        shared: dict[bytes, bytes] = {}
         for slot in slots:
             participant = self.open.participants[slot.client_id]
             participant.bytes_up_start = self.link.bytes_up(slot.client_id)
@@ -407,24 +442,26 @@ class RoundEngine:
                 continue
             assignment = assignments[slot.client_id]
             payload = encode_tensors(assignment.tensors)
+            payload = shared.setdefault(payload, payload)  # one copy per distinct payload is kept for re-sends
             if payload not in manifests:
                 manifests[payload] = self.link.prepare(
                     payload, run=self.rundir.run_id, round=round_, kind=ASSIGNMENT_KIND
                 )
+                norms[payload] = squared_norms(assignment.tensors)
+            self.gate.sent(slot.client_id, norms[payload])
             transfer = self.link.send_payload(slot.client_id, payload, manifests[payload])
             device = self.devices[slot.client_id].device
             seed = round_seed(self.rundir.seed, round_, sorted(self.devices).index(slot.client_id))
-            self.link.send_control(
-                slot.client_id,
-                Assignment(
-                    run=self.rundir.run_id,
-                    round=round_,
-                    deadline_s=max(1.0, self.open.deadline - time.monotonic()),
-                    download=transfer,
-                    spec=assignment.spec,
-                    train=self.fleet.training.for_device(device, seed),
-                ),
+            message = Assignment(
+                run=self.rundir.run_id,
+                round=round_,
+                deadline_s=max(1.0, self.open.deadline - time.monotonic()),
+                download=transfer,
+                spec=assignment.spec,
+                train=self.fleet.training.for_device(device, seed),
             )
+            self.link.send_control(slot.client_id, message)
+            self._assigned[slot.client_id] = (payload, manifests[payload], message, time.monotonic())
 
     def _close(self, round_: int, pushed: float) -> None:
         assert self.open is not None
@@ -510,7 +547,12 @@ class RoundEngine:
             return
         if isinstance(message, Hello):
             if message.device != device:
-                log.warning("%s sent a hello as %r; ignored", device, message.device)
+                self._refuse_message(device, f"a hello as {message.device!r}")
+                return
+            problem = profile_problem(message.profile)
+            if problem is not None:
+                log.warning("%s sent a hello with %s; ignored (bad_message)", device, problem)
+                self._count_refusal(device, "bad_message")
                 return
             state.profile = self.reports.adopt(device, message.profile, self.catalog.get(state.device.profile))
             log.info(
@@ -526,8 +568,13 @@ class RoundEngine:
             state.agent_version, state.refused = message.agent_version, None
             self._set_online(state, True, "hello")
         elif isinstance(message, Status):
+            if message.device != device:
+                self._refuse_message(device, f"a status naming {message.device!r}")
+                return
             state.state = message.state
-            self._set_online(state, message.state != "offline", f"{message.state} {message.detail}".strip())
+            self._set_online(state, message.state != "offline", f"{message.state} {printable(message.detail)}".strip())
+            if message.state in ("idle", "online"):
+                self._resend_assignment(device)
         elif isinstance(message, RoundFailed):
             self._on_failed(device, message)
         elif isinstance(message, Error) and message.code == INCOMPATIBLE:
@@ -536,7 +583,32 @@ class RoundEngine:
             state.refused = message.detail
             self._set_online(state, False, "incompatible")
         elif isinstance(message, Error):
-            log.warning("%s reports: %s: %s", device, message.code, message.detail)
+            log.warning("%s reports: %s: %s", device, message.code, printable(message.detail))
+
+    def _refuse_message(self, device: str, what: str) -> None:
+        """A message whose content contradicts its topic's device (the broker-authenticated sender)."""
+        log.warning("%s sent %s; ignored (wrong_sender)", device, what)
+        self._count_refusal(device, "wrong_sender")
+
+    def _count_refusal(self, device: str, reason: str) -> None:
+        self.refusals[(device, reason)] += 1
+
+    def _resend_assignment(self, device: str) -> None:
+        """A participant that says it is idle mid-round missed its assignment (offline, lost): send it again."""
+        open_ = self.open
+        sent = self._assigned.get(device)
+        participant = open_.participants.get(device) if open_ is not None else None
+        if open_ is None or sent is None or participant is None or participant.status != "assigned":
+            return
+        payload, manifest, assignment, at = sent
+        now = time.monotonic()
+        if now - at < self.settings.resend_after_s or now >= open_.deadline:
+            return
+        transfer = self.link.send_payload(device, payload, manifest)
+        again = assignment.model_copy(update={"download": transfer, "deadline_s": max(1.0, open_.deadline - now)})
+        self.link.send_control(device, again)
+        self._assigned[device] = (payload, manifest, again, now)
+        log.info("round %d: %s is idle without an update; its assignment was sent again", open_.round, device)
 
     @staticmethod
     def _set_online(state: DeviceState, online: bool, why: str) -> None:
@@ -572,14 +644,15 @@ class RoundEngine:
         try:
             status = self._accept(device, completed)
         except (UpdateRejected, UploadMetaError, CodecError) as exc:
-            log.warning("rejected %s's update for round %d: %s", device, manifest.round, exc)
-            self.refusals[(device, refusal_reason(exc))] += 1
-            self.recent_refusals.append(
-                Refusal(device, manifest.round, refusal_reason(exc), str(exc)[:300], time.time())
-            )
+            reason = refusal_reason(exc)
+            log.warning("rejected %s's update for round %d (%s): %s", device, manifest.round, reason, exc)
+            self._count_refusal(device, reason)
+            self.recent_refusals.append(Refusal(device, manifest.round, reason, str(exc)[:300], time.time()))
             participant = self.open.participants.get(device) if self.open else None
             if participant is not None and participant.status != "accepted":
+                # Not an answer yet: the device may still send a valid update this round (see OpenRound.answered).
                 participant.status, participant.error = "rejected", str(exc)[:500]
+                participant.rejected_at = time.monotonic()
             self.link.send_control(device, Error(code="rejected", detail=str(exc)[:1000], transfer=manifest.transfer))
             return
         self.link.send_control(
@@ -594,27 +667,35 @@ class RoundEngine:
         """
         manifest = completed.manifest
         if manifest.kind != UPDATE_KIND:
-            raise UpdateRejected(f"expected a transfer of kind {UPDATE_KIND!r}, got {manifest.kind!r}")
+            raise UploadRefused("wrong_kind", f"expected a transfer of kind {UPDATE_KIND!r}, got {manifest.kind!r}")
         if manifest.run != self.rundir.run_id:
-            raise UpdateRejected(f"update for run {manifest.run!r}, but this run is {self.rundir.run_id!r}")
+            raise UploadRefused("wrong_run", f"update for run {manifest.run!r}, but this run is {self.rundir.run_id!r}")
         open_ = self.open
         if open_ is None or manifest.round < open_.round:
             if manifest.round < self.next_round:
                 return "late"
-            raise UpdateRejected(f"round {manifest.round} is not open")
+            raise UploadRefused("wrong_round", f"round {manifest.round} is not open")
         if manifest.round != open_.round:
-            raise UpdateRejected(f"round {manifest.round} is not open (the open round is {open_.round})")
+            raise UploadRefused("wrong_round", f"round {manifest.round} is not open (the open round is {open_.round})")
         participant = open_.participants.get(device)
         if participant is None:
-            raise UpdateRejected(f"{device!r} is not a participant of round {open_.round}")
+            raise UploadRefused("not_participant", f"{device!r} is not a participant of round {open_.round}")
         if participant.status == "accepted":
             return "duplicate"
         data = completed.data
         if self.signatures is not None:
             self.signatures.check(device, manifest, data)
-        parsed = parse_upload_meta(manifest.meta)
-        upload, extras = split_upload(decode_tensors(data))
-        open_.aggregate.check(device, upload, parsed.samples, extras)
+        parsed = self.gate.meta(manifest.meta, self.fleet.samples_for(self.devices[device].device))
+        try:
+            tensors = decode_tensors(data)
+            check_dtypes(tensors)
+            upload, extras = split_upload(tensors)
+            open_.aggregate.check(device, upload, parsed.samples, extras)
+            norm = self.gate.norm(device, participant.level, upload)
+        except (UpdateRejected, CodecError):
+            raise
+        except Exception as exc:  # one device's bytes must never stop the engine, whatever they trip over
+            raise UploadRefused("other", f"the update could not be checked: {type(exc).__name__}: {exc}") from exc
         meta = {
             "samples": parsed.samples,
             "train_seconds": parsed.train_seconds,
@@ -629,6 +710,7 @@ class RoundEngine:
         except RoundNotOpen:
             return "late"
         open_.aggregate.fold(device, upload, parsed.samples, extras)
+        self.gate.accepted(participant.level, norm)
         participant.status, participant.payload_bytes = "accepted", len(data)
         participant.train_seconds, participant.local_accuracy = parsed.train_seconds, parsed.local_accuracy
         participant.host_seconds = parsed.host_seconds

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from device_agent.wire.guard import InboundGuard, InboundLimits
 from device_agent.wire.messages import Manifest, Message
 from device_agent.wire.session import BrokerAddress, Session, coordinator_session
 from device_agent.wire.topics import DeviceTopics, device_of
@@ -22,12 +23,20 @@ log = logging.getLogger("fedfleet.link")
 
 MessageHandler = Callable[[str, Message], None]
 PayloadHandler = Callable[[str, Completed], None]
+RefusalHandler = Callable[[str, str], None]
+"""Told (device, reason) of every frame the transport refused before the engine saw it (rate, retained, bounds)."""
+
+
+def _ignore_refusal(_device: str, _reason: str) -> None:
+    """The default :data:`RefusalHandler`: the transport still logs each burst of refusals."""
 
 
 class Link(Protocol):
     """What the engine needs from a transport. Handlers may run on any thread; the engine queues them."""
 
-    def start(self, on_message: MessageHandler, on_payload: PayloadHandler) -> None:
+    def start(
+        self, on_message: MessageHandler, on_payload: PayloadHandler, on_refused: RefusalHandler = _ignore_refusal
+    ) -> None:
         """Connect; from now on ``on_message(device, message)`` and ``on_payload(device, completed)`` fire."""
 
     def stop(self) -> None: ...
@@ -67,9 +76,12 @@ def _by_device(handler: Callable[[str, Any], None], what: str) -> Callable[[str,
 class MqttLink:
     """A fleet over an MQTT broker: one coordinator session, per-device topics under the fleet's name."""
 
-    def __init__(self, fleet: str, broker: BrokerAddress, **session_config: Any) -> None:
+    def __init__(
+        self, fleet: str, broker: BrokerAddress, limits: InboundLimits | None = None, **session_config: Any
+    ) -> None:
         self.fleet = fleet
         self.broker = broker
+        self.limits = limits or InboundLimits()
         self.session_config = session_config
         self.session: Session | None = None
         self._topics: dict[str, DeviceTopics] = {}
@@ -79,12 +91,19 @@ class MqttLink:
             self._topics[device] = DeviceTopics(self.fleet, device)
         return self._topics[device]
 
-    def start(self, on_message: MessageHandler, on_payload: PayloadHandler, timeout: float = 30.0) -> None:
+    def start(
+        self,
+        on_message: MessageHandler,
+        on_payload: PayloadHandler,
+        on_refused: RefusalHandler = _ignore_refusal,
+        timeout: float = 30.0,
+    ) -> None:
         self.session = coordinator_session(
             self.fleet,
             self.broker,
             on_message=_by_device(on_message, "message"),
             on_payload=_by_device(on_payload, "payload"),
+            guard=InboundGuard(self.limits, on_refused, f"fleet {self.fleet}"),
             **self.session_config,
         )
         self.session.start(timeout=timeout)
@@ -114,4 +133,4 @@ class MqttLink:
         return self._session().stats.bytes_out.get(self.topics(device).down, 0)
 
 
-__all__ = ["Link", "MessageHandler", "MqttLink", "PayloadHandler"]
+__all__ = ["Link", "MessageHandler", "MqttLink", "PayloadHandler", "RefusalHandler"]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from coordinator.link import MessageHandler, PayloadHandler
+from coordinator.link import MessageHandler, PayloadHandler, RefusalHandler
 from device_agent.clients.base import KeptStateMissing
 from device_agent.local_round import train_assignment
 from device_agent.oom import is_out_of_memory
@@ -62,7 +62,10 @@ class InProcessLink:
         self._on_message: MessageHandler = lambda _d, _m: None
         self._on_payload: PayloadHandler = lambda _d, _c: None
 
-    def start(self, on_message: MessageHandler, on_payload: PayloadHandler) -> None:
+    def start(
+        self, on_message: MessageHandler, on_payload: PayloadHandler, on_refused: RefusalHandler | None = None
+    ) -> None:
+        """In-process devices send nothing a transport would refuse: ``on_refused`` is never called."""
         self._on_message, self._on_payload = on_message, on_payload
         self._worker = threading.Thread(target=self._work, name="fedfleet-local-devices", daemon=True)
         self._worker.start()

@@ -172,7 +172,12 @@ def simulate(
                 rundir,
                 data,
                 InProcessLink(devices),
-                EngineSettings(min_devices=len(clients), wait_timeout_s=60, calibration_samples=len(calibration)),
+                EngineSettings(
+                    min_devices=len(clients),
+                    wait_timeout_s=60,
+                    calibration_samples=len(calibration),
+                    rejected_grace_s=0.0,  # in-process devices never send a second update
+                ),
                 planner=fixed_levels({c.client_id: c.level for c in clients}),
             )
             engine.run()

@@ -35,7 +35,14 @@ class Weighting(str, Enum):
 
 
 class UpdateRejected(ValueError):
-    """A client update that cannot be aggregated; the message names the offending key."""
+    """A client update that cannot be aggregated; the message names the offending key.
+
+    ``reason`` is a short snake_case code the engine counts refusals by (``coordinator.upload_gate.REASONS``).
+    """
+
+    def __init__(self, message: str, reason: str = "rejected") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 MAX_ABS_VALUE = 1e6
@@ -43,15 +50,22 @@ MAX_ABS_VALUE = 1e6
 orders of magnitude below; a finite 3e38 would still overflow every sum it is folded into."""
 
 
-def check_values(key: str, value: Tensor) -> None:
-    """Finite and bounded, for a floating-point upload tensor; else ``UpdateRejected`` naming ``key``."""
+def check_values(key: str, value: Tensor, dtype: torch.dtype = torch.float32) -> None:
+    """Of ``dtype`` (the model's), finite and bounded; else ``UpdateRejected`` naming ``key``.
+
+    The dtype comes first: float8 has no ``isfinite``, and a float64 or bfloat16 tensor is not what any client sends.
+    """
+    if value.dtype != dtype:
+        raise UpdateRejected(f"{key!r}: dtype {value.dtype}, expected {dtype}", "bad_dtype")
     if value.numel() == 0:
         return
     if not bool(torch.isfinite(value).all()):
-        raise UpdateRejected(f"{key!r}: contains NaN or infinite values")
+        raise UpdateRejected(f"{key!r}: contains NaN or infinite values", "non_finite")
     largest = float(value.abs().max())
     if largest > MAX_ABS_VALUE:
-        raise UpdateRejected(f"{key!r}: a value of magnitude {largest:.3g} exceeds the bound {MAX_ABS_VALUE:g}")
+        raise UpdateRejected(
+            f"{key!r}: a value of magnitude {largest:.3g} exceeds the bound {MAX_ABS_VALUE:g}", "out_of_bounds"
+        )
 
 
 def parse_weighting(value: Weighting | str) -> Weighting:
@@ -164,32 +178,34 @@ class StreamingAggregator:
             layer = self._layer_of.get(key)
             expected = self.global_state.get(key)
             if layer is None and expected is None:
-                raise UpdateRejected(f"{key!r}: not a parameter of this model")
+                raise UpdateRejected(f"{key!r}: not a parameter of this model", "unknown_tensor")
             if expected is not None and not expected.is_floating_point():
                 continue
             if not value.is_floating_point():
-                raise UpdateRejected(f"{key!r}: expected a floating-point tensor, got {value.dtype}")
-            check_values(key, value)
+                raise UpdateRejected(f"{key!r}: expected a floating-point tensor, got {value.dtype}", "bad_dtype")
+            check_values(key, value, torch.float32 if expected is None else expected.dtype)
             if layer is not None:
                 seen_factors.add(layer)
                 continue
             if gamma < 1 and key.endswith(".weight") and key[: -len(".weight")] in self.plan:
                 raise UpdateRejected(f"{key!r}: a client at gamma={gamma} must send this layer as factors")
             if value.shape != expected.shape:
-                raise UpdateRejected(f"{key!r}: shape {tuple(value.shape)}, expected {tuple(expected.shape)}")
+                raise UpdateRejected(
+                    f"{key!r}: shape {tuple(value.shape)}, expected {tuple(expected.shape)}", "bad_shape"
+                )
             dense[key] = lambda v=value: v.to(torch.float64)
         for layer in seen_factors:
             spec = self.plan[layer]
             reduce_key, expand_key = factor_keys(layer)
             if reduce_key not in update or expand_key not in update:
-                raise UpdateRejected(f"{layer!r}: got only one of {reduce_key!r} / {expand_key!r}")
+                raise UpdateRejected(f"{layer!r}: got only one of {reduce_key!r} / {expand_key!r}", "missing_tensor")
             if f"{layer}.weight" in update:
                 raise UpdateRejected(f"{layer!r}: sent both factors and a dense weight")
             want_reduce, want_expand = spec.factor_shapes(gamma)
             for key, want in ((reduce_key, want_reduce), (expand_key, want_expand)):
                 if tuple(update[key].shape) != want:
                     raise UpdateRejected(
-                        f"{key!r}: shape {tuple(update[key].shape)}, expected {want} for gamma={gamma}"
+                        f"{key!r}: shape {tuple(update[key].shape)}, expected {want} for gamma={gamma}", "bad_shape"
                     )
             reduce, expand = update[reduce_key], update[expand_key]
             dense[f"{layer}.weight"] = lambda r=reduce, e=expand, s=spec.shape: reconstruct(

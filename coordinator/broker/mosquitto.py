@@ -68,7 +68,7 @@ def config_text(settings: BrokerSettings, port: int, password_file: Path, acl_fi
 
 
 def limits_and_persistence(settings: BrokerSettings, data_dir: Path) -> list[str]:
-    """The mosquitto.conf lines every fedfleet broker shares: size limits, persistence, Nagle off, logging."""
+    """The mosquitto.conf lines every fedfleet broker shares: limits, persistence, Nagle off, client ids, logs."""
     return [
         f"max_packet_size {settings.max_packet_bytes}",
         f"max_queued_messages {settings.max_queued_messages}",
@@ -79,6 +79,9 @@ def limits_and_persistence(settings: BrokerSettings, data_dir: Path) -> list[str
         # Acks are tiny packets written right after a PUBACK; with Nagle on they wait ~40 ms for a
         # delayed TCP ack, which stalls every transfer's completion.
         "set_tcp_nodelay true",
+        # A client id is its login's user name: one device's login can then never take over (and so
+        # disconnect) another device's or the coordinator's connection. Persistent sessions key on it too.
+        "use_username_as_clientid true",
         "log_dest stderr",
         "log_type error",
         "log_type warning",

@@ -128,7 +128,7 @@ def check_finite_float(key: str, value: object) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise UpdateRejected(f"{key!r}: expected a tensor, got {type(value).__name__}")
     if not value.is_floating_point():
-        raise UpdateRejected(f"{key!r}: expected a floating-point tensor, got {value.dtype}")
+        raise UpdateRejected(f"{key!r}: expected a floating-point tensor, got {value.dtype}", "bad_dtype")
     check_values(key, value)
     return value
 

@@ -28,20 +28,23 @@ def _check(kind: str, got: Mapping[str, torch.Tensor], expected: Mapping[str, to
     missing = sorted(set(expected) - set(got))
     if missing:
         raise UpdateRejected(
-            f"{kind} lacks {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            f"{kind} lacks {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
+            "missing_tensor",
         )
     for key, value in got.items():
         if key not in expected:
-            raise UpdateRejected(f"{kind} {key!r}: not expected from this client")
+            raise UpdateRejected(f"{kind} {key!r}: not expected from this client", "unknown_tensor")
         if not isinstance(value, torch.Tensor):
             raise UpdateRejected(f"{kind} {key!r}: expected a tensor, got {type(value).__name__}")
         want = expected[key]
         if value.shape != want.shape:
-            raise UpdateRejected(f"{kind} {key!r}: shape {tuple(value.shape)}, expected {tuple(want.shape)}")
+            raise UpdateRejected(
+                f"{kind} {key!r}: shape {tuple(value.shape)}, expected {tuple(want.shape)}", "bad_shape"
+            )
         if value.is_floating_point() != want.is_floating_point():
-            raise UpdateRejected(f"{kind} {key!r}: dtype {value.dtype}, expected {want.dtype}")
+            raise UpdateRejected(f"{kind} {key!r}: dtype {value.dtype}, expected {want.dtype}", "bad_dtype")
         if value.is_floating_point():
-            check_values(f"{kind} {key}", value)
+            check_values(f"{kind} {key}", value, want.dtype)
 
 
 class BufferedRound(RosterRound):

@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel, Field
 from torch import nn
 
-from coordinator.algorithms.aggregation import StreamingAggregator
+from coordinator.algorithms.aggregation import StreamingAggregator, UpdateRejected
 from coordinator.algorithms.lowrank import factorize
 from coordinator.strategies.base import (
     Assignment,
@@ -33,7 +33,7 @@ from coordinator.strategies.base import (
     StrategyParams,
     seeded_model,
 )
-from device_agent.clients.base import ClientProgram
+from device_agent.clients.base import ClientProgram, is_norm_statistic
 from device_agent.clients.fedhm import FedHMProgram
 from device_agent.clients.spec import FedHMSpec
 from device_agent.hybrid import factorization_plan
@@ -49,10 +49,43 @@ class FedHMParams(StrategyParams):
     """Frobenius decay strength on factors; factors get no plain L2."""
 
 
+UploadShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
+"""Key -> (shape, dtype) of every tensor a client at one level sends back."""
+
+
+def expected_upload(model: nn.Module) -> UploadShapes:
+    """What ``FedHMProgram.upload`` sends for ``model``: every state entry but the BN statistics."""
+    return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items() if not is_norm_statistic(k)}
+
+
+def check_exact(tensors: Mapping[str, torch.Tensor], expected: UploadShapes) -> None:
+    """The upload holds exactly the expected tensors: a partial update would keep stale layers unnoticed."""
+    unknown = sorted(tensors.keys() - expected.keys())
+    if unknown:
+        raise UpdateRejected(f"{unknown[0]!r}: not a tensor a client at this level sends", "unknown_tensor")
+    missing = sorted(expected.keys() - tensors.keys())
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise UpdateRejected(f"{missing[0]!r}: missing from the upload{more}", "missing_tensor")
+    for key, (shape, dtype) in expected.items():
+        value = tensors[key]
+        if value.dtype != dtype:
+            raise UpdateRejected(f"{key!r}: dtype {value.dtype}, expected {dtype}", "bad_dtype")
+        if tuple(value.shape) != shape:
+            raise UpdateRejected(f"{key!r}: shape {tuple(value.shape)}, expected {shape}", "bad_shape")
+
+
 class FedHMRound(RosterRound):
-    def __init__(self, round: int, clients: Sequence[ClientSlot], aggregator: StreamingAggregator) -> None:
+    def __init__(
+        self,
+        round: int,
+        clients: Sequence[ClientSlot],
+        aggregator: StreamingAggregator,
+        expected: Mapping[float, UploadShapes] | None = None,
+    ) -> None:
         super().__init__(round, clients)
         self.aggregator = aggregator
+        self.expected = dict(expected or {})
 
     def check(
         self,
@@ -62,6 +95,8 @@ class FedHMRound(RosterRound):
         extras: dict[str, torch.Tensor] | None = None,
     ) -> None:
         slot = self.slot_of(client_id, num_samples)
+        if slot.level in self.expected:
+            check_exact(tensors, self.expected[slot.level])
         self.aggregator.check(tensors, slot.level)
 
     def fold(
@@ -118,7 +153,11 @@ class FedHM(Strategy):
             self.params.temperature,
             self.params.global_as_pseudo_client,
         )
-        return FedHMRound(round, clients, aggregator)
+        expected = {
+            level: expected_upload(self.client_model(self.model, self.params, level))
+            for level in {slot.level for slot in clients}
+        }
+        return FedHMRound(round, clients, aggregator, expected)
 
     def close_round(self, aggregate: RoundAggregate) -> None:
         if not isinstance(aggregate, FedHMRound):

@@ -118,14 +118,14 @@ class WidthRound(RosterRound):
         shapes = self.strategy.sub_shapes(self.strategy.client_level(slot))
         unknown = sorted(k for k in tensors if k not in self.sums and not is_norm_statistic(k))
         if unknown:
-            raise UpdateRejected(f"{unknown[0]!r}: not a trainable parameter of this model")
+            raise UpdateRejected(f"{unknown[0]!r}: not a trainable parameter of this model", "unknown_tensor")
         missing = sorted(k for k in self.sums if k not in tensors)
         if missing:
-            raise UpdateRejected(f"{missing[0]!r}: missing from the upload")
+            raise UpdateRejected(f"{missing[0]!r}: missing from the upload", "missing_tensor")
         for key in self.sums:
             value = check_finite_float(key, tensors[key])
             if value.shape != shapes[key]:
-                raise UpdateRejected(f"{key!r}: shape {tuple(value.shape)}, expected {tuple(shapes[key])}")
+                raise UpdateRejected(f"{key!r}: shape {tuple(value.shape)}, expected {tuple(shapes[key])}", "bad_shape")
         self._classifier_rows(extras)
 
     def fold(

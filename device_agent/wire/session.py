@@ -39,6 +39,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from device_agent.wire import topics
+from device_agent.wire.guard import RETAINED_KINDS, InboundGuard
 from device_agent.wire.messages import (
     Ack,
     Error,
@@ -202,6 +203,7 @@ class Session:
     ``before_chunk_out(n)`` runs before each outgoing chunk frame of ``n`` bytes is published (first
     sends and repairs alike), ``after_chunk_in(n)`` after each inbound chunk frame is verified; both
     may block, so a token bucket behind them shapes the link chunk by chunk (emulated devices).
+    ``guard`` (a receiver facing untrusted peers: the coordinator) admits inbound frames per peer first.
     """
 
     def __init__(
@@ -214,8 +216,10 @@ class Session:
         receiver_max_payload_bytes: int = 1 << 30,
         before_chunk_out: ChunkHook | None = None,
         after_chunk_in: ChunkHook | None = None,
+        guard: InboundGuard | None = None,
     ) -> None:
         self.config = config
+        self._guard_in = guard
         self.stats = SessionStats()
         self._subscriptions = list(subscriptions)
         self._on_message = on_message
@@ -485,16 +489,29 @@ class Session:
         data = msg.payload
         now = time.monotonic()
         self.stats.bytes_in[msg.topic] = self.stats.bytes_in.get(msg.topic, 0) + len(data)
+        guard, peer = self._guard_in, topics.device_of(msg.topic) or msg.topic
+        if guard is not None and not data:
+            return  # a retained message being cleared (see below)
         try:
             if is_chunk_frame(data):
-                self._inbound.put((msg.topic, parse_chunk_frame(data), now, len(data)))
+                if guard is None or guard.admit_message(peer, None, msg.retain, now):
+                    self._inbound.put((msg.topic, parse_chunk_frame(data), now, len(data)))
+                elif msg.retain:
+                    self._publish(msg.topic, b"", retain=True)
                 return
             message = parse_message(data)
         except ProtocolError as exc:
             self.stats.rejected += 1
-            log.warning("%s: rejected a message on %s: %s", self.config.client_id, msg.topic, exc)
+            if guard is not None:
+                guard.refuse(peer, "malformed", f"on {msg.topic}: {exc}", now)
+            else:
+                log.warning("%s: rejected a message on %s: %s", self.config.client_id, msg.topic, exc)
             if isinstance(exc, VersionMismatch):
                 self._answer_incompatible(msg.topic, exc.version)
+            return
+        if guard is not None and not guard.admit_message(peer, message, msg.retain, now):
+            if msg.retain and not isinstance(message, RETAINED_KINDS):
+                self._publish(msg.topic, b"", retain=True)  # clear it: no later subscriber gets it either
             return
         if isinstance(message, Manifest):
             self._inbound.put((msg.topic, message, now, len(data)))  # behind the chunks already queued, in order
@@ -590,13 +607,21 @@ class Session:
             try:
                 if isinstance(what, Manifest):
                     with self._lock:
-                        replies, completed = self._receiver(topic).on_manifest(what, now)
+                        refusal = self._transfer_refusal(topic, what)
+                        if refusal is None:
+                            replies, completed = self._receiver(topic).on_manifest(what, now)
+                    if refusal is not None:
+                        replies, completed = [refusal], None
                 else:
                     transfer, index, chunk, digest = what
                     intact = chunk_is_intact(chunk, digest)  # outside the lock: the slow part
                     with self._lock:
                         receiver = self._receiver(topic)
+                        corrupt = receiver.stats.corrupt
                         replies, completed = receiver.on_chunk(transfer, index, chunk, digest, now, intact)
+                    if self._guard_in is not None and receiver.stats.corrupt > corrupt:
+                        detail = f"chunk {index} of transfer {transfer} does not match its digest; asked for again"
+                        self._guard_in.refuse(topics.device_of(topic) or topic, "corrupt_chunk", detail, now)
                     if self._after_chunk_in is not None:
                         self._after_chunk_in(size)
                 self._reply(topic, replies)
@@ -604,6 +629,30 @@ class Session:
                     self._deliver_payload(topic, completed)
             except Exception:
                 log.exception("%s: error receiving on %s (the session keeps running)", self.config.client_id, topic)
+
+    def _transfer_refusal(self, topic: str, manifest: Manifest) -> Error | None:
+        """The error answering a new transfer the guard refuses (called under ``self._lock``).
+
+        Bounds hold per peer, whatever topic of its subtree a transfer uses: a new transfer past them evicts
+        the peer's least recently active one, so a sender whose old transfers were cut off is not locked out.
+        """
+        guard = self._guard_in
+        if guard is None:
+            return None
+        peer = topics.device_of(topic) or topic
+        mine = [t for source, t in self._incoming.items() if (topics.device_of(source) or source) == peer]
+        if any(t.knows(manifest.transfer) for t in mine):
+            return None
+        now = time.monotonic()
+        problem = guard.manifest_problem(manifest)
+        if problem is not None:
+            guard.refuse(peer, "transfer_refused", f"transfer {manifest.transfer}: {problem}", now)
+            return Error(code="too_large", transfer=manifest.transfer, detail=problem)
+        while guard.over(manifest, sum(len(t.pending()) for t in mine), sum(t.pending_bytes() for t in mine)):
+            _seen, tid, holder = min(((*o, t) for t in mine if (o := t.oldest()) is not None), key=lambda x: x[:2])
+            holder.drop(tid)
+            guard.refuse(peer, "transfer_evicted", f"unfinished transfer {tid} dropped for a newer one", now)
+        return None
 
     def _dispatch_loop(self) -> None:
         while (event := self._events.get()) is not None:
@@ -652,12 +701,18 @@ def coordinator_session(
     broker: BrokerAddress,
     on_message: MessageHandler | None = None,
     on_payload: PayloadHandler | None = None,
+    guard: InboundGuard | None = None,
     **config: Any,
 ) -> Session:
-    """The coordinator's session: one fixed client id per fleet, subscribed to every device's ``up``."""
+    """The coordinator's session: one fixed client id per fleet, subscribed to every device's ``up``.
+
+    Devices are not trusted: everything they send passes ``guard`` (default limits if not given).
+    """
+    client_id = f"fedfleet-{fleet}-coordinator"
     return Session(
-        SessionConfig(client_id=f"fedfleet-{fleet}-coordinator", broker=broker, **config),
+        SessionConfig(client_id=client_id, broker=broker, **config),
         subscriptions=[topics.fleet_uplinks(fleet)],
         on_message=on_message,
         on_payload=on_payload,
+        guard=guard if guard is not None else InboundGuard(name=client_id),
     )

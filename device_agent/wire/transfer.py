@@ -361,6 +361,21 @@ class IncomingTransfers:
     def pending(self) -> list[str]:
         return list(self._open)
 
+    def knows(self, transfer: str) -> bool:
+        """Whether ``transfer`` is open or recently finished here (a repeat, not a new transfer)."""
+        return transfer in self._open or transfer in self._done
+
+    def pending_bytes(self) -> int:
+        return sum(t.manifest.size for t in self._open.values())
+
+    def oldest(self) -> tuple[float, str] | None:
+        """(last activity, id) of the unfinished transfer heard from least recently, or None."""
+        return min(((t.last_seen, tid) for tid, t in self._open.items()), default=None)
+
+    def drop(self, transfer: str) -> None:
+        """Forget an unfinished transfer (the sender re-announces it if it is still alive)."""
+        self._open.pop(transfer, None)
+
     def on_manifest(self, manifest: Manifest, now: float) -> tuple[list[Message], Completed | None]:
         """Start, seal or resume a transfer; answers a repeated manifest with what the sender needs.
 

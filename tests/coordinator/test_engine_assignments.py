@@ -1,0 +1,66 @@
+"""A participant that missed its assignment gets it again when it says it is idle, and still trains this round."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import yaml
+
+from coordinator.engine import EngineSettings, RoundEngine
+from coordinator.fleet import parse_fleet
+from coordinator.local_link import InProcessLink, LocalDevice
+from coordinator.rundir import RunDir
+from coordinator.simulation import SimClient, fixed_levels, simulation_fleet
+from coordinator.strategies import ModelSpec, build_strategy
+from device_agent.clients.spec import TrainConfig
+from device_agent.data.datasets import LabeledData, load_dataset
+from device_agent.data.partition import PartitionSpec, client_shard
+from device_agent.wire.messages import Assignment, Message, Status
+
+CNN = ModelSpec("cnn", 10, 1, 8)
+
+
+class LossyLink(InProcessLink):
+    """Loses device ``b``'s first assignment; ``b`` then reports idle, as an agent's heartbeat does."""
+
+    def __init__(self, devices: list[LocalDevice]) -> None:
+        super().__init__(devices)
+        self.assignments: list[str] = []
+
+    def send_control(self, device: str, message: Message) -> None:
+        if isinstance(message, Assignment):
+            self.assignments.append(device)
+            if device == "b" and self.assignments.count("b") == 1:
+                threading.Timer(0.5, lambda: self._to_engine("b", Status(device="b", state="idle"))).start()
+                return
+        super().send_control(device, message)
+
+
+def test_a_device_idle_mid_round_gets_its_assignment_again_and_is_accepted(tmp_path: Path) -> None:
+    data = load_dataset("digits", 8, 1)
+    split = PartitionSpec("iid", 2, seed=0)
+    shards = [
+        (client_shard(data.train_x, data.train_y, split, i), client_shard(data.test_x, data.test_y, split, i))
+        for i in range(2)
+    ]
+    clients = [SimClient(name, 1.0, *shards[i]) for i, name in enumerate("ab")]
+    strategy = build_strategy("fedavg", CNN, {}, seed=0)
+    fleet_file = tmp_path / "fleet.yaml"
+    raw = simulation_fleet(strategy, clients, 1, TrainConfig(batch_size=32)) | {"round_deadline_s": 20}
+    fleet_file.write_text(yaml.safe_dump(raw))  # without the re-send, b would be "late" after 20 s
+    link = LossyLink([LocalDevice(c.client_id, c.train, c.test) for c in clients])
+    calibration = data.train_x[:128]
+    engine = RoundEngine(
+        parse_fleet(yaml.safe_load(fleet_file.read_text())),
+        {},
+        strategy,
+        RunDir.create(tmp_path / "run", fleet_file, strategy.state_dict(), seed=0),
+        LabeledData(calibration, calibration.new_zeros(128), data.test_x, data.test_y, 10),
+        link,
+        EngineSettings(min_devices=2, wait_timeout_s=30, resend_after_s=0.2),
+        planner=fixed_levels({"a": 1.0, "b": 1.0}),
+    )
+    assert engine.run()
+    assert sorted(link.assignments) == ["a", "b", "b"]
+    assert {d: m.status for d, m in engine.last.devices.items()} == {"a": "accepted", "b": "accepted"}

@@ -1,0 +1,78 @@
+"""The inbound guard: per-peer rate, transfer bounds and retained messages, logged once per burst."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from device_agent.probe import probe_device
+from device_agent.wire.guard import InboundGuard, InboundLimits, TokenBucket
+from device_agent.wire.messages import Hello, Manifest, RoundFailed, Status
+
+
+def manifest(size: int, chunk_size: int = 256 * 1024) -> Manifest:
+    return Manifest(transfer="ab" * 16, kind="update", size=size, chunk_size=chunk_size)
+
+
+def test_a_token_bucket_allows_its_burst_then_its_rate() -> None:
+    bucket = TokenBucket(rate=10, capacity=3)
+    assert [bucket.take(0.0) for _ in range(4)] == [True, True, True, False]
+    assert bucket.take(0.05) is False  # half a token
+    assert bucket.take(0.1) is True
+
+
+def test_a_flood_is_cut_per_peer_and_logged_once_per_burst(caplog) -> None:
+    refused: list[tuple[str, str]] = []
+    guard = InboundGuard(InboundLimits(messages_per_s=10, burst=5, quiet_s=1.0), lambda p, r: refused.append((p, r)))
+    status = Status(device="a", state="idle")
+    with caplog.at_level(logging.WARNING, logger="fedfleet.wire"):
+        admitted = [guard.admit_message("a", status, False, 0.0) for _ in range(1000)]
+        assert guard.admit_message("b", status, False, 0.0)  # another peer has its own bucket
+    assert sum(admitted) == 5 and refused == [("a", "rate_limited")] * 995
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "from a (rate_limited)" in lines[0]
+    with caplog.at_level(logging.WARNING, logger="fedfleet.wire"):
+        guard.admit_message("a", status, False, 0.5)  # still the same burst: not logged
+        guard.refuse("a", "rate_limited", "again", 5.0)  # after a quiet second: a new burst
+    assert len(caplog.records) == 2 and "994 more were refused" in caplog.records[-1].getMessage()
+
+
+def test_only_hello_and_status_may_arrive_retained() -> None:
+    guard = InboundGuard()
+    hello = Hello(device="a", agent_version="1", profile=probe_device(0.01))
+    assert guard.admit_message("a", hello, True, 0.0)
+    assert guard.admit_message("a", Status(device="a", state="idle"), True, 0.0)
+    assert not guard.admit_message("a", manifest(10), True, 0.0)
+    assert not guard.admit_message("a", RoundFailed(run="r", round=1, reason="error"), True, 0.0)
+    assert not guard.admit_message("a", None, True, 0.0)  # a chunk frame
+    assert guard.admit_message("a", None, False, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("size", "chunk_size", "problem"),
+    [
+        (10**9, 1, "chunks exceed the limit of 65536"),
+        (10**8, 1024, "97657 chunks exceed the limit"),
+        (50_000, 100, "below the 1024-byte minimum"),
+        (3 << 30, 1 << 20, "exceed the 1073741824-byte transfer limit"),
+    ],
+)
+def test_a_manifest_beyond_the_bounds_is_refused(size, chunk_size, problem) -> None:
+    assert problem in InboundGuard().manifest_problem(manifest(size, chunk_size))
+
+
+def test_small_payloads_in_one_chunk_and_normal_transfers_pass() -> None:
+    guard = InboundGuard()
+    assert guard.manifest_problem(manifest(10, 64)) is None  # one chunk: its size does not matter
+    assert guard.manifest_problem(manifest(45 << 20)) is None  # a ResNet-18 update
+    assert not guard.over(manifest(1 << 20), open_transfers=3, pending_bytes=1 << 20)
+    assert guard.over(manifest(1 << 20), open_transfers=4, pending_bytes=0)
+    assert guard.over(manifest(1 << 20), open_transfers=1, pending_bytes=1 << 30)
+
+
+def test_limits_are_checked() -> None:
+    with pytest.raises(ValueError, match="max_open_transfers must be >= 1"):
+        InboundLimits(max_open_transfers=0)
+    with pytest.raises(ValueError, match="messages_per_s must be > 0"):
+        InboundLimits(messages_per_s=0)
