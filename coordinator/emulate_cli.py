@@ -10,6 +10,7 @@ from coordinator.fleet import FleetError, load_fleet
 from coordinator.provision import default_kits
 from coordinator.start_cli import add_run_arguments, run_start
 from device_agent.emulation import measure_host_gflops
+from device_agent.packing import PackingError, add_packing_arguments, describe
 
 _EPILOG = f"""\
 examples:
@@ -60,6 +61,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--device-type", default="cpu", metavar="TYPE", help="where agents train: cpu, cuda, cuda:N (default: cpu)"
     )
+    add_packing_arguments(parser)
     parser.set_defaults(handler=_emulate)
 
 
@@ -71,8 +73,17 @@ def _emulate(args: argparse.Namespace) -> int:
         host_gflops = None
         if args.pace == "host-ratio":
             host_gflops = args.host_gflops or measure_host_gflops(args.threads, args.device_type)
-        emulation = Emulation(fleet, catalog, host_gflops, threads=args.threads, device_type=args.device_type)
-    except (FleetError, EmulatorError, ValueError) as exc:
+        emulation = Emulation(
+            fleet,
+            catalog,
+            host_gflops,
+            threads=args.threads,
+            device_type=args.device_type,
+            workers=args.workers,
+            devices_per_worker=args.devices_per_worker,
+            pack_above=args.pack_above,
+        )
+    except (FleetError, EmulatorError, PackingError, ValueError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)
         return 2
     pace = (
@@ -80,7 +91,7 @@ def _emulate(args: argparse.Namespace) -> int:
         if host_gflops is None
         else f"host ratio ({host_gflops:.1f} fp32 GFLOPS per agent here)"
     )
-    print(f"emulating {len(fleet.devices)} devices; pace: {pace}")
+    print(f"emulating {describe(len(fleet.devices), emulation.slices)}; pace: {pace}")
     args.min_devices = args.min_devices or len(fleet.devices)
     args.kits = args.kits or default_kits(args.fleet, fleet)
     emulation.kits = args.kits
