@@ -18,7 +18,7 @@ from pathlib import Path
 
 from coordinator.broker.credentials import Credentials
 from coordinator.fleet import REPORTED, Device, Fleet, Partition
-from coordinator.planner import effective_profile, level_cost
+from coordinator.planner import effective_profile, level_cost, predict_level_memory
 from device_agent.emulation import (
     DataShare,
     EmulationLimits,
@@ -31,7 +31,7 @@ from device_agent.emulation import (
 from device_agent.launcher import AgentExit, AgentGroup, AgentSpec, pack_specs, worker_command
 from device_agent.packing import PACK_ABOVE, describe, pack
 from device_agent.probe import ComputeSpec
-from profiles.costmodel import Workload, predict_memory, predict_step_seconds
+from profiles.costmodel import Workload, predict_step_seconds
 from profiles.schema import DeviceClass
 
 log = logging.getLogger("fedfleet.emulator")
@@ -64,17 +64,11 @@ def predicted_step_seconds(fleet: Fleet, device: Device, profile: DeviceClass) -
 
 
 def predicted_peak_bytes(fleet: Fleet, device: Device, profile: DeviceClass) -> dict[float, int]:
-    """Peak memory of a round of ``device`` at every level it may be assigned, as the planner predicts it.
+    """Peak memory of the agent over a round at every level it may be assigned, as the planner predicts it.
 
     A device packed into a worker has no OS memory cap of its own: it is held to these by accounting.
     """
-    batch = device.overrides.batch_size or fleet.training.batch_size
-    return {
-        level: predict_memory(
-            Workload(level_cost(fleet, level).trace, batch, fleet.training.optimizer), profile.accelerator
-        ).total
-        for level in sorted({*fleet.ratios, 1.0})
-    }
+    return {level: predict_level_memory(fleet, device, profile, level) for level in sorted({*fleet.ratios, 1.0})}
 
 
 def device_limits(

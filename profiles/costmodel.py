@@ -289,6 +289,51 @@ def predict_memory(work: Workload, accelerator: str = "cpu", include_runtime: bo
     return MemoryEstimate(runtime, weights, gradients, optimizer, activations, transient, total)
 
 
+AGENT_BASELINE_BYTES = {"cpu": 330 * 2**20, "cuda": 330 * 2**20 + RUNTIME_CONTEXT_BYTES["cuda"], "mps": 730 * 2**20}
+"""Peak RSS of an idle agent process: Python, torch, the agent's modules, its MQTT session threads and
+the start-up probe, before any round. cpu: the VmHWM of an idle ``device-agent run`` on the 2-core CI
+box (x86-64, torch 2.13 CPU wheel), measured by ``python -m benchmarks.emulation --memory``
+(``idle_agent_vmhwm_mib``; re-measure there on another platform). cuda and mps add the accelerator
+context on top: estimates."""
+
+
+@dataclass(frozen=True)
+class ProcessPeak:
+    """Peak memory of an agent process over a whole round, by what holds it."""
+
+    baseline: int
+    data: int
+    model_copies: int
+    step: int
+    total: int
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def dataset_bytes(samples: int, in_channels: int, image_size: int) -> int:
+    """Bytes of ``samples`` images at the model's input shape as float32, with their int64 labels."""
+    return samples * (in_channels * image_size * image_size * _FP32 + 8)
+
+
+def predict_process_peak(
+    work: Workload, accelerator: str, *, download_bytes: int, upload_bytes: int, data_bytes: int
+) -> ProcessPeak:
+    """Peak memory of the agent process over a round, not only the training step.
+
+    The agent holds, at its peak: its runtime (:data:`AGENT_BASELINE_BYTES`); its data (``data_bytes``:
+    the data set it loads at the model's input shape and its own share, see :func:`dataset_bytes`); the
+    model several times over (the downloaded payload and its decoded tensors, the model it trains,
+    the packed upload and its serialized copy in the outbox); and the training step's gradients,
+    optimizer state and activations (:func:`predict_memory` without the runtime context).
+    """
+    step = predict_memory(work, accelerator, include_runtime=False)
+    copies = 2 * download_bytes + step.weights + 2 * upload_bytes
+    counted = step.total - step.weights
+    baseline = AGENT_BASELINE_BYTES[accelerator]
+    return ProcessPeak(baseline, data_bytes, copies, counted, baseline + data_bytes + copies + counted)
+
+
 def predict_step_seconds(work: Workload, profile: DeviceClass, efficiency: float | None = None) -> float:
     """Seconds of one training step (forward, backward, optimizer) on ``profile``."""
     trace = work.trace
