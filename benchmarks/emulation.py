@@ -207,8 +207,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--sizes", default="100,200,300,400", help="--scale: fleet sizes (default: 100,200,300,400)")
     parser.add_argument("--devices", type=int, metavar="N", help="--scale: run this one fleet size")
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="only predicted vs measured agent process peak (benchmarks/process_peak.py): process_peak",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    if args.memory:
+        from benchmarks import process_peak
+
+        peak = process_peak.process_peak()
+        print(
+            json.dumps({"benchmark": "emulation", "process_peak": peak})
+            if args.json
+            else "\n".join(process_peak.describe(peak))
+        )
+        return 0
     if args.scale:
         from benchmarks import emulation_scale
 
