@@ -259,6 +259,7 @@ def predict_level_memory(fleet: Fleet, device: Device, profile: DeviceClass, lev
         download_bytes=cost.download_bytes,
         upload_bytes=cost.upload_bytes,
         data_bytes=data_bytes(fleet, device),
+        samples=fleet.samples_for(device),
     ).total
 
 

@@ -120,6 +120,7 @@ def test_each_strategy_is_planned_with_the_model_its_devices_really_train(
                 download_bytes=type(real).download_bytes(model, real.params, level),
                 upload_bytes=type(real).upload_bytes(model, real.params, level),
                 data_bytes=data_bytes(fleet, device),
+                samples=fleet.samples_for(device),
             )
             assert row["est_memory_bytes"] == peak.total
             assert row["model"] == ("full model" if strategy == "factorized_fl" else f"width {level:g}")
