@@ -67,7 +67,8 @@ def describe(count: int, slices: list[range] | None) -> str:
         return f"{count} agent processes (one per device, hard OS caps)"
     sizes = sorted({len(s) for s in slices})
     per = f"{sizes[0]}-{sizes[-1]}" if len(sizes) > 1 else str(sizes[0])
-    return f"{count} devices packed into {len(slices)} worker processes ({per} per worker, memory held by accounting)"
+    workers = f"{len(slices)} worker process{'es' if len(slices) > 1 else ''}"
+    return f"{count} devices packed into {workers} ({per} per worker, memory held by accounting)"
 
 
 def add_packing_arguments(parser: argparse.ArgumentParser) -> None:
