@@ -17,6 +17,8 @@ examples:
   coordinator emulate --fleet examples/demo.yaml                    the main demo (1-2 minutes on 2 cores)
   coordinator emulate --fleet fleet.yaml --run-dir runs/try --rounds 3
   coordinator emulate --fleet fleet.yaml --device-type cuda         agents on the GPU, memory-fraction caps
+  coordinator emulate --fleet big.yaml --workers 4                  many devices in 4 worker processes
+                                    (their logs: RUN_DIR/{AGENTS_DIR}/workers/worker-NN.log)
 
 Each device's agent.yaml, state and log are in RUN_DIR/{AGENTS_DIR}/<device>/. The run directory is the
 same as `coordinator start`'s (metrics.jsonl, checkpoints, report.html); running the same command on it
@@ -38,7 +40,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "the agent sleeps the difference and is never sped up), so a round takes as long as on the real "
             "device on any host; --pace host-ratio stretches each step by host fp32 GFLOPS / profile GFLOPS "
             "instead (the old behaviour; wrong where the host step is launch- or memory-bound). "
-            "Device i of N trains on shard i of N of the fleet's dataset (dataset.partition, dataset.seed)."
+            "Device i of N trains on shard i of N of the fleet's dataset (dataset.partition, dataset.seed). "
+            "Past --pack-above devices the agents are packed into worker processes hosting many each "
+            "(memory held by accounting instead of OS caps), so hundreds fit on one host."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -6,7 +6,8 @@ limits of :mod:`device_agent.emulation`, given shard ``index`` of ``count`` of t
 (``dataset.partition`` and ``dataset.seed``; shards are disjoint and cover the training set) and
 its own broker login, passed in its environment so no secret is written into its agent.yaml.
 The coordinator is the same code as ``coordinator start``; only the agents are added, so a run
-that works here works on a real fleet.
+that works here works on a real fleet. Large fleets are packed into worker processes that run the
+same agent once per device (:mod:`device_agent.packing`, :mod:`device_agent.worker`).
 """
 
 from __future__ import annotations
