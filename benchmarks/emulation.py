@@ -202,8 +202,39 @@ def main(argv: list[str] | None = None) -> int:
         default=3,
         help="rounds of the emulated demo (one device per class) for device time; 0 skips it (default: 3)",
     )
+    parser.add_argument(
+        "--scale", action="store_true", help="only the fleet-size ladder (benchmarks/emulation_scale.py): max_devices"
+    )
+    parser.add_argument("--sizes", default="100,200,300,400", help="--scale: fleet sizes (default: 100,200,300,400)")
+    parser.add_argument("--devices", type=int, metavar="N", help="--scale: run this one fleet size")
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="only predicted vs measured agent process peak (benchmarks/process_peak.py): process_peak",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    if args.memory:
+        from benchmarks import process_peak
+
+        peak = process_peak.process_peak()
+        print(
+            json.dumps({"benchmark": "emulation", "process_peak": peak})
+            if args.json
+            else "\n".join(process_peak.describe(peak))
+        )
+        return 0
+    if args.scale:
+        from benchmarks import emulation_scale
+
+        sizes = [args.devices] if args.devices else [int(x) for x in args.sizes.split(",")]
+        outcome = emulation_scale.scale(sizes)
+        print(
+            json.dumps({"benchmark": "emulation", **outcome})
+            if args.json
+            else "\n".join(emulation_scale.describe(outcome))
+        )
+        return 0
     result = run(
         [float(x) for x in args.factors.split(",")],
         args.steps,

@@ -10,12 +10,15 @@ from coordinator.fleet import FleetError, load_fleet
 from coordinator.provision import default_kits
 from coordinator.start_cli import add_run_arguments, run_start
 from device_agent.emulation import measure_host_gflops
+from device_agent.packing import PackingError, add_packing_arguments, describe
 
 _EPILOG = f"""\
 examples:
   coordinator emulate --fleet examples/demo.yaml                    the main demo (1-2 minutes on 2 cores)
   coordinator emulate --fleet fleet.yaml --run-dir runs/try --rounds 3
   coordinator emulate --fleet fleet.yaml --device-type cuda         agents on the GPU, memory-fraction caps
+  coordinator emulate --fleet big.yaml --workers 4                  many devices in 4 worker processes
+                                    (their logs: RUN_DIR/{AGENTS_DIR}/workers/worker-NN.log)
 
 Each device's agent.yaml, state and log are in RUN_DIR/{AGENTS_DIR}/<device>/. The run directory is the
 same as `coordinator start`'s (metrics.jsonl, checkpoints, report.html); running the same command on it
@@ -37,7 +40,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "the agent sleeps the difference and is never sped up), so a round takes as long as on the real "
             "device on any host; --pace host-ratio stretches each step by host fp32 GFLOPS / profile GFLOPS "
             "instead (the old behaviour; wrong where the host step is launch- or memory-bound). "
-            "Device i of N trains on shard i of N of the fleet's dataset (dataset.partition, dataset.seed)."
+            "Device i of N trains on shard i of N of the fleet's dataset (dataset.partition, dataset.seed). "
+            "Past --pack-above devices the agents are packed into worker processes hosting many each "
+            "(memory held by accounting instead of OS caps), so hundreds fit on one host."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -60,6 +65,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--device-type", default="cpu", metavar="TYPE", help="where agents train: cpu, cuda, cuda:N (default: cpu)"
     )
+    add_packing_arguments(parser)
     parser.set_defaults(handler=_emulate)
 
 
@@ -71,8 +77,17 @@ def _emulate(args: argparse.Namespace) -> int:
         host_gflops = None
         if args.pace == "host-ratio":
             host_gflops = args.host_gflops or measure_host_gflops(args.threads, args.device_type)
-        emulation = Emulation(fleet, catalog, host_gflops, threads=args.threads, device_type=args.device_type)
-    except (FleetError, EmulatorError, ValueError) as exc:
+        emulation = Emulation(
+            fleet,
+            catalog,
+            host_gflops,
+            threads=args.threads,
+            device_type=args.device_type,
+            workers=args.workers,
+            devices_per_worker=args.devices_per_worker,
+            pack_above=args.pack_above,
+        )
+    except (FleetError, EmulatorError, PackingError, ValueError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)
         return 2
     pace = (
@@ -80,7 +95,7 @@ def _emulate(args: argparse.Namespace) -> int:
         if host_gflops is None
         else f"host ratio ({host_gflops:.1f} fp32 GFLOPS per agent here)"
     )
-    print(f"emulating {len(fleet.devices)} devices; pace: {pace}")
+    print(f"emulating {describe(len(fleet.devices), emulation.slices)}; pace: {pace}")
     args.min_devices = args.min_devices or len(fleet.devices)
     args.kits = args.kits or default_kits(args.fleet, fleet)
     emulation.kits = args.kits

@@ -6,7 +6,8 @@ limits of :mod:`device_agent.emulation`, given shard ``index`` of ``count`` of t
 (``dataset.partition`` and ``dataset.seed``; shards are disjoint and cover the training set) and
 its own broker login, passed in its environment so no secret is written into its agent.yaml.
 The coordinator is the same code as ``coordinator start``; only the agents are added, so a run
-that works here works on a real fleet.
+that works here works on a real fleet. Large fleets are packed into worker processes that run the
+same agent once per device (:mod:`device_agent.packing`, :mod:`device_agent.worker`).
 """
 
 from __future__ import annotations
@@ -18,18 +19,19 @@ from pathlib import Path
 
 from coordinator.broker.credentials import Credentials
 from coordinator.fleet import REPORTED, Device, Fleet, Partition
-from coordinator.planner import effective_profile, level_cost
+from coordinator.planner import effective_profile, level_cost, predict_level_memory
 from coordinator.provision.layout import SIGNING_KEY
 from device_agent.emulation import (
-    PASSWORD_ENV,
     DataShare,
     EmulationLimits,
     ProfileSpec,
     agent_config,
     limits_for,
+    password_env,
     write_agent_config,
 )
-from device_agent.launcher import AgentExit, AgentGroup, AgentSpec
+from device_agent.launcher import AgentExit, AgentGroup, AgentSpec, pack_specs, worker_command
+from device_agent.packing import PACK_ABOVE, describe, pack
 from device_agent.probe import ComputeSpec
 from profiles.costmodel import Workload, predict_step_seconds
 from profiles.schema import DeviceClass
@@ -37,6 +39,7 @@ from profiles.schema import DeviceClass
 log = logging.getLogger("fedfleet.emulator")
 
 AGENTS_DIR = "agents"
+WORKERS_DIR = "workers"
 
 
 class EmulatorError(ValueError):
@@ -62,6 +65,14 @@ def predicted_step_seconds(fleet: Fleet, device: Device, profile: DeviceClass) -
     }
 
 
+def predicted_peak_bytes(fleet: Fleet, device: Device, profile: DeviceClass) -> dict[float, int]:
+    """Peak memory of the agent over a round at every level it may be assigned, as the planner predicts it.
+
+    A device packed into a worker has no OS memory cap of its own: it is held to these by accounting.
+    """
+    return {level: predict_level_memory(fleet, device, profile, level) for level in sorted({*fleet.ratios, 1.0})}
+
+
 def device_limits(
     fleet: Fleet, catalog: Mapping[str, DeviceClass], host_gflops: float | None = None, threads: int = 1
 ) -> dict[str, EmulationLimits]:
@@ -79,13 +90,15 @@ def device_limits(
         profile = effective_profile(device, catalog[device.profile], None)
         assert profile is not None  # a static profile is always there
         spec = ProfileSpec.model_validate(profile.model_dump())
+        peaks = predicted_peak_bytes(fleet, device, profile)
         if host_gflops is not None:
-            limits[device.id] = limits_for(spec, host_gflops, threads)
+            limits[device.id] = dataclasses.replace(limits_for(spec, host_gflops, threads), peak_bytes=peaks)
             continue
         limits[device.id] = dataclasses.replace(
             limits_for(spec, spec.compute.fp32_gflops, threads),  # slowdown 1: the step time paces instead
             step_seconds=predicted_step_seconds(fleet, device, profile),
             compute=ComputeSpec.model_validate(profile.compute.model_dump()),
+            peak_bytes=peaks,
         )
     return limits
 
@@ -103,13 +116,15 @@ def write_agent_specs(
     ca_file: str | None = None,
     protocol: str = "5",
     kits: Path | None = None,
+    packed: bool = False,
 ) -> list[AgentSpec]:
     """Write ``RUN_DIR/agents/<device>/agent.yaml`` for every device and return what to launch.
 
     ``passwords`` maps device id to its broker password; it reaches the agent as ``$FEDFLEET_PASSWORD``.
     ``host_gflops``: see :func:`device_limits` (None: device time).
     With the fleet's ``kits`` (``coordinator provision``), the agent reads its password, CA and client
-    certificate from its own kit instead, exactly the files a real device gets.
+    certificate from its own kit instead, exactly the files a real device gets. ``packed``: the agents
+    will share worker processes, so each device's password gets a variable of its own.
     """
     missing = [device.id for device in fleet.devices if device.id not in passwords]
     if missing:
@@ -128,6 +143,7 @@ def write_agent_specs(
             None if dataset.path is None else str(dataset.path),
         )
         kit = None if kits is None else (kits / device.id).resolve()
+        variable = password_env(index if packed else None)
         tls = {} if kit is None or not (kit / "client.pem").exists() else kit_tls_files(kit)
         config = agent_config(
             device.id,
@@ -136,7 +152,7 @@ def write_agent_specs(
             share,
             (folder / "state").resolve(),
             limits[device.id],
-            password=f"file:{kit / 'password'}" if kit is not None else f"env:{PASSWORD_ENV}",
+            password=f"file:{kit / 'password'}" if kit is not None else f"env:{variable}",
             ca_file=tls.get("ca_file", ca_file),
             cert_file=tls.get("cert_file"),
             key_file=tls.get("key_file"),
@@ -151,7 +167,7 @@ def write_agent_specs(
                 write_agent_config(folder / "agent.yaml", config),
                 folder / "agent.log",
                 threads,
-                {} if kit is not None else {PASSWORD_ENV: passwords[device.id]},
+                {} if kit is not None else {variable: passwords[device.id]},
             )
         )
     return specs
@@ -182,8 +198,13 @@ class Emulation:
         threads: int = 1,
         device_type: str = "cpu",
         agents: AgentGroup | None = None,
+        workers: int | None = None,
+        devices_per_worker: int | None = None,
+        pack_above: int = PACK_ABOVE,
     ) -> None:
+        """``workers``, ``devices_per_worker``, ``pack_above``: how devices are spread over processes (packing.py)."""
         device_limits(fleet, catalog, host_gflops, threads)  # fail before anything starts
+        self.slices = pack(len(fleet.devices), workers, devices_per_worker, pack_above)
         sized = [d.id for d in fleet.devices if d.overrides.samples is not None]
         if fleet.dataset.samples_per_device is not None or sized:
             log.warning(
@@ -196,7 +217,8 @@ class Emulation:
         self.host_gflops = host_gflops
         self.threads = threads
         self.device_type = device_type
-        self.agents = agents or AgentGroup()
+        packed = AgentGroup(lambda agent_list: worker_command(agent_list, threads)) if self.slices else None
+        self.agents = agents or packed or AgentGroup()
         self.kits: Path | None = None  # the fleet's kits: agents take their secrets and certificates from them
         self.specs: list[AgentSpec] = []
         self.crashed: list[AgentExit] = []
@@ -222,7 +244,10 @@ class Emulation:
             device_type=self.device_type,
             protocol=protocol,
             kits=self.kits,
+            packed=self.slices is not None,
         )
+        if self.slices is not None:
+            self.specs = pack_specs(self.specs, self.slices, Path(run_dir) / AGENTS_DIR / WORKERS_DIR)
         for spec in self.specs:
             self.agents.start(spec)
         self.agents.watch(self._on_exit)
@@ -230,7 +255,10 @@ class Emulation:
             "device time" if self.host_gflops is None else f"host ratio, host {self.host_gflops:.1f} GFLOPS per agent"
         )
         log.info(
-            "%d emulated devices started (%s); agent logs in %s", len(self.specs), pace, Path(run_dir) / AGENTS_DIR
+            "%s started (%s); agent logs in %s",
+            describe(len(self.fleet.devices), self.slices),
+            pace,
+            Path(run_dir) / AGENTS_DIR,
         )
         return self.stop
 

@@ -19,12 +19,19 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 from functools import lru_cache
 
-from coordinator.fleet import REPORTED, Device, Fleet
+from coordinator.fleet import DATASET_SIZES, REPORTED, Device, Fleet
 from coordinator.strategies import STRATEGIES, ModelSpec
 from device_agent.models import model_card
 from device_agent.probe import DeviceProfile
 from profiles.catalog import profile_from_report
-from profiles.costmodel import ModelTrace, Workload, predict_memory, predict_step_seconds, trace_module
+from profiles.costmodel import (
+    ModelTrace,
+    Workload,
+    dataset_bytes,
+    predict_process_peak,
+    predict_step_seconds,
+    trace_module,
+)
 from profiles.schema import DeviceClass
 
 _GIB = 1024**3
@@ -238,7 +245,7 @@ def _estimate(fleet: Fleet, device: Device, profile: DeviceClass, ratio: float) 
     epochs = device.overrides.local_epochs or fleet.training.local_epochs
     cost = level_cost(fleet, ratio)
     work = Workload(cost.trace, batch, fleet.training.optimizer)
-    memory = predict_memory(work, profile.accelerator).total
+    memory = predict_level_memory(fleet, device, profile, ratio)
     steps = epochs * math.ceil(fleet.samples_for(device) / batch)
     link = profile.network
     transfer = (
@@ -247,6 +254,28 @@ def _estimate(fleet: Fleet, device: Device, profile: DeviceClass, ratio: float) 
         + 2 * link.latency_ms / 1e3
     )
     return _Estimate(cost, memory, steps * predict_step_seconds(work, profile) + transfer)
+
+
+def predict_level_memory(fleet: Fleet, device: Device, profile: DeviceClass, level: float) -> int:
+    """Peak memory of ``device``'s agent process over a round at ``level``: what the memory check compares."""
+    batch = device.overrides.batch_size or fleet.training.batch_size
+    cost = level_cost(fleet, level)
+    return predict_process_peak(
+        Workload(cost.trace, batch, fleet.training.optimizer),
+        profile.accelerator,
+        download_bytes=cost.download_bytes,
+        upload_bytes=cost.upload_bytes,
+        data_bytes=data_bytes(fleet, device),
+        samples=fleet.samples_for(device),
+    ).total
+
+
+def data_bytes(fleet: Fleet, device: Device) -> int:
+    """What a device's agent holds of its data: the data set it loads (whole) and its own share."""
+    spec = model_spec(fleet)
+    share = fleet.samples_for(device)
+    whole = DATASET_SIZES.get(fleet.dataset.name, share * len(fleet.devices))
+    return dataset_bytes(whole + share, spec.in_channels, spec.image_size)
 
 
 def _why_not(estimate: _Estimate, budget: int, deadline: float, profile: DeviceClass, fleet: Fleet) -> str | None:

@@ -59,7 +59,7 @@ def _positive_seconds(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full parser, separate from ``main`` so its help can be tested and documented."""
-    from device_agent import emulate_cli, run_cli
+    from device_agent import emulate_cli, run_cli, worker_cli
 
     parser = argparse.ArgumentParser(
         prog="device-agent",
@@ -126,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(handler=_run_doctor)
     run_cli.add_parser(commands)
     emulate_cli.add_parser(commands)
+    worker_cli.add_parser(commands)
     infer.add_parser(commands)
     return parser
 

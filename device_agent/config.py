@@ -139,6 +139,8 @@ class EmulationConfig(_Section):
     the agent does not carry the cost model) or ``slowdown`` (each step stretched to that many times
     its host duration). ``compute`` is the profile's compute section, reported in ``hello`` in place
     of the host's measurement so that the planner predicts with the numbers the device is held to.
+    ``peak_bytes`` (level -> bytes) is the cost model's predicted peak memory of a round at that level:
+    a round whose level needs more than ``memory_bytes`` fails with out_of_memory (see accounting.py).
     """
 
     profile: str | None = None
@@ -146,6 +148,7 @@ class EmulationConfig(_Section):
     memory_bytes: int | None = Field(default=None, gt=0)
     slowdown: float = Field(default=1.0, ge=1.0)
     step_seconds: dict[float, Annotated[float, Field(gt=0)]] | None = None
+    peak_bytes: dict[float, Annotated[int, Field(gt=0)]] | None = None
     compute: ComputeSpec | None = None
     uplink_bytes_per_s: float | None = Field(default=None, gt=0)
     downlink_bytes_per_s: float | None = Field(default=None, gt=0)

@@ -25,7 +25,8 @@ from device_agent.emulation import (
     measure_host_gflops,
     write_agent_config,
 )
-from device_agent.launcher import AgentExit, AgentGroup, AgentSpec
+from device_agent.launcher import AgentExit, AgentGroup, AgentSpec, pack_specs, worker_command
+from device_agent.packing import PackingError, add_packing_arguments, describe, pack
 from device_agent.paths import anchor, anchor_secret
 
 _EPILOG = """\
@@ -49,7 +50,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "Start N real `device-agent run` processes, each held to a device profile: its compute "
             "threads, a memory cap (the profile's usable memory), a slowdown so it runs as fast as the "
             "profile relative to this host (host fp32 GFLOPS, measured once, / profile GFLOPS, at least 1) "
-            "and its link's bandwidth and latency. Each agent gets an agent.yaml and a log under --run-dir."
+            "and its link's bandwidth and latency. Each agent gets an agent.yaml and a log under --run-dir. "
+            "Past --pack-above agents (or with --workers/--devices-per-worker) they are packed into worker "
+            "processes that host many each (`device-agent worker`): no OS caps per device there, and with no cost "
+            "model on this side memory is held only by measured CUDA peaks."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -100,6 +104,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--run-dir", type=Path, metavar="DIR", help="agent.yaml files, state and logs (default: ./emulated-PREFIX)"
     )
+    add_packing_arguments(parser)
     parser.set_defaults(handler=_emulate)
 
 
@@ -152,9 +157,12 @@ def agent_specs(args: argparse.Namespace, host_gflops: float) -> list[AgentSpec]
 
 def _emulate(args: argparse.Namespace) -> int:
     try:
+        slices = pack(args.count, args.workers, args.devices_per_worker, args.pack_above)
         host_gflops = args.host_gflops or measure_host_gflops(args.threads, args.device_type)
         specs = agent_specs(args, host_gflops)
-    except (EmulationError, ValueError) as exc:
+        if slices is not None:
+            specs = pack_specs(specs, slices, specs[0].log.parent.parent / "workers")
+    except (EmulationError, PackingError, ValueError) as exc:
         print(f"device-agent: error: {exc}", file=sys.stderr)
         return 2
     crashed: list[AgentExit] = []
@@ -166,13 +174,14 @@ def _emulate(args: argparse.Namespace) -> int:
         print(exit_.describe(), file=sys.stderr, flush=True)
 
     signal.signal(signal.SIGTERM, lambda *_: done.set())
-    with AgentGroup() as agents:
+    group = AgentGroup(lambda agent_list: worker_command(agent_list, args.threads)) if slices else AgentGroup()
+    with group as agents:
         for spec in specs:
             agents.start(spec)
         agents.watch(on_exit)
         print(
-            f"{len(specs)} x {args.profile} agents running ({specs[0].device} .. {specs[-1].device}, host "
-            f"{host_gflops:.1f} GFLOPS per agent); logs in {specs[0].log.parent.parent}. Ctrl-C stops them.",
+            f"{args.count} x {args.profile}: {describe(args.count, slices)} running (host {host_gflops:.1f} GFLOPS "
+            f"per agent); logs in {specs[0].log.parent.parent}. Ctrl-C stops them.",
             flush=True,
         )
         try:
@@ -184,6 +193,9 @@ def _emulate(args: argparse.Namespace) -> int:
         if agents.killed:
             print(f"killed after not stopping in time: {', '.join(agents.killed)}", file=sys.stderr)
     if crashed:
-        print(f"{len(crashed)} of {len(specs)} agents crashed: {', '.join(e.device for e in crashed)}", file=sys.stderr)
+        print(
+            f"{len(crashed)} of {len(specs)} agent processes crashed: {', '.join(e.device for e in crashed)}",
+            file=sys.stderr,
+        )
         return 1
     return 0

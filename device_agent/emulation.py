@@ -35,6 +35,11 @@ PROFILES_ENV = "FEDFLEET_PROFILES"
 PASSWORD_ENV = "FEDFLEET_PASSWORD"
 
 
+def password_env(index: int | None = None) -> str:
+    """The variable holding a device's broker password: one per process, or one per device of a worker."""
+    return PASSWORD_ENV if index is None else f"{PASSWORD_ENV}_{index}"
+
+
 class EmulationError(ValueError):
     """A profile or an emulation setting that cannot be used; the message names the file and key."""
 
@@ -66,6 +71,8 @@ class EmulationLimits:
     """Device time (set by the coordinator, which has the cost model): level -> seconds of one step."""
     compute: ComputeSpec | None = None
     """With ``step_seconds``: the profile's compute numbers, reported in ``hello`` instead of the host's."""
+    peak_bytes: dict[float, int] | None = None
+    """Level -> the cost model's predicted peak memory of a round (memory held by accounting, accounting.py)."""
 
     def as_config(self) -> dict[str, Any]:
         config: dict[str, Any] = {
@@ -81,6 +88,8 @@ class EmulationLimits:
             config["step_seconds"] = {float(level): float(s) for level, s in sorted(self.step_seconds.items())}
         if self.compute is not None:
             config["compute"] = self.compute.model_dump()
+        if self.peak_bytes is not None:
+            config["peak_bytes"] = {float(level): int(n) for level, n in sorted(self.peak_bytes.items())}
         return config
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -59,6 +60,39 @@ class AgentExit:
 def agent_command(config: Path) -> list[str]:
     """The command of one agent: this interpreter's ``device-agent run``, so it runs the same installed code."""
     return [sys.executable, "-m", "device_agent.cli", "run", "--config", str(config)]
+
+
+def worker_command(agent_list: Path, threads: int = 1) -> list[str]:
+    """The command of one worker hosting the devices listed in ``agent_list`` (:mod:`device_agent.worker`)."""
+    return [sys.executable, "-m", "device_agent.cli", "worker", "--agents", str(agent_list), "--threads", str(threads)]
+
+
+def write_agent_list(path: Path, configs: list[Path]) -> Path:
+    """What ``device-agent worker --agents`` reads: a YAML list of agent.yaml paths (absolute)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"- {json.dumps(str(Path(c).resolve()))}\n" for c in configs))
+    return path
+
+
+def pack_specs(specs: list[AgentSpec], slices: list[range], folder: Path) -> list[AgentSpec]:
+    """One worker spec per slice of ``specs``: ``folder/worker-NN.yaml`` lists its agent.yaml files.
+
+    The worker's environment is its devices' environments merged, so each device's password
+    variable must have a name of its own (see :func:`device_agent.emulation.password_env`).
+    """
+    workers = []
+    for number, devices in enumerate(slices):
+        members = [specs[i] for i in devices]
+        env: dict[str, str] = {}
+        for member in members:
+            clash = set(env) & set(member.env)
+            if clash:
+                raise ValueError(f"devices packed together share environment variable(s) {', '.join(sorted(clash))}")
+            env.update(member.env)
+        name = f"worker-{number:02d}"
+        agent_list = write_agent_list(folder / f"{name}.yaml", [m.config for m in members])
+        workers.append(AgentSpec(name, agent_list, folder / f"{name}.log", max(m.threads for m in members), env))
+    return workers
 
 
 def log_tail(path: Path, lines: int = _TAIL_LINES) -> str:

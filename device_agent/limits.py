@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from device_agent.accounting import MemoryAccount, MemoryCapExceeded
 from device_agent.config import EmulationConfig
 from device_agent.hooks import RuntimeHooks
 from device_agent.oom import is_out_of_memory
@@ -48,10 +49,6 @@ from device_agent.probe import DeviceProfile, NetworkSpec
 from device_agent.shaping import TokenBucket
 
 _THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-
-
-class MemoryCapExceeded(MemoryError):
-    """The emulated device ran out of memory: a ``MemoryError``, reported as ``out_of_memory`` like any other."""
 
 
 def thread_env(threads: int) -> dict[str, str]:
@@ -154,7 +151,9 @@ class Throttle:
     50 ms amortizes it. Sleeping, unlike busy work, leaves the shared cores to the other
     emulated devices, so a slowed device does not slow the rest. Pass ``sync`` on a GPU so t covers
     the kernels, not their launch. A step time absorbs that inflation too: a slower step owes less.
-    ``step_seconds`` may be changed between rounds (it depends on the level trained).
+    ``step_seconds`` may be changed between rounds (it depends on the level trained). ``hold`` (a
+    worker's compute slot, :mod:`device_agent.worker`) is held while computing and released before
+    sleeping, so while one virtual device sleeps off its device time another one trains.
     """
 
     def __init__(
@@ -163,6 +162,7 @@ class Throttle:
         *,
         step_seconds: float | None = None,
         sync: Callable[[], None] | None = None,
+        hold: AbstractContextManager[object] | None = None,
         min_sleep: float = 0.05,
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
@@ -174,6 +174,7 @@ class Throttle:
         self.factor = factor
         self.step_seconds = step_seconds
         self._sync = sync or (lambda: None)
+        self._hold = hold or nullcontext()
         self._min_sleep = min_sleep
         self._clock = clock
         self._sleep = sleep
@@ -183,12 +184,13 @@ class Throttle:
 
     @contextmanager
     def step(self) -> Iterator[None]:
-        """Wrap one training step (forward, backward, optimizer step)."""
-        self._sync()
-        start = self._clock()
-        yield
-        self._sync()
-        elapsed = self._clock() - start
+        """Wrap one training step (forward, backward, optimizer step); the sleep comes after ``hold`` is released."""
+        with self._hold:
+            self._sync()
+            start = self._clock()
+            yield
+            self._sync()
+            elapsed = self._clock() - start
         self.busy_seconds += elapsed
         self._debt += self.owed(elapsed)
         if self._debt >= self._min_sleep:
@@ -228,21 +230,39 @@ class EmulatedDevice(RuntimeHooks):
     ``memory``, ``throttle``, ``uplink`` and ``downlink`` are None where the block sets no limit.
     """
 
-    def __init__(self, emulation: EmulationConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        emulation: EmulationConfig,
+        device: torch.device,
+        compute_slot: AbstractContextManager[object] | None = None,
+    ) -> None:
+        """``compute_slot``: this device shares its process with others (a worker); see :mod:`device_agent.worker`.
+
+        Alone in its process, the device gets the process-wide caps (threads, RLIMIT_AS or a CUDA memory
+        fraction). Sharing one, it gets none of them: its memory is held by accounting alone and its
+        steps take turns in ``compute_slot``.
+        """
         self.emulation = emulation
-        if emulation.threads is not None:
-            limit_threads(emulation.threads)
         self.memory: MemoryCap | None = None
-        if emulation.memory_bytes is not None:
-            self.memory = (
-                cap_cuda_memory(emulation.memory_bytes, device)
-                if device.type == "cuda"
-                else cap_cpu_memory(emulation.memory_bytes)
-            )
+        if compute_slot is None:
+            if emulation.threads is not None:
+                limit_threads(emulation.threads)
+            if emulation.memory_bytes is not None:
+                self.memory = (
+                    cap_cuda_memory(emulation.memory_bytes, device)
+                    if device.type == "cuda"
+                    else cap_cpu_memory(emulation.memory_bytes)
+                )
+        self.account = (
+            None
+            if emulation.memory_bytes is None
+            else MemoryAccount(emulation.memory_bytes, emulation.peak_bytes, device, shared=compute_slot is not None)
+        )
+        self._slot = compute_slot
         # A throttle on a GPU must time the kernels, not their asynchronous launch.
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
         paced = emulation.slowdown > 1 or emulation.step_seconds is not None
-        self.throttle = Throttle(emulation.slowdown, sync=sync) if paced else None
+        self.throttle = Throttle(emulation.slowdown, sync=sync, hold=compute_slot) if paced else None
         self._slept_before = 0.0
         up, down = emulation.uplink_bytes_per_s, emulation.downlink_bytes_per_s
         self.uplink = TokenBucket(up, latency_s=emulation.latency_s) if up else None
@@ -273,7 +293,9 @@ class EmulatedDevice(RuntimeHooks):
         return self.memory.guard() if self.memory is not None else nullcontext()
 
     def before_training(self, level: float) -> None:
-        """Set the step time of ``level`` (device time) and start counting this round's sleeps."""
+        """Check ``level``'s predicted memory, set its step time (device time), start counting this round's sleeps."""
+        if self.account is not None:
+            self.account.start(level)
         if self.throttle is None:
             return
         self._slept_before = self.throttle.slept_seconds
@@ -281,9 +303,13 @@ class EmulatedDevice(RuntimeHooks):
         if table is not None:
             self.throttle.step_seconds = step_seconds_at(table, level)
 
-    def step(self) -> AbstractContextManager[object]:
+    @contextmanager
+    def step(self) -> Iterator[None]:
         # Step by step, so the slowed device computes at its pace instead of bursting then idling.
-        return self.throttle.step() if self.throttle is not None else nullcontext()
+        paced = self.throttle.step() if self.throttle is not None else (self._slot or nullcontext())
+        measured = self.account.measure() if self.account is not None else nullcontext()
+        with paced, measured:
+            yield
 
     def after_training(self) -> float:
         """Sleep off the slowdown still owed; the sleep is training time, as on the slow device."""

@@ -289,6 +289,70 @@ def predict_memory(work: Workload, accelerator: str = "cpu", include_runtime: bo
     return MemoryEstimate(runtime, weights, gradients, optimizer, activations, transient, total)
 
 
+AGENT_BASELINE_BYTES = {"cpu": 437 * 2**20, "cuda": 437 * 2**20 + RUNTIME_CONTEXT_BYTES["cuda"], "mps": 837 * 2**20}
+"""Peak RSS of an idle agent process: Python, torch, the agent's modules, its MQTT session threads and
+the start-up probe, before any round. cpu: the VmHWM of an idle ``device-agent run`` on the 2-core CI
+box (x86-64, torch 2.13 CPU wheel), 436.6 MiB, measured by ``python -m benchmarks.emulation --memory``
+(``idle_agent_vmhwm_mib``; re-measure there on another platform). cuda and mps add the accelerator
+context on top: estimates."""
+
+PROCESS_ACTIVATION_FACTOR = {"cpu": 1.5, "cuda": 1.0, "mps": 1.0}
+"""Resident bytes of a training step's activations over the traced ones. On CPU backward keeps the
+activations' gradients next to the saved tensors and the allocator does not hand freed blocks back
+at once: fitted, with :data:`INFERENCE_LIVE_FRACTION`, to the agent processes' VmHWM of
+``benchmarks/process_peak.py`` (CNN and ResNet-18 at 32 px, batch 16/32/64, gamma 1 and 1/4; all
+eight within 8 % on the CI box). GPUs: the traced bytes, their allocator slack is ALLOCATOR_SLACK."""
+
+INFERENCE_LIVE_FRACTION = 0.2
+"""Part of a batch's saved activations alive at once in a no-grad pass (the agent's BatchNorm
+calibration and local evaluation, up to :data:`INFERENCE_BATCH` samples at a time); fitted as above."""
+
+INFERENCE_BATCH = 256
+
+
+@dataclass(frozen=True)
+class ProcessPeak:
+    """Peak memory of an agent process over a whole round, by what holds it."""
+
+    baseline: int
+    data: int
+    model_copies: int
+    step: int
+    inference: int
+    total: int
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def dataset_bytes(samples: int, in_channels: int, image_size: int) -> int:
+    """Bytes of ``samples`` images at the model's input shape as float32, with their int64 labels."""
+    return samples * (in_channels * image_size * image_size * _FP32 + 8)
+
+
+def predict_process_peak(
+    work: Workload, accelerator: str, *, download_bytes: int, upload_bytes: int, data_bytes: int, samples: int
+) -> ProcessPeak:
+    """Peak memory of the agent process over a round, not only the training step.
+
+    The agent holds, at its peak: its runtime (:data:`AGENT_BASELINE_BYTES`); its data (``data_bytes``:
+    the data set it loads at the model's input shape and its own share, see :func:`dataset_bytes`); the
+    model several times over (the downloaded payload and its decoded tensors, the model it trains,
+    the packed upload and its serialized copy in the outbox); the training step's gradients,
+    optimizer state and activations (:data:`PROCESS_ACTIVATION_FACTOR`); and the no-grad passes over
+    its ``samples`` after training (BatchNorm calibration, local evaluation).
+    """
+    step = predict_memory(work, accelerator, include_runtime=False)
+    copies = 2 * download_bytes + step.weights + 2 * upload_bytes
+    activations = (step.activations + step.transient) * PROCESS_ACTIVATION_FACTOR[accelerator]
+    training = step.gradients + step.optimizer + math.ceil(activations * ALLOCATOR_SLACK[accelerator])
+    trace = work.trace
+    inference = math.ceil(INFERENCE_LIVE_FRACTION * trace.saved_bytes_per_sample * min(INFERENCE_BATCH, samples))
+    baseline = AGENT_BASELINE_BYTES[accelerator]
+    total = baseline + data_bytes + copies + training + inference
+    return ProcessPeak(baseline, data_bytes, copies, training, inference, total)
+
+
 def predict_step_seconds(work: Workload, profile: DeviceClass, efficiency: float | None = None) -> float:
     """Seconds of one training step (forward, backward, optimizer) on ``profile``."""
     trace = work.trace

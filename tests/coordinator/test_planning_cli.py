@@ -10,9 +10,10 @@ import yaml
 
 from coordinator.cli import main
 from coordinator.fleet import load_fleet
+from coordinator.planner import data_bytes
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
 from device_agent.clients import build_program
-from profiles.costmodel import Workload, predict_memory, trace_module
+from profiles.costmodel import Workload, predict_process_peak, trace_module
 from profiles.schema import DeviceClass
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fleet.yaml"
@@ -133,5 +134,13 @@ def test_each_strategy_is_planned_with_the_model_its_devices_really_train(
             batch = device.overrides.batch_size or fleet.training.batch_size
             work = Workload(trace, batch, fleet.training.optimizer)
             assert row["trainable_params"] == trainable
-            assert row["est_memory_bytes"] == predict_memory(work, catalog[device.profile].accelerator).total
+            peak = predict_process_peak(
+                work,
+                catalog[device.profile].accelerator,
+                download_bytes=type(real).download_bytes(model, real.params, level),
+                upload_bytes=type(real).upload_bytes(model, real.params, level),
+                data_bytes=data_bytes(fleet, device),
+                samples=fleet.samples_for(device),
+            )
+            assert row["est_memory_bytes"] == peak.total
             assert row["model"] == ("full model" if strategy == "factorized_fl" else f"width {level:g}")

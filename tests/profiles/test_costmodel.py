@@ -13,11 +13,14 @@ from device_agent.layers import rank_one_layers, reparametrize
 from device_agent.models import build_model
 from profiles.catalog import load_catalog
 from profiles.costmodel import (
+    AGENT_BASELINE_BYTES,
     OPTIMIZER_STATES,
     Workload,
     calibrate_efficiency,
+    dataset_bytes,
     hybrid_workload,
     predict_memory,
+    predict_process_peak,
     predict_step_seconds,
     trace_hybrid,
     trace_module,
@@ -144,3 +147,24 @@ def test_a_rank_one_model_saves_its_rebuilt_weights_once_per_step_not_per_sample
 
 def _first_conv(model: nn.Module) -> str:
     return next(name for name, m in model.named_modules() if isinstance(m, nn.Conv2d))
+
+
+def test_the_process_peak_adds_the_runtime_data_and_model_copies_to_the_step() -> None:
+    work = hybrid_workload("resnet18", 1.0, 32, in_channels=3, image_size=32)
+    step = predict_memory(work, "cpu", include_runtime=False)
+    data = dataset_bytes(1000, 3, 32)
+    peak = predict_process_peak(work, "cpu", download_bytes=10**6, upload_bytes=10**6, data_bytes=data, samples=500)
+    assert data == 1000 * (3 * 32 * 32 * 4 + 8)
+    assert peak.total == peak.baseline + peak.data + peak.model_copies + peak.step + peak.inference
+    assert peak.baseline == AGENT_BASELINE_BYTES["cpu"] and peak.data == data
+    assert peak.model_copies == 4 * 10**6 + step.weights
+    assert peak.total > predict_memory(work, "cpu").total  # the step alone under-predicts the process
+    bigger = predict_process_peak(
+        hybrid_workload("resnet18", 1.0, 64, in_channels=3, image_size=32),
+        "cpu",
+        download_bytes=10**6,
+        upload_bytes=10**6,
+        data_bytes=data,
+        samples=500,
+    )
+    assert bigger.step > peak.step and bigger.inference == peak.inference

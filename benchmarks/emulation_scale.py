@@ -1,0 +1,159 @@
+"""How large an emulated fleet one host runs: ``coordinator emulate`` on the demo model at growing sizes.
+
+Each size is a fleet of the demo's three device classes in turn (Jetson Orin Nano 8 GB at gamma 1,
+Raspberry Pi 5 capped at 1/2, Pi 4 at 1/4, as examples/demo.yaml), digits split iid (1437 training
+images: ~5 per device at 300), 3 rounds over the managed mosquitto, devices packed into workers as
+``coordinator emulate`` chooses. A size *completes* when all 3 rounds close with every device's update
+accepted within the demo's round deadline. While it runs, the RSS of the coordinator process and
+of every worker is sampled (psutil, every 0.5 s) for their peaks. Reported per size: wall time of
+each round next to the slowest device's predicted round time (the planner's estimate), and memory
+per device. The ladder stops at the first size that does not complete; ``max_devices`` is the
+largest that did.
+
+    python -m benchmarks.emulation --scale --json               the ladder (--sizes)
+    python -m benchmarks.emulation --scale --devices 300        one size
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+
+_ROOT = Path(__file__).resolve().parents[1]
+_DEMO = _ROOT / "examples" / "demo.yaml"
+ROUNDS = 3
+_MIB = 2**20
+
+
+def scale_fleet(devices: int, port: int) -> dict:
+    """The demo fleet with ``devices`` devices (its classes in turn, its overrides), iid data, 3 rounds."""
+    fleet = yaml.safe_load(_DEMO.read_text())
+    classes = [fleet["devices"][i] for i in (0, 3, 6)]  # orin, pi5 (max 1/2), pi4 (max 1/4)
+    fleet["broker"]["port"] = port
+    fleet["rounds"] = ROUNDS
+    fleet["dataset"]["partition"] = "iid"  # dirichlet over hundreds of ~5-image shards leaves some empty
+    fleet["devices"] = []
+    for index in range(devices):
+        device = dict(classes[index % 3])
+        device["id"] = f"{device['id'].split('-')[0]}-{index:04d}"
+        fleet["devices"].append(device)
+    return fleet
+
+
+def _slowest_predicted_seconds(path: Path) -> float:
+    from coordinator.fleet import load_fleet
+    from coordinator.planner import plan_fleet
+
+    fleet, catalog = load_fleet(path)
+    return max(plan.est_round_seconds or 0.0 for plan in plan_fleet(fleet, catalog))
+
+
+def _sample(process: psutil.Process, peaks: dict[str, dict[int, int]]) -> None:
+    """Record the RSS of the coordinator and of each worker (peak per pid)."""
+    try:
+        peaks["coordinator"][process.pid] = max(peaks["coordinator"].get(process.pid, 0), process.memory_info().rss)
+        children = process.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for child in children:
+        try:
+            if "worker" in child.cmdline() or "run" in child.cmdline():
+                rss = child.memory_info().rss
+                peaks["workers"][child.pid] = max(peaks["workers"].get(child.pid, 0), rss)
+        except psutil.NoSuchProcess:
+            continue
+
+
+def run_size(devices: int, timeout: float = 1200) -> dict:
+    """One emulated fleet of ``devices``; what it took and whether every round completed."""
+    from coordinator.broker.base import free_port
+
+    fleet = scale_fleet(devices, free_port())
+    with tempfile.TemporaryDirectory(prefix="fedfleet-bench-scale-") as folder:
+        path, run_dir = Path(folder) / "fleet.yaml", Path(folder) / "run"
+        path.write_text(yaml.safe_dump(fleet, sort_keys=False))
+        predicted = _slowest_predicted_seconds(path)
+        command = [sys.executable, "-m", "coordinator", "emulate", "--fleet", str(path), "--run-dir", str(run_dir)]
+        log = Path(folder) / "emulate.log"
+        start = time.monotonic()
+        with log.open("wb") as out:
+            emulate = subprocess.Popen([*command, "--no-live"], stdout=out, stderr=subprocess.STDOUT, cwd=_ROOT)
+            process = psutil.Process(emulate.pid)
+            peaks: dict[str, dict[int, int]] = {"coordinator": {}, "workers": {}}
+            try:
+                while emulate.poll() is None:
+                    if time.monotonic() - start > timeout:
+                        emulate.terminate()
+                        emulate.wait(60)
+                        break
+                    _sample(process, peaks)
+                    time.sleep(0.5)
+            finally:
+                if emulate.poll() is None:
+                    emulate.kill()
+                    emulate.wait()
+        wall = time.monotonic() - start
+        metrics = run_dir / "metrics.jsonl"
+        records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+        tail = log.read_text(errors="replace")[-1500:]
+    accepted = [sum(d["status"] == "accepted" for d in r["devices"].values()) for r in records]
+    deadline = float(fleet["round_deadline_s"])
+    completed = (
+        emulate.returncode == 0
+        and len(records) == ROUNDS
+        and all(n == devices for n in accepted)
+        and all(r["seconds"] <= deadline for r in records)
+    )
+    workers_rss = sum(peaks["workers"].values())
+    result = {
+        "devices": devices,
+        "completed": completed,
+        "exit_code": emulate.returncode,
+        "rounds_closed": len(records),
+        "accepted_per_round": accepted,
+        "round_seconds": [round(r["seconds"], 1) for r in records],
+        "round_phases": [{k: round(v, 1) for k, v in r.get("phases", {}).items()} for r in records],
+        "deadline_seconds": deadline,
+        "slowest_predicted_round_seconds": round(predicted, 2),
+        "wall_seconds": round(wall, 1),
+        "accuracy": [round(r["accuracy"], 4) for r in records],
+        "agent_processes": len(peaks["workers"]),
+        "coordinator_peak_rss_mib": round(max(peaks["coordinator"].values(), default=0) / _MIB, 1),
+        "coordinator_rss_per_device_mib": round(max(peaks["coordinator"].values(), default=0) / _MIB / devices, 2),
+        "workers_peak_rss_mib": round(workers_rss / _MIB, 1),
+        "workers_rss_per_device_mib": round(workers_rss / _MIB / devices, 2),
+    }
+    if not completed:
+        result["log_tail"] = tail
+    return result
+
+
+def scale(sizes: list[int]) -> dict:
+    """Sizes in increasing order until one does not complete; ``max_devices``: the largest that did."""
+    runs = []
+    for devices in sorted(sizes):
+        runs.append(run_size(devices))
+        if not runs[-1]["completed"]:
+            break
+    done = [r["devices"] for r in runs if r["completed"]]
+    return {"max_devices": max(done, default=0), "runs": runs}
+
+
+def describe(result: dict) -> list[str]:
+    lines = [f"largest fleet completing {ROUNDS} rounds: {result['max_devices']} devices"]
+    for run in result["runs"]:
+        lines.append(
+            f"{run['devices']} devices: {'completed' if run['completed'] else 'FAILED'}; rounds "
+            f"{run['round_seconds']} s (slowest device predicted {run['slowest_predicted_round_seconds']} s, "
+            f"deadline {run['deadline_seconds']:g} s); coordinator peak {run['coordinator_peak_rss_mib']} MiB "
+            f"({run['coordinator_rss_per_device_mib']} MiB/device); {run['agent_processes']} agent processes "
+            f"{run['workers_peak_rss_mib']} MiB ({run['workers_rss_per_device_mib']} MiB/device)"
+        )
+    return lines
