@@ -92,7 +92,7 @@ def test_bulk_launch_joins_n_agents_and_stops_them(broker: tuple[MosquittoBroker
         watcher.loop_stop()
         watcher.disconnect()
     assert emulate.returncode == 0, output
-    assert "3 x raspberry-pi-4 agents running (pi-00 .. pi-02" in output
+    assert "3 x raspberry-pi-4: 3 agent processes (one per device, hard OS caps) running" in output
     assert not any(agent.is_running() for agent in agents)
     for device in DEVICES:
         assert f"connected to {running.address.url}" in (tmp_path / "run" / device / "agent.log").read_text()
@@ -113,7 +113,7 @@ def test_an_agent_that_dies_at_start_up_is_reported(broker: tuple[MosquittoBroke
     assert done.returncode == 1
     assert "agent pi-00 exited (exit code 1)" in done.stderr
     assert "cannot read" in done.stderr  # the end of its log comes with the report
-    assert "1 of 1 agents crashed: pi-00" in done.stderr
+    assert "1 of 1 agent processes crashed: pi-00" in done.stderr
 
 
 def test_bad_settings_are_usage_errors(tmp_path: Path) -> None:
