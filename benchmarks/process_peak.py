@@ -53,10 +53,14 @@ def synthetic_npz(path: Path) -> Path:
     return path
 
 
-def calibrate_baseline(seconds: float = 6.0) -> int:
-    """VmHWM of an idle ``device-agent run`` (its broker unreachable: it keeps retrying, trains nothing)."""
+def calibrate_baseline(settle_s: float = 3.0, timeout: float = 180.0) -> int:
+    """VmHWM of an idle ``device-agent run`` (its broker unreachable: it keeps retrying, trains nothing).
+
+    Read ``settle_s`` after the agent says it is connecting (torch imported, profile probed, session
+    running): on a loaded host the imports alone can take longer than any fixed wait.
+    """
     with tempfile.TemporaryDirectory(prefix="fedfleet-bench-baseline-") as folder:
-        config = Path(folder) / "agent.yaml"
+        config, log = Path(folder) / "agent.yaml", Path(folder) / "agent.log"
         agent_config = {
             "device": "idle",
             "fleet": "bench",
@@ -68,9 +72,15 @@ def calibrate_baseline(seconds: float = 6.0) -> int:
         config.write_text(yaml.safe_dump(agent_config))
         command = [sys.executable, "-m", "device_agent.cli", "run", "--config", str(config)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        agent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=_ROOT)
+        with log.open("wb") as out:
+            agent = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=_ROOT)
         try:
-            time.sleep(seconds)
+            deadline = time.monotonic() + timeout
+            while "connecting to fleet" not in log.read_text(errors="replace"):
+                if agent.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the idle agent did not start: {log.read_text(errors='replace')[-1000:]}")
+                time.sleep(0.2)
+            time.sleep(settle_s)
             peak = vm_hwm(agent.pid)
         finally:
             agent.send_signal(signal.SIGINT)
