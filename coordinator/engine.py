@@ -544,8 +544,8 @@ class RoundEngine:
             return
         payload, manifest, assignment, at = sent
         now = time.monotonic()
-        if now - at < self.settings.resend_after_s or now >= open_.deadline:
-            return
+        if now - at < self.settings.resend_after_s or now >= open_.deadline or self.link.payload_in_flight(device):
+            return  # a slow download still under way: the device is idle until its assignment message follows
         transfer = self.link.send_payload(device, payload, manifest)
         again = assignment.model_copy(update={"download": transfer, "deadline_s": max(1.0, open_.deadline - now)})
         self.link.send_control(device, again)
