@@ -565,7 +565,7 @@ class RoundEngine:
         participant = open_.participants.get(device)
         if participant is None or participant.status == "accepted":
             return
-        participant.status, participant.error = "failed", f"{failure.reason}: {failure.detail}"[:500]
+        participant.status, participant.error = "failed", f"{failure.reason}: {printable(failure.detail, 480)}"
         log.warning("round %d: %s failed: %s", open_.round, device, participant.error)
         if failure.reason == "out_of_memory":
             self.step_downs[device] += 1
