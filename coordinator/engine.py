@@ -122,6 +122,8 @@ class Participant:
     error: str | None = None
     local_accuracy: float | None = None
     rejected_at: float = math.inf
+    retried: bool = False
+    """Its assignment was sent again after a refusal (once per round: a device that keeps failing is not retrained)."""
 
 
 @dataclass
@@ -536,11 +538,17 @@ class RoundEngine:
         self.refusals[(device, reason)] += 1
 
     def _resend_assignment(self, device: str) -> None:
-        """A participant that says it is idle mid-round missed its assignment (offline, lost): send it again."""
+        """A participant that says it is idle mid-round without an accepted update gets its assignment again.
+
+        It missed it (offline, or another connection with its login took it), or its upload was refused:
+        either way it may still train this round. After a refusal, once.
+        """
         open_ = self.open
         sent = self._assigned.get(device)
         participant = open_.participants.get(device) if open_ is not None else None
-        if open_ is None or sent is None or participant is None or participant.status != "assigned":
+        if open_ is None or sent is None or participant is None:
+            return
+        if participant.status != "assigned" and (participant.status != "rejected" or participant.retried):
             return
         payload, manifest, assignment, at = sent
         now = time.monotonic()
@@ -550,6 +558,8 @@ class RoundEngine:
         again = assignment.model_copy(update={"download": transfer, "deadline_s": max(1.0, open_.deadline - now)})
         self.link.send_control(device, again)
         self._assigned[device] = (payload, manifest, again, now)
+        if participant.status == "rejected":  # expected to answer again: the refusal grace no longer applies
+            participant.status, participant.retried = "assigned", True
         log.info("round %d: %s is idle without an update; its assignment was sent again", open_.round, device)
 
     @staticmethod
