@@ -73,7 +73,9 @@ def test_small_payloads_in_one_chunk_and_normal_transfers_pass() -> None:
     assert guard.over(manifest(1 << 20), open_transfers=1, pending_bytes=1 << 30)
 
 
-def test_limits_are_checked() -> None:
+def test_limits_and_reasons_are_checked() -> None:
+    with pytest.raises(ValueError, match="unknown refusal reason 'oops'"):
+        InboundGuard().refuse("a", "oops", "x", 0.0)
     with pytest.raises(ValueError, match="max_open_transfers must be >= 1"):
         InboundLimits(max_open_transfers=0)
     with pytest.raises(ValueError, match="messages_per_s must be > 0"):
