@@ -24,7 +24,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
@@ -240,13 +240,15 @@ def trained_update(assignment: Assignment, completed: Completed, shard, test) ->
 
 @dataclass
 class Bench:
+    """What the attacks need: mallory's connection, the engine under attack and its log."""
+
     mallory: Mallory
     engine: RoundEngine
     honest: HonestDevice
     logs: LogLines
-    genuine: dict[str, torch.Tensor] = field(default_factory=dict)
-    meta: dict[str, str] = field(default_factory=dict)
-    flood: int = 20_000
+    genuine: dict[str, torch.Tensor]
+    """Mallory's honestly trained update: every payload kind tampers with a copy of it."""
+    meta: dict[str, str]
 
     def refusals(self) -> Counter[str]:
         return mallory_refusals(self.engine)
@@ -588,7 +590,7 @@ def run(flood_count: int = 20_000, kinds: list[str] | None = None) -> dict:
                 raise RuntimeError("mallory got no assignment: the round did not start")
             assignment = mallory.assignment
             data_bytes, meta = trained_update(assignment, mallory.payloads[assignment.download], shards[1], tests[1])
-            bench = Bench(mallory, engine, honest, logs, decode_tensors(data_bytes), meta, flood_count)
+            bench = Bench(mallory, engine, honest, logs, decode_tensors(data_bytes), meta)
             for kind in chosen:
                 if kind in catalog:
                     attack, reason = catalog[kind]

@@ -150,6 +150,8 @@ class Participant:
     error: str | None = None
     local_accuracy: float | None = None
     rejected_at: float = math.inf
+    retried: bool = False
+    """Its assignment was sent again after a refusal (once per round: a device that keeps failing is not retrained)."""
 
 
 @dataclass
@@ -594,20 +596,28 @@ class RoundEngine:
         self.refusals[(device, reason)] += 1
 
     def _resend_assignment(self, device: str) -> None:
-        """A participant that says it is idle mid-round missed its assignment (offline, lost): send it again."""
+        """A participant that says it is idle mid-round without an accepted update gets its assignment again.
+
+        It missed it (offline, or another connection with its login took it), or its upload was refused:
+        either way it may still train this round. After a refusal, once.
+        """
         open_ = self.open
         sent = self._assigned.get(device)
         participant = open_.participants.get(device) if open_ is not None else None
-        if open_ is None or sent is None or participant is None or participant.status != "assigned":
+        if open_ is None or sent is None or participant is None:
+            return
+        if participant.status != "assigned" and (participant.status != "rejected" or participant.retried):
             return
         payload, manifest, assignment, at = sent
         now = time.monotonic()
-        if now - at < self.settings.resend_after_s or now >= open_.deadline:
-            return
+        if now - at < self.settings.resend_after_s or now >= open_.deadline or self.link.payload_in_flight(device):
+            return  # a slow download still under way: the device is idle until its assignment message follows
         transfer = self.link.send_payload(device, payload, manifest)
         again = assignment.model_copy(update={"download": transfer, "deadline_s": max(1.0, open_.deadline - now)})
         self.link.send_control(device, again)
         self._assigned[device] = (payload, manifest, again, now)
+        if participant.status == "rejected":  # expected to answer again: the refusal grace no longer applies
+            participant.status, participant.retried = "assigned", True
         log.info("round %d: %s is idle without an update; its assignment was sent again", open_.round, device)
 
     @staticmethod
@@ -623,7 +633,7 @@ class RoundEngine:
         participant = open_.participants.get(device)
         if participant is None or participant.status == "accepted":
             return
-        participant.status, participant.error = "failed", f"{failure.reason}: {failure.detail}"[:500]
+        participant.status, participant.error = "failed", f"{failure.reason}: {printable(failure.detail, 480)}"
         log.warning("round %d: %s failed: %s", open_.round, device, participant.error)
         if failure.reason == "out_of_memory":
             self.step_downs[device] += 1

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from device_agent.wire.guard import InboundGuard, InboundLimits
 from device_agent.wire.messages import Manifest, Message
-from device_agent.wire.session import BrokerAddress, Session, coordinator_session
+from device_agent.wire.session import BrokerAddress, Delivery, Session, coordinator_session
 from device_agent.wire.topics import DeviceTopics, device_of
 from device_agent.wire.transfer import Completed, make_manifest
 
@@ -49,6 +49,10 @@ class Link(Protocol):
 
     def send_payload(self, device: str, payload: bytes, manifest: Manifest) -> str:
         """Start delivering ``payload`` to ``device``; returns the transfer id its assignment names."""
+        ...
+
+    def payload_in_flight(self, device: str) -> bool:
+        """Whether the last payload sent to ``device`` is still on its way (neither acked nor failed)."""
         ...
 
     def bytes_up(self, device: str) -> int:
@@ -85,6 +89,7 @@ class MqttLink:
         self.session_config = session_config
         self.session: Session | None = None
         self._topics: dict[str, DeviceTopics] = {}
+        self._deliveries: dict[str, Delivery] = {}
 
     def topics(self, device: str) -> DeviceTopics:
         if device not in self._topics:
@@ -124,7 +129,13 @@ class MqttLink:
         return make_manifest(payload, self._session().config.chunk_size, **fields)
 
     def send_payload(self, device: str, payload: bytes, manifest: Manifest) -> str:
-        return self._session().send(self.topics(device).down, payload, manifest=manifest).transfer
+        delivery = self._session().send(self.topics(device).down, payload, manifest=manifest)
+        self._deliveries[device] = delivery
+        return delivery.transfer
+
+    def payload_in_flight(self, device: str) -> bool:
+        delivery = self._deliveries.get(device)
+        return delivery is not None and not delivery.done and delivery.error is None
 
     def bytes_up(self, device: str) -> int:
         return self._session().stats.bytes_in.get(self.topics(device).up, 0)

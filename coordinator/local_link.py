@@ -92,6 +92,10 @@ class InProcessLink:
         self._down[device] += len(payload)
         return transfer
 
+    def payload_in_flight(self, device: str) -> bool:
+        """Payloads are handed over at once in process."""
+        return False
+
     def bytes_up(self, device: str) -> int:
         return self._up[device]
 

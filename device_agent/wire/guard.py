@@ -27,6 +27,11 @@ log = logging.getLogger("fedfleet.wire")
 RefusalHandler = Callable[[str, str], None]
 """Told (peer, reason) for every refused frame."""
 
+REASONS = frozenset(
+    {"rate_limited", "retained", "malformed", "transfer_refused", "transfer_evicted", "corrupt_chunk", "wrong_sender"}
+)
+"""Every reason the transport refuses a frame under (the engine adds its own: ``coordinator.upload_gate``)."""
+
 RETAINED_KINDS: tuple[type, ...] = (Hello, Status)
 """Messages a peer publishes retained on purpose (see ``device_agent.protocol``)."""
 
@@ -126,6 +131,8 @@ class InboundGuard:
 
     def refuse(self, peer: str, reason: str, detail: str, now: float) -> bool:
         """Count a refusal and log it if it starts a burst; returns False (not admitted)."""
+        if reason not in REASONS:
+            raise ValueError(f"unknown refusal reason {reason!r}")
         if self.on_refused is not None:
             self.on_refused(peer, reason)
         with self._lock:

@@ -516,7 +516,7 @@ class Session:
         if isinstance(message, Manifest):
             self._inbound.put((msg.topic, message, now, len(data)))  # behind the chunks already queued, in order
         elif isinstance(message, Ack | Nack):
-            self._on_transfer_answer(message, now)
+            self._on_transfer_answer(message, now, msg.topic)
         else:
             if isinstance(message, Error) and message.transfer is not None:
                 self._fail(message.transfer, f"{message.code}: {message.detail}")
@@ -553,12 +553,17 @@ class Session:
             handler = self._on_payload
             self._events.put(lambda: handler(topic, completed))
 
-    def _on_transfer_answer(self, message: Ack | Nack, now: float) -> None:
+    def _on_transfer_answer(self, message: Ack | Nack, now: float, source: str) -> None:
         with self._lock:
             entry = self._outgoing.get(message.transfer)
             if entry is None:
                 return  # an answer to a transfer already settled: a duplicate ack
             topic, outgoing, delivery = entry
+            if topics.device_of(topic) != topics.device_of(source):
+                if self._guard_in is not None:  # only the transfer's receiver may ack or nack it
+                    detail = f"a {message.type} for a transfer to {topics.device_of(topic)}"
+                    self._guard_in.refuse(topics.device_of(source) or source, "wrong_sender", detail, now)
+                return
             if isinstance(message, Nack):
                 frames = outgoing.on_nack(message, now)
             else:

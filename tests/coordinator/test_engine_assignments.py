@@ -1,10 +1,12 @@
-"""A participant that missed its assignment gets it again when it says it is idle, and still trains this round."""
+"""A participant without an accepted update gets its assignment again when it says it is idle, and still trains."""
 
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 
+import torch
 import yaml
 
 from coordinator.engine import EngineSettings, RoundEngine
@@ -16,7 +18,9 @@ from coordinator.strategies import ModelSpec, build_strategy
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData, load_dataset
 from device_agent.data.partition import PartitionSpec, client_shard
+from device_agent.wire.codec import decode_tensors, encode_tensors
 from device_agent.wire.messages import Assignment, Message, Status
+from device_agent.wire.transfer import Completed, make_manifest
 
 CNN = ModelSpec("cnn", 10, 1, 8)
 
@@ -37,7 +41,36 @@ class LossyLink(InProcessLink):
         super().send_control(device, message)
 
 
-def test_a_device_idle_mid_round_gets_its_assignment_again_and_is_accepted(tmp_path: Path) -> None:
+class RefusedOnceLink(InProcessLink):
+    """Device ``b``'s first upload is corrupted on the way (NaN); ``b`` then reports idle, as an agent does."""
+
+    def __init__(self, devices: list[LocalDevice]) -> None:
+        super().__init__(devices)
+        self.assignments: list[str] = []
+        self.uploads: list[str] = []
+
+    def send_control(self, device: str, message: Message) -> None:
+        if isinstance(message, Assignment):
+            self.assignments.append(device)
+        super().send_control(device, message)
+
+    def start(self, on_message, on_payload, on_refused=None) -> None:
+        def intercept(device: str, completed: Completed) -> None:
+            self.uploads.append(device)
+            if device == "b" and self.uploads.count("b") == 1:
+                tensors = decode_tensors(completed.data)
+                key = next(iter(tensors))
+                data = encode_tensors({**tensors, key: torch.full_like(tensors[key], math.nan)})
+                m = completed.manifest
+                completed = Completed(make_manifest(data, run=m.run, round=m.round, kind=m.kind, meta=m.meta), [data])
+                threading.Timer(0.5, lambda: self._to_engine("b", Status(device="b", state="idle"))).start()
+            on_payload(device, completed)
+
+        super().start(on_message, intercept)
+
+
+def run_round(tmp_path: Path, link_type: type[InProcessLink]) -> tuple[RoundEngine, InProcessLink]:
+    """One FedAvg round of devices a and b on digits, with a 20 s deadline."""
     data = load_dataset("digits", 8, 1)
     split = PartitionSpec("iid", 2, seed=0)
     shards = [
@@ -48,8 +81,8 @@ def test_a_device_idle_mid_round_gets_its_assignment_again_and_is_accepted(tmp_p
     strategy = build_strategy("fedavg", CNN, {}, seed=0)
     fleet_file = tmp_path / "fleet.yaml"
     raw = simulation_fleet(strategy, clients, 1, TrainConfig(batch_size=32)) | {"round_deadline_s": 20}
-    fleet_file.write_text(yaml.safe_dump(raw))  # without the re-send, b would be "late" after 20 s
-    link = LossyLink([LocalDevice(c.client_id, c.train, c.test) for c in clients])
+    fleet_file.write_text(yaml.safe_dump(raw))  # without a re-send, b would be "late" or "rejected" after 20 s
+    link = link_type([LocalDevice(c.client_id, c.train, c.test) for c in clients])
     calibration = data.train_x[:128]
     engine = RoundEngine(
         parse_fleet(yaml.safe_load(fleet_file.read_text())),
@@ -62,5 +95,17 @@ def test_a_device_idle_mid_round_gets_its_assignment_again_and_is_accepted(tmp_p
         planner=fixed_levels({"a": 1.0, "b": 1.0}),
     )
     assert engine.run()
+    return engine, link
+
+
+def test_a_device_idle_mid_round_gets_its_assignment_again_and_is_accepted(tmp_path: Path) -> None:
+    engine, link = run_round(tmp_path, LossyLink)
     assert sorted(link.assignments) == ["a", "b", "b"]
+    assert {d: m.status for d, m in engine.last.devices.items()} == {"a": "accepted", "b": "accepted"}
+
+
+def test_a_refused_device_is_sent_its_assignment_again_once_and_its_genuine_update_counts(tmp_path: Path) -> None:
+    engine, link = run_round(tmp_path, RefusedOnceLink)
+    assert sorted(link.assignments) == ["a", "b", "b"] and sorted(link.uploads) == ["a", "b", "b"]
+    assert engine.refusals == {("b", "non_finite"): 1}
     assert {d: m.status for d, m in engine.last.devices.items()} == {"a": "accepted", "b": "accepted"}

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
 from device_agent.probe import probe_device
 from device_agent.wire.guard import InboundGuard, InboundLimits, TokenBucket
 from device_agent.wire.messages import Hello, Manifest, RoundFailed, Status
+from device_agent.wire.session import coordinator_session, device_session
 
 
 def manifest(size: int, chunk_size: int = 256 * 1024) -> Manifest:
@@ -71,8 +73,27 @@ def test_small_payloads_in_one_chunk_and_normal_transfers_pass() -> None:
     assert guard.over(manifest(1 << 20), open_transfers=1, pending_bytes=1 << 30)
 
 
-def test_limits_are_checked() -> None:
+def test_limits_and_reasons_are_checked() -> None:
+    with pytest.raises(ValueError, match="unknown refusal reason 'oops'"):
+        InboundGuard().refuse("a", "oops", "x", 0.0)
     with pytest.raises(ValueError, match="max_open_transfers must be >= 1"):
         InboundLimits(max_open_transfers=0)
     with pytest.raises(ValueError, match="messages_per_s must be > 0"):
         InboundLimits(messages_per_s=0)
+
+
+def test_a_retained_manifest_is_refused_and_cleared_from_the_broker(fresh_mosquitto) -> None:
+    """A device leaves a manifest retained; the coordinator refuses it on subscribing and clears it for good."""
+    broker = fresh_mosquitto
+    device, topics = device_session(broker.fleet, "dev-a", broker.address("dev-a"))
+    device.start()
+    device.publish(topics.up, manifest(10), retain=True)
+    device.stop()
+    for expected in ([("dev-a", "retained")], []):  # the second coordinator finds nothing left
+        refused: list[tuple[str, str]] = []
+        guard = InboundGuard(on_refused=lambda p, r, into=refused: into.append((p, r)))
+        coordinator = coordinator_session(broker.fleet, broker.address(), guard=guard)
+        coordinator.start()
+        time.sleep(1.0)
+        coordinator.stop()
+        assert refused == expected
