@@ -8,6 +8,9 @@ fault with real signals, restarts what a person or systemd would restart, and le
     python -m benchmarks.faults --scenarios agent,coordinator --repeats 1 --json
     python -m benchmarks.faults --readme README.md          # also rewrite the README Reliability table
 
+By default the kinds of hostile input of :mod:`benchmarks.bad_inputs` are tried too (key ``bad_inputs``;
+``--no-bad-inputs`` skips them).
+
 An update is *lost* when its agent logged the coordinator's receipt ``accepted`` (or ``duplicate``,
 which says it was accepted before) for a round whose metrics do not count that device as accepted:
 the device dropped the update believing it counted. "Mid-upload" means the agent's outbox holds a
@@ -36,6 +39,7 @@ from pathlib import Path
 
 import psutil
 
+from benchmarks import bad_inputs
 from benchmarks.reliability import update_readme
 from coordinator.broker.base import free_port
 from coordinator.broker.scratch import OWNER_FILE, PATTERN
@@ -429,6 +433,12 @@ def main(argv: list[str] | None = None) -> int:
         "--scenarios", default=",".join(SCENARIOS), help=f"comma-separated (default: all: {','.join(SCENARIOS)})"
     )
     parser.add_argument("--repeats", type=int, default=3, help="faults per run for the kill scenarios (default: 3)")
+    parser.add_argument(
+        "--no-bad-inputs",
+        dest="bad_inputs",
+        action="store_false",
+        help="skip benchmarks.bad_inputs (by default its kinds of hostile input are tried too, key bad_inputs)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--readme", type=Path, help="rewrite this README's Reliability table with the results")
     args = parser.parse_args(argv)
@@ -439,7 +449,10 @@ def main(argv: list[str] | None = None) -> int:
         scenarios = run_scenarios([s.strip() for s in args.scenarios.split(",") if s.strip()], args.repeats)
     except ValueError as exc:
         parser.error(str(exc))
-    result = {"scenarios": scenarios, "repeats": args.repeats, "seconds": round(time.monotonic() - started, 1)}
+    result: dict[str, object] = {"scenarios": scenarios, "repeats": args.repeats}
+    if args.bad_inputs:
+        result |= bad_inputs.run()
+    result["seconds"] = round(time.monotonic() - started, 1)
     if args.readme is not None:
         args.readme.write_text(update_readme(args.readme.read_text(), result))
     if args.json:
@@ -447,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for title, row in scenarios.items():
             print(f"{title}: survived={row['survived']} lost={row['lost_updates']} ({row['detail']})")
+        for kind, row in result.get("bad_inputs", {}).items():  # type: ignore[union-attr]
+            print(f"{kind}: refused={row['refused']} reason={row['reason']} round_unaffected={row['round_unaffected']}")
     return 0
 
 
