@@ -96,18 +96,16 @@ class RoundMetrics(BaseModel):
 
 
 def round_scores(rounds: Iterable[RoundMetrics]) -> dict[int, float]:
-    """Each round state's accuracy, to pick the best one: personalized, else the server's figure.
+    """Each round state's accuracy, to pick the best one: the devices' own (personalized), else the server's.
 
-    Without either (no server evaluation), a round's federated accuracy scores the state of the round
-    before, which is the model its devices received and measured.
+    A round with neither (no server evaluation, devices without test shards) is not scored. Federated
+    accuracy is no score here: the devices that report it also report their own accuracy, from the same shards.
     """
-    scores: dict[int, float] = {}
+    scores = {}
     for row in rounds:
-        own = row.personalized_accuracy if row.personalized_accuracy is not None else row.accuracy
-        if own is not None:
-            scores[row.round] = own
-        elif row.federated_accuracy is not None:
-            scores.setdefault(row.round - 1, row.federated_accuracy)
+        score = row.personalized_accuracy if row.personalized_accuracy is not None else row.accuracy
+        if score is not None:
+            scores[row.round] = score
     return scores
 
 
