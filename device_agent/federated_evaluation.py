@@ -2,9 +2,9 @@
 
 A coordinator with no data of its own learns how the global model does from these figures (the
 round's ``federated_accuracy``). The device measures the model as it arrived, so the figure of round
-r is the global model after round r - 1. BatchNorm statistics are recomputed on the device's training
-shard first (static BN, as for ``local_accuracy``), then restored, so training starts from exactly
-what was received.
+r is the global model after round r - 1. BatchNorm statistics are recomputed on (at most
+``CALIBRATION_SAMPLES`` of) the device's training shard first (static BN, as for ``local_accuracy``),
+then restored, so training starts from exactly what was received.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ from device_agent.protocol import ReceivedEvaluation
 from device_agent.training import calibrate_batchnorm
 
 Split = tuple[Tensor, Tensor]
+
+CALIBRATION_SAMPLES = 1024
+"""As many as the coordinator's own static BN uses: enough for the statistics, a bounded cost on a big shard."""
 
 
 @torch.no_grad()
@@ -34,7 +37,7 @@ def evaluate_received(
     buffers = {k: v.clone() for k, v in model.state_dict().items() if "running_" in k or "num_batches" in k}
     was_training = model.training
     try:
-        calibrate_batchnorm(model, calibration.to(device))
+        calibrate_batchnorm(model, calibration[:CALIBRATION_SAMPLES].to(device))
         model.eval()
         logits = torch.cat([model(batch.to(device)).cpu() for batch in x.split(512)])
     finally:
