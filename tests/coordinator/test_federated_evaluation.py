@@ -7,6 +7,7 @@ devices measured for the model they received.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -44,25 +45,43 @@ def clients() -> list[SimClient]:
     ]
 
 
-def run_without_server_data(clients: list[SimClient], run_dir: Path, rounds: int) -> RunDir:
+class SilentLink(InProcessLink):
+    """Device ``pi-1`` trains but its update never arrives (the coordinator stops before it would)."""
+
+    def start(self, on_message, on_payload) -> None:
+        super().start(on_message, lambda device, completed: device != "pi-1" and on_payload(device, completed))
+
+
+def engine_without_server_data(
+    clients: list[SimClient], run_dir: Path, rounds: int, link: type[InProcessLink] = InProcessLink
+) -> RoundEngine:
     strategy = build_strategy("fedavg", CNN, {}, seed=0)
     raw = simulation_fleet(strategy, clients, rounds, TrainConfig(batch_size=32), server_evaluation=False)
     fleet_file = run_dir.parent / "fleet.yaml"
-    fleet_file.write_text(yaml.safe_dump(raw))
-    rundir = RunDir.create(run_dir, fleet_file, strategy.state_dict(), seed=0, retention=parse_fleet(raw).checkpoints)
+    if (run_dir / "run.json").exists():
+        rundir = RunDir.open(run_dir, fleet_file)
+    else:
+        fleet_file.write_text(yaml.safe_dump(raw))
+        rundir = RunDir.create(
+            run_dir, fleet_file, strategy.state_dict(), seed=0, retention=parse_fleet(raw).checkpoints
+        )
     empty = LabeledData(NO_DATA, torch.empty(0, dtype=torch.long), NO_DATA, torch.empty(0, dtype=torch.long), 10)
-    engine = RoundEngine(
+    return RoundEngine(
         parse_fleet(raw, source="test"),
         {},
         strategy,
         rundir,
         empty,
-        InProcessLink([LocalDevice(c.client_id, c.train, c.test) for c in clients]),
+        link([LocalDevice(c.client_id, c.train, c.test) for c in clients]),
         EngineSettings(min_devices=len(clients), wait_timeout_s=60),
         planner=fixed_levels({c.client_id: c.level for c in clients}),
     )
+
+
+def run_without_server_data(clients: list[SimClient], run_dir: Path, rounds: int) -> RunDir:
+    engine = engine_without_server_data(clients, run_dir, rounds)
     assert engine.run()
-    return rundir
+    return engine.rundir
 
 
 @pytest.mark.slow
@@ -91,3 +110,30 @@ def test_rounds_close_on_federated_evaluation_alone_and_the_report_shows_it(clie
     assert "final federated accuracy (model received)" in page
     assert f"{metrics[-1].federated_accuracy:.4f}" in page
     assert "final accuracy" not in page
+
+
+def stop_once_one_is_in(engine: RoundEngine) -> None:
+    if engine.open is not None and engine.open.accepted:
+        engine.stop()
+
+
+def test_a_resumed_round_keeps_the_federated_figures_of_its_journaled_uploads(clients, tmp_path, caplog) -> None:
+    first = engine_without_server_data(clients, tmp_path / "run", rounds=1, link=SilentLink)
+    assert not first.run(stop_once_one_is_in)
+    first.rundir.close()
+
+    resumed = engine_without_server_data(clients, tmp_path / "run", rounds=1)
+    with caplog.at_level(logging.INFO, logger="fedfleet.engine"):
+        assert resumed.run()
+    try:
+        (metrics,) = resumed.rundir.metrics()
+    finally:
+        resumed.rundir.close()
+
+    assert "round 1: replayed pi-0's journaled update" in caplog.messages
+    replayed, fresh = metrics.devices["pi-0"], metrics.devices["pi-1"]
+    assert replayed.status == fresh.status == "accepted"
+    assert replayed.eval_samples == len(clients[0].test[1]) and replayed.global_accuracy is not None
+    total = replayed.eval_samples + fresh.eval_samples
+    weighted = (replayed.global_accuracy * replayed.eval_samples + fresh.global_accuracy * fresh.eval_samples) / total
+    assert metrics.federated_accuracy == pytest.approx(weighted)
