@@ -20,7 +20,7 @@ from coordinator.local_link import InProcessLink, LocalDevice
 from coordinator.metrics import round_scores
 from coordinator.report import write_report
 from coordinator.rundir import RunDir
-from coordinator.simulation import SimClient, fixed_levels, simulation_fleet
+from coordinator.simulation import SimClient, fixed_levels, simulate, simulation_fleet
 from coordinator.strategies import ModelSpec, build_strategy
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData, load_dataset
@@ -28,6 +28,7 @@ from device_agent.data.partition import PartitionSpec, client_shard
 
 CNN = ModelSpec("cnn", 10, 1, 8)
 NO_DATA = torch.empty(0, 1, 8, 8)
+NO_LABELS = torch.empty(0, dtype=torch.long)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def engine_without_server_data(
         rundir = RunDir.create(
             run_dir, fleet_file, strategy.state_dict(), seed=0, retention=parse_fleet(raw).checkpoints
         )
-    empty = LabeledData(NO_DATA, torch.empty(0, dtype=torch.long), NO_DATA, torch.empty(0, dtype=torch.long), 10)
+    empty = LabeledData(NO_DATA, NO_LABELS, NO_DATA, NO_LABELS, 10)
     return RoundEngine(
         parse_fleet(raw, source="test"),
         {},
@@ -137,3 +138,13 @@ def test_a_resumed_round_keeps_the_federated_figures_of_its_journaled_uploads(cl
     total = replayed.eval_samples + fresh.eval_samples
     weighted = (replayed.global_accuracy * replayed.eval_samples + fresh.global_accuracy * fresh.eval_samples) / total
     assert metrics.federated_accuracy == pytest.approx(weighted)
+
+
+def test_a_simulation_can_run_as_a_coordinator_without_data(clients) -> None:
+    strategy = build_strategy("fedhm", CNN, {}, seed=0)
+    result = simulate(
+        strategy, clients, 1, TrainConfig(batch_size=32), (NO_DATA, NO_LABELS), NO_DATA, server_evaluation=False
+    )
+
+    assert result.final.accuracy is None
+    assert result.final.federated_accuracy is not None and 0 <= result.final.federated_accuracy <= 1
