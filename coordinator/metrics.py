@@ -48,7 +48,9 @@ class DeviceRoundMetrics(BaseModel):
         None, description="federated evaluation: the model the device received, on its own test shard, before training"
     )
     global_loss: NonNegative | None = Field(None, description="cross-entropy of that same evaluation")
-    eval_samples: Bytes | None = Field(None, description="test samples behind global_accuracy and global_loss")
+    eval_samples: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="test samples behind global_accuracy and global_loss"
+    )
 
 
 class RoundMetrics(BaseModel):
