@@ -8,7 +8,7 @@ described in :mod:`device_agent.protocol`. ``coordinator start`` runs it over MQ
 devices (:class:`~coordinator.local_link.InProcessLink`): one round core for both.
 
 The upload gate (:meth:`RoundEngine._accept`), in order: envelope (kind, run, round, participant,
-duplicate) -> the update's meta (samples, finite seconds and loss, accuracy in [0, 1]) -> decode
+duplicate) -> the update's meta (samples, finite seconds and loss, accuracies in [0, 1]) -> decode
 -> the strategy's checks for that slot (names, shapes, dtypes, finite values, magnitude) ->
 journal -> fold. Nothing touches the aggregate before the journal has the upload, so a refused or
 late upload never counts.
@@ -38,14 +38,14 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.compatibility import release_note
-from coordinator.evaluation import evaluate_global, personalized_accuracy
+from coordinator.evaluation import evaluate_global, federated_evaluation, personalized_accuracy
 from coordinator.fleet import Device, Fleet
 from coordinator.link import Link
-from coordinator.metrics import DeviceRoundMetrics, DeviceStatus, RoundMetrics
+from coordinator.metrics import DeviceRoundMetrics, DeviceStatus, RoundMetrics, received_metrics
 from coordinator.planner import DevicePlan, after_out_of_memory, fmt_ratio, plan_fleet, why_no_one
 from coordinator.rundir import OPEN_ROUND_FILE, RoundNotOpen, RunDir
 from coordinator.signing import UploadSignatures
@@ -65,6 +65,7 @@ from device_agent.probe import DeviceProfile
 from device_agent.protocol import (
     ASSIGNMENT_KIND,
     UPDATE_KIND,
+    ReceivedEvaluation,
     UploadMetaError,
     round_seed,
     split_upload,
@@ -152,6 +153,7 @@ class Participant:
     rejected_at: float = math.inf
     retried: bool = False
     """Its assignment was sent again after a refusal (once per round: a device that keeps failing is not retrained)."""
+    received: ReceivedEvaluation | None = None
 
 
 @dataclass
@@ -424,6 +426,8 @@ class RoundEngine:
             participant.host_seconds = entry.meta.get("host_seconds")
             participant.payload_bytes = int(entry.meta.get("payload_bytes", 0))
             participant.local_accuracy = entry.meta.get("local_accuracy")
+            received = entry.meta.get("received")
+            participant.received = ReceivedEvaluation(**received) if received else None
             log.info("round %d: replayed %s's journaled update", round_, entry.device)
         self._journal = []
 
@@ -484,10 +488,14 @@ class RoundEngine:
         else:
             self.strategy.close_round(open_.aggregate)
         aggregated = time.monotonic()
-        calibration = self.data.train_x[: self.settings.calibration_samples]
-        acc, loss = evaluate_global(self.strategy, (self.data.test_x, self.data.test_y), calibration)
+        acc: float | None = None
+        loss: float | None = None
+        if self.fleet.evaluation.server:
+            calibration = self.data.train_x[: self.settings.calibration_samples]
+            acc, loss = evaluate_global(self.strategy, (self.data.test_x, self.data.test_y), calibration)
         evaluated = time.monotonic()
         devices = {d: self._device_metrics(d, p) for d, p in open_.participants.items()}
+        federated = federated_evaluation(p.received for p in open_.participants.values() if p.status == "accepted")
         phases = {
             **open_.phases,
             "train": closing - pushed,
@@ -498,6 +506,8 @@ class RoundEngine:
             round=round_,
             accuracy=acc,
             loss=loss,
+            federated_accuracy=None if federated is None else federated[0],
+            federated_loss=None if federated is None else federated[1],
             personalized_accuracy=personalized_accuracy(m.local_accuracy for m in devices.values()),
             participants=sum(m.status == "accepted" for m in devices.values()),
             bytes_up=sum(m.bytes_up for m in devices.values()),
@@ -511,10 +521,10 @@ class RoundEngine:
         (self.rundir.path / OPEN_ROUND_FILE).unlink(missing_ok=True)
         self.open = None
         log.info(
-            "round %d closed: accuracy %.4f, loss %.4f%s, %d/%d updates, %.1f s",
+            "round %d closed: %s%s%s, %d/%d updates, %.1f s",
             round_,
-            acc,
-            loss,
+            "no server evaluation" if acc is None else f"accuracy {acc:.4f}, loss {loss:.4f}",
+            "" if federated is None else f", federated accuracy {federated[0]:.4f} (model received)",
             "" if metrics.personalized_accuracy is None else f", local accuracy {metrics.personalized_accuracy:.4f}",
             metrics.participants,
             len(devices),
@@ -538,6 +548,7 @@ class RoundEngine:
             status=status,
             error=participant.error,
             local_accuracy=participant.local_accuracy if status == "accepted" else None,
+            **received_metrics(participant.received if status == "accepted" else None),
         )
 
     # ---- events --------------------------------------------------------------------------------
@@ -714,6 +725,7 @@ class RoundEngine:
             "level": participant.level,
             "payload_bytes": len(data),
             "local_accuracy": parsed.local_accuracy,
+            "received": None if parsed.received is None else asdict(parsed.received),
         }
         try:
             self.rundir.accept_upload(open_.round, device, manifest.transfer, data, meta)
@@ -723,5 +735,5 @@ class RoundEngine:
         self.gate.accepted(participant.level, norm)
         participant.status, participant.payload_bytes = "accepted", len(data)
         participant.train_seconds, participant.local_accuracy = parsed.train_seconds, parsed.local_accuracy
-        participant.host_seconds = parsed.host_seconds
+        participant.host_seconds, participant.received = parsed.host_seconds, parsed.received
         return "accepted"

@@ -8,6 +8,9 @@
   shard), after static BN on its own training data (``device_agent.training.evaluate_local``).
   A personalized model's private part never leaves the device, so this is the only measure a
   real fleet has; the in-process simulation reports the same thing.
+- Federated accuracy and loss: what the accepted devices measure for the model they received, before
+  training, on their own test shards (``device_agent.federated_evaluation``), weighted by test samples.
+  It needs no data on the coordinator, and it measures the global model of the round before.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from coordinator.strategies import Strategy
+from device_agent.protocol import ReceivedEvaluation
 from device_agent.training import calibrate_batchnorm
 
 Split = tuple[Tensor, Tensor]
@@ -51,4 +55,15 @@ def personalized_accuracy(reported: Iterable[float | None]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-__all__ = ["accuracy", "calibrate_batchnorm", "evaluate_global", "personalized_accuracy"]
+def federated_evaluation(reported: Iterable[ReceivedEvaluation | None]) -> tuple[float, float] | None:
+    """(accuracy, loss) over the devices' test samples together; None when no device reported one."""
+    values = [value for value in reported if value is not None]
+    samples = sum(value.samples for value in values)
+    if not samples:
+        return None
+    accuracy = sum(value.accuracy * value.samples for value in values) / samples
+    loss = sum(value.loss * value.samples for value in values) / samples
+    return min(1.0, accuracy), loss
+
+
+__all__ = ["accuracy", "calibrate_batchnorm", "evaluate_global", "federated_evaluation", "personalized_accuracy"]

@@ -30,6 +30,7 @@ from pydantic import (
 
 from coordinator.broker.credentials import COORDINATOR_USER
 from coordinator.checkpoints import Retention
+from coordinator.evaluation_settings import EvaluationSettings
 from coordinator.strategies import STRATEGIES
 from device_agent.clients.spec import TrainConfig
 from device_agent.models import MODELS
@@ -306,6 +307,9 @@ class Fleet(_Strict):
     devices: list[Device] = Field(min_length=1)
     export: ExportSettings | None = Field(None, description="ONNX exports written when the run finishes")
     checkpoints: Retention = Field(default_factory=Retention, description="which round states the run keeps")
+    evaluation: EvaluationSettings = Field(
+        default_factory=EvaluationSettings, description="where the global model is evaluated each round"
+    )
 
     @field_validator("ratios", mode="before")
     @classmethod

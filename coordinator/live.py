@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
+from coordinator.metrics import RoundMetrics
+
 if TYPE_CHECKING:
     from coordinator.engine import RoundEngine
 
@@ -16,7 +18,7 @@ def round_table(engine: RoundEngine) -> Table:
     last = engine.last
     title = f"fleet {engine.fleet.fleet}: round {engine.next_round}/{engine.fleet.rounds}"
     if last is not None:
-        title += f"  (round {last.round}: accuracy {last.accuracy:.3f}, loss {last.loss:.3f}, {last.seconds:.1f} s)"
+        title += f"  (round {last.round}: {round_figures(last)}, {last.seconds:.1f} s)"
     table = Table(title=title)
     for column in ("device", "class", "online", "agent", "ratio", "round status", "bytes up", "train s"):
         table.add_column(column, justify="right" if column in ("ratio", "bytes up", "train s") else "left")
@@ -36,3 +38,13 @@ def round_table(engine: RoundEngine) -> Table:
             f"{participant.train_seconds:.1f}" if participant and participant.train_seconds is not None else "",
         )
     return table
+
+
+def round_figures(last: RoundMetrics) -> str:
+    """The server's accuracy and loss, the devices' federated accuracy, or both, whichever the round has."""
+    parts = []
+    if last.accuracy is not None and last.loss is not None:
+        parts.append(f"accuracy {last.accuracy:.3f}, loss {last.loss:.3f}")
+    if last.federated_accuracy is not None:
+        parts.append(f"federated accuracy {last.federated_accuracy:.3f}")
+    return ", ".join(parts) or "not evaluated"

@@ -133,7 +133,9 @@ class InProcessLink:
         device.kept = trained.keep or None
         data = encode_tensors(trained.upload)
         result = trained.result
-        meta = upload_meta(result.samples, result.seconds, result.mean_loss, trained.local_accuracy)
+        meta = upload_meta(
+            result.samples, result.seconds, result.mean_loss, trained.local_accuracy, received=trained.received
+        )
         manifest = make_manifest(
             data, self.chunk_size, run=assignment.run, round=assignment.round, kind=UPDATE_KIND, meta=meta
         )

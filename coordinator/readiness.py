@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from coordinator.broker.mosquitto import find_mosquitto
+from coordinator.evaluation_settings import no_server_data
 from coordinator.fleet import Fleet
 from device_agent.data.datasets import DatasetError, check_source
 from device_agent.schema import SecretError, resolve_secret
@@ -24,6 +25,8 @@ def start_problems(fleet: Fleet) -> list[str]:
 
 
 def _data_problems(fleet: Fleet) -> list[str]:
+    if no_server_data(fleet) is not None:
+        return []
     dataset = fleet.dataset
     if dataset.name == BUILT_IN:
         try:
@@ -34,7 +37,8 @@ def _data_problems(fleet: Fleet) -> list[str]:
     if dataset.path is None:
         return [
             f"dataset.path: dataset {dataset.name!r} needs a path on the coordinator (its test split evaluates "
-            f"the global model); set dataset.path, or use name: {BUILT_IN} (built in)"
+            f"the global model); set dataset.path, or use name: {BUILT_IN} (built in), or run without data: "
+            "evaluation.server: false with model.in_channels and model.image_size"
         ]
     if not Path(dataset.path).exists():
         return [f"dataset.path: {dataset.path}: no such file or folder on this machine"]

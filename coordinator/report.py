@@ -57,15 +57,27 @@ def _device_order(rounds: list[RoundMetrics]) -> list[tuple[str, str]]:
 def plot_accuracy(rounds: list[RoundMetrics]) -> Figure:
     figure = Figure(figsize=(7, 3.6), layout="constrained")
     axes = figure.add_subplot()
-    numbers = [row.round for row in rounds]
-    axes.plot(numbers, [row.accuracy for row in rounds], marker="o", color="tab:blue", label="accuracy")
+    server = [(row.round, row.accuracy, row.loss) for row in rounds if row.accuracy is not None]
+    federated = [
+        (row.round, row.federated_accuracy, row.federated_loss) for row in rounds if row.federated_accuracy is not None
+    ]
+    if server:
+        axes.plot(*list(zip(*server, strict=True))[:2], marker="o", color="tab:blue", label="accuracy")
+    if federated:
+        label = "federated accuracy (model received)"
+        axes.plot(*list(zip(*federated, strict=True))[:2], marker="^", color="tab:purple", label=label)
     personalized = [(row.round, row.personalized_accuracy) for row in rounds if row.personalized_accuracy is not None]
     if personalized:
         axes.plot(*zip(*personalized, strict=True), marker="s", color="tab:green", label="devices' local accuracy")
     axes.set(xlabel="round", ylabel="global test accuracy", ylim=(0, 1), title="Accuracy vs round")
     axes.grid(alpha=0.3)
     loss = axes.twinx()
-    loss.plot(numbers, [row.loss for row in rounds], marker=".", color="tab:orange", alpha=0.7, label="loss")
+    losses = server or federated
+    if losses:
+        numbers, _, values = zip(*losses, strict=True)
+        loss.plot(
+            numbers, values, marker=".", color="tab:orange", alpha=0.7, label="loss" if server else "federated loss"
+        )
     loss.set_ylabel("test loss")
     figure.legend(loc="outside lower center", ncols=3)
     return figure
@@ -194,8 +206,33 @@ def _table(header: Iterable[str], rows: Iterable[Iterable[object]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def _accuracy_rows(rounds: list[RoundMetrics]) -> list[tuple[str, str]]:
+    """Final and best accuracy: the server's when it evaluates, else the devices' federated evaluation."""
+    last = rounds[-1]
+    server = [row for row in rounds if row.accuracy is not None]
+    federated = [row for row in rounds if row.federated_accuracy is not None]
+    rows = []
+    if server:
+        best = max(server, key=lambda row: row.accuracy or 0.0)
+        rows += [
+            ("final accuracy", f"{_figure(last.accuracy)} (round {last.round})"),
+            ("best accuracy", f"{_figure(best.accuracy)} (round {best.round})"),
+            ("final loss", _figure(last.loss)),
+        ]
+    if federated:
+        best = max(federated, key=lambda row: row.federated_accuracy or 0.0)
+        rows += [
+            ("final federated accuracy (model received)", f"{_figure(last.federated_accuracy)} (round {last.round})"),
+            ("best federated accuracy", f"{_figure(best.federated_accuracy)} (round {best.round})"),
+        ]
+    return rows or [("accuracy", "not evaluated (no server evaluation, no device reported one)")]
+
+
 def _summary(run: dict, rounds: list[RoundMetrics]) -> str:
-    best = max(rounds, key=lambda row: row.accuracy)
     devices = _device_order(rounds)
     up = sum(row.bytes_up for row in rounds)
     payload = sum(d.payload_bytes for row in rounds for d in row.devices.values() if d.status == "accepted")
@@ -204,9 +241,7 @@ def _summary(run: dict, rounds: list[RoundMetrics]) -> str:
         ("run", run["run_id"]),
         ("seed", run["seed"]),
         ("rounds completed", len(rounds)),
-        ("final accuracy", f"{rounds[-1].accuracy:.4f} (round {rounds[-1].round})"),
-        ("best accuracy", f"{best.accuracy:.4f} (round {best.round})"),
-        ("final loss", f"{rounds[-1].loss:.4f}"),
+        *_accuracy_rows(rounds),
         *(
             [("final local accuracy (mean of devices)", f"{rounds[-1].personalized_accuracy:.4f}")]
             if rounds[-1].personalized_accuracy is not None
@@ -251,10 +286,19 @@ def _sizes(row: RoundMetrics) -> tuple[str, str, str]:
 
 def _per_round(rounds: list[RoundMetrics]) -> str:
     rows = [
-        (row.round, f"{row.accuracy:.4f}", f"{row.loss:.4f}", row.participants, len(row.devices), *_sizes(row))
+        (
+            row.round,
+            _figure(row.accuracy),
+            _figure(row.loss),
+            _figure(row.federated_accuracy),
+            row.participants,
+            len(row.devices),
+            *_sizes(row),
+        )
         for row in rounds
     ]
-    return _table(("round", "accuracy", "loss", "participants", "selected", "up", "down", "seconds"), rows)
+    header = ("round", "accuracy", "loss", "federated accuracy", "participants", "selected", "up", "down", "seconds")
+    return _table(header, rows)
 
 
 def load_run(run_dir: Path) -> tuple[dict, list[RoundMetrics]]:

@@ -47,7 +47,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from coordinator.checkpoints import Retention, kept_rounds
-from coordinator.metrics import RoundMetrics
+from coordinator.metrics import RoundMetrics, round_scores
 from device_agent.atomic import append_line, atomic_write, remove_temp_files
 from device_agent.wire.codec import decode_tensors
 
@@ -558,10 +558,7 @@ class RunDir:
             return rounds
         accuracy = {}
         if self._retention.keep_best:
-            accuracy = {
-                m.round: m.personalized_accuracy if m.personalized_accuracy is not None else m.accuracy
-                for m in self.metrics()
-            }
+            accuracy = round_scores(self.metrics())
         return kept_rounds(rounds, accuracy, self._retention)
 
     def _write_state(self, round_: int, state: Mapping[str, torch.Tensor]) -> str:

@@ -7,8 +7,10 @@ seeding, static BN and evaluation as ``coordinator start`` (see :mod:`coordinato
 with every payload encoded and decoded as on the wire. Only the transport and the planner differ:
 clients keep the level they are given.
 
-Per round it reports the global accuracy, the personalized accuracy (the mean of what each device
-measures for its trained model on its own test shard) and the bytes of each client's upload as it
+Per round it reports the global accuracy (None with ``server_evaluation=False``: a coordinator with
+no data), the federated accuracy (the devices' evaluation of the model they received, on their test
+shards), the personalized accuracy (the mean of what each device measures for its trained model on
+its own test shard) and the bytes of each client's upload as it
 travelled (safetensors, header included). This is what the comparison harness and the unit tests
 use.
 """
@@ -54,8 +56,9 @@ class RoundRecord:
     round: int
     upload_bytes: dict[str, int]
     seconds: float
-    accuracy: float
+    accuracy: float | None
     personalized_accuracy: float | None = None
+    federated_accuracy: float | None = None
 
 
 @dataclass
@@ -105,7 +108,9 @@ def fixed_levels(levels: Mapping[str, float]):
     return plan
 
 
-def simulation_fleet(strategy: Strategy, clients: Sequence[SimClient], rounds: int, train: TrainConfig) -> dict:
+def simulation_fleet(
+    strategy: Strategy, clients: Sequence[SimClient], rounds: int, train: TrainConfig, server_evaluation: bool = True
+) -> dict:
     """The fleet.yaml of a simulation: one device per client, every training option from ``train``."""
     model = strategy.model
     training = {
@@ -135,6 +140,7 @@ def simulation_fleet(strategy: Strategy, clients: Sequence[SimClient], rounds: i
         "round_deadline_s": 86400,
         "quorum": 1.0,
         "training": training,
+        "evaluation": {"server": server_evaluation},
         "devices": [
             {"id": c.client_id, "profile": "simulated", "overrides": {"samples": len(c.train[1])}} for c in clients
         ],
@@ -148,13 +154,17 @@ def simulate(
     train: TrainConfig,
     test: Split,
     calibration: Tensor,
+    server_evaluation: bool = True,
 ) -> SimulationResult:
-    """Run ``rounds`` rounds of ``strategy`` over ``clients``; ``train.seed`` seeds the run."""
+    """Run ``rounds`` rounds of ``strategy`` over ``clients``; ``train.seed`` seeds the run.
+
+    ``server_evaluation=False`` runs as a coordinator without data: ``test`` and ``calibration`` go unused.
+    """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     if not clients:
         raise ValueError("a simulation needs at least one client")
-    raw = simulation_fleet(strategy, clients, rounds, train)
+    raw = simulation_fleet(strategy, clients, rounds, train, server_evaluation)
     fleet = parse_fleet(raw, source="simulation")
     devices = [LocalDevice(c.client_id, c.train, c.test) for c in clients]
     data = LabeledData(
@@ -192,6 +202,7 @@ def simulate(
                 m.seconds,
                 m.accuracy,
                 m.personalized_accuracy,
+                m.federated_accuracy,
             )
             for m in metrics
         ]

@@ -19,6 +19,7 @@ from coordinator.broker.mosquitto import find_mosquitto
 from coordinator.broker.scratch import scratch_dir, sweep_stale
 from coordinator.broker.supervisor import PID_FILE, BrokerSupervisor
 from coordinator.engine import EngineSettings, RoundEngine
+from coordinator.evaluation_settings import no_server_data
 from coordinator.fleet import Fleet, FleetError, load_fleet
 from coordinator.link import MqttLink
 from coordinator.observe import ObserveError, Watch, add_observe_arguments
@@ -103,7 +104,7 @@ def fleet_kits(fleet: Fleet, kits_dir: Path) -> tuple[Kits, dict[str, Credential
 def fleet_data(fleet: Fleet) -> tuple[ModelSpec, LabeledData]:
     """The model spec and the coordinator's copy of the data (held-out test split + BN calibration)."""
     source = "digits" if fleet.dataset.name == "digits" else str(fleet.dataset.path)
-    data = load_dataset(source, fleet.model.image_size, fleet.model.in_channels)
+    data = no_server_data(fleet) or load_dataset(source, fleet.model.image_size, fleet.model.in_channels)
     return ModelSpec(fleet.model.arch, fleet.model.num_classes, data.in_channels, data.image_size), data
 
 

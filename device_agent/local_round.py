@@ -2,8 +2,8 @@
 
 The agent runtime (over MQTT) and the coordinator's in-process devices both call
 :func:`train_assignment`, so an in-process simulation trains exactly what a device trains: the
-program of the assignment's spec, ``train_local``, the device's own accuracy measure, the upload
-packed with its extras.
+program of the assignment's spec, federated evaluation of the received model, ``train_local``, the
+device's own accuracy measure, the upload packed with its extras.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from torch import Tensor
 
 from device_agent.clients import build_program
 from device_agent.clients.spec import ClientSpec, TrainConfig
-from device_agent.protocol import pack_upload
+from device_agent.federated_evaluation import evaluate_received
+from device_agent.protocol import ReceivedEvaluation, pack_upload
 from device_agent.training import TrainResult, evaluate_local, train_local
 
 Split = tuple[Tensor, Tensor]
@@ -32,6 +33,8 @@ class TrainedRound:
     result: TrainResult
     local_accuracy: float | None
     """The trained model on the device's own test shard (None without one): a personalized model's only measure."""
+    received: ReceivedEvaluation | None = None
+    """The model as received, before training, on the same test shard: federated evaluation (None without one)."""
 
 
 def train_assignment(
@@ -44,11 +47,13 @@ def train_assignment(
     device: torch.device | str = "cpu",
     step: Callable[[], AbstractContextManager[object]] | None = None,
 ) -> TrainedRound:
-    """Build the spec's program from the assignment (and what the device kept), train, evaluate, pack."""
+    """Build the spec's program from the assignment (and what the device kept), evaluate it, train, evaluate, pack."""
     program = build_program(spec, tensors, local)
+    received = evaluate_received(program, test, shard[0], device)
     result = train_local(program, shard, train, device, step=step)
     local_accuracy = evaluate_local(program, test, device, calibration=shard[0]) if len(test[1]) else None
-    return TrainedRound(pack_upload(program.upload(), program.extras()), program.keep(), result, local_accuracy)
+    upload = pack_upload(program.upload(), program.extras())
+    return TrainedRound(upload, program.keep(), result, local_accuracy, received)
 
 
 __all__ = ["TrainedRound", "train_assignment"]

@@ -14,7 +14,8 @@ Topics are per device (``device_agent.wire.topics``); payloads are verified chun
    ``train`` config; see :mod:`device_agent.clients.spec`).
 3. Device trains on its local data, stores the update in its ``Outbox`` (durable), publishes it as a
    transfer with ``kind="update"``, ``run``, ``round`` and :func:`upload_meta` (samples, seconds, loss,
-   the trained model's accuracy on the device's own test shard). Tensors are the program's
+   the trained model's accuracy on the device's own test shard, and federated evaluation: the model
+   *as received*, before training, on that same test shard). Tensors are the program's
    ``upload()`` plus ``extras()`` under :data:`EXTRA_PREFIX`.
 4. Coordinator validates (sender = the topic's device, i.e. the broker-authenticated user; run;
    round; meta; the strategy's ``RoundAggregate.check`` checks names, shapes, dtypes, finite and
@@ -73,6 +74,19 @@ def split_upload(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.T
 
 
 @dataclass(frozen=True)
+class ReceivedEvaluation:
+    """Federated evaluation: the model a device received, before it trains, on its own test shard.
+
+    Piggybacked on the upload, so it costs no extra round trip; it measures the global model of the
+    round before (what the coordinator sent), not the update being uploaded.
+    """
+
+    accuracy: float
+    loss: float
+    samples: int
+
+
+@dataclass(frozen=True)
 class UploadMeta:
     """What an update's manifest meta says about the round that produced it."""
 
@@ -84,6 +98,8 @@ class UploadMeta:
     model, whose private part never reaches the coordinator. None from agents that do not report it."""
     host_seconds: float | None = None
     """Of ``train_seconds``, what the host computed (an emulated device sleeps the rest); None: a real device."""
+    received: ReceivedEvaluation | None = None
+    """The received model on the device's test shard; None from agents without a test shard or that predate it."""
 
 
 def upload_meta(
@@ -92,6 +108,7 @@ def upload_meta(
     loss: float,
     local_accuracy: float | None = None,
     host_seconds: float | None = None,
+    received: ReceivedEvaluation | None = None,
 ) -> dict[str, str]:
     """Manifest meta of an update (str -> str); the sender adds the payload's ``sha256``.
 
@@ -106,7 +123,35 @@ def upload_meta(
         meta["local_accuracy"] = f"{local_accuracy:.6f}"
     if host_seconds is not None:
         meta["host_seconds"] = f"{host_seconds:.6f}"
+    if received is not None:
+        meta["global_accuracy"] = f"{received.accuracy:.6f}"
+        meta["global_loss"] = f"{received.loss:.6f}"
+        meta["eval_samples"] = str(int(received.samples))
     return meta
+
+
+RECEIVED_KEYS = ("global_accuracy", "global_loss", "eval_samples")
+
+
+def _parse_received(meta: Mapping[str, str]) -> ReceivedEvaluation | None:
+    """The federated evaluation figures of an update's meta: all three keys or none."""
+    present = [key for key in RECEIVED_KEYS if key in meta]
+    if not present:
+        return None
+    if len(present) != len(RECEIVED_KEYS):
+        missing = ", ".join(key for key in RECEIVED_KEYS if key not in meta)
+        raise UploadMetaError(f"update manifest meta has {', '.join(present)} but lacks {missing}")
+    try:
+        accuracy, loss, samples = float(meta["global_accuracy"]), float(meta["global_loss"]), int(meta["eval_samples"])
+    except ValueError as exc:
+        raise UploadMetaError(f"update manifest meta: {exc}") from None
+    if not 0 <= accuracy <= 1:
+        raise UploadMetaError(f"update manifest meta: global_accuracy={accuracy} is not in [0, 1]")
+    if not (loss >= 0 and math.isfinite(loss)):
+        raise UploadMetaError(f"update manifest meta: global_loss={loss} is not a finite number >= 0")
+    if not 1 <= samples <= MAX_SAMPLES:
+        raise UploadMetaError(f"update manifest meta: eval_samples={str(samples)[:30]} out of range [1, 2**53]")
+    return ReceivedEvaluation(accuracy, loss, samples)
 
 
 def parse_upload_meta(meta: Mapping[str, str]) -> UploadMeta:
@@ -133,4 +178,4 @@ def parse_upload_meta(meta: Mapping[str, str]) -> UploadMeta:
         raise UploadMetaError(f"update manifest meta: local_accuracy={accuracy} is not in [0, 1]")
     if host is not None and not 0 <= host <= seconds * 1.01 + 1e-3:
         raise UploadMetaError(f"update manifest meta: host_seconds={host} is not in [0, train_seconds={seconds}]")
-    return UploadMeta(samples, seconds, loss, accuracy, host)
+    return UploadMeta(samples, seconds, loss, accuracy, host, _parse_received(meta))

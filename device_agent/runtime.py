@@ -286,7 +286,7 @@ class Agent:
         seconds = result.seconds + self.hooks.after_training()
         held = self.hooks.held_seconds()
         host = max(0.0, seconds - held) if self.config.emulation is not None else None
-        meta = upload_meta(result.samples, seconds, result.mean_loss, local_accuracy, host)
+        meta = upload_meta(result.samples, seconds, result.mean_loss, local_accuracy, host, trained.received)
         item = self.outbox.put(assignment.run, assignment.round, new_transfer_id(), upload, meta)
         log.info(
             "%s: round %d trained in %.1f s (loss %.3f, local accuracy %s), update of %d bytes",

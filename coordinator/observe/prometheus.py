@@ -139,7 +139,16 @@ def _round_families(snapshot: Snapshot) -> Iterator[Metric]:
     yield GaugeMetricFamily(
         f"{PREFIX}round_stragglers", f"{last_round} selected devices that were late or dropped", value=last.stragglers
     )
-    yield GaugeMetricFamily(
-        f"{PREFIX}round_accuracy_ratio", f"{last_round} global test accuracy (0-1)", value=last.accuracy
-    )
-    yield GaugeMetricFamily(f"{PREFIX}round_loss", f"{last_round} global test loss", value=last.loss)
+    if last.accuracy is not None and last.loss is not None:
+        yield GaugeMetricFamily(
+            f"{PREFIX}round_accuracy_ratio", f"{last_round} global test accuracy (0-1)", value=last.accuracy
+        )
+        yield GaugeMetricFamily(f"{PREFIX}round_loss", f"{last_round} global test loss", value=last.loss)
+    if last.federated_accuracy is not None and last.federated_loss is not None:
+        received = "federated evaluation of the model the devices received"
+        yield GaugeMetricFamily(
+            f"{PREFIX}round_federated_accuracy_ratio", f"{last_round} {received} (0-1)", value=last.federated_accuracy
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}round_federated_loss", f"{last_round} {received}: loss", value=last.federated_loss
+        )

@@ -57,8 +57,10 @@ class RoundView:
     """One closed round, as plotted and exported."""
 
     round: int
-    accuracy: float
-    loss: float
+    accuracy: float | None
+    loss: float | None
+    federated_accuracy: float | None
+    federated_loss: float | None
     personalized_accuracy: float | None
     participants: int
     selected: int
@@ -75,6 +77,8 @@ class RoundView:
             round=metrics.round,
             accuracy=metrics.accuracy,
             loss=metrics.loss,
+            federated_accuracy=metrics.federated_accuracy,
+            federated_loss=metrics.federated_loss,
             personalized_accuracy=metrics.personalized_accuracy,
             participants=metrics.participants,
             selected=len(metrics.devices),

@@ -73,6 +73,10 @@ def nan_loss(tensors, meta):
     return tensors, {**meta, "loss": "nan"}
 
 
+def bad_global_accuracy(tensors, meta):
+    return tensors, {**meta, "global_accuracy": "1.5"}
+
+
 def missing_layer(tensors, meta):
     del tensors["conv1.weight"]
     return tensors, meta
@@ -99,6 +103,7 @@ def clients() -> list[SimClient]:
         (nan_weights, "'fc.weight': contains NaN or infinite values"),
         (huge_weights, "'fc.weight': a value of magnitude 3e+38 exceeds the bound"),
         (nan_loss, "loss=nan is not a finite number"),
+        (bad_global_accuracy, "global_accuracy=1.5 is not in [0, 1]"),
         (missing_layer, "conv1.weight"),
     ],
 )

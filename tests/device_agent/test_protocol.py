@@ -7,6 +7,7 @@ import torch
 
 from device_agent.protocol import (
     EXTRA_PREFIX,
+    ReceivedEvaluation,
     UploadMeta,
     UploadMetaError,
     pack_upload,
@@ -46,6 +47,36 @@ def test_upload_meta_carries_the_local_accuracy_of_a_personalized_model() -> Non
     assert parse_upload_meta(meta).local_accuracy == 0.875
     with pytest.raises(UploadMetaError, match=r"local_accuracy=1\.5"):
         parse_upload_meta({**meta, "local_accuracy": "1.5"})
+
+
+def test_upload_meta_carries_the_federated_evaluation_of_the_received_model() -> None:
+    meta = upload_meta(90, 0.5, 0.1, received=ReceivedEvaluation(accuracy=0.75, loss=0.8, samples=40))
+    assert parse_upload_meta(meta).received == ReceivedEvaluation(0.75, 0.8, 40)
+    assert parse_upload_meta(upload_meta(90, 0.5, 0.1)).received is None
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ({"global_accuracy": "1.5"}, r"global_accuracy=1\.5 is not in \[0, 1\]"),
+        ({"global_accuracy": "nan"}, r"global_accuracy=nan is not in \[0, 1\]"),
+        ({"global_loss": "inf"}, r"global_loss=inf is not a finite number >= 0"),
+        ({"global_loss": "-0.5"}, r"global_loss=-0\.5 is not a finite number >= 0"),
+        ({"eval_samples": "0"}, r"eval_samples=0 out of range"),
+        ({"eval_samples": "many"}, r"invalid literal for int"),
+    ],
+)
+def test_federated_evaluation_figures_out_of_range_are_refused(change, problem) -> None:
+    meta = upload_meta(90, 0.5, 0.1, received=ReceivedEvaluation(accuracy=0.75, loss=0.8, samples=40))
+    with pytest.raises(UploadMetaError, match=problem):
+        parse_upload_meta({**meta, **change})
+
+
+def test_federated_evaluation_figures_come_all_together() -> None:
+    meta = upload_meta(90, 0.5, 0.1, received=ReceivedEvaluation(accuracy=0.75, loss=0.8, samples=40))
+    del meta["eval_samples"]
+    with pytest.raises(UploadMetaError, match="has global_accuracy, global_loss but lacks eval_samples"):
+        parse_upload_meta(meta)
 
 
 def test_upload_meta_of_an_emulated_device_splits_host_from_device_seconds() -> None:

@@ -118,7 +118,13 @@ function lineChart(svg, rounds, series, yMin, yMax, format) {
 
 function renderCharts(history) {
   const rounds = history.map((r) => r.round);
-  const accuracy = [{ name: "global model", cls: "accuracy", values: history.map((r) => r.accuracy) }];
+  const accuracy = [];
+  if (history.length && history.every((r) => r.accuracy !== null)) {
+    accuracy.push({ name: "global model", cls: "accuracy", values: history.map((r) => r.accuracy) });
+  }
+  if (history.length && history.every((r) => r.federated_accuracy !== null)) {
+    accuracy.push({ name: "federated (received)", cls: "federated", values: history.map((r) => r.federated_accuracy) });
+  }
   if (history.length && history.every((r) => r.personalized_accuracy !== null)) {
     accuracy.push({ name: "devices' own (mean)", cls: "local", values: history.map((r) => r.personalized_accuracy) });
   }
@@ -150,6 +156,14 @@ function renderRefusals(refusals) {
   }
 }
 
+// The server's accuracy and loss, the devices' federated accuracy, or both (a coordinator may have no test data).
+function figures(last) {
+  const parts = [];
+  if (last.accuracy !== null) parts.push("accuracy " + last.accuracy.toFixed(3) + ", loss " + last.loss.toFixed(3));
+  if (last.federated_accuracy !== null) parts.push("federated accuracy " + last.federated_accuracy.toFixed(3));
+  return parts.join(", ") || "not evaluated";
+}
+
 function render(s) {
   document.title = "fedfleet " + s.fleet;
   document.getElementById("title").textContent = "fleet " + s.fleet + " — run " + s.run_id;
@@ -157,8 +171,7 @@ function render(s) {
   const online = s.devices.filter((d) => d.online).length;
   document.getElementById("summary").textContent =
     s.history.length + "/" + s.rounds_planned + " rounds done, " + online + "/" + s.devices.length + " devices online" +
-    (last ? "; round " + last.round + ": accuracy " + last.accuracy.toFixed(3) + ", loss " + last.loss.toFixed(3) +
-      ", " + last.participants + "/" + last.selected + " updates, " + last.stragglers + " stragglers, " +
+    (last ? "; round " + last.round + ": " + figures(last) + ", " + last.participants + "/" + last.selected + " updates, " + last.stragglers + " stragglers, " +
       last.seconds.toFixed(1) + " s" : "");
   renderOpenRound(s.open_round);
   renderFleet(s.devices);

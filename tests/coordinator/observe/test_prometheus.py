@@ -64,6 +64,8 @@ def test_values_match_metrics_jsonl(watched_run: WatchedRun) -> None:
     assert samples[("fedfleet_rounds_completed_total", plain)] == ROUNDS
     assert samples[("fedfleet_round_accuracy_ratio", plain)] == last.accuracy
     assert samples[("fedfleet_round_loss", plain)] == last.loss
+    assert samples[("fedfleet_round_federated_accuracy_ratio", plain)] == last.federated_accuracy
+    assert samples[("fedfleet_round_federated_loss", plain)] == last.federated_loss
     assert samples[("fedfleet_round_participants", plain)] == last.participants == 1
     assert samples[("fedfleet_round_duration_seconds", plain)] == last.seconds
     for phase, seconds in last.phases.items():
