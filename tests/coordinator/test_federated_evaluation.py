@@ -49,8 +49,10 @@ def clients() -> list[SimClient]:
 class SilentLink(InProcessLink):
     """Device ``pi-1`` trains but its update never arrives (the coordinator stops before it would)."""
 
-    def start(self, on_message, on_payload) -> None:
-        super().start(on_message, lambda device, completed: device != "pi-1" and on_payload(device, completed))
+    def start(self, on_message, on_payload, on_refused=None) -> None:
+        super().start(
+            on_message, lambda device, completed: device != "pi-1" and on_payload(device, completed), on_refused
+        )
 
 
 def engine_without_server_data(
