@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.broker.credentials import COORDINATOR_USER
 from device_agent.config import parse_config
 from device_agent.hooks import RuntimeHooks
 from device_agent.runtime import Agent
+from tests.coordinator.one_device_fleet import one_device_fleet
 from tests.transport_fixtures import TestBroker
 
 pytestmark = pytest.mark.slow
@@ -48,30 +48,10 @@ class OutOfMemoryOnce(RuntimeHooks):
         yield
 
 
-def _fleet_file(tmp: Path, broker: TestBroker) -> Path:
-    secrets = tmp / "secrets"
-    secrets.mkdir()
-    (secrets / COORDINATOR_USER).write_text(broker.credentials[COORDINATOR_USER].password)
-    (secrets / DEVICE).write_text(broker.credentials[DEVICE].password)
-    path = tmp / "fleet.yaml"
-    path.write_text(
-        f"fleet: {broker.fleet}\n"
-        f"broker: {{mode: external, url: 'mqtt://127.0.0.1:{broker.address().port}', "
-        f"password: 'file:{secrets / COORDINATOR_USER}'}}\n"
-        "model: {arch: cnn, num_classes: 10}\n"
-        "dataset: {name: digits, partition: iid}\n"
-        "ratios: [1, 1/2, 1/4]\n"
-        "rounds: 2\nround_deadline_s: 60\non_quorum_miss: skip\n"
-        "training: {batch_size: 32, local_epochs: 1, lr: 0.05}\n"
-        f"devices:\n  - {{id: {DEVICE}, profile: x86-laptop-cpu, credentials: 'file:{secrets / DEVICE}'}}\n"
-    )
-    return path
-
-
 def test_a_device_out_of_memory_in_round_1_trains_one_level_lower_in_round_2(
     fresh_mosquitto: TestBroker, tmp_path: Path
 ) -> None:
-    fleet = _fleet_file(tmp_path, fresh_mosquitto)
+    fleet = one_device_fleet(tmp_path, fresh_mosquitto, DEVICE)
     run_dir = tmp_path / "run"
     log = tmp_path / "coordinator.log"
     command = [sys.executable, "-m", "coordinator", "start", "--fleet", str(fleet), "--run-dir", str(run_dir)]

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator.broker.credentials import COORDINATOR_USER
 from device_agent.launcher import write_agent_list
+from tests.coordinator.one_device_fleet import one_device_fleet
 from tests.transport_fixtures import TestBroker
 
 pytestmark = pytest.mark.slow
@@ -27,25 +27,6 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE = "dev-a"
 _GIB = 2**30
-
-
-def _fleet_file(tmp: Path, broker: TestBroker) -> Path:
-    secrets = tmp / "secrets"
-    secrets.mkdir()
-    (secrets / COORDINATOR_USER).write_text(broker.credentials[COORDINATOR_USER].password)
-    path = tmp / "fleet.yaml"
-    path.write_text(
-        f"fleet: {broker.fleet}\n"
-        f"broker: {{mode: external, url: 'mqtt://127.0.0.1:{broker.address().port}', "
-        f"password: 'file:{secrets / COORDINATOR_USER}'}}\n"
-        "model: {arch: cnn, num_classes: 10}\n"
-        "dataset: {name: digits, partition: iid}\n"
-        "ratios: [1, 1/2, 1/4]\n"
-        "rounds: 2\nround_deadline_s: 60\non_quorum_miss: skip\n"
-        "training: {batch_size: 32, local_epochs: 1, lr: 0.05}\n"
-        f"devices:\n  - {{id: {DEVICE}, profile: x86-laptop-cpu}}\n"
-    )
-    return path
 
 
 def _agent_yaml(tmp: Path, broker: TestBroker) -> Path:
@@ -70,7 +51,7 @@ def _agent_yaml(tmp: Path, broker: TestBroker) -> Path:
 def test_out_of_memory_then_one_level_lower_in_either_mode(
     fresh_mosquitto: TestBroker, tmp_path: Path, mode: str
 ) -> None:
-    fleet = _fleet_file(tmp_path, fresh_mosquitto)
+    fleet = one_device_fleet(tmp_path, fresh_mosquitto, DEVICE, device_password=False)
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "coordinator", "start", "--fleet", str(fleet), "--run-dir", str(run_dir)]
     command += ["--no-live", "--min-devices", "1", "--wait-timeout", "60"]

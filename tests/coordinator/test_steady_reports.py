@@ -9,24 +9,19 @@ import pytest
 from coordinator.steady_reports import SteadyReports
 from device_agent.probe import DeviceProfile
 from profiles.catalog import load_catalog
+from tests.device_profiles import reported_profile
 
 LAPTOP = load_catalog()["rtx-4060-laptop"]
 GIB = 1024**3
 
 
 def _report(gflops: float, available: int = 6 * GIB) -> DeviceProfile:
-    return DeviceProfile(
+    return reported_profile(
         hostname="laptop",
-        platform="Linux",
         machine="x86_64",
-        python="3.11",
-        torch="2.13",
         cpu_count=8,
         memory_total_bytes=16 * GIB,
         memory_available_bytes=available,
-        accelerator="cpu",
-        accelerator_name=None,
-        accelerator_memory_bytes=None,
         matmul_gflops=gflops,
     )
 

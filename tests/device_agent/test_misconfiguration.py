@@ -12,25 +12,12 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from device_agent.config import AgentConfig, parse_config
-from device_agent.probe import DeviceProfile
 from device_agent.runtime import Agent, AgentError, run_agent
 from device_agent.wire.topics import DeviceTopics
+from tests.device_profiles import reported_profile
 from tests.transport_fixtures import TestBroker
 
-PROFILE = DeviceProfile(
-    hostname="pi",
-    platform="Linux",
-    machine="aarch64",
-    python="3.11",
-    torch="2.13",
-    cpu_count=4,
-    memory_total_bytes=4 << 30,
-    memory_available_bytes=2 << 30,
-    accelerator="cpu",
-    accelerator_name=None,
-    accelerator_memory_bytes=None,
-    matmul_gflops=5.0,
-)
+PROFILE = reported_profile()
 
 
 def _config(broker: TestBroker, fleet: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AgentConfig:

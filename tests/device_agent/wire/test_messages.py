@@ -2,7 +2,6 @@ import json
 
 import pytest
 
-from device_agent.probe import DeviceProfile
 from device_agent.wire.messages import (
     Ack,
     Error,
@@ -15,21 +14,9 @@ from device_agent.wire.messages import (
     incompatible,
     parse_message,
 )
+from tests.device_profiles import reported_profile
 
-PROFILE = DeviceProfile(
-    hostname="pi",
-    platform="Linux",
-    machine="aarch64",
-    python="3.11",
-    torch="2.13",
-    cpu_count=4,
-    memory_total_bytes=4 << 30,
-    memory_available_bytes=2 << 30,
-    accelerator="cpu",
-    accelerator_name=None,
-    accelerator_memory_bytes=None,
-    matmul_gflops=5.0,
-)
+PROFILE = reported_profile()
 
 
 def test_messages_round_trip_through_json():

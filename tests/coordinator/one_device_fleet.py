@@ -1,0 +1,32 @@
+"""A fleet.yaml of one x86 laptop on the suite's mosquitto, planned over gamma 1, 1/2 and 1/4."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from coordinator.broker.credentials import COORDINATOR_USER
+from tests.transport_fixtures import TestBroker
+
+
+def one_device_fleet(tmp: Path, broker: TestBroker, device: str, device_password: bool = True) -> Path:
+    """Write ``tmp/fleet.yaml``; ``device_password`` also names the device's login file in it."""
+    secrets = tmp / "secrets"
+    secrets.mkdir()
+    (secrets / COORDINATOR_USER).write_text(broker.credentials[COORDINATOR_USER].password)
+    credentials = ""
+    if device_password:
+        (secrets / device).write_text(broker.credentials[device].password)
+        credentials = f", credentials: 'file:{secrets / device}'"
+    path = tmp / "fleet.yaml"
+    path.write_text(
+        f"fleet: {broker.fleet}\n"
+        f"broker: {{mode: external, url: 'mqtt://127.0.0.1:{broker.address().port}', "
+        f"password: 'file:{secrets / COORDINATOR_USER}'}}\n"
+        "model: {arch: cnn, num_classes: 10}\n"
+        "dataset: {name: digits, partition: iid}\n"
+        "ratios: [1, 1/2, 1/4]\n"
+        "rounds: 2\nround_deadline_s: 60\non_quorum_miss: skip\n"
+        "training: {batch_size: 32, local_epochs: 1, lr: 0.05}\n"
+        f"devices:\n  - {{id: {device}, profile: x86-laptop-cpu{credentials}}}\n"
+    )
+    return path
