@@ -13,22 +13,25 @@ What this layer guarantees on top of paho:
 - a malformed or unknown-version message is logged and dropped; the session carries on.
 
 Callbacks given by the user run on one dispatcher thread, never on paho's network thread, so a slow
-or failing handler cannot stall or kill the connection. Inbound manifests and chunks are verified and
-reassembled on a receive thread, in arrival order: paho's thread only parses a frame header and hands
-it over, so it goes back to reading the socket (and acking to the broker) while a chunk is hashed;
-hashlib releases the GIL on large buffers, so both run at once.
+or failing handler cannot stall or kill the connection. Inbound manifests and chunks are reassembled
+on a receive thread, in arrival order: paho's thread only parses a frame header, hands the chunk to a
+pool of verifier threads and enqueues it, so it goes back to reading the socket (and acking to the
+broker) at once. Chunks are hashed on the pool, many at once (hashlib releases the GIL on large
+buffers), so uploads from many devices are verified in parallel; the receive thread takes each
+chunk's verdict in order.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
@@ -71,9 +74,12 @@ MessageHandler = Callable[[str, Message], None]
 PayloadHandler = Callable[[str, Completed], None]
 # Told the size of each chunk frame (bytes on the wire); may block, which is how a link is shaped.
 ChunkHook = Callable[[int], object]
-# What paho's thread hands the receive thread: (topic, a manifest or a parsed chunk frame, arrival time, frame size).
-_Inbound = tuple[str, Manifest | tuple[str, int, memoryview, bytes], float, int]
+# What paho's thread hands the receive thread: (topic, a manifest or a parsed chunk frame with the
+# future verdict of its digest, arrival time, frame size).
+_Inbound = tuple[str, Manifest | tuple[str, int, memoryview, bytes, Future[bool]], float, int]
 _INBOUND_FRAMES = 256
+# Chunks hashed at once: one per core (hashing is CPU-bound), at least two so one slow chunk never idles the rest.
+_VERIFIERS = max(2, min(8, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -232,6 +238,7 @@ class Session:
         self._inbound: queue.Queue[_Inbound | None] = queue.Queue(maxsize=_INBOUND_FRAMES)
         self._threads: list[threading.Thread] = []
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fedfleet-hash-{config.client_id}")
+        self._verifier = ThreadPoolExecutor(_VERIFIERS, thread_name_prefix=f"fedfleet-verify-{config.client_id}")
         self._client = self._make_client(will)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -316,6 +323,7 @@ class Session:
             thread.join(timeout=5)
         self._threads.clear()
         self._hasher.shutdown(wait=False, cancel_futures=True)
+        self._verifier.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> Session:
         return self
@@ -471,7 +479,9 @@ class Session:
         self.stats.bytes_in[msg.topic] = self.stats.bytes_in.get(msg.topic, 0) + len(data)
         try:
             if is_chunk_frame(data):
-                self._inbound.put((msg.topic, parse_chunk_frame(data), now, len(data)))
+                transfer, index, chunk, digest = parse_chunk_frame(data)
+                verdict = self._verifier.submit(chunk_is_intact, chunk, digest)
+                self._inbound.put((msg.topic, (transfer, index, chunk, digest, verdict), now, len(data)))
                 return
             message = parse_message(data)
         except ProtocolError as exc:
@@ -563,8 +573,8 @@ class Session:
                     with self._lock:
                         replies, completed = self._receiver(topic).on_manifest(what, now)
                 else:
-                    transfer, index, chunk, digest = what
-                    intact = chunk_is_intact(chunk, digest)  # outside the lock: the slow part
+                    transfer, index, chunk, digest, verdict = what
+                    intact = verdict.result()  # hashed on the verifier pool, outside the lock
                     with self._lock:
                         receiver = self._receiver(topic)
                         replies, completed = receiver.on_chunk(transfer, index, chunk, digest, now, intact)
