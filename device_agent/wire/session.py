@@ -14,15 +14,16 @@ What this layer guarantees on top of paho:
 
 Callbacks given by the user run on one dispatcher thread, never on paho's network thread, so a slow
 or failing handler cannot stall or kill the connection. Inbound manifests and chunks are reassembled
-on a receive thread, in arrival order: paho's thread only parses a frame header, hands the chunk to a
-pool of verifier threads and enqueues it, so it goes back to reading the socket (and acking to the
-broker) at once. Chunks are hashed on the pool, many at once (hashlib releases the GIL on large
-buffers), so uploads from many devices are verified in parallel; the receive thread takes each
-chunk's verdict in order.
+on a receive thread, in arrival order: paho's thread only enqueues a chunk frame as it came, so it
+goes back to reading the socket (and acking to the broker, which paho does after the callback) at
+once. The receive thread parses each frame and hands its chunk to a pool of verifier threads, running
+ahead of the oldest unverified chunk, so chunks (from many devices at once) are hashed in parallel
+(hashlib releases the GIL on large buffers); it then takes each chunk's verdict in order.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -74,12 +75,15 @@ MessageHandler = Callable[[str, Message], None]
 PayloadHandler = Callable[[str, Completed], None]
 # Told the size of each chunk frame (bytes on the wire); may block, which is how a link is shaped.
 ChunkHook = Callable[[int], object]
-# What paho's thread hands the receive thread: (topic, a manifest or a parsed chunk frame with the
-# future verdict of its digest, arrival time, frame size).
-_Inbound = tuple[str, Manifest | tuple[str, int, memoryview, bytes, Future[bool]], float, int]
+# What paho's thread hands the receive thread: (topic, a manifest or a chunk frame as received, arrival time).
+_Inbound = tuple[str, Manifest | bytes, float]
+# A chunk frame parsed and handed to the verifier pool: (topic, transfer, index, chunk, digest, verdict, time, size).
+_Verifying = tuple[str, str, int, memoryview, bytes, Future[bool], float, int]
 _INBOUND_FRAMES = 256
 # Chunks hashed at once: one per core (hashing is CPU-bound), at least two so one slow chunk never idles the rest.
 _VERIFIERS = max(2, min(8, os.cpu_count() or 1))
+# How far the receive thread runs ahead of the oldest unverified chunk: enough to keep every verifier busy.
+_AHEAD = 2 * _VERIFIERS
 
 
 @dataclass(frozen=True)
@@ -479,9 +483,7 @@ class Session:
         self.stats.bytes_in[msg.topic] = self.stats.bytes_in.get(msg.topic, 0) + len(data)
         try:
             if is_chunk_frame(data):
-                transfer, index, chunk, digest = parse_chunk_frame(data)
-                verdict = self._verifier.submit(chunk_is_intact, chunk, digest)
-                self._inbound.put((msg.topic, (transfer, index, chunk, digest, verdict), now, len(data)))
+                self._inbound.put((msg.topic, data, now))  # parsed and hashed off this thread
                 return
             message = parse_message(data)
         except ProtocolError as exc:
@@ -489,7 +491,7 @@ class Session:
             log.warning("%s: rejected a message on %s: %s", self.config.client_id, msg.topic, exc)
             return
         if isinstance(message, Manifest):
-            self._inbound.put((msg.topic, message, now, len(data)))  # behind the chunks already queued, in order
+            self._inbound.put((msg.topic, message, now))  # behind the chunks already queued, in order
         elif isinstance(message, Ack | Nack):
             self._on_transfer_answer(message, now)
         else:
@@ -566,25 +568,55 @@ class Session:
             self._publish(topic, frame, transfer=tid)
 
     def _receive_loop(self) -> None:
-        while (item := self._inbound.get()) is not None:
-            topic, what, now, size = item
+        """Takes inbound frames in order; chunks are verified on the pool while later frames are taken."""
+        verifying: collections.deque[_Verifying] = collections.deque()
+        while True:
             try:
-                if isinstance(what, Manifest):
-                    with self._lock:
-                        replies, completed = self._receiver(topic).on_manifest(what, now)
-                else:
-                    transfer, index, chunk, digest, verdict = what
-                    intact = verdict.result()  # hashed on the verifier pool, outside the lock
-                    with self._lock:
-                        receiver = self._receiver(topic)
-                        replies, completed = receiver.on_chunk(transfer, index, chunk, digest, now, intact)
-                    if self._after_chunk_in is not None:
-                        self._after_chunk_in(size)
-                self._reply(topic, replies)
-                if completed is not None:
-                    self._deliver_payload(topic, completed)
-            except Exception:
-                log.exception("%s: error receiving on %s (the session keeps running)", self.config.client_id, topic)
+                # Block only when nothing is being verified; otherwise settle the oldest chunk when idle.
+                item = self._inbound.get(block=not verifying)
+            except queue.Empty:
+                self._settle_chunk(verifying.popleft())
+                continue
+            if item is None:
+                return
+            topic, what, now = item
+            if isinstance(what, Manifest):
+                while verifying:  # the chunks before it first, in arrival order
+                    self._settle_chunk(verifying.popleft())
+                self._receive(topic, lambda r, m=what, t=now: r.on_manifest(m, t))
+                continue
+            try:
+                transfer, index, chunk, digest = parse_chunk_frame(what)
+            except ProtocolError as exc:
+                self.stats.rejected += 1
+                log.warning("%s: rejected a message on %s: %s", self.config.client_id, topic, exc)
+                continue
+            verdict = self._verifier.submit(chunk_is_intact, chunk, digest)
+            verifying.append((topic, transfer, index, chunk, digest, verdict, now, len(what)))
+            if len(verifying) >= _AHEAD:
+                self._settle_chunk(verifying.popleft())
+
+    def _settle_chunk(self, item: _Verifying) -> None:
+        topic, transfer, index, chunk, digest, verdict, now, size = item
+        try:
+            intact = verdict.result()
+        except Exception:
+            log.exception("%s: error verifying a chunk on %s (it is dropped)", self.config.client_id, topic)
+            return
+        self._receive(topic, lambda r: r.on_chunk(transfer, index, chunk, digest, now, intact))
+        if self._after_chunk_in is not None:
+            self._after_chunk_in(size)
+
+    def _receive(self, topic: str, step: Callable[[IncomingTransfers], tuple[list[Message], Completed | None]]) -> None:
+        """One step of ``topic``'s incoming transfers under the lock; replies and hand-over outside it."""
+        try:
+            with self._lock:
+                replies, completed = step(self._receiver(topic))
+            self._reply(topic, replies)
+            if completed is not None:
+                self._deliver_payload(topic, completed)
+        except Exception:
+            log.exception("%s: error receiving on %s (the session keeps running)", self.config.client_id, topic)
 
     def _dispatch_loop(self) -> None:
         while (event := self._events.get()) is not None:
