@@ -62,3 +62,16 @@ def test_unknown_benchmarks_and_broken_results_files_get_one_clear_line(tmp_path
 def test_a_benchmark_that_fails_is_reported_with_its_exit_status_and_stderr():
     with pytest.raises(suite.BenchmarkFailed, match=r"nosuch exited with 1:\n.*No module named benchmarks.nosuch"):
         suite.run_one(Benchmark("nosuch"), cuda=False, timeout_s=60)
+
+
+@pytest.mark.parametrize(
+    "stdout",
+    ['{\n  "benchmark": "costmodel",\n  "score": 1\n}\n', 'warming up...\n{"benchmark": "costmodel", "score": 1}\n'],
+)
+def test_indented_json_and_json_after_progress_lines_are_both_read(stdout):
+    assert suite.parse_output("costmodel", stdout) == {"benchmark": "costmodel", "score": 1}
+
+
+def test_output_without_a_json_object_is_refused():
+    with pytest.raises(suite.BenchmarkFailed, match="costmodel printed no JSON object"):
+        suite.parse_output("costmodel", "done\n[1, 2]\n")
