@@ -27,13 +27,9 @@ lint: setup
 test: lint
 	$(PY) -m pytest -q; status=$$?; if [ $$status -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$status
 
+# Every benchmark (the list is benchmarks/suite.py's SUITE) -> benchmarks/results.json and the README's table.
 bench: setup
-	$(PY) -m benchmarks.refactorize --json
-	$(PY) -m benchmarks.transport --json
-	$(PY) -m benchmarks.costmodel --json
-	$(PY) -m benchmarks.emulation --json
-	$(PY) -m benchmarks.compare --scenario all --json
-	$(PY) -m benchmarks.export --json
+	$(PY) -m benchmarks.suite
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -10,6 +10,10 @@ For each broker (a managed mosquitto, the amqtt fallback) and a payload of ``--s
   bytes (the receiver joins the verified chunks on its dispatcher thread, after acking);
 - ``raw_single`` (mosquitto): one raw publish of the whole payload.
 
+Then the fan-in (``benchmarks.fan_in``): ``--devices`` device processes each upload ``--fan-in-mib``
+at once to one coordinator session, against raw paho doing the same: ``fan_in_ratio`` with the
+devices' chunks hashed beforehand, ``fan_in_hashing_ratio`` with them hashed while sending.
+
 Runs alternate and medians are reported, so machine load hits all variants alike.
 
     python -m benchmarks.transport --json
@@ -30,6 +34,7 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
+from benchmarks import fan_in
 from coordinator.broker.base import BrokerSettings
 from coordinator.broker.credentials import generate_credentials
 from coordinator.broker.factory import make_broker
@@ -154,6 +159,9 @@ def run(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     repeats: int = 3,
     brokers: tuple[str, ...] = ("mosquitto", "amqtt"),
+    devices: int = 8,
+    fan_in_mib: float = 4,
+    fan_in_repeats: int = 15,
 ) -> dict:
     payload = os.urandom(int(size_mib * 2**20))
     result: dict = {
@@ -162,6 +170,9 @@ def run(
         "chunk_size": chunk_size,
         "chunks": -(-len(payload) // chunk_size),
         "repeats": repeats,
+        "devices": devices,
+        "fan_in_mib": fan_in_mib,
+        "fan_in_repeats": fan_in_repeats,
     }
     with tempfile.TemporaryDirectory(prefix="fedfleet-bench-") as tmp:
         os.chmod(tmp, 0o711)  # a managed mosquitto runs as the mosquitto user and must enter it
@@ -171,6 +182,9 @@ def run(
             if "raw_single" in mbps:
                 result[f"{kind}_vs_single"] = mbps["fedfleet"] / mbps["raw_single"]
             result |= {f"{kind}_{name}_mbps": value for name, value in mbps.items()}
+        if devices > 0:
+            fan = fan_in.measure(devices, int(fan_in_mib * 2**20), chunk_size, fan_in_repeats, Path(tmp))
+            result |= {f"fan_in_{name}": value for name, value in fan.items()}
     return result
 
 
@@ -183,10 +197,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-kib", type=int, default=DEFAULT_CHUNK_SIZE // 1024, help="chunk size (default: 256)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating repeats, medians reported (default: 3)")
     parser.add_argument("--brokers", default="mosquitto,amqtt", help="comma-separated (default: %(default)s)")
+    parser.add_argument(
+        "--devices", type=int, default=8, help="device processes in the fan-in, 0 skips it (default: 8)"
+    )
+    parser.add_argument("--fan-in-mib", type=float, default=4, help="each device's upload in MiB (default: 4)")
+    parser.add_argument("--fan-in-repeats", type=int, default=15, help="fan-in repeats (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (the default output too)")
     args = parser.parse_args(argv)
+    if args.devices < 0 or args.fan_in_mib <= 0 or args.fan_in_repeats < 1:
+        parser.error("--devices must be >= 0, --fan-in-mib > 0 and --fan-in-repeats >= 1")
     brokers = tuple(b.strip() for b in args.brokers.split(",") if b.strip())
-    print(json.dumps(run(args.size_mib, args.chunk_kib * 1024, args.repeats, brokers), indent=None if args.json else 2))
+    result = run(
+        args.size_mib, args.chunk_kib * 1024, args.repeats, brokers, args.devices, args.fan_in_mib, args.fan_in_repeats
+    )
+    print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
 

@@ -13,22 +13,26 @@ What this layer guarantees on top of paho:
 - a malformed or unknown-version message is logged and dropped; the session carries on.
 
 Callbacks given by the user run on one dispatcher thread, never on paho's network thread, so a slow
-or failing handler cannot stall or kill the connection. Inbound manifests and chunks are verified and
-reassembled on a receive thread, in arrival order: paho's thread only parses a frame header and hands
-it over, so it goes back to reading the socket (and acking to the broker) while a chunk is hashed;
-hashlib releases the GIL on large buffers, so both run at once.
+or failing handler cannot stall or kill the connection. Inbound manifests and chunks are reassembled
+on a receive thread, in arrival order: paho's thread only enqueues a chunk frame as it came, so it
+goes back to reading the socket (and acking to the broker, which paho does after the callback) at
+once. The receive thread parses each frame and hands its chunk to a pool of verifier threads, running
+ahead of the oldest unverified chunk, so chunks (from many devices at once) are hashed in parallel
+(hashlib releases the GIL on large buffers); it then takes each chunk's verdict in order.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
 import queue
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
@@ -75,9 +79,15 @@ MessageHandler = Callable[[str, Message], None]
 PayloadHandler = Callable[[str, Completed], None]
 # Told the size of each chunk frame (bytes on the wire); may block, which is how a link is shaped.
 ChunkHook = Callable[[int], object]
-# What paho's thread hands the receive thread: (topic, a manifest or a parsed chunk frame, arrival time, frame size).
-_Inbound = tuple[str, Manifest | tuple[str, int, memoryview, bytes], float, int]
+# What paho's thread hands the receive thread: (topic, a manifest or a chunk frame as received, arrival time).
+_Inbound = tuple[str, Manifest | bytes, float]
+# A chunk frame parsed and handed to the verifier pool: (topic, transfer, index, chunk, digest, verdict, time, size).
+_Verifying = tuple[str, str, int, memoryview, bytes, Future[bool], float, int]
 _INBOUND_FRAMES = 256
+# Chunks hashed at once: one per core (hashing is CPU-bound), at least two so one slow chunk never idles the rest.
+_VERIFIERS = max(2, min(8, os.cpu_count() or 1))
+# How far the receive thread runs ahead of the oldest unverified chunk: enough to keep every verifier busy.
+_AHEAD = 2 * _VERIFIERS
 
 
 @dataclass(frozen=True)
@@ -241,6 +251,7 @@ class Session:
         self._inbound: queue.Queue[_Inbound | None] = queue.Queue(maxsize=_INBOUND_FRAMES)
         self._threads: list[threading.Thread] = []
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fedfleet-hash-{config.client_id}")
+        self._verifier = ThreadPoolExecutor(_VERIFIERS, thread_name_prefix=f"fedfleet-verify-{config.client_id}")
         self._client = self._make_client(will)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -326,6 +337,7 @@ class Session:
             thread.join(timeout=5)
         self._threads.clear()
         self._hasher.shutdown(wait=False, cancel_futures=True)
+        self._verifier.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> Session:
         return self
@@ -495,7 +507,7 @@ class Session:
         try:
             if is_chunk_frame(data):
                 if guard is None or guard.admit_message(peer, None, msg.retain, now):
-                    self._inbound.put((msg.topic, parse_chunk_frame(data), now, len(data)))
+                    self._inbound.put((msg.topic, data, now))  # parsed and hashed off this thread
                 elif msg.retain:
                     self._publish(msg.topic, b"", retain=True)
                 return
@@ -514,7 +526,7 @@ class Session:
                 self._publish(msg.topic, b"", retain=True)  # clear it: no later subscriber gets it either
             return
         if isinstance(message, Manifest):
-            self._inbound.put((msg.topic, message, now, len(data)))  # behind the chunks already queued, in order
+            self._inbound.put((msg.topic, message, now))  # behind the chunks already queued, in order
         elif isinstance(message, Ack | Nack):
             self._on_transfer_answer(message, now, msg.topic)
         else:
@@ -607,33 +619,68 @@ class Session:
             self._publish(topic, frame, transfer=tid)
 
     def _receive_loop(self) -> None:
-        while (item := self._inbound.get()) is not None:
-            topic, what, now, size = item
+        """Takes inbound frames in order; chunks are verified on the pool while later frames are taken."""
+        verifying: collections.deque[_Verifying] = collections.deque()
+        while True:
             try:
-                if isinstance(what, Manifest):
-                    with self._lock:
-                        refusal = self._transfer_refusal(topic, what)
-                        if refusal is None:
-                            replies, completed = self._receiver(topic).on_manifest(what, now)
-                    if refusal is not None:
-                        replies, completed = [refusal], None
+                # Block only when nothing is being verified; otherwise settle the oldest chunk when idle.
+                item = self._inbound.get(block=not verifying)
+            except queue.Empty:
+                self._settle_chunk(verifying.popleft())
+                continue
+            if item is None:
+                return
+            topic, what, now = item
+            if isinstance(what, Manifest):
+                while verifying:  # the chunks before it first, in arrival order
+                    self._settle_chunk(verifying.popleft())
+                self._receive(topic, lambda r, m=what, t=now, s=topic: self._admit_manifest(s, r, m, t))
+                continue
+            try:
+                transfer, index, chunk, digest = parse_chunk_frame(what)
+            except ProtocolError as exc:
+                self.stats.rejected += 1
+                if self._guard_in is not None:
+                    self._guard_in.refuse(topics.device_of(topic) or topic, "malformed", f"on {topic}: {exc}", now)
                 else:
-                    transfer, index, chunk, digest = what
-                    intact = chunk_is_intact(chunk, digest)  # outside the lock: the slow part
-                    with self._lock:
-                        receiver = self._receiver(topic)
-                        corrupt = receiver.stats.corrupt
-                        replies, completed = receiver.on_chunk(transfer, index, chunk, digest, now, intact)
-                    if self._guard_in is not None and receiver.stats.corrupt > corrupt:
-                        detail = f"chunk {index} of transfer {transfer} does not match its digest; asked for again"
-                        self._guard_in.refuse(topics.device_of(topic) or topic, "corrupt_chunk", detail, now)
-                    if self._after_chunk_in is not None:
-                        self._after_chunk_in(size)
-                self._reply(topic, replies)
-                if completed is not None:
-                    self._deliver_payload(topic, completed)
-            except Exception:
-                log.exception("%s: error receiving on %s (the session keeps running)", self.config.client_id, topic)
+                    log.warning("%s: rejected a message on %s: %s", self.config.client_id, topic, exc)
+                continue
+            verdict = self._verifier.submit(chunk_is_intact, chunk, digest)
+            verifying.append((topic, transfer, index, chunk, digest, verdict, now, len(what)))
+            if len(verifying) >= _AHEAD:
+                self._settle_chunk(verifying.popleft())
+
+    def _settle_chunk(self, item: _Verifying) -> None:
+        topic, transfer, index, chunk, digest, verdict, now, size = item
+        try:
+            intact = verdict.result()
+        except Exception:
+            log.exception("%s: error verifying a chunk on %s (it is dropped)", self.config.client_id, topic)
+            return
+        self._receive(topic, lambda r: r.on_chunk(transfer, index, chunk, digest, now, intact))
+        if not intact and self._guard_in is not None:
+            detail = f"chunk {index} of transfer {transfer} does not match its digest; asked for again"
+            self._guard_in.refuse(topics.device_of(topic) or topic, "corrupt_chunk", detail, now)
+        if self._after_chunk_in is not None:
+            self._after_chunk_in(size)
+
+    def _admit_manifest(
+        self, topic: str, receiver: IncomingTransfers, manifest: Manifest, now: float
+    ) -> tuple[list[Message], Completed | None]:
+        """A new transfer past the guard's bounds is refused before the receiver allocates anything for it."""
+        refusal = self._transfer_refusal(topic, manifest)
+        return ([refusal], None) if refusal is not None else receiver.on_manifest(manifest, now)
+
+    def _receive(self, topic: str, step: Callable[[IncomingTransfers], tuple[list[Message], Completed | None]]) -> None:
+        """One step of ``topic``'s incoming transfers under the lock; replies and hand-over outside it."""
+        try:
+            with self._lock:
+                replies, completed = step(self._receiver(topic))
+            self._reply(topic, replies)
+            if completed is not None:
+                self._deliver_payload(topic, completed)
+        except Exception:
+            log.exception("%s: error receiving on %s (the session keeps running)", self.config.client_id, topic)
 
     def _transfer_refusal(self, topic: str, manifest: Manifest) -> Error | None:
         """The error answering a new transfer the guard refuses (called under ``self._lock``).

@@ -9,9 +9,10 @@ from coordinator.broker.mosquitto import find_mosquitto
 @pytest.mark.slow
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
 def test_benchmark_prints_one_json_object_with_ratios_and_throughputs(capsys):
-    assert main(["--size-mib", "2", "--repeats", "1", "--json"]) == 0
+    fan_in = ["--devices", "2", "--fan-in-mib", "1", "--fan-in-repeats", "1"]
+    assert main(["--size-mib", "2", "--repeats", "1", *fan_in, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    for key in ("mosquitto_ratio", "amqtt_ratio", "mosquitto_vs_single"):
+    for key in ("mosquitto_ratio", "amqtt_ratio", "mosquitto_vs_single", "fan_in_ratio", "fan_in_hashing_ratio"):
         assert result[key] > 0
     for key in (
         "mosquitto_fedfleet_mbps",
@@ -20,6 +21,15 @@ def test_benchmark_prints_one_json_object_with_ratios_and_throughputs(capsys):
         "mosquitto_raw_single_mbps",
         "amqtt_fedfleet_mbps",
         "amqtt_raw_chunks_mbps",
+        "fan_in_raw_mbps",
+        "fan_in_fedfleet_mbps",
+        "fan_in_fedfleet_hashing_mbps",
     ):
         assert result[key] > 0
     assert result["chunks"] == 8
+
+
+def test_bad_fan_in_options_are_refused_before_anything_runs(capsys):
+    with pytest.raises(SystemExit):
+        main(["--fan-in-repeats", "0"])
+    assert "--fan-in-repeats >= 1" in capsys.readouterr().err

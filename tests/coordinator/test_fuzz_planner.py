@@ -15,7 +15,7 @@ from coordinator.fleet import load_fleet
 from coordinator.planner import plan_fleet
 from device_agent.wire.messages import Hello, ProtocolError, parse_message
 
-FUZZ = settings(max_examples=150, deadline=10_000, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
 FLEET = """
 fleet: lab
 broker: {mode: external, url: 'mqtt://127.0.0.1:1883'}

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from device_agent.outbox import Outbox, OutboxCorrupt
 
-FUZZ = settings(max_examples=200, deadline=1000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(max_examples=200, suppress_health_check=[HealthCheck.function_scoped_fixture])
 values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),

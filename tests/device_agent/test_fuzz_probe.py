@@ -13,7 +13,7 @@ from device_agent.probe import DeviceProfile
 from device_agent.wire.messages import Hello, ProtocolError, parse_message
 from profiles.catalog import profile_from_report
 
-FUZZ = settings(max_examples=200, deadline=1000, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
 anything = (
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8) | st.lists(st.integers(), max_size=2)
 )

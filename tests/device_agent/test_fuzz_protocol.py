@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from device_agent.protocol import MAX_SAMPLES, UploadMetaError, parse_upload_meta
 
-FUZZ = settings(max_examples=200, deadline=1000)
+FUZZ = settings(max_examples=200)
 numbers = st.one_of(
     st.text(max_size=12),
     st.integers().map(str),

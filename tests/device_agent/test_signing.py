@@ -54,7 +54,7 @@ def test_a_bad_key_file_is_named(text, problem):
     assert parse_key(KEY.hex() + "\n") == KEY
 
 
-@settings(max_examples=200, deadline=1000)
+@settings(max_examples=200)
 @given(st.dictionaries(st.sampled_from(["signature", "signed_round", "signed_transfer"]), st.text(max_size=70)))
 @example({"signature": "\ud800" * 64, "signed_round": "3", "signed_transfer": "a" * 32})  # was UnicodeEncodeError
 @example({"signature": "é" * 64, "signed_round": "3", "signed_transfer": "a" * 32})

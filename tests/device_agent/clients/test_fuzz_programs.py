@@ -17,7 +17,7 @@ from device_agent.clients.spec import parse_spec
 from device_agent.hybrid import hybrid
 from device_agent.models import build_model
 
-FUZZ = settings(max_examples=15, deadline=5000, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=15, suppress_health_check=[HealthCheck.too_slow])
 MODEL = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 8}
 CASES = {
     "fedavg": ({"level": 1.0, "scaler": False, "send_classes": False}, lambda: build_model("cnn").state_dict()),

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from device_agent.wire.codec import CodecError, TensorSpec, decode_tensors, encode_tensors
 
-FUZZ = settings(max_examples=200, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = ["F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "I64", "I32", "I16", "I8", "U8"]
 DTYPES += ["U16", "U32", "U64", "BOOL", "C64", "complex", "", "f32"]
 VALID = encode_tensors({"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(2)}, fp16=True)

@@ -20,7 +20,7 @@ from device_agent.wire.messages import (
     parse_message,
 )
 
-FUZZ = settings(max_examples=200, deadline=1000, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
 TRANSFER = "0" * 32
 
 json_values = st.recursive(

@@ -21,7 +21,7 @@ from device_agent.wire.transfer import (
     parse_chunk_frame,
 )
 
-FUZZ = settings(max_examples=200, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
 IDS = ["0" * 32, "1" * 32]
 
 manifests = st.fixed_dictionaries(

@@ -306,3 +306,31 @@ def test_session_sockets_send_small_packets_without_waiting_for_nagle(mosquitto)
     finally:
         coord.stop()
         dev.stop()
+
+
+def test_uploads_are_verified_on_the_verifier_pool_never_on_paho_s_thread(mosquitto, monkeypatch):
+    from device_agent.wire import session as session_module
+
+    hashed_on: list[str] = []
+
+    def recording_check(data, digest):
+        hashed_on.append(threading.current_thread().name)
+        return hashlib.sha256(data).digest() == digest
+
+    monkeypatch.setattr(session_module, "chunk_is_intact", recording_check)
+    inbox = Inbox()
+    coord = coordinator_session(mosquitto.fleet, mosquitto.address(), on_payload=inbox.on_payload).start()
+    dev, topics = device_session(mosquitto.fleet, "dev-a", mosquitto.address("dev-a"))
+    dev.start()
+    try:
+        payload = os.urandom(3 * 2**20 + 5)
+        dev.send(topics.up, payload).wait(30)
+        assert inbox.arrived.wait(10)
+        [(_, completed)] = inbox.payloads
+        assert completed.data == payload
+        # One hash per chunk, each on a verifier thread of the receiving session.
+        assert len(hashed_on) == completed.manifest.chunk_count
+        assert all(name.startswith(f"fedfleet-verify-fedfleet-{mosquitto.fleet}-coordinator") for name in hashed_on)
+    finally:
+        coord.stop()
+        dev.stop()

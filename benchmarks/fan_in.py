@@ -1,0 +1,193 @@
+"""Many devices uploading at once to one coordinator, against raw paho doing the same bytes.
+
+Each device is its own process (as on a real fleet, no GIL shared with the coordinator) holding a
+device session and a plain paho client on the same mosquitto. On each signal every device uploads
+its update at once, in one of three ways:
+
+- ``raw``: plain paho publishes the same bytes as the same chunks at QoS 1 to a plain paho
+  subscriber; the clock stops when that subscriber has every chunk of every device. These clients
+  log in as the coordinator, whose ACL covers topics outside the devices' subtrees;
+- ``fedfleet``: the device's ``Session.send`` with a sealed manifest made beforehand
+  (``make_manifest``, as for an update hashed when it was stored), so the window holds the
+  coordinator's ingest and no sender-side hashing; the clock stops when the coordinator session's
+  payload handler holds every device's joined, verified bytes;
+- ``fedfleet_hashing``: the same, with each device hashing its chunks as it sends them (what
+  ``Session.send`` does without a manifest).
+
+Each repeat runs the three back to back; ratios are the medians of the per-repeat ratios, so load
+from other jobs on a shared machine hits both sides of a ratio alike.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import statistics
+import threading
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
+
+from coordinator.broker.base import BrokerSettings
+from coordinator.broker.credentials import generate_credentials
+from coordinator.broker.factory import make_broker
+from device_agent.wire.session import BrokerAddress, coordinator_session, device_session
+from device_agent.wire.topics import ROOT
+from device_agent.wire.transfer import Completed, make_manifest
+
+_FLEET = "fanin"
+_MAX_INFLIGHT = 100
+_TIMEOUT_S = 300.0
+VARIANTS = ("raw", "fedfleet", "fedfleet_hashing")
+
+
+def _raw_client(address: BrokerAddress, client_id: str) -> mqtt.Client:
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=MQTTProtocolVersion.MQTTv5)
+    client.username_pw_set(address.username, address.password)
+    client.max_inflight_messages_set(_MAX_INFLIGHT)
+    client.connect(address.host, address.port)
+    # fedfleet's sessions set TCP_NODELAY too: the baseline is not slowed by Nagle either.
+    client.socket().setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    client.loop_start()
+    return client
+
+
+def _raw_topic(device: str) -> str:
+    """Outside every device's ``up`` subtree, which the coordinator session subscribes to."""
+    return f"{ROOT}/{_FLEET}/raw/{device}"
+
+
+def _device(
+    address: BrokerAddress, raw_address: BrokerAddress, device: str, size: int, chunk_size: int, orders: Connection
+) -> None:
+    """One device process: waits for an order (one of ``VARIANTS``), uploads, reports back."""
+    payload = os.urandom(size)
+    view = memoryview(payload)
+    parts = [bytes(view[i : i + chunk_size]) for i in range(0, size, chunk_size)]
+    session, topics = device_session(_FLEET, device, address, chunk_size=chunk_size, max_inflight=_MAX_INFLIGHT)
+    session.start()
+    sealed = make_manifest(payload, chunk_size, run="fan-in", kind="update")
+    raw = _raw_client(raw_address, f"fanin-raw-{device}")
+    try:
+        orders.send("ready")
+        while (order := orders.recv()) is not None:
+            if order == "raw":
+                infos = [raw.publish(_raw_topic(device), part, qos=1) for part in parts]
+                for info in infos:
+                    info.wait_for_publish(_TIMEOUT_S)
+            elif order == "fedfleet":
+                session.send(topics.up, payload, manifest=sealed).wait(_TIMEOUT_S)
+            else:
+                session.send(topics.up, payload, run="fan-in", kind="update").wait(_TIMEOUT_S)
+            orders.send("done")
+    finally:
+        raw.disconnect()
+        raw.loop_stop()
+        session.stop()
+
+
+class _Arrivals:
+    """Counts what the coordinator side has received, and says when a whole round is in."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._left = 0
+        self.bytes = 0
+        self.finished = threading.Event()
+
+    def expect(self, count: int) -> None:
+        with self._lock:
+            self._left, self.bytes = count, 0
+            self.finished.clear()
+
+    def arrived(self, size: int) -> None:
+        with self._lock:
+            self._left -= 1
+            self.bytes += size
+            if self._left == 0:
+                self.finished.set()
+
+
+def measure(devices: int, size: int, chunk_size: int, repeats: int, workdir: Path) -> dict[str, float]:
+    """MB/s into the coordinator side per variant (medians); ``ratio`` and ``hashing_ratio`` to raw."""
+    names = [f"dev{i}" for i in range(devices)]
+    creds = generate_credentials(names)
+    broker = make_broker(BrokerSettings(_FLEET, workdir / "fan-in", creds), prefer="mosquitto")
+    broker.start()
+    chunks = -(-size // chunk_size)
+    raw_in, ours_in = _Arrivals(), _Arrivals()
+
+    def on_payload(_topic: str, completed: Completed) -> None:
+        ours_in.arrived(len(completed.data))  # the join the engine does, on the same thread
+
+    coordinator = coordinator_session(_FLEET, broker.address, on_payload=on_payload, max_inflight=_MAX_INFLIGHT)
+    subscribed = threading.Event()
+    raw_sub = _raw_client(broker.address, "fanin-raw-coordinator")
+    raw_sub.on_message = lambda _c, _u, msg: raw_in.arrived(len(msg.payload))
+    raw_sub.on_subscribe = lambda *_a: subscribed.set()
+    raw_sub.subscribe(_raw_topic("+"), qos=1)
+    spawn = multiprocessing.get_context("spawn")
+    links = [spawn.Pipe() for _ in names]
+    workers = [
+        spawn.Process(
+            target=_device,
+            args=(broker.address_for(creds[name]), broker.address, name, size, chunk_size, child),
+            daemon=True,
+        )
+        for name, (_parent, child) in zip(names, links, strict=True)
+    ]
+    started: list[multiprocessing.process.BaseProcess] = []
+    seconds: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    try:
+        coordinator.start()
+        for worker in workers:
+            worker.start()
+            started.append(worker)
+        for parent, _child in links:
+            _expect(parent, "ready")
+        if not subscribed.wait(10):
+            raise RuntimeError("raw subscriber never subscribed")
+        for _ in range(repeats):
+            for variant in VARIANTS:
+                arrivals, count = (raw_in, devices * chunks) if variant == "raw" else (ours_in, devices)
+                arrivals.expect(count)
+                start = time.perf_counter()
+                for parent, _child in links:
+                    parent.send(variant)
+                if not arrivals.finished.wait(_TIMEOUT_S):
+                    raise RuntimeError(f"{variant} fan-in incomplete after {_TIMEOUT_S:.0f} s")
+                seconds[variant].append(time.perf_counter() - start)
+                if arrivals.bytes != devices * size:
+                    raise RuntimeError(f"{variant} fan-in delivered {arrivals.bytes} bytes, expected {devices * size}")
+                for parent, _child in links:
+                    _expect(parent, "done")
+    finally:
+        for worker, (parent, _child) in zip(workers, links, strict=True):
+            if worker in started:
+                parent.send(None)
+        for worker in started:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.kill()
+        raw_sub.disconnect()
+        raw_sub.loop_stop()
+        coordinator.stop()
+        broker.stop()
+    result = {
+        f"{variant}_mbps": devices * size / statistics.median(values) / 1e6 for variant, values in seconds.items()
+    }
+    for variant, key in (("fedfleet", "ratio"), ("fedfleet_hashing", "hashing_ratio")):
+        result[key] = statistics.median(raw / ours for raw, ours in zip(seconds["raw"], seconds[variant], strict=True))
+    return result
+
+
+def _expect(link: Connection, word: str) -> None:
+    if not link.poll(_TIMEOUT_S):
+        raise RuntimeError(f"a device process sent nothing for {_TIMEOUT_S:.0f} s (expected {word!r})")
+    got = link.recv()
+    if got != word:
+        raise RuntimeError(f"a device process answered {got!r}, expected {word!r}")

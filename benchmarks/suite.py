@@ -1,0 +1,158 @@
+"""Run every benchmark, keep what each printed with its command, machine and date, and regenerate
+the README's table from that: the one command behind every performance figure in the README.
+
+    python -m benchmarks.suite [--only transport,export] [--results benchmarks/results.json] [--readme README.md]
+
+Each benchmark runs in its own process (its imports and threads do not leak into the next) with the
+options below, which keep it to a few minutes on a 2-core machine; the README says what the
+full-size runs are. ``--only`` re-runs some and keeps the others' entries from the results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks import table
+from benchmarks.machine import describe
+from coordinator.strategies import STRATEGIES
+from coordinator.strategies.fedlora import FineTune
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """``python -m benchmarks.<name> --json <args>``; ``cuda_args`` are added when a GPU is present."""
+
+    name: str
+    args: tuple[str, ...] = ()
+    cuda_args: tuple[str, ...] = ()
+
+    def command(self, cuda: bool) -> list[str]:
+        return ["python", "-m", f"benchmarks.{self.name}", "--json", *self.args, *(self.cuda_args if cuda else ())]
+
+
+# ``compare --scenario all`` would also run the fine-tuning strategies (FedLoRA & co.), which need a
+# pre-trained ViT and fail on the digits CNN; they have their own scenario (``--scenario fedlora``).
+_DIGITS_STRATEGIES = [name for name, cls in STRATEGIES.items() if not issubclass(cls, FineTune)]
+
+# Add a benchmark here and it is run, recorded and shown in the README's table.
+SUITE: tuple[Benchmark, ...] = (
+    Benchmark("refactorize", ("--repeats", "1")),
+    Benchmark("transport", ("--size-mib", "16", "--repeats", "5", "--devices", "8", "--fan-in-mib", "4")),
+    Benchmark("costmodel"),
+    Benchmark("emulation", ("--demo-rounds", "1")),
+    Benchmark("compare", ("--scenario", "all", "--rounds", "3", "--strategies", ",".join(_DIGITS_STRATEGIES))),
+    Benchmark("export", ("--repeats", "10")),
+)
+
+
+class BenchmarkFailed(RuntimeError):
+    """A benchmark that exited non-zero or printed no JSON object."""
+
+
+def parse_output(name: str, stdout: str) -> dict[str, Any]:
+    """The benchmark's JSON object: all of stdout (some indent it), else its last line (after progress lines)."""
+    text = stdout.strip()
+    for candidate in (text, text.splitlines()[-1] if text else ""):
+        try:
+            result = json.loads(candidate)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(result, dict):
+            return result
+    raise BenchmarkFailed(f"{name} printed no JSON object (its output ends with: {text[-200:]!r})")
+
+
+def run_one(benchmark: Benchmark, cuda: bool, timeout_s: float) -> dict[str, Any]:
+    """Run one benchmark in a fresh interpreter and take the JSON object it prints."""
+    shown = benchmark.command(cuda)
+    print(f"$ {shlex.join(shown)}", flush=True)
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(
+            [sys.executable, *shown[1:]], capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise BenchmarkFailed(f"{benchmark.name} ran past {timeout_s:.0f} s") from None
+    seconds = time.perf_counter() - start
+    if done.returncode != 0 or not done.stdout.strip():
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        raise BenchmarkFailed(f"{benchmark.name} exited with {done.returncode}:\n{tail}")
+    result = parse_output(benchmark.name, done.stdout)
+    print(f"  {benchmark.name}: {seconds:.0f} s", flush=True)
+    return {"command": shlex.join(shown), "result": result, "seconds": round(seconds, 1)}
+
+
+def load(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {"benchmarks": {}}
+    try:
+        results = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise BenchmarkFailed(f"{path} is not valid JSON ({exc}); move it away to start afresh") from None
+    if not isinstance(results.get("benchmarks"), dict):
+        raise BenchmarkFailed(f"{path} has no 'benchmarks' object; move it away to start afresh")
+    return results
+
+
+def run_suite(names: list[str], results_path: Path, readme: Path | None, timeout_s: float) -> dict[str, Any]:
+    """Run ``names`` (in suite order), merge into ``results_path``, regenerate ``readme``'s table."""
+    results = load(results_path)
+    machine = describe()
+    cuda = machine["gpu"] is not None
+    failures = []
+    for benchmark in SUITE:
+        if benchmark.name not in names:
+            continue
+        try:
+            entry = run_one(benchmark, cuda, timeout_s)
+        except BenchmarkFailed as exc:
+            failures.append(str(exc))
+            print(f"  FAILED: {exc}", file=sys.stderr, flush=True)
+            continue
+        date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        device = "cuda" if cuda and benchmark.cuda_args else "cpu"
+        results["benchmarks"][benchmark.name] = entry | {"machine": machine, "device": device, "date": date}
+        # Written after each benchmark: a failure later keeps what was measured so far.
+        results_path.write_text(json.dumps(results, indent=1) + "\n")
+    if readme is not None and results["benchmarks"]:
+        readme.write_text(table.replace_table(readme.read_text(), table.render(results)))
+    if failures:
+        raise BenchmarkFailed(f"{len(failures)} benchmark(s) failed:\n" + "\n".join(failures))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    known = [b.name for b in SUITE]
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.suite",
+        description="Run every benchmark, write results.json (figures, command, machine, date) and the README table.",
+    )
+    parser.add_argument("--only", help=f"comma-separated subset of: {', '.join(known)} (default: all)")
+    parser.add_argument("--results", type=Path, default=Path("benchmarks/results.json"), help="default: %(default)s")
+    parser.add_argument("--readme", type=Path, default=Path("README.md"), help="table target (default: %(default)s)")
+    parser.add_argument("--no-readme", action="store_true", help="only write the results file")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds per benchmark (default: %(default)s)")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else known
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        parser.error(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    try:
+        run_suite(names, args.results, None if args.no_readme else args.readme, args.timeout)
+    except (BenchmarkFailed, table.TableError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

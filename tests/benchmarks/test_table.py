@@ -1,0 +1,68 @@
+import pytest
+
+from benchmarks.table import BEGIN, END, TableError, render, replace_table
+
+MACHINE = {"cpu": "Test CPU", "cores": 2, "ram_gib": 15.6, "torch": "2.13.0", "gpu": None}
+
+
+def results(**benchmarks: dict) -> dict:
+    return {
+        "benchmarks": {
+            name: {
+                "command": f"python -m benchmarks.{name} --json",
+                "result": result,
+                "machine": MACHINE,
+                "device": "cpu",
+                "date": "2026-11-23 15:00 UTC",
+            }
+            for name, result in benchmarks.items()
+        }
+    }
+
+
+def test_a_known_benchmark_shows_its_headlines_with_command_and_machine():
+    table = render(results(transport={"benchmark": "transport", "fan_in_ratio": 0.8567, "chunks": 64}))
+    row = next(line for line in table.splitlines() if line.startswith("| transport"))
+    assert "`fan_in_ratio` 0.857" in row
+    assert "chunks" not in row  # not a headline of transport
+    assert "`python -m benchmarks.transport --json`" in row
+    assert "Test CPU, 2 cores, 15.6 GiB RAM, torch 2.13.0, no GPU; cpu; 2026-11-23 15:00 UTC" in row
+    assert table.startswith(BEGIN) and table.endswith(END)
+
+
+def test_an_unknown_benchmark_shows_every_top_level_scalar():
+    result = {"benchmark": "faults", "recovered": 12, "loss_rate": 0.123456, "ok": True, "rows": [1, 2]}
+    row = render(results(faults=result)).splitlines()[-2]
+    assert row.startswith("| faults |")
+    assert "`recovered` 12; `loss_rate` 0.123; `ok` True |" in row
+    assert "rows" not in row and "`benchmark`" not in row
+
+
+def test_nested_benchmarks_are_summarized():
+    compare = {"hetero": {"fedhm": {"accuracy": {"mean": 0.91, "std": 0.0}}, "fedavg": {"accuracy": {"mean": 0.9}}}}
+    emulation = {
+        "slowdown": [{"factor": 2, "measured_vs_own_compute": 2.01}, {"factor": 4, "measured_vs_own_compute": 4.0}],
+        "device_time": [{"device_class": "pi4", "emulated_vs_predicted": 1.17}],
+    }
+    table = render(results(compare=compare, emulation=emulation))
+    assert "hetero accuracy: fedhm 0.91, fedavg 0.9" in table
+    assert "slowdown x2/x4 measured 2.01/4" in table
+    assert "device time pi4: emulated/predicted 1.17" in table
+
+
+def test_the_table_replaces_only_what_lies_between_the_markers():
+    readme = f"intro\n{BEGIN}\nold figures\n{END}\noutro\n"
+    assert replace_table(readme, f"{BEGIN}\nnew\n{END}") == f"intro\n{BEGIN}\nnew\n{END}\noutro\n"
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: render({"benchmarks": {}}), "no 'benchmarks'"),
+        (lambda: render({"benchmarks": {"x": {"result": {}}}}), "'x' lacks its command"),
+        (lambda: replace_table("no markers here", "table"), "no <!-- bench:begin -->"),
+    ],
+)
+def test_bad_input_is_refused_with_the_reason(call, message):
+    with pytest.raises(TableError, match=message):
+        call()
