@@ -29,14 +29,19 @@ from coordinator.strategies.fedlora import FineTune
 
 @dataclass(frozen=True)
 class Benchmark:
-    """``python -m benchmarks.<name> --json <args>``; ``cuda_args`` are added when a GPU is present."""
+    """``python -m benchmarks.<module> --json <args>``; ``cuda_args`` are added when a GPU is present.
+
+    ``module`` defaults to ``name``; one module may appear under several names (its modes).
+    """
 
     name: str
     args: tuple[str, ...] = ()
     cuda_args: tuple[str, ...] = ()
+    module: str | None = None
 
     def command(self, cuda: bool) -> list[str]:
-        return ["python", "-m", f"benchmarks.{self.name}", "--json", *self.args, *(self.cuda_args if cuda else ())]
+        module = f"benchmarks.{self.module or self.name}"
+        return ["python", "-m", module, "--json", *self.args, *(self.cuda_args if cuda else ())]
 
 
 # ``compare --scenario all`` would also run the fine-tuning strategies (FedLoRA & co.), which need a
@@ -51,6 +56,12 @@ SUITE: tuple[Benchmark, ...] = (
     Benchmark("emulation", ("--demo-rounds", "1")),
     Benchmark("compare", ("--scenario", "all", "--rounds", "3", "--strategies", ",".join(_DIGITS_STRATEGIES))),
     Benchmark("export", ("--repeats", "10")),
+    Benchmark("emulation_scale", ("--scale", "--devices", "300"), module="emulation"),
+    Benchmark("process_peak", ("--memory",), module="emulation"),
+    Benchmark("faults", ("--repeats", "1")),
+    Benchmark("bad_inputs"),
+    Benchmark("json_bounds"),
+    Benchmark("probe_stability"),
 )
 
 

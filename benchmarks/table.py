@@ -84,9 +84,56 @@ def _compare(result: dict[str, Any]) -> list[str]:
     return out
 
 
+def _scale(result: dict[str, Any]) -> list[str]:
+    out = [f"`max_devices` {result.get('max_devices')}"]
+    for run in result.get("runs", []):
+        out.append(
+            f"{run['devices']} devices {'completed' if run['completed'] else 'missed'}: rounds "
+            f"{'/'.join(fmt(s) for s in run['round_seconds'])} s (deadline {fmt(run['deadline_seconds'])} s, "
+            f"slowest device predicted {fmt(run['slowest_predicted_round_seconds'])} s), "
+            f"coordinator {fmt(run['coordinator_rss_per_device_mib'])} MiB/device, "
+            f"workers {fmt(run['workers_rss_per_device_mib'])} MiB/device"
+        )
+    return out
+
+
+def _process_peak(result: dict[str, Any]) -> list[str]:
+    peak = result.get("process_peak", {})
+    cases = [
+        f"{row['arch']} b{row['batch_size']} gamma {fmt(row['gamma'])}: {fmt(row['predicted_vs_measured'])}"
+        for row in peak.get("cases", [])
+        if row.get("predicted_vs_measured")
+    ]
+    head = f"predicted/measured VmHWM worst error {fmt(peak.get('worst_error'))}"
+    return [head + (f" ({', '.join(cases)})" if cases else "")]
+
+
+def _faults(result: dict[str, Any]) -> list[str]:
+    out = []
+    scenarios = result.get("scenarios", {})
+    if scenarios:
+        survived = sum(bool(row["survived"]) for row in scenarios.values())
+        lost = sum(row["lost_updates"] or 0 for row in scenarios.values())
+        out.append(f"{survived}/{len(scenarios)} faults survived, {lost} updates lost")
+    return out + _bad_inputs(result)
+
+
+def _bad_inputs(result: dict[str, Any]) -> list[str]:
+    kinds = result.get("bad_inputs", {})
+    if not kinds:
+        return []
+    refused = sum(bool(row["refused"]) for row in kinds.values())
+    unaffected = sum(bool(row["round_unaffected"]) for row in kinds.values())
+    return [f"bad inputs refused {refused}/{len(kinds)}, round unaffected {unaffected}/{len(kinds)}"]
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "emulation": _emulation,
     "compare": _compare,
+    "emulation_scale": _scale,
+    "process_peak": _process_peak,
+    "faults": _faults,
+    "bad_inputs": _bad_inputs,
 } | {name: (lambda result, keys=keys: scalars(result, keys)) for name, keys in HEADLINES.items()}
 
 

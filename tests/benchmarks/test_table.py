@@ -31,9 +31,9 @@ def test_a_known_benchmark_shows_its_headlines_with_command_and_machine():
 
 
 def test_an_unknown_benchmark_shows_every_top_level_scalar():
-    result = {"benchmark": "faults", "recovered": 12, "loss_rate": 0.123456, "ok": True, "rows": [1, 2]}
-    row = render(results(faults=result)).splitlines()[-2]
-    assert row.startswith("| faults |")
+    result = {"benchmark": "future_benchmark", "recovered": 12, "loss_rate": 0.123456, "ok": True, "rows": [1, 2]}
+    row = render(results(future_benchmark=result)).splitlines()[-2]
+    assert row.startswith("| future_benchmark |")
     assert "`recovered` 12; `loss_rate` 0.123; `ok` True |" in row
     assert "rows" not in row and "`benchmark`" not in row
 
@@ -66,3 +66,48 @@ def test_the_table_replaces_only_what_lies_between_the_markers():
 def test_bad_input_is_refused_with_the_reason(call, message):
     with pytest.raises(TableError, match=message):
         call()
+
+
+def test_the_reliability_and_scale_benchmarks_have_their_own_summaries() -> None:
+    results = {
+        "benchmarks": {
+            "faults": {
+                "command": "python -m benchmarks.faults --json",
+                "result": {
+                    "scenarios": {
+                        "kill -9 one agent": {"survived": True, "lost_updates": 0},
+                        "kill -9 the broker": {"survived": False, "lost_updates": 2},
+                    },
+                    "bad_inputs": {
+                        "nan": {"refused": True, "round_unaffected": True},
+                        "flood": {"refused": False, "round_unaffected": True},
+                    },
+                },
+                "machine": {"cpu": "x", "cores": 2},
+            },
+            "emulation_scale": {
+                "command": "python -m benchmarks.emulation --json --scale",
+                "result": {
+                    "max_devices": 300,
+                    "runs": [
+                        {
+                            "devices": 300,
+                            "completed": True,
+                            "round_seconds": [49.8, 32.1],
+                            "deadline_seconds": 60.0,
+                            "slowest_predicted_round_seconds": 0.04,
+                            "coordinator_rss_per_device_mib": 2.2,
+                            "workers_rss_per_device_mib": 9.4,
+                        }
+                    ],
+                },
+                "machine": {"cpu": "x", "cores": 2},
+            },
+        }
+    }
+
+    text = render(results)
+
+    assert "1/2 faults survived, 2 updates lost; bad inputs refused 1/2, round unaffected 2/2" in text
+    assert "`max_devices` 300; 300 devices completed: rounds 49.8/32.1 s (deadline 60 s" in text
+    assert "workers 9.4 MiB/device" in text
