@@ -85,10 +85,11 @@ def test_fedlora_trains_four_ranks_uploads_only_adapters_and_sends_the_base_once
 
     for name in rounds[0]["devices"]:
         first, second = rounds[0]["devices"][name], rounds[1]["devices"][name]
-        # The upload is the adapter payload plus the manifest and chunk framing; a resend under load
-        # (lost receipt) is real traffic, so only the cheapest round is held to 5 %.
+        # The upload is the adapter payload plus a fixed protocol cost (manifest sent and sealed, chunk
+        # framing, upload meta with the device's evaluation figures, status messages), a couple of KB;
+        # a resend under load (lost receipt) is real traffic, so only the cheapest round is held to it.
         cheapest = min(first["bytes_up"], second["bytes_up"])
-        assert first["payload_bytes"] < cheapest < first["payload_bytes"] * 1.05, (name, cheapest)
+        assert first["payload_bytes"] < cheapest < first["payload_bytes"] + 2048, (name, cheapest)
         # Round 1 carries the frozen base with the adapters; round 2 the adapters and the head only
         # (the same tensors as the upload), plus the assignment's spec and framing, a few hundred bytes.
         assert first["bytes_down"] > base_bytes + first["payload_bytes"], name
