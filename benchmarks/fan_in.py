@@ -42,6 +42,7 @@ from device_agent.wire.transfer import Completed, make_manifest
 _FLEET = "fanin"
 _MAX_INFLIGHT = 100
 _TIMEOUT_S = 300.0
+_RAW_SUBSCRIBER = "raw-subscriber"
 VARIANTS = ("raw", "fedfleet", "fedfleet_hashing")
 
 
@@ -71,7 +72,7 @@ def _device(
     session, topics = device_session(_FLEET, device, address, chunk_size=chunk_size, max_inflight=_MAX_INFLIGHT)
     session.start()
     sealed = make_manifest(payload, chunk_size, run="fan-in", kind="update")
-    raw = _raw_client(raw_address, f"fanin-raw-{device}")
+    raw = _raw_client(raw_address, f"raw-{device}")
     try:
         orders.send("ready")
         while (order := orders.recv()) is not None:
@@ -115,8 +116,13 @@ class _Arrivals:
 def measure(devices: int, size: int, chunk_size: int, repeats: int, workdir: Path) -> dict[str, float]:
     """MB/s into the coordinator side per variant (medians); ``ratio`` and ``hashing_ratio`` to raw."""
     names = [f"dev{i}" for i in range(devices)]
-    creds = generate_credentials(names)
-    broker = make_broker(BrokerSettings(_FLEET, workdir / "fan-in", creds), prefer="mosquitto")
+    # The raw baseline has logins of its own: the broker binds a client id to its login, so a raw client
+    # sharing the coordinator's or a device's login would take over (disconnect) that session.
+    creds = generate_credentials([*names, *(f"raw-{n}" for n in names), _RAW_SUBSCRIBER])
+    raw_acl = [line for n in names for line in (f"user raw-{n}", f"topic write {_raw_topic(n)}")]
+    raw_acl += [f"user {_RAW_SUBSCRIBER}", f"topic read {_raw_topic('#')}"]
+    settings = BrokerSettings(_FLEET, workdir / "fan-in", creds, extra_acl=raw_acl)
+    broker = make_broker(settings, prefer="mosquitto")
     broker.start()
     chunks = -(-size // chunk_size)
     raw_in, ours_in = _Arrivals(), _Arrivals()
@@ -126,19 +132,16 @@ def measure(devices: int, size: int, chunk_size: int, repeats: int, workdir: Pat
 
     coordinator = coordinator_session(_FLEET, broker.address, on_payload=on_payload, max_inflight=_MAX_INFLIGHT)
     subscribed = threading.Event()
-    raw_sub = _raw_client(broker.address, "fanin-raw-coordinator")
+    raw_sub = _raw_client(broker.address_for(creds[_RAW_SUBSCRIBER]), _RAW_SUBSCRIBER)
     raw_sub.on_message = lambda _c, _u, msg: raw_in.arrived(len(msg.payload))
     raw_sub.on_subscribe = lambda *_a: subscribed.set()
     raw_sub.subscribe(_raw_topic("+"), qos=1)
     spawn = multiprocessing.get_context("spawn")
     links = [spawn.Pipe() for _ in names]
+    logins = [(broker.address_for(creds[name]), broker.address_for(creds[f"raw-{name}"])) for name in names]
     workers = [
-        spawn.Process(
-            target=_device,
-            args=(broker.address_for(creds[name]), broker.address, name, size, chunk_size, child),
-            daemon=True,
-        )
-        for name, (_parent, child) in zip(names, links, strict=True)
+        spawn.Process(target=_device, args=(login, raw_login, name, size, chunk_size, child), daemon=True)
+        for name, (login, raw_login), (_parent, child) in zip(names, logins, links, strict=True)
     ]
     started: list[multiprocessing.process.BaseProcess] = []
     seconds: dict[str, list[float]] = {variant: [] for variant in VARIANTS}

@@ -94,15 +94,26 @@ def raw_seconds(sender: BrokerAddress, receiver: BrokerAddress, topic: str, part
 def measure_broker(kind: str, payload: bytes, chunk_size: int, repeats: int, workdir: Path) -> dict[str, float]:
     v5 = kind == "mosquitto"
     protocol = "5" if v5 else "3.1.1"
-    creds = generate_credentials(["dev"])
-    # Room for one unchunked publish of the whole payload (the raw_single comparison).
-    settings = BrokerSettings(_FLEET, workdir / kind, creds, max_packet_bytes=len(payload) + (1 << 20))
-    broker = make_broker(settings, prefer=kind)
-    broker.start()
     topics = DeviceTopics(_FLEET, "dev")
     # Raw runs use a topic inside the device's ACL that its session does not subscribe to.
     raw_topic = f"{topics.base}/down/raw"
+    # mosquitto binds a client id to its login, so the raw clients get logins of their own there (one
+    # sharing a session's login would take its connection over); amqtt binds nothing and knows no such ACL.
+    raw_users = ["raw-pub", "raw-sub"] if v5 else []
+    creds = generate_credentials(["dev", *raw_users])
+    raw_acl = ["user raw-pub", f"topic write {raw_topic}", "user raw-sub", f"topic read {raw_topic}"] if v5 else []
+    # Room for one unchunked publish of the whole payload (the raw_single comparison).
+    settings = BrokerSettings(
+        _FLEET, workdir / kind, creds, max_packet_bytes=len(payload) + (1 << 20), extra_acl=raw_acl
+    )
+    broker = make_broker(settings, prefer=kind)
+    broker.start()
     coordinator_addr, device_addr = broker.address, broker.address_for(creds["dev"])
+    raw_sender, raw_receiver = (
+        (broker.address_for(creds["raw-pub"]), broker.address_for(creds["raw-sub"]))
+        if v5
+        else (coordinator_addr, device_addr)
+    )
     received = threading.Event()
     handed: list[float] = []
 
@@ -137,7 +148,7 @@ def measure_broker(kind: str, payload: bytes, chunk_size: int, repeats: int, wor
         device.start()
         coordinator.start()
         for _ in range(repeats):
-            times["raw_chunks"].append(raw_seconds(coordinator_addr, device_addr, raw_topic, parts, v5))
+            times["raw_chunks"].append(raw_seconds(raw_sender, raw_receiver, raw_topic, parts, v5))
             received.clear()
             start = time.perf_counter()
             coordinator.send(topics.down, payload).wait(300)
@@ -146,7 +157,7 @@ def measure_broker(kind: str, payload: bytes, chunk_size: int, repeats: int, wor
                 raise RuntimeError("acked payload never reached the device's handler intact")
             times["fedfleet_in_handler"].append(handed[-1] - start)
             if v5:
-                times["raw_single"].append(raw_seconds(coordinator_addr, device_addr, raw_topic, [payload], v5))
+                times["raw_single"].append(raw_seconds(raw_sender, raw_receiver, raw_topic, [payload], v5))
     finally:
         device.stop()
         coordinator.stop()

@@ -43,6 +43,8 @@ class BrokerSettings:
     max_queued_messages: int = 1000
     max_queued_bytes: int = 256 * 1024 * 1024
     extra_config: list[str] = field(default_factory=list)
+    # mosquitto acl_file lines appended after the fleet's own (e.g. a benchmark's extra users).
+    extra_acl: list[str] = field(default_factory=list)
 
     @property
     def coordinator(self) -> Credentials:
