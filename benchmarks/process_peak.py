@@ -53,11 +53,14 @@ def synthetic_npz(path: Path) -> Path:
     return path
 
 
+_IDLE_LINES = ("connecting to fleet", "cannot reach the broker")
+
+
 def calibrate_baseline(settle_s: float = 3.0, timeout: float = 180.0) -> int:
     """VmHWM of an idle ``device-agent run`` (its broker unreachable: it keeps retrying, trains nothing).
 
-    Read ``settle_s`` after the agent says it is connecting (torch imported, profile probed, session
-    running): on a loaded host the imports alone can take longer than any fixed wait.
+    Read ``settle_s`` after the agent says it is connecting or waiting for the broker (torch imported,
+    profile probed): on a loaded host the imports alone can take longer than any fixed wait.
     """
     with tempfile.TemporaryDirectory(prefix="fedfleet-bench-baseline-") as folder:
         config, log = Path(folder) / "agent.yaml", Path(folder) / "agent.log"
@@ -76,7 +79,8 @@ def calibrate_baseline(settle_s: float = 3.0, timeout: float = 180.0) -> int:
             agent = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=_ROOT)
         try:
             deadline = time.monotonic() + timeout
-            while "connecting to fleet" not in log.read_text(errors="replace"):
+            # The agent probes itself before it waits for the broker, so either line means it is idle.
+            while not any(line in log.read_text(errors="replace") for line in _IDLE_LINES):
                 if agent.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the idle agent did not start: {log.read_text(errors='replace')[-1000:]}")
                 time.sleep(0.2)
