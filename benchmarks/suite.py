@@ -58,8 +58,7 @@ SUITE: tuple[Benchmark, ...] = (
     Benchmark("export", ("--repeats", "10")),
     Benchmark("emulation_scale", ("--scale", "--devices", "300"), module="emulation"),
     Benchmark("process_peak", ("--memory",), module="emulation"),
-    Benchmark("faults", ("--repeats", "1")),
-    Benchmark("bad_inputs"),
+    Benchmark("faults", ("--repeats", "1")),  # runs benchmarks.bad_inputs too (key bad_inputs)
     Benchmark("json_bounds"),
     Benchmark("probe_stability"),
 )
