@@ -183,12 +183,14 @@ def test_malformed_and_unknown_version_messages_are_logged_and_the_session_carri
         dev.stop()
 
 
-def test_control_messages_reach_the_handler_and_the_device_status_is_retained(mosquitto):
+def test_control_messages_reach_the_handler_and_the_device_status_is_retained(fresh_mosquitto):
+    # A broker of its own: a status another test left retained on dev-b's topic would arrive too.
     from device_agent.wire.messages import Status
 
     seen = Inbox()
-    coord = coordinator_session(mosquitto.fleet, mosquitto.address(), on_message=seen.on_message)
-    dev, topics = device_session(mosquitto.fleet, "dev-b", mosquitto.address("dev-b"))
+    broker = fresh_mosquitto
+    coord = coordinator_session(broker.fleet, broker.address(), on_message=seen.on_message)
+    dev, topics = device_session(broker.fleet, "dev-b", broker.address("dev-b"))
     dev.start()
     coord.start()
     try:
