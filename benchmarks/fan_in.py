@@ -46,12 +46,13 @@ _RAW_SUBSCRIBER = "raw-subscriber"
 VARIANTS = ("raw", "fedfleet", "fedfleet_hashing")
 
 
-def _raw_client(address: BrokerAddress, client_id: str) -> mqtt.Client:
-    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=MQTTProtocolVersion.MQTTv5)
+def raw_client(address: BrokerAddress, client_id: str, v5: bool = True) -> mqtt.Client:
+    """A plain paho client (the baseline), tuned as fedfleet's sessions are: in-flight window, no Nagle."""
+    protocol = MQTTProtocolVersion.MQTTv5 if v5 else MQTTProtocolVersion.MQTTv311
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=protocol)
     client.username_pw_set(address.username, address.password)
     client.max_inflight_messages_set(_MAX_INFLIGHT)
     client.connect(address.host, address.port)
-    # fedfleet's sessions set TCP_NODELAY too: the baseline is not slowed by Nagle either.
     client.socket().setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     client.loop_start()
     return client
@@ -72,7 +73,7 @@ def _device(
     session, topics = device_session(_FLEET, device, address, chunk_size=chunk_size, max_inflight=_MAX_INFLIGHT)
     session.start()
     sealed = make_manifest(payload, chunk_size, run="fan-in", kind="update")
-    raw = _raw_client(raw_address, f"raw-{device}")
+    raw = raw_client(raw_address, f"raw-{device}")
     try:
         orders.send("ready")
         while (order := orders.recv()) is not None:
@@ -132,7 +133,7 @@ def measure(devices: int, size: int, chunk_size: int, repeats: int, workdir: Pat
 
     coordinator = coordinator_session(_FLEET, broker.address, on_payload=on_payload, max_inflight=_MAX_INFLIGHT)
     subscribed = threading.Event()
-    raw_sub = _raw_client(broker.address_for(creds[_RAW_SUBSCRIBER]), _RAW_SUBSCRIBER)
+    raw_sub = raw_client(broker.address_for(creds[_RAW_SUBSCRIBER]), _RAW_SUBSCRIBER)
     raw_sub.on_message = lambda _c, _u, msg: raw_in.arrived(len(msg.payload))
     raw_sub.on_subscribe = lambda *_a: subscribed.set()
     raw_sub.subscribe(_raw_topic("+"), qos=1)

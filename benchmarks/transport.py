@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 import threading
@@ -32,7 +31,6 @@ import time
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
 from benchmarks import fan_in
 from coordinator.broker.base import BrokerSettings
@@ -46,21 +44,6 @@ _FLEET = "bench"
 _MAX_INFLIGHT = 100
 
 
-def _raw_client(address: BrokerAddress, name: str, v5: bool) -> mqtt.Client:
-    client = mqtt.Client(
-        CallbackAPIVersion.VERSION2,
-        client_id=f"bench-raw-{name}",
-        protocol=MQTTProtocolVersion.MQTTv5 if v5 else MQTTProtocolVersion.MQTTv311,
-    )
-    client.username_pw_set(address.username, address.password)
-    client.max_inflight_messages_set(_MAX_INFLIGHT)
-    client.connect(address.host, address.port)
-    # The same socket option as fedfleet's sessions, so the baseline is not slowed by Nagle either.
-    client.socket().setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    client.loop_start()
-    return client
-
-
 def raw_seconds(sender: BrokerAddress, receiver: BrokerAddress, topic: str, parts: list[bytes], v5: bool) -> float:
     """Seconds from the first publish until the subscriber has every part (QoS 1 both ways)."""
     remaining = [len(parts)]
@@ -71,11 +54,11 @@ def raw_seconds(sender: BrokerAddress, receiver: BrokerAddress, topic: str, part
         if remaining[0] == 0:
             finished.set()
 
-    sub = _raw_client(receiver, "sub", v5)
+    sub = fan_in.raw_client(receiver, "bench-raw-sub", v5)
     sub.on_message = on_message
     sub.on_subscribe = lambda *_a: subscribed.set()
     sub.subscribe(topic, qos=1)
-    pub = _raw_client(sender, "pub", v5)
+    pub = fan_in.raw_client(sender, "bench-raw-pub", v5)
     try:
         if not subscribed.wait(10):
             raise RuntimeError("raw subscriber never subscribed")

@@ -9,20 +9,23 @@ from device_agent.probe import DeviceProfile
 GIB = 1024**3
 
 
+# The fields as they travel in a hello (what the fuzz tests start from and mutate).
+REPORTED_FIELDS: dict[str, Any] = {
+    "hostname": "pi",
+    "platform": "Linux",
+    "machine": "aarch64",
+    "python": "3.11",
+    "torch": "2.13",
+    "cpu_count": 4,
+    "memory_total_bytes": 4 * GIB,
+    "memory_available_bytes": 2 * GIB,
+    "accelerator": "cpu",
+    "accelerator_name": None,
+    "accelerator_memory_bytes": None,
+    "matmul_gflops": 5.0,
+}
+
+
 def reported_profile(**changes: Any) -> DeviceProfile:
     """A device's self-report; ``changes`` override fields (e.g. ``matmul_gflops=4.8``)."""
-    fields: dict[str, Any] = {
-        "hostname": "pi",
-        "platform": "Linux",
-        "machine": "aarch64",
-        "python": "3.11",
-        "torch": "2.13",
-        "cpu_count": 4,
-        "memory_total_bytes": 4 * GIB,
-        "memory_available_bytes": 2 * GIB,
-        "accelerator": "cpu",
-        "accelerator_name": None,
-        "accelerator_memory_bytes": None,
-        "matmul_gflops": 5.0,
-    }
-    return DeviceProfile(**(fields | changes))
+    return DeviceProfile(**(REPORTED_FIELDS | changes))

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from coordinator.fleet import load_fleet
 from coordinator.planner import plan_fleet
 from device_agent.wire.messages import Hello, ProtocolError, parse_message
+from tests.device_profiles import REPORTED_FIELDS
 
 FUZZ = settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow])
 FLEET = """
@@ -25,20 +26,6 @@ devices:
   - {id: pi-1, profile: reported}
   - {id: pi-2, profile: raspberry-pi-5}
 """
-PROFILE = {
-    "hostname": "pi",
-    "platform": "Linux",
-    "machine": "aarch64",
-    "python": "3.11",
-    "torch": "2.13",
-    "cpu_count": 4,
-    "memory_total_bytes": 4 << 30,
-    "memory_available_bytes": 2 << 30,
-    "accelerator": "cpu",
-    "accelerator_name": None,
-    "accelerator_memory_bytes": None,
-    "matmul_gflops": 5.0,
-}
 extremes = st.sampled_from([5e-324, 1e-300, 1e-3, 1.0, 1e300, math.inf, 0.0, -1.0]) | st.floats(allow_nan=False)
 
 
@@ -49,7 +36,7 @@ def fleet(tmp_path_factory):
     fleet, catalog = load_fleet(path)
     # Trace the model at every level once (seconds on a loaded machine), outside the examples' deadline.
     warm = parse_message(
-        json.dumps({"v": 3, "type": "hello", "device": "pi-1", "agent_version": "0.2", "profile": PROFILE})
+        json.dumps({"v": 3, "type": "hello", "device": "pi-1", "agent_version": "0.2", "profile": REPORTED_FIELDS})
     )
     plan_fleet(fleet, catalog, {"pi-1": warm.profile})
     return fleet, catalog
@@ -73,7 +60,7 @@ def fleet(tmp_path_factory):
     "pi-2",
 )
 def test_any_reported_profile_is_planned_or_refused_by_the_parser(fleet, compute, network, memory, device):
-    profile = {**PROFILE, "memory_total_bytes": memory, "memory_available_bytes": 0}
+    profile = {**REPORTED_FIELDS, "memory_total_bytes": memory, "memory_available_bytes": 0}
     hello = {"v": 3, "type": "hello", "device": device, "agent_version": "0.2", "profile": profile}
     hello["profile"] |= {"compute": compute, "network": network}
     try:

@@ -12,26 +12,13 @@ from hypothesis import strategies as st
 from device_agent.probe import DeviceProfile
 from device_agent.wire.messages import Hello, ProtocolError, parse_message
 from profiles.catalog import profile_from_report
+from tests.device_profiles import REPORTED_FIELDS
 
 FUZZ = settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
 anything = (
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8) | st.lists(st.integers(), max_size=2)
 )
 sizes = st.integers(-(2**70), 2**70) | st.sampled_from([0, 1, 2**30, "4 GiB", "lots"]) | anything
-GOOD = {
-    "hostname": "pi",
-    "platform": "Linux",
-    "machine": "aarch64",
-    "python": "3.11",
-    "torch": "2.13",
-    "cpu_count": 4,
-    "memory_total_bytes": 4 << 30,
-    "memory_available_bytes": 2 << 30,
-    "accelerator": "cpu",
-    "accelerator_name": None,
-    "accelerator_memory_bytes": None,
-    "matmul_gflops": 5.0,
-}
 FLAT = ["cpu_count", "memory_total_bytes", "memory_available_bytes", "accelerator_memory_bytes", "matmul_gflops"]
 
 
@@ -40,13 +27,13 @@ def _hello(profile: dict) -> bytes:
 
 
 @FUZZ
-@given(st.dictionaries(st.sampled_from(FLAT), sizes), st.sets(st.sampled_from(list(GOOD)), max_size=3))
+@given(st.dictionaries(st.sampled_from(FLAT), sizes), st.sets(st.sampled_from(list(REPORTED_FIELDS)), max_size=3))
 @example({"memory_total_bytes": "x"}, set())  # was a TypeError in the validator deriving memory
 @example({}, {"memory_available_bytes"})  # was a KeyError
 @example({"memory_total_bytes": [1]}, set())
 @example({"memory_available_bytes": 2**70}, set())
 def test_hello_profiles_parse_or_raise_protocol_error(changes, dropped):
-    profile = {k: v for k, v in {**GOOD, **changes}.items() if k not in dropped}
+    profile = {k: v for k, v in {**REPORTED_FIELDS, **changes}.items() if k not in dropped}
     try:
         hello = parse_message(_hello(profile))
     except ProtocolError as exc:
