@@ -24,6 +24,7 @@ from amqtt.plugins.base import BaseAuthPlugin, BaseTopicPlugin
 
 from coordinator.broker.base import (
     BrokerError,
+    BrokerProcess,
     BrokerSettings,
     check_port_free,
     child_options,
@@ -118,7 +119,7 @@ def amqtt_config(settings: BrokerSettings, port: int, password_file: Path) -> di
     }
 
 
-class AmqttBroker:
+class AmqttBroker(BrokerProcess):
     """Same interface as ``MosquittoBroker``; the broker runs in a child Python process."""
 
     protocol = "3.1.1"  # amqtt 0.12 refuses MQTT 5 CONNECTs
@@ -137,15 +138,6 @@ class AmqttBroker:
 
     def address_for(self, credentials: Credentials) -> BrokerAddress:
         return BrokerAddress(self.settings.host, self.port, credentials.username, credentials.password)
-
-    @property
-    def process(self) -> subprocess.Popen[bytes] | None:
-        """The broker's process while we run it (for the supervisor)."""
-        return self._process
-
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
 
     def start(self, timeout: float = 20.0) -> None:
         if self.running:

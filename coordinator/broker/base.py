@@ -51,6 +51,21 @@ class BrokerSettings:
         return self.credentials[COORDINATOR_USER]
 
 
+class BrokerProcess:
+    """What the brokers fedfleet runs as a child process share: that process, for the supervisor."""
+
+    _process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        """The broker's process while we run it (for the supervisor)."""
+        return self._process
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+
 class ManagedBroker(Protocol):
     address: BrokerAddress
     # The MQTT version clients must speak to it ("5" or "3.1.1"): amqtt knows only 3.1.1.

@@ -13,7 +13,14 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from coordinator.broker.base import BrokerError, check_port_free, child_options, terminate, wait_until_healthy
+from coordinator.broker.base import (
+    BrokerError,
+    BrokerProcess,
+    check_port_free,
+    child_options,
+    terminate,
+    wait_until_healthy,
+)
 from coordinator.broker.credentials import Credentials
 from coordinator.broker.mosquitto import _broker_owner, find_mosquitto
 from coordinator.broker.scratch import scratch_dir
@@ -22,7 +29,7 @@ from device_agent.wire.session import BrokerAddress
 log = logging.getLogger("fedfleet.broker")
 
 
-class KitBroker:
+class KitBroker(BrokerProcess):
     """``mosquitto -c CONFIG``; ``address`` is the coordinator's login (TLS files included)."""
 
     protocol = "5"
@@ -39,15 +46,6 @@ class KitBroker:
 
     def address_for(self, credentials: Credentials) -> BrokerAddress:
         return self.address.with_login(credentials.username, credentials.password)
-
-    @property
-    def process(self) -> subprocess.Popen[bytes] | None:
-        """The broker's process while we run it (for the supervisor)."""
-        return self._process
-
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
 
     def start(self, timeout: float = 10.0) -> None:
         for host, port in listeners(self.config_file.read_text()):

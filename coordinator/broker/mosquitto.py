@@ -16,6 +16,7 @@ from pathlib import Path
 
 from coordinator.broker.base import (
     BrokerError,
+    BrokerProcess,
     BrokerSettings,
     check_port_free,
     child_options,
@@ -90,7 +91,7 @@ def limits_and_persistence(settings: BrokerSettings, data_dir: Path) -> list[str
     ]
 
 
-class MosquittoBroker:
+class MosquittoBroker(BrokerProcess):
     """``start()`` writes the files and launches mosquitto, ``stop()`` ends it; restartable on the same port."""
 
     protocol = "5"
@@ -145,15 +146,6 @@ class MosquittoBroker:
             self.stop()
             raise BrokerError(f"{exc}; see {self.log_file}:\n{self._log_tail()}") from None
         log.info("mosquitto (pid %d) listening on %s", self._process.pid, self.address.url)
-
-    @property
-    def process(self) -> subprocess.Popen[bytes] | None:
-        """The broker's process while we run it (for the supervisor)."""
-        return self._process
-
-    @property
-    def running(self) -> bool:
-        return self._process is not None and self._process.poll() is None
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM (mosquitto saves its persistence), then SIGKILL if it lingers."""
