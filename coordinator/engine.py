@@ -190,9 +190,9 @@ class EngineSettings:
     calibration_samples: int = 1024
     gate: GateSettings = field(default_factory=GateSettings)
     resend_after_s: float = 5.0
+    """An assignment is sent again to a participant that says it is idle at least this long after the last one."""
     rejected_grace_s: float = 10.0
     """How long a refused participant may still send a valid update before the round stops waiting for it."""
-    """An assignment is sent again to a participant that says it is idle at least this long after the last one."""
 
 
 class RoundEngine:
@@ -238,6 +238,9 @@ class RoundEngine:
         self.gate = UploadGate(settings.gate)
         # device -> (payload, its manifest, the assignment, when it was last sent), for re-sending it.
         self._assigned: dict[str, tuple[bytes, Manifest, Assignment, float]] = {}
+        # device -> when a deferred re-send falls due: it said idle too soon after its assignment to tell
+        # a lost assignment from one still on its way, and may not say idle again before the round closes.
+        self._resend_due: dict[str, float] = {}
         resume = rundir.resume()
         self.strategy.load_state_dict(resume.state)
         self.next_round = resume.next_round
@@ -336,6 +339,7 @@ class RoundEngine:
         aggregate = self.strategy.open_round(round_, slots)
         self.gate.open_round()
         self._assigned.clear()
+        self._resend_due.clear()
         deadline = started + self.fleet.round_deadline_s
         self.open = OpenRound(
             round_, {d: Participant(level) for d, level in participants}, aggregate, deadline, started
@@ -350,6 +354,7 @@ class RoundEngine:
         self.open.phases.update(plan=planned - started, push=pushed - planned)
         while not self.stopping.is_set():
             self._pump(self.open.deadline, progress)
+            self._resend_due_assignments()
             if self.open.answered(self.devices, time.monotonic() - self.settings.rejected_grace_s):
                 break
             if time.monotonic() >= self.open.deadline:
@@ -588,6 +593,8 @@ class RoundEngine:
             self._set_online(state, message.state != "offline", f"{message.state} {printable(message.detail)}".strip())
             if message.state in ("idle", "online"):
                 self._resend_assignment(device)
+            else:
+                self._resend_due.pop(device, None)
         elif isinstance(message, RoundFailed):
             self._on_failed(device, message)
         elif isinstance(message, Error) and message.code == INCOMPATIBLE:
@@ -621,7 +628,11 @@ class RoundEngine:
             return
         payload, manifest, assignment, at = sent
         now = time.monotonic()
-        if now - at < self.settings.resend_after_s or now >= open_.deadline or self.link.payload_in_flight(device):
+        if now - at < self.settings.resend_after_s:
+            self._resend_due[device] = at + self.settings.resend_after_s
+            return
+        self._resend_due.pop(device, None)
+        if now >= open_.deadline or self.link.payload_in_flight(device):
             return  # a slow download still under way: the device is idle until its assignment message follows
         transfer = self.link.send_payload(device, payload, manifest)
         again = assignment.model_copy(update={"download": transfer, "deadline_s": max(1.0, open_.deadline - now)})
@@ -630,6 +641,11 @@ class RoundEngine:
         if participant.status == "rejected":  # expected to answer again: the refusal grace no longer applies
             participant.status, participant.retried = "assigned", True
         log.info("round %d: %s is idle without an update; its assignment was sent again", open_.round, device)
+
+    def _resend_due_assignments(self) -> None:
+        now = time.monotonic()
+        for device in [d for d, due in self._resend_due.items() if due <= now]:
+            self._resend_assignment(device)
 
     @staticmethod
     def _set_online(state: DeviceState, online: bool, why: str) -> None:

@@ -41,6 +41,26 @@ class LossyLink(InProcessLink):
         super().send_control(device, message)
 
 
+class EarlyIdleLink(InProcessLink):
+    """Loses ``b``'s first assignment, and ``b`` says idle once, too soon after it to tell a lost one from a slow one.
+
+    A device whose login another connection took over reconnects and says idle within a second; its next
+    heartbeat may come after the round closed.
+    """
+
+    def __init__(self, devices: list[LocalDevice]) -> None:
+        super().__init__(devices)
+        self.assignments: list[str] = []
+
+    def send_control(self, device: str, message: Message) -> None:
+        if isinstance(message, Assignment):
+            self.assignments.append(device)
+            if device == "b" and self.assignments.count("b") == 1:
+                threading.Timer(0.05, lambda: self._to_engine("b", Status(device="b", state="idle"))).start()
+                return
+        super().send_control(device, message)
+
+
 class RefusedOnceLink(InProcessLink):
     """Device ``b``'s first upload is corrupted on the way (NaN); ``b`` then reports idle, as an agent does."""
 
@@ -69,7 +89,9 @@ class RefusedOnceLink(InProcessLink):
         super().start(on_message, intercept)
 
 
-def run_round(tmp_path: Path, link_type: type[InProcessLink]) -> tuple[RoundEngine, InProcessLink]:
+def run_round(
+    tmp_path: Path, link_type: type[InProcessLink], resend_after_s: float = 0.2
+) -> tuple[RoundEngine, InProcessLink]:
     """One FedAvg round of devices a and b on digits, with a 20 s deadline."""
     data = load_dataset("digits", 8, 1)
     split = PartitionSpec("iid", 2, seed=0)
@@ -91,7 +113,7 @@ def run_round(tmp_path: Path, link_type: type[InProcessLink]) -> tuple[RoundEngi
         RunDir.create(tmp_path / "run", fleet_file, strategy.state_dict(), seed=0),
         LabeledData(calibration, calibration.new_zeros(128), data.test_x, data.test_y, 10),
         link,
-        EngineSettings(min_devices=2, wait_timeout_s=30, resend_after_s=0.2),
+        EngineSettings(min_devices=2, wait_timeout_s=30, resend_after_s=resend_after_s),
         planner=fixed_levels({"a": 1.0, "b": 1.0}),
     )
     assert engine.run()
@@ -100,6 +122,12 @@ def run_round(tmp_path: Path, link_type: type[InProcessLink]) -> tuple[RoundEngi
 
 def test_a_device_idle_mid_round_gets_its_assignment_again_and_is_accepted(tmp_path: Path) -> None:
     engine, link = run_round(tmp_path, LossyLink)
+    assert sorted(link.assignments) == ["a", "b", "b"]
+    assert {d: m.status for d, m in engine.last.devices.items()} == {"a": "accepted", "b": "accepted"}
+
+
+def test_an_idle_report_too_soon_after_the_assignment_still_gets_it_sent_again_once_due(tmp_path: Path) -> None:
+    engine, link = run_round(tmp_path, EarlyIdleLink, resend_after_s=1.0)
     assert sorted(link.assignments) == ["a", "b", "b"]
     assert {d: m.status for d, m in engine.last.devices.items()} == {"a": "accepted", "b": "accepted"}
 
