@@ -2,7 +2,7 @@
 
 Each device is its own process (as on a real fleet, no GIL shared with the coordinator) holding a
 device session and a plain paho client on the same mosquitto. On each signal every device uploads
-its update at once, in one of three ways:
+its update at once, in one of four ways:
 
 - ``raw``: plain paho publishes the same bytes as the same chunks at QoS 1 to a plain paho
   subscriber; the clock stops when that subscriber has every chunk of every device. These clients
@@ -12,7 +12,13 @@ its update at once, in one of three ways:
   coordinator's ingest and no sender-side hashing; the clock stops when the coordinator session's
   payload handler holds every device's joined, verified bytes;
 - ``fedfleet_hashing``: the same, with each device hashing its chunks as it sends them (what
-  ``Session.send`` does without a manifest).
+  ``Session.send`` does without a manifest);
+- ``raw_hashing``: ``raw`` whose subscriber takes the sha256 of every chunk as it arrives: the
+  ceiling of any receiver that checks every byte, so ``hash_bound_ratio`` (raw_hashing / raw) says
+  how much of the gap to raw the digest alone costs on this machine.
+
+The coordinator process keeps freed buffers for reuse, as ``coordinator start`` does
+(``coordinator.allocator``); the raw subscriber lives in that process too.
 
 Each repeat runs the three back to back; ratios are the medians of the per-repeat ratios, so load
 from other jobs on a shared machine hits both sides of a ratio alike.
@@ -20,6 +26,7 @@ from other jobs on a shared machine hits both sides of a ratio alike.
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 import os
 import socket
@@ -32,6 +39,7 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
+from coordinator.allocator import keep_freed_buffers
 from coordinator.broker.base import BrokerSettings
 from coordinator.broker.credentials import generate_credentials
 from coordinator.broker.factory import make_broker
@@ -43,7 +51,7 @@ _FLEET = "fanin"
 _MAX_INFLIGHT = 100
 _TIMEOUT_S = 300.0
 _RAW_SUBSCRIBER = "raw-subscriber"
-VARIANTS = ("raw", "fedfleet", "fedfleet_hashing")
+VARIANTS = ("raw", "raw_hashing", "fedfleet", "fedfleet_hashing")
 
 
 def raw_client(address: BrokerAddress, client_id: str, v5: bool = True) -> mqtt.Client:
@@ -77,7 +85,7 @@ def _device(
     try:
         orders.send("ready")
         while (order := orders.recv()) is not None:
-            if order == "raw":
+            if order.startswith("raw"):
                 infos = [raw.publish(_raw_topic(device), part, qos=1) for part in parts]
                 for info in infos:
                     info.wait_for_publish(_TIMEOUT_S)
@@ -115,7 +123,11 @@ class _Arrivals:
 
 
 def measure(devices: int, size: int, chunk_size: int, repeats: int, workdir: Path) -> dict[str, float]:
-    """MB/s into the coordinator side per variant (medians); ``ratio`` and ``hashing_ratio`` to raw."""
+    """MB/s into the coordinator side per variant (medians) and the ratios of each to ``raw``.
+
+    ``ratio``, ``hashing_ratio`` and ``hash_bound_ratio``: fedfleet, fedfleet_hashing and raw_hashing
+    to raw; ``vs_hash_bound``: fedfleet to raw_hashing.
+    """
     names = [f"dev{i}" for i in range(devices)]
     # The raw baseline has logins of its own: the broker binds a client id to its login, so a raw client
     # sharing the coordinator's or a device's login would take over (disconnect) that session.
@@ -127,6 +139,13 @@ def measure(devices: int, size: int, chunk_size: int, repeats: int, workdir: Pat
     broker.start()
     chunks = -(-size // chunk_size)
     raw_in, ours_in = _Arrivals(), _Arrivals()
+    hash_raw = threading.Event()
+    keep_freed_buffers()
+
+    def on_raw(_client: mqtt.Client, _userdata: object, msg: mqtt.MQTTMessage) -> None:
+        if hash_raw.is_set():
+            hashlib.sha256(msg.payload).digest()
+        raw_in.arrived(len(msg.payload))
 
     def on_payload(_topic: str, completed: Completed) -> None:
         ours_in.arrived(len(completed.data))  # the join the engine does, on the same thread
@@ -134,7 +153,7 @@ def measure(devices: int, size: int, chunk_size: int, repeats: int, workdir: Pat
     coordinator = coordinator_session(_FLEET, broker.address, on_payload=on_payload, max_inflight=_MAX_INFLIGHT)
     subscribed = threading.Event()
     raw_sub = raw_client(broker.address_for(creds[_RAW_SUBSCRIBER]), _RAW_SUBSCRIBER)
-    raw_sub.on_message = lambda _c, _u, msg: raw_in.arrived(len(msg.payload))
+    raw_sub.on_message = on_raw
     raw_sub.on_subscribe = lambda *_a: subscribed.set()
     raw_sub.subscribe(_raw_topic("+"), qos=1)
     spawn = multiprocessing.get_context("spawn")
@@ -157,8 +176,13 @@ def measure(devices: int, size: int, chunk_size: int, repeats: int, workdir: Pat
             raise RuntimeError("raw subscriber never subscribed")
         for _ in range(repeats):
             for variant in VARIANTS:
-                arrivals, count = (raw_in, devices * chunks) if variant == "raw" else (ours_in, devices)
+                raw = variant.startswith("raw")
+                arrivals, count = (raw_in, devices * chunks) if raw else (ours_in, devices)
                 arrivals.expect(count)
+                if variant == "raw_hashing":
+                    hash_raw.set()
+                else:
+                    hash_raw.clear()
                 start = time.perf_counter()
                 for parent, _child in links:
                     parent.send(variant)
@@ -184,8 +208,14 @@ def measure(devices: int, size: int, chunk_size: int, repeats: int, workdir: Pat
     result = {
         f"{variant}_mbps": devices * size / statistics.median(values) / 1e6 for variant, values in seconds.items()
     }
-    for variant, key in (("fedfleet", "ratio"), ("fedfleet_hashing", "hashing_ratio")):
-        result[key] = statistics.median(raw / ours for raw, ours in zip(seconds["raw"], seconds[variant], strict=True))
+    pairs = {
+        "ratio": ("raw", "fedfleet"),
+        "hashing_ratio": ("raw", "fedfleet_hashing"),
+        "hash_bound_ratio": ("raw", "raw_hashing"),
+        "vs_hash_bound": ("raw_hashing", "fedfleet"),
+    }
+    for key, (base, other) in pairs.items():
+        result[key] = statistics.median(b / o for b, o in zip(seconds[base], seconds[other], strict=True))
     return result
 
 

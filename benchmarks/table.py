@@ -18,6 +18,8 @@ HEADLINES: dict[str, tuple[str, ...]] = {
     "transport": (
         "fan_in_ratio",
         "fan_in_hashing_ratio",
+        "fan_in_hash_bound_ratio",
+        "fan_in_vs_hash_bound",
         "fan_in_fedfleet_mbps",
         "fan_in_raw_mbps",
         "mosquitto_ratio",

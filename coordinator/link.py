@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from coordinator.allocator import keep_freed_buffers
 from device_agent.wire.guard import InboundGuard, InboundLimits
 from device_agent.wire.messages import Manifest, Message
 from device_agent.wire.session import BrokerAddress, Delivery, Session, coordinator_session
@@ -103,6 +104,7 @@ class MqttLink:
         on_refused: RefusalHandler = _ignore_refusal,
         timeout: float = 30.0,
     ) -> None:
+        keep_freed_buffers()  # uploads reuse the memory earlier uploads freed (see coordinator.allocator)
         self.session = coordinator_session(
             self.fleet,
             self.broker,

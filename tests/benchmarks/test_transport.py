@@ -12,7 +12,8 @@ def test_benchmark_prints_one_json_object_with_ratios_and_throughputs(capsys):
     fan_in = ["--devices", "2", "--fan-in-mib", "1", "--fan-in-repeats", "1"]
     assert main(["--size-mib", "2", "--repeats", "1", *fan_in, "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    for key in ("mosquitto_ratio", "amqtt_ratio", "mosquitto_vs_single", "fan_in_ratio", "fan_in_hashing_ratio"):
+    ratios = ("fan_in_ratio", "fan_in_hashing_ratio", "fan_in_hash_bound_ratio", "fan_in_vs_hash_bound")
+    for key in ("mosquitto_ratio", "amqtt_ratio", "mosquitto_vs_single", *ratios):
         assert result[key] > 0
     for key in (
         "mosquitto_fedfleet_mbps",
@@ -22,6 +23,7 @@ def test_benchmark_prints_one_json_object_with_ratios_and_throughputs(capsys):
         "amqtt_fedfleet_mbps",
         "amqtt_raw_chunks_mbps",
         "fan_in_raw_mbps",
+        "fan_in_raw_hashing_mbps",
         "fan_in_fedfleet_mbps",
         "fan_in_fedfleet_hashing_mbps",
     ):
