@@ -142,7 +142,12 @@ def fleet_factory(tmp_path: Path) -> Iterator:
 
 
 def _send_garbage(fleet: Fleet, device: str, run: str, round_: int) -> list[Message]:
-    """Upload bytes that are not safetensors as ``device`` (its login, another client id); return the answers."""
+    """Upload bytes that are not safetensors as ``device``; return the answers.
+
+    With the device's login: the broker binds client ids to logins, so this connection takes over the
+    real agent's for a moment, as a stolen password would. The agent reconnects and says idle, and the
+    engine sends it its assignment again once that is due.
+    """
     answers: list[Message] = []
     topics = DeviceTopics(FLEET, device)
     address = fleet.broker.address_for(fleet.credentials[device])
