@@ -23,8 +23,6 @@ from typing import Any
 
 from benchmarks import table
 from benchmarks.machine import describe
-from coordinator.strategies import STRATEGIES
-from coordinator.strategies.fedlora import FineTune
 
 
 @dataclass(frozen=True)
@@ -44,17 +42,13 @@ class Benchmark:
         return ["python", "-m", module, "--json", *self.args, *(self.cuda_args if cuda else ())]
 
 
-# ``compare --scenario all`` would also run the fine-tuning strategies (FedLoRA & co.), which need a
-# pre-trained ViT and fail on the digits CNN; they have their own scenario (``--scenario fedlora``).
-_DIGITS_STRATEGIES = [name for name, cls in STRATEGIES.items() if not issubclass(cls, FineTune)]
-
 # Add a benchmark here and it is run, recorded and shown in the README's table.
 SUITE: tuple[Benchmark, ...] = (
     Benchmark("refactorize", ("--repeats", "1")),
     Benchmark("transport", ("--size-mib", "16", "--repeats", "5", "--devices", "8", "--fan-in-mib", "4")),
     Benchmark("costmodel"),
     Benchmark("emulation", ("--demo-rounds", "1")),
-    Benchmark("compare", ("--scenario", "all", "--rounds", "3", "--strategies", ",".join(_DIGITS_STRATEGIES))),
+    Benchmark("compare", ("--scenario", "all", "--rounds", "3")),
     Benchmark("export", ("--repeats", "10")),
     Benchmark("emulation_scale", ("--scale", "--devices", "300"), module="emulation"),
     Benchmark("process_peak", ("--memory",), module="emulation"),

@@ -10,12 +10,15 @@ from __future__ import annotations
 import html
 import io
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
@@ -27,6 +30,9 @@ from export.records import TABLE_HEADER, read_exports, table_rows
 REPORT_FILE = "report.html"
 PLOTS_DIR = "plots"
 _MIB = 2**20
+DETAIL_DEVICES = 40
+"""Up to this many devices the per-device plots give each device a labelled row; beyond it they draw a
+fleet map (rank) or a bar per class (training time), whose cost does not grow with the fleet."""
 
 
 class ReportError(Exception):
@@ -109,30 +115,71 @@ def plot_bytes_per_class(rounds: list[RoundMetrics]) -> Figure:
     return figure
 
 
-def plot_rank_assignment(rounds: list[RoundMetrics]) -> Figure:
-    devices = _device_order(rounds)
-    numbers = [row.round for row in rounds]
-    figure = Figure(figsize=(7, 1.6 + 0.28 * len(devices)), layout="constrained")
-    axes = figure.add_subplot()
-    ratios = sorted({d.ratio for row in rounds for d in row.devices.values()}, reverse=True)
-    colors = {ratio: f"C{index % 10}" for index, ratio in enumerate(ratios)}
+def _rows_height(devices: int) -> float:
+    """Figure height for one row per device, capped at :data:`DETAIL_DEVICES` rows' worth."""
+    return 1.6 + 0.28 * min(devices, DETAIL_DEVICES)
+
+
+def _rank_markers(
+    axes: Axes, rounds: list[RoundMetrics], devices: list[tuple[str, str]], colors: dict[float, str]
+) -> None:
+    """A marker per device and round, one collection per (ratio, accepted) pair."""
+    points: dict[tuple[float, bool], tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
     for y, (name, _) in enumerate(devices):
         for row in rounds:
             device = row.devices.get(name)
-            if device is None:
-                continue
-            marker = "s" if device.status == "accepted" else "x"
-            axes.scatter(row.round, y, s=60, marker=marker, color=colors[device.ratio])
+            if device is not None:
+                xs, ys = points[device.ratio, device.status == "accepted"]
+                xs.append(row.round)
+                ys.append(y)
+    for (ratio, accepted), (xs, ys) in points.items():
+        axes.scatter(xs, ys, s=60, marker="s" if accepted else "x", color=colors[ratio])
+    numbers = [row.round for row in rounds]
+    axes.set_xticks(numbers if len(numbers) <= 30 else numbers[:: math.ceil(len(numbers) / 30)])
+    axes.set_yticks(range(len(devices)), [f"{name} ({cls})" for name, cls in devices], size=8)
+    axes.set_ylim(len(devices) - 0.3, -0.7)
+
+
+def _rank_map(axes: Axes, rounds: list[RoundMetrics], devices: list[tuple[str, str]], colors: dict[float, str]) -> None:
+    """One image, a pixel row per device grouped by class: the drawing cost does not grow with the fleet."""
+    rgba = {ratio: np.array(to_rgba(color)) for ratio, color in colors.items()}
+    pale = {ratio: color * [0.35, 0.35, 0.35, 1] + [0.65, 0.65, 0.65, 0] for ratio, color in rgba.items()}
+    image = np.zeros((len(devices), len(rounds), 4))
+    index = {name: y for y, (name, _) in enumerate(devices)}
+    for x, row in enumerate(rounds):
+        for name, device in row.devices.items():
+            image[index[name], x] = (rgba if device.status == "accepted" else pale)[device.ratio]
+    axes.imshow(image, aspect="auto", interpolation="nearest", extent=(-0.5, len(rounds) - 0.5, len(devices), 0))
+    ticks = range(0, len(rounds), math.ceil(len(rounds) / 30))
+    axes.set_xticks(list(ticks), [str(rounds[x].round) for x in ticks])
+    classes = Counter(cls for _, cls in devices)
+    edges = np.cumsum([classes[cls] for cls in sorted(classes)])
+    axes.hlines(edges[:-1], -0.5, len(rounds) - 0.5, color="black", linewidth=0.8)
+    axes.set_yticks(edges - np.array([classes[cls] for cls in sorted(classes)]) / 2)
+    axes.set_yticklabels([f"{cls} ({classes[cls]})" for cls in sorted(classes)], size=8)
+
+
+def plot_rank_assignment(rounds: list[RoundMetrics]) -> Figure:
+    """Each device's ratio in each round: labelled rows for a small fleet, a map grouped by class beyond."""
+    devices = _device_order(rounds)
+    figure = Figure(figsize=(7, _rows_height(len(devices))), layout="constrained")
+    axes = figure.add_subplot()
+    ratios = sorted({d.ratio for row in rounds for d in row.devices.values()}, reverse=True)
+    colors = {ratio: f"C{index % 10}" for index, ratio in enumerate(ratios)}
     handles = [
         Line2D([], [], marker="s", linestyle="", color=colors[ratio], label=rf"$\gamma$ = {_ratio(ratio)}")
         for ratio in ratios
     ]
-    handles.append(Line2D([], [], marker="x", linestyle="", color="grey", label="not accepted"))
+    if len(devices) <= DETAIL_DEVICES:
+        _rank_markers(axes, rounds, devices, colors)
+        handles.append(Line2D([], [], marker="x", linestyle="", color="grey", label="not accepted"))
+    else:
+        _rank_map(axes, rounds, devices, colors)
+        handles.append(Line2D([], [], marker="s", linestyle="", color="0.8", label="not accepted (pale)"))
+        handles.append(Line2D([], [], marker="s", linestyle="", color="black", fillstyle="none", label="not selected"))
+        axes.set_ylabel(f"{len(devices)} devices, by class")
     figure.legend(handles=handles, loc="outside right upper")
-    axes.set_yticks(range(len(devices)), [f"{name} ({cls})" for name, cls in devices], size=8)
-    axes.set_xticks(numbers if len(numbers) <= 30 else numbers[:: math.ceil(len(numbers) / 30)])
-    axes.set(xlabel="round", title="Rank ratio assigned to each device", ylim=(-0.7, len(devices) - 0.3))
-    axes.invert_yaxis()
+    axes.set(xlabel="round", title="Rank ratio assigned to each device")
     axes.grid(alpha=0.2)
     return figure
 
@@ -157,24 +204,63 @@ def plot_time_breakdown(rounds: list[RoundMetrics]) -> Figure:
     return figure
 
 
+def _mean_times(rounds: list[RoundMetrics], name: str) -> tuple[float, float | None] | None:
+    """A device's mean training and host seconds over its accepted rounds; None if it has none."""
+    accepted = [row.devices[name] for row in rounds if name in row.devices]
+    train = [d.train_seconds for d in accepted if d.status == "accepted" and d.train_seconds is not None]
+    if not train:
+        return None
+    hosts = [d.host_seconds for d in accepted if d.status == "accepted" and d.host_seconds is not None]
+    return math.fsum(train) / len(train), math.fsum(hosts) / len(hosts) if hosts else None
+
+
+def _bar_rows(devices: list[tuple[str, str]], detailed: bool) -> list[tuple[str, list[str]]]:
+    """(label, devices) per bar: each device alone, or each class with its devices."""
+    if detailed:
+        return [(f"{name} ({cls})", [name]) for name, cls in devices]
+    members: dict[str, list[str]] = defaultdict(list)
+    for name, cls in devices:
+        members[cls].append(name)
+    return [(f"{cls} ({len(names)})", names) for cls, names in members.items()]
+
+
 def plot_training_time(rounds: list[RoundMetrics]) -> Figure:
-    """Mean training seconds per device as the device spends them; for an emulated device, the host's part too."""
+    """Mean training seconds per device as the device spends them; for an emulated device, the host's part too.
+
+    Beyond :data:`DETAIL_DEVICES` devices, one bar per class (the mean of its devices, whiskers from
+    the fastest to the slowest); the Devices table keeps each device's figure.
+    """
     devices = _device_order(rounds)
-    figure = Figure(figsize=(7, 1.6 + 0.28 * len(devices)), layout="constrained")
+    detailed = len(devices) <= DETAIL_DEVICES
+    rows = _bar_rows(devices, detailed)
+    figure = Figure(figsize=(7, _rows_height(len(rows))), layout="constrained")
     axes = figure.add_subplot()
-    for y, (name, _) in enumerate(devices):
-        accepted = [row.devices[name] for row in rounds if name in row.devices]
-        accepted = [d for d in accepted if d.status == "accepted" and d.train_seconds is not None]
-        if not accepted:
+    ys, means, spread, host_ys, host_means = [], [], [], [], []
+    for y, (_, names) in enumerate(rows):
+        times = [t for t in (_mean_times(rounds, name) for name in names) if t is not None]
+        if not times:
             continue
-        axes.barh(y, math.fsum(d.train_seconds or 0.0 for d in accepted) / len(accepted), color="C0")
-        hosts = [d.host_seconds for d in accepted if d.host_seconds is not None]
+        train = [t for t, _ in times]
+        ys.append(y)
+        means.append(math.fsum(train) / len(train))
+        spread.append((means[-1] - min(train), max(train) - means[-1]))
+        hosts = [h for _, h in times if h is not None]
         if hosts:
-            axes.barh(y, math.fsum(hosts) / len(hosts), height=0.35, color="C1")
+            host_ys.append(y)
+            host_means.append(math.fsum(hosts) / len(hosts))
+    whiskers = None if detailed or not spread else np.array(spread).T
+    axes.barh(ys, means, xerr=whiskers, color="C0", capsize=3)
+    axes.barh(host_ys, host_means, height=0.35, color="C1")
     handles = [Line2D([], [], color="C0", lw=8, label="device time"), Line2D([], [], color="C1", lw=4, label="host")]
     figure.legend(handles=handles, loc="outside right upper")
-    axes.set_yticks(range(len(devices)), [f"{name} ({cls})" for name, cls in devices], size=8)
-    axes.set(xlabel="seconds per round (mean of accepted rounds)", title="Local training time per device")
+    axes.set_yticks(range(len(rows)), [label for label, _ in rows], size=8)
+    if detailed:
+        axes.set(xlabel="seconds per round (mean of accepted rounds)", title="Local training time per device")
+    else:
+        axes.set(
+            xlabel="seconds per round (mean of accepted rounds; whiskers: fastest to slowest device)",
+            title=f"Local training time per device class ({len(devices)} devices)",
+        )
     axes.invert_yaxis()
     return figure
 

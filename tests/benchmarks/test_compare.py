@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from benchmarks import compare
 from coordinator.engine import RoundEngine
+from coordinator.strategies import STRATEGIES
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import load_dataset
 
@@ -26,3 +29,26 @@ def test_a_setting_runs_through_the_round_engine(monkeypatch) -> None:
     assert runs == ["fedhm"]
     assert 0 < row["accuracy"] <= 1 and 0 < row["personalized_accuracy"] <= 1
     assert row["upload_bytes_per_round"] > 0
+
+
+def test_all_scenarios_skip_the_fine_tuning_strategies_with_a_note(monkeypatch, capsys) -> None:
+    ran: set[str] = set()
+
+    def run_setting(name, setting, data, rounds, train) -> dict:
+        ran.add(name)
+        return {"accuracy": 0.5, "personalized_accuracy": 0.5, "upload_bytes_per_round": 1.0, "seconds": 0.0}
+
+    monkeypatch.setattr(compare, "run_setting", run_setting)
+    assert compare.main(["--scenario", "all", "--rounds", "1", "--json"]) == 0
+
+    fine_tuning = {"ft", "lora_homogeneous", "fedlora"}
+    assert ran == set(STRATEGIES) - fine_tuning
+    out = capsys.readouterr()
+    assert set(json.loads(out.out)["domains/2-domains"]) == ran
+    assert out.err.startswith("skipped fedlora, lora_homogeneous, ft: fine-tuning strategies start from a pre-trained")
+    assert len(out.err.splitlines()) == 1
+
+
+def test_asking_for_a_fine_tuning_strategy_outside_its_scenario_is_refused(capsys) -> None:
+    assert compare.main(["--scenario", "domains", "--strategies", "fedavg,fedlora"]) == 2
+    assert "--strategies fedlora: fine-tuning strategies start from a pre-trained ViT" in capsys.readouterr().err

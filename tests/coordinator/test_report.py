@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import struct
 from pathlib import Path
 
 import pytest
@@ -12,21 +13,21 @@ import torch
 
 from coordinator.cli import main
 from coordinator.metrics import DeviceRoundMetrics, RoundMetrics
-from coordinator.report import PLOTS, write_report
+from coordinator.report import PLOTS, load_run, plot_rank_assignment, plot_training_time, write_report
 from coordinator.rundir import RunDir
 
 FLEET = {"pi4": (4, 0.125), "orin": (3, 0.5), "laptop": (2, 1.0)}
 PAYLOAD = {0.125: 120_000, 0.5: 410_000, 1.0: 800_000}
 
 
-def synthetic_run(path: Path, rounds: int = 5) -> RunDir:
+def synthetic_run(path: Path, rounds: int = 5, fleet: dict[str, tuple[int, float]] = FLEET) -> RunDir:
     fleet_file = path.parent / "fleet.yaml"
     fleet_file.write_text("fleet: report-test\n")
     rng = random.Random(0)
     rundir = RunDir.create(path, fleet_file, {"w": torch.zeros(3)}, seed=0, run_id="synthetic")
     for round_ in range(1, rounds + 1):
         devices = {}
-        for device_class, (count, ratio) in FLEET.items():
+        for device_class, (count, ratio) in fleet.items():
             for index in range(count):
                 status = "late" if (round_, device_class, index) == (3, "pi4", 1) else "accepted"
                 payload = PAYLOAD[ratio]
@@ -72,6 +73,26 @@ def test_report_writes_html_that_shows_the_plots_and_the_summary(tmp_path: Path)
     assert "9 in 3 classes" in page
     assert "1/8, 1/2, 1" in page
     assert "pi4-1" in page and "late" in page
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from the PNG's IHDR chunk."""
+    return struct.unpack(">II", path.read_bytes()[16:24])
+
+
+def test_a_1000_device_report_draws_classes_not_devices_and_keeps_each_device_in_the_table(tmp_path: Path) -> None:
+    synthetic_run(tmp_path / "run", rounds=3, fleet={"pi4": (500, 0.125), "orin": (300, 0.5), "laptop": (200, 1.0)})
+    page = write_report(tmp_path / "run").read_text()
+
+    assert "1000 in 3 classes" in page
+    assert "laptop-199" in page and "pi4-499" in page  # the Devices table keeps every device
+    for name in ("rank_assignment.png", "training_time.png"):
+        width, height = png_size(tmp_path / "run" / "plots" / name)
+        assert width < 1000 and height < 1500  # one labelled row per device would be 30,000 px tall
+    _, rounds = load_run(tmp_path / "run")
+    times = plot_training_time(rounds).axes[0]
+    assert [label.get_text() for label in times.get_yticklabels()] == ["laptop (200)", "orin (300)", "pi4 (500)"]
+    assert len(plot_rank_assignment(rounds).axes[0].images) == 1  # one image, not a marker per device and round
 
 
 def test_report_command_regenerates_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
