@@ -28,6 +28,8 @@ CNN = ModelSpec("cnn", 10, 1, 8)
 class LossyLink(InProcessLink):
     """Loses device ``b``'s first assignment; ``b`` then reports idle, as an agent's heartbeat does."""
 
+    idle_after_s = 0.5
+
     def __init__(self, devices: list[LocalDevice]) -> None:
         super().__init__(devices)
         self.assignments: list[str] = []
@@ -36,29 +38,20 @@ class LossyLink(InProcessLink):
         if isinstance(message, Assignment):
             self.assignments.append(device)
             if device == "b" and self.assignments.count("b") == 1:
-                threading.Timer(0.5, lambda: self._to_engine("b", Status(device="b", state="idle"))).start()
+                idle = Status(device="b", state="idle")
+                threading.Timer(self.idle_after_s, lambda: self._to_engine("b", idle)).start()
                 return
         super().send_control(device, message)
 
 
-class EarlyIdleLink(InProcessLink):
-    """Loses ``b``'s first assignment, and ``b`` says idle once, too soon after it to tell a lost one from a slow one.
+class EarlyIdleLink(LossyLink):
+    """``b`` says idle once, too soon after its lost assignment to tell a lost one from a slow one.
 
     A device whose login another connection took over reconnects and says idle within a second; its next
     heartbeat may come after the round closed.
     """
 
-    def __init__(self, devices: list[LocalDevice]) -> None:
-        super().__init__(devices)
-        self.assignments: list[str] = []
-
-    def send_control(self, device: str, message: Message) -> None:
-        if isinstance(message, Assignment):
-            self.assignments.append(device)
-            if device == "b" and self.assignments.count("b") == 1:
-                threading.Timer(0.05, lambda: self._to_engine("b", Status(device="b", state="idle"))).start()
-                return
-        super().send_control(device, message)
+    idle_after_s = 0.05
 
 
 class RefusedOnceLink(InProcessLink):
