@@ -1,9 +1,10 @@
 """fleet.yaml ``limits``: what the coordinator accepts from its devices, and how long it waits on them.
 
-The defaults are the transport guard's and the upload gate's own (``InboundLimits``, ``GateSettings``):
-a fleet that leaves the section out runs exactly as before. An operator tunes them for a fleet whose
-updates are bigger than a ResNet (``max_upload_bytes``), whose devices talk more (``messages_per_s``),
-or whose honest updates move further than ten times what they were sent (``norm_bound_factor``).
+The defaults are the transport guard's and the upload gate's own (``InboundLimits``, ``GateSettings``),
+and the engine's assignment timings default to the ones here (``EngineSettings``): a fleet that leaves
+the section out runs exactly as before. An operator tunes them for a fleet whose updates are bigger
+than a ResNet (``max_upload_bytes``), whose devices talk more (``messages_per_s``), or whose honest
+updates move further than ten times what they were sent (``norm_bound_factor``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class FleetLimits(BaseModel):
         )
 
     def gate(self) -> GateSettings:
+        """The upload gate's bounds: the norm factor from here, the meta bounds the gate's own."""
         return GateSettings(max_norm_ratio=self.norm_bound_factor)
 
 
