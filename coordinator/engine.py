@@ -44,6 +44,7 @@ from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.compatibility import release_note
 from coordinator.evaluation import evaluate_global, federated_evaluation, personalized_accuracy
 from coordinator.fleet import Device, Fleet
+from coordinator.limits import FleetLimits
 from coordinator.link import Link
 from coordinator.metrics import DeviceRoundMetrics, DeviceStatus, RoundMetrics, received_metrics
 from coordinator.planner import DevicePlan, after_out_of_memory, fmt_ratio, plan_fleet, why_no_one
@@ -183,16 +184,32 @@ class OpenRound:
         return [d for d, p in self.participants.items() if p.status == "accepted"]
 
 
+_FLEET_DEFAULTS = FleetLimits()
+"""fleet.yaml's ``limits`` left out: an engine built without a fleet waits on assignments the same way."""
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     min_devices: int
     wait_timeout_s: float = 600.0
     calibration_samples: int = 1024
     gate: GateSettings = field(default_factory=GateSettings)
-    resend_after_s: float = 5.0
+    resend_after_s: float = _FLEET_DEFAULTS.resend_after_s
     """An assignment is sent again to a participant that says it is idle at least this long after the last one."""
-    rejected_grace_s: float = 10.0
+    rejected_grace_s: float = _FLEET_DEFAULTS.rejected_grace_s
     """How long a refused participant may still send a valid update before the round stops waiting for it."""
+
+    @classmethod
+    def of(cls, fleet: Fleet, min_devices: int, wait_timeout_s: float) -> EngineSettings:
+        """A run's settings with what fleet.yaml's ``limits`` says of updates and assignments."""
+        limits = fleet.limits
+        return cls(
+            min_devices,
+            wait_timeout_s,
+            gate=limits.gate(),
+            resend_after_s=limits.resend_after_s,
+            rejected_grace_s=limits.rejected_grace_s,
+        )
 
 
 class RoundEngine:

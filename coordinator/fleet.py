@@ -31,6 +31,7 @@ from pydantic import (
 from coordinator.broker.credentials import COORDINATOR_USER
 from coordinator.checkpoints import Retention
 from coordinator.evaluation_settings import EvaluationSettings
+from coordinator.limits import FleetLimits
 from coordinator.strategies import STRATEGIES
 from device_agent.clients.spec import TrainConfig
 from device_agent.models import MODELS
@@ -309,6 +310,9 @@ class Fleet(_Strict):
     checkpoints: Retention = Field(default_factory=Retention, description="which round states the run keeps")
     evaluation: EvaluationSettings = Field(
         default_factory=EvaluationSettings, description="where the global model is evaluated each round"
+    )
+    limits: FleetLimits = Field(
+        default_factory=FleetLimits, description="what the coordinator accepts from each device, how long it waits"
     )
 
     @field_validator("ratios", mode="before")

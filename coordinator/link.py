@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from coordinator.allocator import keep_freed_buffers
 from device_agent.wire.guard import InboundGuard, InboundLimits
@@ -19,6 +19,9 @@ from device_agent.wire.messages import Manifest, Message
 from device_agent.wire.session import BrokerAddress, Delivery, Session, coordinator_session
 from device_agent.wire.topics import DeviceTopics, device_of
 from device_agent.wire.transfer import Completed, make_manifest
+
+if TYPE_CHECKING:
+    from coordinator.fleet import Fleet
 
 log = logging.getLogger("fedfleet.link")
 
@@ -91,6 +94,11 @@ class MqttLink:
         self.session: Session | None = None
         self._topics: dict[str, DeviceTopics] = {}
         self._deliveries: dict[str, Delivery] = {}
+
+    @classmethod
+    def of(cls, fleet: Fleet, broker: BrokerAddress, **session_config: Any) -> MqttLink:
+        """The link of ``fleet``, its devices held to fleet.yaml's ``limits``."""
+        return cls(fleet.fleet, broker, fleet.limits.inbound(), **session_config)
 
     def topics(self, device: str) -> DeviceTopics:
         if device not in self._topics:

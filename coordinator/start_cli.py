@@ -188,8 +188,8 @@ def run_start(
             strategy,
             rundir,
             data,
-            MqttLink(fleet.fleet, address, protocol=broker.protocol),
-            EngineSettings(min_devices=min_devices, wait_timeout_s=args.wait_timeout),
+            MqttLink.of(fleet, address, protocol=broker.protocol),
+            EngineSettings.of(fleet, min_devices, args.wait_timeout),
             signatures=signatures,
         )
         signal.signal(signal.SIGTERM, lambda *_: engine.stop())

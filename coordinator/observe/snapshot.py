@@ -43,12 +43,15 @@ class DeviceView:
     id: str
     device_class: str
     online: bool
+    refused_because: str | None
+    """Why the coordinator will not work with the device at all (another protocol version), until its next hello."""
     agent_state: str
     ratio: float | None
     """The level the device trains in the open round, else the planner's latest choice for it."""
     round_status: str | None
     totals: DeviceTotals
     refused: dict[str, int]
+    """Refused uploads by reason."""
     step_downs: int
 
 
@@ -182,6 +185,7 @@ class FleetWatch:
                     id=device_id,
                     device_class=state.device.profile,
                     online=state.online,
+                    refused_because=state.refused,
                     agent_state=state.state,
                     ratio=None if ratio is None else float(ratio),
                     round_status=participant.status if participant else None,

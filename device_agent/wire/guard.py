@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from device_agent.wire.messages import Hello, Manifest, Message, Status
+from device_agent.wire.transfer import IncomingTransfers
 
 log = logging.getLogger("fedfleet.wire")
 
@@ -58,6 +59,19 @@ class InboundLimits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.messages_per_s <= 0:
             raise ValueError(f"messages_per_s must be > 0, got {self.messages_per_s}")
+
+    def receiver(self, nack_after: float) -> IncomingTransfers:
+        """One peer topic's reassembly, bounded by these limits: it never refuses a transfer the guard admitted.
+
+        The guard holds a peer to at most ``max_open_transfers`` of at most ``max_chunks`` chunks each, across
+        all its topics, so the receiver's own bounds follow from the guard's instead of being set twice.
+        """
+        return IncomingTransfers(
+            max_payload_bytes=self.max_transfer_bytes,
+            max_pending_bytes=self.max_pending_bytes,
+            max_pending_chunks=self.max_open_transfers * self.max_chunks,
+            nack_after=nack_after,
+        )
 
 
 @dataclass

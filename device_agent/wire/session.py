@@ -213,7 +213,8 @@ class Session:
     ``before_chunk_out(n)`` runs before each outgoing chunk frame of ``n`` bytes is published (first
     sends and repairs alike), ``after_chunk_in(n)`` after each inbound chunk frame is verified; both
     may block, so a token bucket behind them shapes the link chunk by chunk (emulated devices).
-    ``guard`` (a receiver facing untrusted peers: the coordinator) admits inbound frames per peer first.
+    ``guard`` (a receiver facing untrusted peers: the coordinator) admits inbound frames per peer first;
+    its limits bound the receiver's transfers too.
     """
 
     def __init__(
@@ -223,7 +224,6 @@ class Session:
         on_message: MessageHandler | None = None,
         on_payload: PayloadHandler | None = None,
         will: tuple[str, Message] | None = None,
-        receiver_max_payload_bytes: int = 1 << 30,
         before_chunk_out: ChunkHook | None = None,
         after_chunk_in: ChunkHook | None = None,
         guard: InboundGuard | None = None,
@@ -234,7 +234,6 @@ class Session:
         self._subscriptions = list(subscriptions)
         self._on_message = on_message
         self._on_payload = on_payload
-        self._receiver_max = receiver_max_payload_bytes
         self._before_chunk_out = before_chunk_out
         self._after_chunk_in = after_chunk_in
         self._lock = threading.RLock()
@@ -552,7 +551,10 @@ class Session:
     def _receiver(self, topic: str) -> IncomingTransfers:
         transfers = self._incoming.get(topic)
         if transfers is None:
-            transfers = IncomingTransfers(max_payload_bytes=self._receiver_max, nack_after=self.config.nack_after_s)
+            if self._guard_in is not None:
+                transfers = self._guard_in.limits.receiver(self.config.nack_after_s)
+            else:
+                transfers = IncomingTransfers(nack_after=self.config.nack_after_s)
             self._incoming[topic] = transfers
         return transfers
 

@@ -36,7 +36,7 @@ def _nobody_fits(fleet, _catalog, _reports, _ceilings) -> list[DevicePlan]:
     return [DevicePlan(d.id, d.profile, None, None, None, None, None, 217.0, 60.0, TOO_SLOW) for d in fleet.devices]
 
 
-def _engine(tmp_path: Path, wait_timeout_s: float, fleet: dict = FLEET, min_devices: int = 1) -> RoundEngine:
+def idle_engine(tmp_path: Path, wait_timeout_s: float, fleet: dict = FLEET, min_devices: int = 1) -> RoundEngine:
     """An engine over one in-process device, laptop-01, that no plan lets take part."""
     (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(fleet))
     strategy = build_strategy("fedavg", ModelSpec("cnn", 10, 1, 8))
@@ -57,7 +57,7 @@ def _engine(tmp_path: Path, wait_timeout_s: float, fleet: dict = FLEET, min_devi
 def test_waiting_for_a_participant_is_logged_once_and_times_out(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    engine = _engine(tmp_path, wait_timeout_s=1.5)
+    engine = idle_engine(tmp_path, wait_timeout_s=1.5)
     caplog.set_level(logging.INFO, logger="fedfleet.engine")
     try:
         with pytest.raises(TimeoutError, match="round 1: no device could take part within 2 s"):
@@ -73,7 +73,7 @@ def test_waiting_for_a_participant_is_logged_once_and_times_out(
 def test_a_device_of_another_protocol_version_is_refused_with_why_until_it_says_hello(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    engine = _engine(tmp_path, wait_timeout_s=1)
+    engine = idle_engine(tmp_path, wait_timeout_s=1)
     caplog.set_level(logging.WARNING, logger="fedfleet.engine")
     try:
         for _ in range(3):
@@ -92,7 +92,7 @@ def test_a_device_of_another_protocol_version_is_refused_with_why_until_it_says_
 
 
 def test_an_agent_of_another_release_is_warned_about_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    engine = _engine(tmp_path, wait_timeout_s=1)
+    engine = idle_engine(tmp_path, wait_timeout_s=1)
     caplog.set_level(logging.WARNING, logger="fedfleet.engine")
     try:
         for _ in range(2):
@@ -106,7 +106,7 @@ def test_an_agent_of_another_release_is_warned_about_once(tmp_path: Path, caplog
 
 def test_giving_up_on_devices_names_the_ones_that_never_came(tmp_path: Path) -> None:
     fleet = {**FLEET, "devices": [*FLEET["devices"], {"id": "pi5-01", "profile": "raspberry-pi-5"}]}
-    engine = _engine(tmp_path, wait_timeout_s=0.5, fleet=fleet, min_devices=2)
+    engine = idle_engine(tmp_path, wait_timeout_s=0.5, fleet=fleet, min_devices=2)
     try:
         with pytest.raises(
             TimeoutError, match=r"only 1 of the 2 devices .* \(offline: pi5-01; .* `device-agent doctor`\)"

@@ -107,6 +107,15 @@ MISTAKES = [
     ("devices.0.id", "coordinator", "devices[0].id: 'coordinator' is the coordinator's broker login"),
     ("broker.username", "fedcoord", "broker: username 'fedcoord' only applies to an external broker"),
     ("fleet", "my fleet", "fleet: invalid fleet name 'my fleet'"),
+    ("limits.max_upload_byte", 1024, "limits.max_upload_byte: Extra inputs are not permitted"),
+    ("limits.max_upload_bytes", 0, "limits.max_upload_bytes: Input should be greater than 0"),
+    ("limits.max_upload_bytes", "lots", "limits.max_upload_bytes: could not parse value and unit"),
+    ("limits.messages_per_s", 0, "limits.messages_per_s: Input should be greater than 0"),
+    ("limits.message_burst", 2.5, "limits.message_burst: Input should be a valid integer"),
+    ("limits.max_open_transfers", 0, "limits.max_open_transfers: Input should be greater than 0"),
+    ("limits.norm_bound_factor", 1, "limits.norm_bound_factor: Input should be greater than 1"),
+    ("limits.rejected_grace_s", -1, "limits.rejected_grace_s: Input should be greater than or equal to 0"),
+    ("limits.resend_after_s", 0, "limits.resend_after_s: Input should be greater than 0"),
 ]
 
 

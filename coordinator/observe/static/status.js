@@ -49,8 +49,14 @@ function renderFleet(devices) {
     const row = el("tr", { "data-device": d.id });
     cell(row, d.id);
     cell(row, d.device_class);
-    cell(row, d.online ? "yes" : "no", d.online ? "online" : "offline");
-    cell(row, d.agent_state);
+    if (d.refused_because) {
+      // Another protocol version: the coordinator will not work with it, as the live terminal table says.
+      cell(row, "refused", "refused");
+      cell(row, d.refused_because, "detail");
+    } else {
+      cell(row, d.online ? "yes" : "no", d.online ? "online" : "offline");
+      cell(row, d.agent_state);
+    }
     cell(row, ratio(d.ratio), "num");
     cell(row, d.round_status || "-", d.round_status ? "status-" + d.round_status : "");
     cell(row, d.totals.last_round === null ? "-" : d.totals.last_round + " (" + d.totals.last_status + ")", "num last-round");
@@ -169,8 +175,10 @@ function render(s) {
   document.getElementById("title").textContent = "fleet " + s.fleet + " — run " + s.run_id;
   const last = s.history[s.history.length - 1];
   const online = s.devices.filter((d) => d.online).length;
+  const refused = s.devices.filter((d) => d.refused_because).length;
   document.getElementById("summary").textContent =
     s.history.length + "/" + s.rounds_planned + " rounds done, " + online + "/" + s.devices.length + " devices online" +
+    (refused ? ", " + refused + " refused" : "") +
     (last ? "; round " + last.round + ": " + figures(last) + ", " + last.participants + "/" + last.selected + " updates, " + last.stragglers + " stragglers, " +
       last.seconds.toFixed(1) + " s" : "");
   renderOpenRound(s.open_round);

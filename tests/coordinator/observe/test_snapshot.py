@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from coordinator.metrics import RoundMetrics
 from coordinator.observe.snapshot import FleetWatch, RoundView
+from device_agent.wire.messages import Hello, incompatible
 from tests.coordinator.observe.conftest import ROUNDS, WatchedRun
+from tests.coordinator.test_engine_diagnostics import idle_engine
+from tests.device_agent.test_misconfiguration import PROFILE
 
 
 def test_history_and_device_totals_are_the_closed_rounds_of_metrics_jsonl(watched_run: WatchedRun) -> None:
@@ -43,3 +48,23 @@ def test_a_resumed_run_starts_from_the_rounds_already_in_metrics_jsonl(watched_r
     assert snapshot is not None and [r.round for r in snapshot.history] == [1, 2]
     good = next(d for d in snapshot.devices if d.id == "good")
     assert good.totals.bytes_up == sum(m.devices["good"].bytes_up for m in watched_run.metrics)
+
+
+def test_a_device_of_another_protocol_version_shows_as_refused_with_why_until_it_says_hello(tmp_path: Path) -> None:
+    engine = idle_engine(tmp_path, wait_timeout_s=1)
+    watch = FleetWatch([])
+    try:
+        engine._on_message("laptop-01", incompatible(4))
+        watch.update(engine)
+        snapshot = watch.snapshot
+        assert snapshot is not None
+        [device] = snapshot.as_json()["devices"]
+        assert (device["refused_because"], device["online"]) == (incompatible(4).detail, False)
+
+        engine._on_message("laptop-01", Hello(device="laptop-01", agent_version="0.1.0", profile=PROFILE))
+        watch.update(engine)
+        snapshot = watch.snapshot
+        assert snapshot is not None
+        assert (snapshot.devices[0].refused_because, snapshot.devices[0].online) == (None, True)
+    finally:
+        engine.rundir.close()

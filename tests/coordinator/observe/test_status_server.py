@@ -8,11 +8,16 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from importlib import resources
+from pathlib import Path
 
 import pytest
 
+from coordinator.observe.snapshot import FleetWatch
 from coordinator.observe.status_server import StatusServer
+from device_agent.wire.messages import incompatible
 from tests.coordinator.observe.conftest import WatchedRun
+from tests.coordinator.observe.test_watch_e2e import CHROMEDRIVER, CHROMIUM
+from tests.coordinator.test_engine_diagnostics import idle_engine
 
 
 @pytest.fixture
@@ -67,3 +72,38 @@ def test_stop_frees_the_port(watched_run: WatchedRun) -> None:
     status, body, _ = fetch(again.url(f"/api/status?token={again.token}"))
     again.stop()
     assert (status, json.loads(body)) == (200, {"waiting": True})
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    CHROMIUM is None or CHROMEDRIVER is None,
+    reason="needs chromium and chromedriver (apt-get install chromium chromium-driver)",
+)
+def test_a_device_of_another_protocol_version_shows_as_refused_with_why(tmp_path: Path) -> None:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    engine = idle_engine(tmp_path, wait_timeout_s=1)
+    watch = FleetWatch([])
+    engine._on_message("laptop-01", incompatible(4))
+    watch.update(engine)
+    server = StatusServer("127.0.0.1", 0, lambda: watch.snapshot)
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    try:
+        driver.get(server.page_url)
+        row = '#fleet tbody tr[data-device="laptop-01"] td'
+        WebDriverWait(driver, 30, poll_frequency=0.2).until(lambda d: d.find_elements(By.CSS_SELECTOR, row))
+        cells = driver.find_elements(By.CSS_SELECTOR, row)
+        assert (cells[2].text, cells[2].get_attribute("class")) == ("refused", "refused")
+        assert cells[3].text == incompatible(4).detail
+        assert "0/1 devices online, 1 refused" in driver.find_element(By.ID, "summary").text
+    finally:
+        driver.quit()
+        server.stop()
+        engine.rundir.close()

@@ -73,6 +73,16 @@ def test_small_payloads_in_one_chunk_and_normal_transfers_pass() -> None:
     assert guard.over(manifest(1 << 20), open_transfers=1, pending_bytes=1 << 30)
 
 
+def test_a_guarded_receiver_admits_what_the_guard_admits_past_the_default_gigabyte() -> None:
+    limits = InboundLimits(max_transfer_bytes=4 << 30, max_pending_bytes=4 << 30, max_open_transfers=2)
+    big = manifest(2 << 30, chunk_size=1 << 20)
+    assert InboundGuard(limits).manifest_problem(big) is None
+
+    receiver = limits.receiver(nack_after=1.0)
+    assert receiver.on_manifest(big, 0.0) == ([], None)  # open, waiting for chunks: no too_large
+    assert receiver.max_pending_chunks == 2 * limits.max_chunks  # what the guard lets one peer hold open
+
+
 def test_limits_and_reasons_are_checked() -> None:
     with pytest.raises(ValueError, match="unknown refusal reason 'oops'"):
         InboundGuard().refuse("a", "oops", "x", 0.0)
