@@ -270,7 +270,7 @@ class RoundEngine:
         self.link.start(
             on_message=lambda device, m: self._events.put(lambda: self._on_message(device, m)),
             on_payload=lambda device, c: self._events.put(lambda: self._on_payload(device, c)),
-            on_refused=lambda device, reason: self._events.put(lambda: self._count_refusal(device, reason)),
+            on_refused=lambda device, reason: self._events.put(lambda: self._on_transport_refusal(device, reason)),
         )
         try:
             if not self._wait_for_devices(progress):
@@ -629,6 +629,18 @@ class RoundEngine:
 
     def _count_refusal(self, device: str, reason: str) -> None:
         self.refusals[(device, reason)] += 1
+
+    def _on_transport_refusal(self, device: str, reason: str) -> None:
+        """A transfer the link refused outright (past ``limits``) is the participant's refused upload.
+
+        Without this the device, told its transfer was refused, reports idle, is sent its assignment
+        again and retrains the same too-large update until the deadline; as a refusal it is retried once.
+        """
+        self._count_refusal(device, reason)
+        participant = self.open.participants.get(device) if self.open is not None else None
+        if reason == "transfer_refused" and participant is not None and participant.status == "assigned":
+            participant.status, participant.error = "rejected", "its upload was refused by the link (transfer_refused)"
+            participant.rejected_at = time.monotonic()
 
     def _resend_assignment(self, device: str) -> None:
         """A participant that says it is idle mid-round without an accepted update gets its assignment again.

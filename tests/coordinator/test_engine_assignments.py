@@ -82,8 +82,31 @@ class RefusedOnceLink(InProcessLink):
         super().start(on_message, intercept)
 
 
+class TooLargeLink(InProcessLink):
+    """Every upload of ``b`` is refused by the transport (past ``limits.max_upload_bytes``); ``b`` then says idle."""
+
+    def __init__(self, devices: list[LocalDevice]) -> None:
+        super().__init__(devices)
+        self.assignments: list[str] = []
+
+    def send_control(self, device: str, message: Message) -> None:
+        if isinstance(message, Assignment):
+            self.assignments.append(device)
+        super().send_control(device, message)
+
+    def start(self, on_message, on_payload, on_refused=None) -> None:
+        def intercept(device: str, completed: Completed) -> None:
+            if device != "b":
+                on_payload(device, completed)
+                return
+            on_refused("b", "transfer_refused")
+            threading.Timer(0.1, lambda: self._to_engine("b", Status(device="b", state="idle"))).start()
+
+        super().start(on_message, intercept)
+
+
 def run_round(
-    tmp_path: Path, link_type: type[InProcessLink], resend_after_s: float = 0.2
+    tmp_path: Path, link_type: type[InProcessLink], resend_after_s: float = 0.2, rejected_grace_s: float = 10.0
 ) -> tuple[RoundEngine, InProcessLink]:
     """One FedAvg round of devices a and b on digits, with a 20 s deadline."""
     data = load_dataset("digits", 8, 1)
@@ -106,7 +129,9 @@ def run_round(
         RunDir.create(tmp_path / "run", fleet_file, strategy.state_dict(), seed=0),
         LabeledData(calibration, calibration.new_zeros(128), data.test_x, data.test_y, 10),
         link,
-        EngineSettings(min_devices=2, wait_timeout_s=30, resend_after_s=resend_after_s),
+        EngineSettings(
+            min_devices=2, wait_timeout_s=30, resend_after_s=resend_after_s, rejected_grace_s=rejected_grace_s
+        ),
         planner=fixed_levels({"a": 1.0, "b": 1.0}),
     )
     assert engine.run()
@@ -130,3 +155,11 @@ def test_a_refused_device_is_sent_its_assignment_again_once_and_its_genuine_upda
     assert sorted(link.assignments) == ["a", "b", "b"] and sorted(link.uploads) == ["a", "b", "b"]
     assert engine.refusals == {("b", "non_finite"): 1}
     assert {d: m.status for d, m in engine.last.devices.items()} == {"a": "accepted", "b": "accepted"}
+
+
+def test_a_device_whose_upload_the_transport_refuses_is_retried_once_not_until_the_deadline(tmp_path: Path) -> None:
+    engine, link = run_round(tmp_path, TooLargeLink, rejected_grace_s=1.0)
+    assert sorted(link.assignments) == ["a", "b", "b"]
+    assert engine.refusals == {("b", "transfer_refused"): 2}
+    assert {d: m.status for d, m in engine.last.devices.items()} == {"a": "accepted", "b": "rejected"}
+    assert engine.last.seconds < 10  # closed after the refusal grace, not at the 20 s deadline
