@@ -68,7 +68,8 @@ def _named(keys: list[str]) -> str:
 def _misfit(tensor: Tensor, reference: Tensor | Input) -> str | None:
     """What is wrong with one received tensor, or None."""
     shape, dtype = tuple(reference.shape), reference.dtype
-    if len(shape) != tensor.dim() or any(want is not None and want != got for want, got in zip(shape, tensor.shape)):
+    dims = zip(shape, tensor.shape, strict=False)
+    if len(shape) != tensor.dim() or any(want is not None and want != got for want, got in dims):
         return f"has shape {tuple(tensor.shape)}, expected {_shape(shape)}"
     if tensor.dtype != dtype and not (_is_integer(dtype) and _is_integer(tensor.dtype)):
         return f"is {tensor.dtype}, expected {f'an integer dtype like {dtype}' if _is_integer(dtype) else dtype}"
