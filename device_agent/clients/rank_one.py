@@ -50,7 +50,7 @@ class RankOneProgram(ClientProgram):
         own = self.model.state_dict()
         check_assignment(tensors, own, optional=own.keys(), inputs=self.inputs(spec))
         state = {**(local or {}), **{k: v for k, v in tensors.items() if k in own}}
-        missing = sorted(set(self.model.state_dict()) - set(state))
+        missing = sorted(set(own) - set(state))
         if missing:
             source = "kept state and assignment" if local else "assignment (and the device kept no state)"
             raise (ValueError if local else KeptStateMissing)(
