@@ -697,6 +697,13 @@ class RoundEngine:
         elif failure.reason == "state_lost":
             self.strategy.forget(device)
             log.warning("round %d: %s lost its kept state; it gets a whole model next round", open_.round, device)
+        elif failure.reason == "bad_assignment":
+            log.error(
+                "round %d: %s refused its assignment as not fitting the model its spec builds: a strategy bug, "
+                "or a coordinator and agent of different releases",
+                open_.round,
+                device,
+            )
 
     def _on_payload(self, device: str, completed: Completed) -> None:
         manifest = completed.manifest

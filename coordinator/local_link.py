@@ -22,11 +22,12 @@ import torch
 from torch import Tensor
 
 from coordinator.link import MessageHandler, PayloadHandler, RefusalHandler
+from device_agent.assignment_check import BadAssignment
 from device_agent.clients.base import KeptStateMissing
 from device_agent.local_round import train_assignment
 from device_agent.oom import is_out_of_memory
 from device_agent.protocol import UPDATE_KIND, upload_meta
-from device_agent.wire.codec import decode_tensors, encode_tensors
+from device_agent.wire.codec import CodecError, decode_tensors, encode_tensors
 from device_agent.wire.messages import Assignment, Manifest, Message, RoundFailed, Status, encode
 from device_agent.wire.transfer import DEFAULT_CHUNK_SIZE, Completed, make_manifest, new_transfer_id
 
@@ -113,6 +114,8 @@ class InProcessLink:
                 self._train(self.devices[device], assignment)
             except KeptStateMissing as exc:
                 self._fail(device, assignment, "state_lost", str(exc))
+            except (BadAssignment, CodecError) as exc:
+                self._fail(device, assignment, "bad_assignment", str(exc))
             except Exception as exc:  # one device's failure must not stop the others
                 reason = "out_of_memory" if is_out_of_memory(exc) else "error"
                 if reason == "error":

@@ -12,7 +12,9 @@ What survives what:
   in the outbox is re-sent instead of training again;
 - personalized strategies: what the program keeps between rounds is on disk (:mod:`device_agent.kept`);
   if it is gone anyway (state directory wiped), the agent answers the round with ``RoundFailed(state_lost)``
-  and the coordinator starts it over with a whole model.
+  and the coordinator starts it over with a whole model;
+- a payload that does not fit the model the assignment's spec builds (names, shapes, dtypes, finite values):
+  the agent answers ``RoundFailed(bad_assignment)`` naming the offending tensors, and takes the next round.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 from torch import Tensor
 
 from device_agent import __version__
+from device_agent.assignment_check import BadAssignment
 from device_agent.clients.base import KeptStateMissing
 from device_agent.config import AgentConfig
 from device_agent.data.datasets import DatasetError, check_source, load_dataset
@@ -259,7 +262,10 @@ class Agent:
         except KeptStateMissing as exc:
             self._fail(assignment, "state_lost", str(exc))
             return
-        except (MemoryError, ValueError, CodecError, DatasetError, RuntimeError) as exc:
+        except (BadAssignment, CodecError) as exc:
+            self._fail(assignment, "bad_assignment", str(exc))
+            return
+        except (MemoryError, ValueError, DatasetError, RuntimeError) as exc:
             reason = "out_of_memory" if is_out_of_memory(exc) else "error"
             if reason == "error":
                 log.exception("%s: round %d failed", self.config.device, assignment.round)

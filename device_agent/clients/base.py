@@ -16,6 +16,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from device_agent.assignment_check import check_assignment
 from device_agent.clients.spec import SpecBase
 
 
@@ -30,16 +31,10 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Load an assignment into a model: every parameter must be there; BN statistics may be absent."""
-    result = model.load_state_dict(dict(tensors), strict=False)
-    missing = [key for key in result.missing_keys if not is_norm_statistic(key)]
-    if result.unexpected_keys or missing:
-        problems = []
-        if missing:
-            problems.append(f"missing {', '.join(missing)}")
-        if result.unexpected_keys:
-            problems.append(f"unexpected {', '.join(result.unexpected_keys)}")
-        raise ValueError(f"assignment does not fit the model: {'; '.join(problems)}")
+    """Load an assignment into a model: every parameter must be there and fit; BN statistics may be absent."""
+    state = model.state_dict()
+    check_assignment(tensors, state, optional=[key for key in state if is_norm_statistic(key)])
+    model.load_state_dict(dict(tensors), strict=False)
 
 
 class KeptStateMissing(ValueError):

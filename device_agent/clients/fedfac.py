@@ -13,6 +13,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from device_agent.assignment_check import check_assignment
 from device_agent.clients.base import ClientProgram
 from device_agent.clients.spec import FedFacSpec
 from device_agent.models import build_model
@@ -30,6 +31,7 @@ class FedFacProgram(ClientProgram):
     ) -> None:
         super().__init__(spec, tensors, local)
         self.model = self.build_model(spec)
+        check_assignment(tensors, self.model.state_dict())
         self.model.load_state_dict(dict(tensors))
 
     @classmethod

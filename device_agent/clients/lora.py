@@ -15,6 +15,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from device_agent.assignment_check import BadAssignment, check_assignment
 from device_agent.clients.base import ClientProgram, KeptStateMissing, load_tensors
 from device_agent.clients.spec import LoRASpec
 from device_agent.lora import ATTENTION_TARGETS, MLP_TARGETS, apply_lora, base_state, exchanged_keys, state_digest
@@ -39,16 +40,17 @@ class LoRAProgram(ClientProgram):
             load_tensors(self.model, tensors)
             return
         base_keys = set(base_state(self.model))
+        check_assignment(tensors, self.model.state_dict(), optional=base_keys)
         sent = {k: v for k, v in tensors.items() if k in base_keys}
         if sent:
-            base, source, error = sent, "assignment", ValueError
+            base, source, error = sent, "assignment", BadAssignment
         else:
             base, source, error = dict(local or {}), "kept state", KeptStateMissing
         if base.keys() != base_keys:
             raise error(f"the {source} lacks {len(base_keys - base.keys())} frozen base tensors")
         if state_digest(base) != spec.base_sha256:
             raise error(f"the base model in the {source} does not have the assigned digest {spec.base_sha256[:12]}")
-        load_tensors(self.model, {**tensors, **base})
+        self.model.load_state_dict({**tensors, **base})
 
     @classmethod
     def build_model(cls, spec: LoRASpec) -> nn.Module:  # type: ignore[override]

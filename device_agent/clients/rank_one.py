@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from device_agent.assignment_check import Input, check_assignment
 from device_agent.clients.base import ClientProgram, KeptStateMissing
 from device_agent.clients.spec import FactorizedFLBetaSpec, FactorizedFLSpec, RankOneSpec, SimFedSpec
 from device_agent.layers import RankOneLayer, l1_on_mu, rank_one_layers, reparametrize, similarity_layer
@@ -46,9 +47,10 @@ class RankOneProgram(ClientProgram):
         super().__init__(spec, tensors, local)
         self.lambda_sparsity = spec.lambda_sparsity
         self.model = self.build_model(spec)
-        state = dict(local or {})
-        state.update({k: v for k, v in tensors.items() if k in self.model.state_dict()})
-        missing = sorted(set(self.model.state_dict()) - set(state))
+        own = self.model.state_dict()
+        check_assignment(tensors, own, optional=own.keys(), inputs=self.inputs(spec))
+        state = {**(local or {}), **{k: v for k, v in tensors.items() if k in own}}
+        missing = sorted(set(own) - set(state))
         if missing:
             source = "kept state and assignment" if local else "assignment (and the device kept no state)"
             raise (ValueError if local else KeptStateMissing)(
@@ -60,6 +62,11 @@ class RankOneProgram(ClientProgram):
     @classmethod
     def build_model(cls, spec: RankOneSpec) -> nn.Module:  # type: ignore[override]
         return rank_one_model(spec)
+
+    @classmethod
+    def inputs(cls, spec: RankOneSpec) -> dict[str, Input]:
+        """Tensors every assignment carries besides the model's; none by default."""
+        return {}
 
     def regularizer(self) -> torch.Tensor | None:
         if self.lambda_sparsity == 0:
@@ -121,9 +128,13 @@ class SimFedProgram(RankOneProgram):
         local: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         super().__init__(spec, tensors, local)
-        if "criteria" not in tensors:
-            raise ValueError("simfed: the assignment lacks the 'criteria' input tensor")
         self.criteria = tensors["criteria"]
+
+    @classmethod
+    def inputs(cls, spec: RankOneSpec) -> dict[str, Input]:
+        """The server's criteria batch, shaped like the model's input."""
+        model = spec.model
+        return {"criteria": Input((None, model.in_channels, model.image_size, model.image_size))}
 
     def upload(self) -> dict[str, torch.Tensor]:
         return {key: value.detach().clone() for key, value in self.model.state_dict().items()}

@@ -181,12 +181,15 @@ class Receipt(_Message):
 
 
 class RoundFailed(_Message):
-    """A device could not do its round (out of memory, bad data, ...): the coordinator stops waiting for it."""
+    """A device could not do its round (out of memory, bad data, ...): the coordinator stops waiting for it.
+
+    ``bad_assignment``: the payload did not fit the model the spec builds (names, shapes, dtypes, finite values).
+    """
 
     type: Literal["round_failed"] = "round_failed"
     run: Annotated[str, Field(pattern=_NAME)]
     round: Annotated[int, Field(ge=0)]
-    reason: Literal["out_of_memory", "state_lost", "error"]
+    reason: Literal["out_of_memory", "state_lost", "bad_assignment", "error"]
     detail: str = ""
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -19,7 +22,7 @@ from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData, load_dataset
 from device_agent.data.partition import PartitionSpec, client_shard
 from device_agent.wire.codec import decode_tensors, encode_tensors
-from device_agent.wire.messages import Assignment, Message, Status
+from device_agent.wire.messages import Assignment, Manifest, Message, Status
 from device_agent.wire.transfer import Completed, make_manifest
 
 CNN = ModelSpec("cnn", 10, 1, 8)
@@ -105,10 +108,29 @@ class TooLargeLink(InProcessLink):
         super().start(on_message, intercept)
 
 
+class BadAssignmentOnceLink(InProcessLink):
+    """Device ``b``'s first assignment arrives with one tensor in float64, as a buggy strategy might send it."""
+
+    def __init__(self, devices: list[LocalDevice]) -> None:
+        super().__init__(devices)
+        self.payloads: list[str] = []
+
+    def send_payload(self, device: str, payload: bytes, manifest: Manifest) -> str:
+        self.payloads.append(device)
+        if device == "b" and self.payloads.count("b") == 1:
+            tensors = decode_tensors(payload)
+            payload = encode_tensors({**tensors, "fc.weight": tensors["fc.weight"].double()})
+        return super().send_payload(device, payload, manifest)
+
+
 def run_round(
-    tmp_path: Path, link_type: type[InProcessLink], resend_after_s: float = 0.2, rejected_grace_s: float = 10.0
+    tmp_path: Path,
+    link_type: type[InProcessLink],
+    resend_after_s: float = 0.2,
+    rejected_grace_s: float = 10.0,
+    rounds: int = 1,
 ) -> tuple[RoundEngine, InProcessLink]:
-    """One FedAvg round of devices a and b on digits, with a 20 s deadline."""
+    """FedAvg rounds (one by default) of devices a and b on digits, with a 20 s deadline."""
     data = load_dataset("digits", 8, 1)
     split = PartitionSpec("iid", 2, seed=0)
     shards = [
@@ -118,7 +140,7 @@ def run_round(
     clients = [SimClient(name, 1.0, *shards[i]) for i, name in enumerate("ab")]
     strategy = build_strategy("fedavg", CNN, {}, seed=0)
     fleet_file = tmp_path / "fleet.yaml"
-    raw = simulation_fleet(strategy, clients, 1, TrainConfig(batch_size=32)) | {"round_deadline_s": 20}
+    raw = simulation_fleet(strategy, clients, rounds, TrainConfig(batch_size=32)) | {"round_deadline_s": 20}
     fleet_file.write_text(yaml.safe_dump(raw))  # without a re-send, b would be "late" or "rejected" after 20 s
     link = link_type([LocalDevice(c.client_id, c.train, c.test) for c in clients])
     calibration = data.train_x[:128]
@@ -163,3 +185,18 @@ def test_a_device_whose_upload_the_transport_refuses_is_retried_once_not_until_t
     assert engine.refusals == {("b", "transfer_refused"): 2}
     assert {d: m.status for d, m in engine.last.devices.items()} == {"a": "accepted", "b": "rejected"}
     assert engine.last.seconds < 10  # closed after the refusal grace, not at the 20 s deadline
+
+
+def test_a_device_refusing_a_bad_assignment_fails_that_round_only(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.ERROR, logger="fedfleet.engine"):
+        run_round(tmp_path, BadAssignmentOnceLink, rounds=2)
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    first, second = (json.loads(line)["devices"] for line in metrics)
+    assert (first["a"]["status"], first["b"]["status"]) == ("accepted", "failed")
+    assert first["b"]["error"] == (
+        "bad_assignment: assignment does not fit the model: 'fc.weight' is torch.float64, expected torch.float32"
+    )
+    assert "b refused its assignment as not fitting the model its spec builds" in caplog.text
+    assert (second["a"]["status"], second["b"]["status"]) == ("accepted", "accepted")

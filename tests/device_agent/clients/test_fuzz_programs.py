@@ -1,18 +1,21 @@
-"""Property: an assignment's tensors that do not fit its spec make build_program raise ValueError or RuntimeError.
+"""Property: build_program refuses exactly the assignments whose tensors do not fit its spec, with BadAssignment.
 
-Those are what the agent's round handler catches (it answers round_failed): a payload from a buggy
-or hostile coordinator must end the round, not the agent. Fewer examples than the decoders' fuzzers:
-each builds a model. (Tensors of another dtype are cast by load_state_dict, not refused.)
+That is what the agent's round handler answers ``round_failed: bad_assignment`` to: a payload from a
+buggy or hostile coordinator must end the round, not the agent, and is never cast to fit (no
+warning from load_state_dict either). Fewer examples than the decoders' fuzzers: each builds a model.
 """
 
 import functools
+import warnings
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from device_agent.assignment_check import BadAssignment
 from device_agent.clients import build_program
+from device_agent.clients.base import is_norm_statistic
 from device_agent.clients.spec import parse_spec
 from device_agent.hybrid import hybrid
 from device_agent.models import build_model
@@ -28,9 +31,10 @@ CASES = {
     ),
 }
 DTYPES = [torch.float16, torch.float64, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.complex64]
+INTEGERS = {torch.int64, torch.uint8}
 mutations = st.lists(
     st.tuples(
-        st.sampled_from(["drop", "reshape", "dtype", "extra", "scalar", "empty"]),
+        st.sampled_from(["drop", "reshape", "dtype", "extra", "scalar", "empty", "nan"]),
         st.integers(0, 100),
         st.sampled_from(DTYPES),
     ),
@@ -61,15 +65,36 @@ def _mutate(tensors: dict[str, torch.Tensor], mutations) -> dict[str, torch.Tens
             tensors[name] = torch.tensor(1.0)
         elif kind == "empty" and name in tensors:
             tensors[name] = torch.zeros(0)
+        elif kind == "nan" and name in tensors and tensors[name].is_floating_point() and tensors[name].numel():
+            tensors[name] = tensors[name].clone()
+            tensors[name].view(-1)[0] = float("nan")
     return tensors
+
+
+def _fits(tensors: dict[str, torch.Tensor], model: dict[str, torch.Tensor]) -> bool:
+    """The model's own tensors (an integer buffer may be of any integer dtype), finite, less some BN statistics."""
+    if not set(tensors) <= set(model) or not all(is_norm_statistic(key) for key in set(model) - set(tensors)):
+        return False
+    return all(
+        t.shape == model[key].shape
+        and (t.dtype == model[key].dtype or {t.dtype, model[key].dtype} <= INTEGERS)
+        and (not t.is_floating_point() or bool(torch.isfinite(t).all()))
+        for key, t in tensors.items()
+    )
 
 
 @pytest.mark.parametrize("strategy", sorted(CASES))
 @FUZZ
 @given(mutations=mutations)
-def test_tensors_that_do_not_fit_the_spec_are_refused_with_value_or_runtime_error(strategy, mutations):
+def test_tensors_that_do_not_fit_the_spec_are_refused_and_never_cast(strategy, mutations):
     spec = parse_spec({"strategy": strategy, "model": MODEL, **CASES[strategy][0]})
-    try:
-        build_program(spec, _mutate(_state(strategy), mutations))
-    except (ValueError, RuntimeError) as exc:
-        assert str(exc)
+    tensors = _mutate(_state(strategy), mutations)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # load_state_dict's "Casting complex values to real" among them
+        try:
+            build_program(spec, tensors)
+        except BadAssignment as exc:
+            assert not _fits(tensors, _state(strategy)), exc
+            assert str(exc).startswith("assignment does not fit the model: ")
+        else:
+            assert _fits(tensors, _state(strategy))

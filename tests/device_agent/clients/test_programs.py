@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from device_agent.assignment_check import BadAssignment
 from device_agent.clients import build_program
 from device_agent.clients.spec import parse_spec
 from device_agent.hybrid import hybrid
@@ -39,5 +40,5 @@ def test_specs_that_do_not_fit_are_named():
     with pytest.raises(ValueError, match=r"spec\.fedhm\.momentum: Extra inputs are not permitted"):
         parse_spec({"strategy": "fedhm", "model": MODEL, "level": 0.5, "frobenius_decay": 0.0, "momentum": 0.9})
     spec = parse_spec({"strategy": "fedavg", "model": MODEL, "level": 1.0, "scaler": False, "send_classes": False})
-    with pytest.raises(ValueError, match=r"missing conv1.weight"):
+    with pytest.raises(BadAssignment, match=r"missing 'bn1.bias', 'bn1.weight', .* and 6 more"):
         build_program(spec, {})

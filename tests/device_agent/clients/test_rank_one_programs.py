@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from device_agent.assignment_check import BadAssignment
 from device_agent.clients import build_program
 from device_agent.clients.rank_one import rank_one_model
 from device_agent.clients.spec import parse_spec
@@ -45,5 +46,5 @@ def test_simfed_embedding_is_the_classifier_input_on_the_criteria():
 
 
 def test_simfed_without_criteria_is_named():
-    with pytest.raises(ValueError, match="criteria"):
+    with pytest.raises(BadAssignment, match="missing 'criteria'"):
         build_program(SIMFED, full_model("channel"))
