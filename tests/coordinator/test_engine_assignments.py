@@ -28,10 +28,8 @@ from device_agent.wire.transfer import Completed, make_manifest
 CNN = ModelSpec("cnn", 10, 1, 8)
 
 
-class LossyLink(InProcessLink):
-    """Loses device ``b``'s first assignment; ``b`` then reports idle, as an agent's heartbeat does."""
-
-    idle_after_s = 0.5
+class RecordingLink(InProcessLink):
+    """Records to whom each assignment went."""
 
     def __init__(self, devices: list[LocalDevice]) -> None:
         super().__init__(devices)
@@ -40,10 +38,20 @@ class LossyLink(InProcessLink):
     def send_control(self, device: str, message: Message) -> None:
         if isinstance(message, Assignment):
             self.assignments.append(device)
-            if device == "b" and self.assignments.count("b") == 1:
-                idle = Status(device="b", state="idle")
-                threading.Timer(self.idle_after_s, lambda: self._to_engine("b", idle)).start()
-                return
+        super().send_control(device, message)
+
+
+class LossyLink(RecordingLink):
+    """Loses device ``b``'s first assignment; ``b`` then reports idle, as an agent's heartbeat does."""
+
+    idle_after_s = 0.5
+
+    def send_control(self, device: str, message: Message) -> None:
+        if isinstance(message, Assignment) and device == "b" and "b" not in self.assignments:
+            self.assignments.append(device)
+            idle = Status(device="b", state="idle")
+            threading.Timer(self.idle_after_s, lambda: self._to_engine("b", idle)).start()
+            return
         super().send_control(device, message)
 
 
@@ -57,18 +65,12 @@ class EarlyIdleLink(LossyLink):
     idle_after_s = 0.05
 
 
-class RefusedOnceLink(InProcessLink):
+class RefusedOnceLink(RecordingLink):
     """Device ``b``'s first upload is corrupted on the way (NaN); ``b`` then reports idle, as an agent does."""
 
     def __init__(self, devices: list[LocalDevice]) -> None:
         super().__init__(devices)
-        self.assignments: list[str] = []
         self.uploads: list[str] = []
-
-    def send_control(self, device: str, message: Message) -> None:
-        if isinstance(message, Assignment):
-            self.assignments.append(device)
-        super().send_control(device, message)
 
     def start(self, on_message, on_payload, on_refused=None) -> None:
         def intercept(device: str, completed: Completed) -> None:
@@ -85,17 +87,8 @@ class RefusedOnceLink(InProcessLink):
         super().start(on_message, intercept)
 
 
-class TooLargeLink(InProcessLink):
+class TooLargeLink(RecordingLink):
     """Every upload of ``b`` is refused by the transport (past ``limits.max_upload_bytes``); ``b`` then says idle."""
-
-    def __init__(self, devices: list[LocalDevice]) -> None:
-        super().__init__(devices)
-        self.assignments: list[str] = []
-
-    def send_control(self, device: str, message: Message) -> None:
-        if isinstance(message, Assignment):
-            self.assignments.append(device)
-        super().send_control(device, message)
 
     def start(self, on_message, on_payload, on_refused=None) -> None:
         def intercept(device: str, completed: Completed) -> None:
