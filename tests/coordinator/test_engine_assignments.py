@@ -16,14 +16,14 @@ from coordinator.engine import EngineSettings, RoundEngine
 from coordinator.fleet import parse_fleet
 from coordinator.local_link import InProcessLink, LocalDevice
 from coordinator.rundir import RunDir
-from coordinator.simulation import SimClient, fixed_levels, simulation_fleet
+from coordinator.simulation import fixed_levels, simulation_fleet
 from coordinator.strategies import ModelSpec, build_strategy
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData, load_dataset
-from device_agent.data.partition import PartitionSpec, client_shard
 from device_agent.wire.codec import decode_tensors, encode_tensors
 from device_agent.wire.messages import Assignment, Manifest, Message, Status
 from device_agent.wire.transfer import Completed, make_manifest
+from tests.digit_clients import digit_clients
 
 CNN = ModelSpec("cnn", 10, 1, 8)
 
@@ -125,12 +125,7 @@ def run_round(
 ) -> tuple[RoundEngine, InProcessLink]:
     """FedAvg rounds (one by default) of devices a and b on digits, with a 20 s deadline."""
     data = load_dataset("digits", 8, 1)
-    split = PartitionSpec("iid", 2, seed=0)
-    shards = [
-        (client_shard(data.train_x, data.train_y, split, i), client_shard(data.test_x, data.test_y, split, i))
-        for i in range(2)
-    ]
-    clients = [SimClient(name, 1.0, *shards[i]) for i, name in enumerate("ab")]
+    clients = digit_clients(["a", "b"])
     strategy = build_strategy("fedavg", CNN, {}, seed=0)
     fleet_file = tmp_path / "fleet.yaml"
     raw = simulation_fleet(strategy, clients, rounds, TrainConfig(batch_size=32)) | {"round_deadline_s": 20}

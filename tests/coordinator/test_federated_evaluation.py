@@ -23,8 +23,8 @@ from coordinator.rundir import RunDir
 from coordinator.simulation import SimClient, fixed_levels, simulate, simulation_fleet
 from coordinator.strategies import ModelSpec, build_strategy
 from device_agent.clients.spec import TrainConfig
-from device_agent.data.datasets import LabeledData, load_dataset
-from device_agent.data.partition import PartitionSpec, client_shard
+from device_agent.data.datasets import LabeledData
+from tests.digit_clients import digit_clients
 
 CNN = ModelSpec("cnn", 10, 1, 8)
 NO_DATA = torch.empty(0, 1, 8, 8)
@@ -33,17 +33,7 @@ NO_LABELS = torch.empty(0, dtype=torch.long)
 
 @pytest.fixture(scope="module")
 def clients() -> list[SimClient]:
-    data = load_dataset("digits", 8, 1)
-    spec = PartitionSpec("iid", 2, seed=0)
-    return [
-        SimClient(
-            f"pi-{i}",
-            1.0,
-            client_shard(data.train_x, data.train_y, spec, i),
-            client_shard(data.test_x, data.test_y, spec, i),
-        )
-        for i in range(2)
-    ]
+    return digit_clients(["pi-0", "pi-1"])
 
 
 class SilentLink(InProcessLink):

@@ -30,10 +30,10 @@ from coordinator.upload_gate import (
 from device_agent.clients.base import is_norm_statistic
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import load_dataset
-from device_agent.data.partition import PartitionSpec, client_shard
 from device_agent.probe import probe_device
 from device_agent.wire.codec import decode_tensors, encode_tensors
 from device_agent.wire.transfer import Completed, make_manifest
+from tests.digit_clients import digit_clients
 
 CNN = ModelSpec("cnn", 10, 1, 8)
 
@@ -84,17 +84,7 @@ def missing_layer(tensors, meta):
 
 @pytest.fixture(scope="module")
 def clients() -> list[SimClient]:
-    data = load_dataset("digits", 8, 1)
-    spec = PartitionSpec("iid", 2, seed=0)
-    return [
-        SimClient(
-            name,
-            1.0,
-            client_shard(data.train_x, data.train_y, spec, i),
-            client_shard(data.test_x, data.test_y, spec, i),
-        )
-        for i, name in enumerate(("bad", "good"))
-    ]
+    return digit_clients(["bad", "good"])
 
 
 @pytest.mark.parametrize(

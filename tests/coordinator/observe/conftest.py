@@ -18,12 +18,12 @@ from coordinator.local_link import LocalDevice
 from coordinator.metrics import RoundMetrics
 from coordinator.observe.snapshot import FleetWatch
 from coordinator.rundir import RunDir
-from coordinator.simulation import SimClient, fixed_levels, simulation_fleet
+from coordinator.simulation import fixed_levels, simulation_fleet
 from coordinator.strategies import ModelSpec, build_strategy
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData, load_dataset
-from device_agent.data.partition import PartitionSpec, client_shard
 from tests.coordinator.test_upload_gate import TamperingLink, nan_loss
+from tests.digit_clients import digit_clients
 
 ROUNDS = 2
 
@@ -38,16 +38,7 @@ class WatchedRun:
 @pytest.fixture(scope="package")
 def watched_run(tmp_path_factory: pytest.TempPathFactory) -> WatchedRun:
     data = load_dataset("digits", 8, 1)
-    spec = PartitionSpec("iid", 2, seed=0)
-    clients = [
-        SimClient(
-            name,
-            level,
-            client_shard(data.train_x, data.train_y, spec, i),
-            client_shard(data.test_x, data.test_y, spec, i),
-        )
-        for i, (name, level) in enumerate((("bad", 1.0), ("good", 0.5)))
-    ]
+    clients = digit_clients(["bad", "good"], levels=[1.0, 0.5])
     strategy = build_strategy("fedhm", ModelSpec("cnn", 10, 1, 8), {}, seed=0)
     raw = simulation_fleet(strategy, clients, ROUNDS, TrainConfig(batch_size=32))
     tmp = tmp_path_factory.mktemp("watched")
