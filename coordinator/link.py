@@ -13,7 +13,6 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from coordinator.allocator import keep_freed_buffers
 from device_agent.wire.guard import InboundGuard, InboundLimits
 from device_agent.wire.messages import Manifest, Message
 from device_agent.wire.session import BrokerAddress, Delivery, Session, coordinator_session
@@ -112,7 +111,6 @@ class MqttLink:
         on_refused: RefusalHandler = _ignore_refusal,
         timeout: float = 30.0,
     ) -> None:
-        keep_freed_buffers()  # uploads reuse the memory earlier uploads freed (see coordinator.allocator)
         self.session = coordinator_session(
             self.fleet,
             self.broker,

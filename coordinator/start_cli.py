@@ -11,6 +11,7 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
+from coordinator.allocator import keep_freed_buffers
 from coordinator.broker.base import BrokerError, BrokerSettings
 from coordinator.broker.credentials import COORDINATOR_USER, Credentials
 from coordinator.broker.factory import ExternalBroker, external_broker, make_broker
@@ -136,6 +137,7 @@ def run_start(
     up and returns what to run before it stops (``coordinator emulate`` starts and stops its agents there);
     ``protocol`` is the MQTT version the broker speaks ("3.1.1" for the amqtt fallback)."""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    keep_freed_buffers()  # this process ingests every upload: reuse freed buffers (see coordinator.allocator)
     try:
         fleet, catalog = load_fleet(args.fleet)
         problems = start_problems(fleet)
