@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from device_agent.probe import DeviceProfile, resolve_device
 from device_agent.protocol import UPDATE_KIND, upload_meta
 from device_agent.signing import UploadIdentity, signed_meta
 from device_agent.speed import measured_profile
+from device_agent.stopping import stop_on_signals
 from device_agent.wire.codec import CodecError, decode_tensors
 from device_agent.wire.messages import INCOMPATIBLE, Assignment, Error, Hello, Message, Receipt, RoundFailed, Status
 from device_agent.wire.reachability import wait_for_broker
@@ -375,8 +375,7 @@ def run_agent(config: AgentConfig, profile: DeviceProfile | None = None) -> int:
         wait_for_broker(broker.host, broker.port, config.connect_timeout_s)
     except ConnectionError as exc:
         raise AgentError(str(exc)) from None
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: agent.stop())
+    stop_on_signals(agent.stop)
     agent.run()
     return 0
 

@@ -16,7 +16,6 @@ A worker reads a list of agent.yaml files (``device-agent worker --agents LIST``
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from device_agent.data.datasets import DatasetError, check_source
 from device_agent.limits import EmulatedDevice, limit_threads
 from device_agent.probe import DeviceProfile, probe_device, resolve_device
 from device_agent.runtime import Agent, AgentError
+from device_agent.stopping import stop_on_signals
 
 log = logging.getLogger("fedfleet.worker")
 
@@ -124,8 +124,7 @@ def run_worker(agent_list: Path, slots: int = 1, threads: int = 1) -> int:
         except DatasetError as exc:
             raise AgentError(f"{config.device}: {exc}") from None
     worker = Worker(configs, slots=slots, threads=threads)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: worker.stop())
+    stop_on_signals(worker.stop)
     log.info("worker: %d devices (%s .. %s)", len(configs), configs[0].device, configs[-1].device)
     worker.run()
     for device, error in worker.errors.items():
