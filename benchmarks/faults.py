@@ -429,10 +429,12 @@ def run_scenarios(names: list[str], repeats: int) -> dict[str, dict[str, object]
         raise ValueError(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
     root = Path(tempfile.mkdtemp(prefix="fedfleet-faults-"))
     os.chmod(root, 0o711)  # the mosquitto user must reach the kits (as on a real broker host)
-    try:
-        return {SCENARIOS[name][0]: asdict(run_scenario(name, repeats, root)) for name in names}
-    finally:
+    results = {SCENARIOS[name][0]: asdict(run_scenario(name, repeats, root)) for name in names}
+    if all(outcome["survived"] is not False for outcome in results.values()):  # None: not run here
         shutil.rmtree(root, ignore_errors=True)
+    else:  # the agents', coordinators' and broker's logs say why
+        print(f"faults: a scenario failed; its logs are kept in {root}", file=sys.stderr)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
