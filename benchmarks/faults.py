@@ -41,10 +41,10 @@ import psutil
 
 from benchmarks import bad_inputs
 from benchmarks.reliability import update_readme
-from coordinator.broker.base import free_port
-from coordinator.broker.scratch import OWNER_FILE, PATTERN
-from device_agent.launcher import agent_command
-from device_agent.limits import thread_env
+from coordinator.transport.broker.base import free_port
+from coordinator.transport.broker.scratch import OWNER_FILE, PATTERN
+from device_agent.emulation.launcher import agent_command
+from device_agent.emulation.limits import thread_env
 
 DEVICES = ("orin-01", "orin-02", "pi5-01", "pi5-02")
 FLEET = """\

@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from device_agent.probe import DeviceProfile
+from device_agent.agent.probe import DeviceProfile
 from profiles.schema import DeviceClass
 
 ENV_VAR = "FEDFLEET_PROFILES"

@@ -14,8 +14,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.broker.credentials import COORDINATOR_USER, Credentials, write_file
-from coordinator.fleet import Fleet
+from coordinator.config.fleet import Fleet
 from coordinator.provision.agent_kit import DeviceLayout, broker_url, build_agent_kit
 from coordinator.provision.broker_files import build_broker_files
 from coordinator.provision.bundle import build_bundle
@@ -24,7 +23,8 @@ from coordinator.provision.layout import CA_CERT, CLIENT_CERT, CLIENT_KEY, PASSW
 from coordinator.provision.secrets import ProvisionError, build_credentials
 from coordinator.provision.signing_keys import build_signing_keys
 from coordinator.provision.wheel import build_agent_wheel
-from device_agent.schema import SecretError, resolve_secret
+from coordinator.transport.broker.credentials import COORDINATOR_USER, Credentials, write_file
+from device_agent.common.schema import SecretError, resolve_secret
 
 MANIFEST = "fleet.json"
 

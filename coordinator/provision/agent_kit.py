@@ -16,11 +16,11 @@ from pathlib import Path
 
 import yaml
 
-from coordinator.broker.credentials import write_file
-from coordinator.fleet import Device, Fleet
+from coordinator.config.fleet import Device, Fleet
 from coordinator.provision.layout import CA_CERT, CLIENT_CERT, CLIENT_KEY, PASSWORD, SIGNING_KEY, Kits
 from coordinator.provision.wheel import wheel_name
-from device_agent.emulation import DataShare
+from coordinator.transport.broker.credentials import write_file
+from device_agent.emulation.profile_config import DataShare
 
 UNIT = "fedfleet-agent.service"
 INSTALL = "install.sh"

@@ -13,12 +13,12 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from coordinator.broker.base import BrokerSettings
-from coordinator.broker.credentials import Credentials, hash_password, write_file
-from coordinator.broker.mosquitto import _broker_owner, limits_and_persistence
-from coordinator.fleet import Fleet
+from coordinator.config.fleet import Fleet
 from coordinator.provision.certificates import CRL, SERVER_CERT, SERVER_KEY, Authority
 from coordinator.provision.layout import CA_CERT, Kits, private_dir
+from coordinator.transport.broker.base import BrokerSettings
+from coordinator.transport.broker.credentials import Credentials, hash_password, write_file
+from coordinator.transport.broker.mosquitto import _broker_owner, limits_and_persistence
 from device_agent.wire.topics import ROOT, acl_patterns
 
 CONFIG = "mosquitto.conf"

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.broker.credentials import COORDINATOR_USER
+from coordinator.transport.broker.credentials import COORDINATOR_USER
 
 PASSWORD = "password"
 CLIENT_CERT = "client.pem"

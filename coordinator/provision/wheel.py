@@ -62,7 +62,7 @@ def build_agent_wheel(out_dir: Path) -> Path:
             f"{info}/WHEEL",
             b"Wheel-Version: 1.0\nGenerator: fedfleet-provision\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
         ),
-        (f"{info}/entry_points.txt", b"[console_scripts]\ndevice-agent = device_agent.cli:main\n"),
+        (f"{info}/entry_points.txt", b"[console_scripts]\ndevice-agent = device_agent.cli.app:main\n"),
     ]
     record = [f"{name},sha256={_digest(data)},{len(data)}" for name, data in files] + [f"{info}/RECORD,,"]
     files.append((f"{info}/RECORD", ("\n".join(record) + "\n").encode()))

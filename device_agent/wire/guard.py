@@ -31,10 +31,10 @@ RefusalHandler = Callable[[str, str], None]
 REASONS = frozenset(
     {"rate_limited", "retained", "malformed", "transfer_refused", "transfer_evicted", "corrupt_chunk", "wrong_sender"}
 )
-"""Every reason the transport refuses a frame under (the engine adds its own: ``coordinator.upload_gate``)."""
+"""Every reason the transport refuses a frame under (the engine adds its own: ``coordinator.rounds.upload_gate``)."""
 
 RETAINED_KINDS: tuple[type, ...] = (Hello, Status)
-"""Messages a peer publishes retained on purpose (see ``device_agent.protocol``)."""
+"""Messages a peer publishes retained on purpose (see ``device_agent.agent.protocol``)."""
 
 
 @dataclass(frozen=True)

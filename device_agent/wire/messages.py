@@ -15,9 +15,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from device_agent.agent.probe import DeviceProfile
 from device_agent.clients.spec import ClientSpec, TrainConfig
-from device_agent.probe import DeviceProfile
-from device_agent.schema import NAME_PATTERN as _NAME
+from device_agent.common.schema import NAME_PATTERN as _NAME
 from device_agent.wire.json_bounds import nesting_depth
 
 # 3: the assignment carries a typed client spec and training config (2 carried an untyped options dict).

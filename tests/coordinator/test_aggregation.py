@@ -9,7 +9,7 @@ import torch
 
 from coordinator.algorithms.aggregation import StreamingAggregator, UpdateRejected, aggregation_weights
 from coordinator.algorithms.lowrank import align, factorize
-from device_agent.hybrid import factorization_plan, hybrid
+from device_agent.layers.hybrid import factorization_plan, hybrid
 
 RATIOS = [1, 1 / 2, 1 / 4, 1 / 8]
 
@@ -141,7 +141,7 @@ MEMORY_PROBE = textwrap.dedent(
     import sys, torch
     from coordinator.algorithms.aggregation import StreamingAggregator
     from coordinator.algorithms.lowrank import factorize
-    from device_agent.hybrid import factorization_plan, hybrid
+    from device_agent.layers.hybrid import factorization_plan, hybrid
 
     clients, mode = int(sys.argv[1]), sys.argv[2]
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(
 # prints the minor page faults the loop took. Run in a fresh interpreter: the tuning is process-wide.
 _UPLOADS = """
 import os, resource, sys
-from coordinator.allocator import keep_freed_buffers
+from coordinator.transport.allocator import keep_freed_buffers
 if sys.argv[1] == "tuned":
     assert keep_freed_buffers()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.cli import main
-from coordinator.model_stats import model_stats
+from coordinator.cli.app import main
+from coordinator.planning.model_stats import model_stats
 
 
 def test_models_json_lists_ratio_params_upload_and_macs(capsys):

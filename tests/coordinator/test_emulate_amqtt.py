@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator.broker import factory
-from coordinator.broker.amqtt_broker import AmqttBroker
-from coordinator.broker.base import BrokerSettings, free_port
-from coordinator.broker.credentials import generate_credentials
+from coordinator.transport.broker import factory
+from coordinator.transport.broker.amqtt_broker import AmqttBroker
+from coordinator.transport.broker.base import BrokerSettings, free_port
+from coordinator.transport.broker.credentials import generate_credentials
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "demo.yaml"

@@ -19,8 +19,8 @@ import pytest
 import torch
 import yaml
 
-from coordinator.broker.base import free_port
-from coordinator.broker.mosquitto import find_mosquitto
+from coordinator.transport.broker.base import free_port
+from coordinator.transport.broker.mosquitto import find_mosquitto
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "demo.yaml"
@@ -108,8 +108,8 @@ def test_ctrl_c_stops_the_coordinator_and_every_agent_cleanly(tmp_path: Path) ->
 
 _CAP_CHECK = """
 import torch
-from device_agent.config import load_config
-from device_agent.limits import runtime_hooks
+from device_agent.agent.config import load_config
+from device_agent.emulation.limits import runtime_hooks
 config = load_config({config!r})
 hooks = runtime_hooks(config.emulation, torch.device("cuda"))
 cap = config.emulation.memory_bytes

@@ -19,10 +19,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from coordinator.broker.base import free_port
-from coordinator.broker.mosquitto import find_mosquitto
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
 from coordinator.strategies.factorized_fl import FactorizedFL
+from coordinator.transport.broker.base import free_port
+from coordinator.transport.broker.mosquitto import find_mosquitto
 from device_agent.clients import build_program
 from device_agent.wire.codec import encode_tensors
 

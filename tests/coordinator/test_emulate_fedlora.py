@@ -17,10 +17,10 @@ import psutil
 import pytest
 import yaml
 
-from coordinator.broker.base import free_port
-from coordinator.broker.mosquitto import find_mosquitto
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
 from coordinator.strategies.fedlora import FedLoRA
+from coordinator.transport.broker.base import free_port
+from coordinator.transport.broker.mosquitto import find_mosquitto
 from device_agent.clients import build_program
 from device_agent.wire.codec import encode_tensors
 

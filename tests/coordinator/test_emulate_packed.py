@@ -11,8 +11,8 @@ import psutil
 import pytest
 import yaml
 
-from coordinator.broker.base import free_port
-from coordinator.broker.mosquitto import find_mosquitto
+from coordinator.transport.broker.base import free_port
+from coordinator.transport.broker.mosquitto import find_mosquitto
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "examples" / "demo.yaml"

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import yaml
 
-from coordinator.broker.credentials import Credentials
-from coordinator.emulator import Emulation, EmulatorError, agent_url, write_agent_specs
-from coordinator.fleet import load_fleet
-from coordinator.planner import effective_profile, level_cost
-from device_agent.config import load_config
+from coordinator.config.fleet import load_fleet
+from coordinator.emulation.emulator import Emulation, EmulatorError, agent_url, write_agent_specs
+from coordinator.planning.planner import effective_profile, level_cost
+from coordinator.transport.broker.credentials import Credentials
+from device_agent.agent.config import load_config
 from device_agent.data.datasets import load_dataset
 from device_agent.data.partition import partition
-from device_agent.launcher import AgentGroup
+from device_agent.emulation.launcher import AgentGroup
 from profiles.costmodel import Workload, predict_step_seconds
 
 _GIB = 1024**3
@@ -154,7 +154,7 @@ def test_launch_starts_one_agent_per_device_and_reports_a_crash(tmp_path: Path) 
 
 
 def test_the_command_refuses_what_it_cannot_emulate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from coordinator.cli import main
+    from coordinator.cli.app import main
 
     path = _fleet_file(tmp_path, extra_device="  - {id: mystery, profile: reported}\n")
     assert main(["emulate", "--fleet", str(path), "--run-dir", str(tmp_path / "run")]) == 2

@@ -12,12 +12,12 @@ import pytest
 import torch
 import yaml
 
-from coordinator.engine import EngineSettings, RoundEngine
-from coordinator.fleet import parse_fleet
-from coordinator.local_link import InProcessLink, LocalDevice
-from coordinator.rundir import RunDir
-from coordinator.simulation import fixed_levels, simulation_fleet
+from coordinator.config.fleet import parse_fleet
+from coordinator.emulation.simulation import fixed_levels, simulation_fleet
+from coordinator.rounds.engine import EngineSettings, RoundEngine
+from coordinator.run.rundir import RunDir
 from coordinator.strategies import ModelSpec, build_strategy
+from coordinator.transport.local_link import InProcessLink, LocalDevice
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData, load_dataset
 from device_agent.wire.codec import decode_tensors, encode_tensors

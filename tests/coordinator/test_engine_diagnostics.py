@@ -10,13 +10,13 @@ import torch
 import yaml
 from rich.console import Console
 
-from coordinator.engine import EngineSettings, RoundEngine
-from coordinator.fleet import parse_fleet
-from coordinator.live import round_table
-from coordinator.local_link import InProcessLink, LocalDevice
-from coordinator.planner import DevicePlan
-from coordinator.rundir import RunDir
+from coordinator.cli.live import round_table
+from coordinator.config.fleet import parse_fleet
+from coordinator.planning.planner import DevicePlan
+from coordinator.rounds.engine import EngineSettings, RoundEngine
+from coordinator.run.rundir import RunDir
 from coordinator.strategies import ModelSpec, build_strategy
+from coordinator.transport.local_link import InProcessLink, LocalDevice
 from device_agent.data.datasets import LabeledData
 from device_agent.wire.messages import Hello, incompatible
 from tests.device_agent.test_misconfiguration import PROFILE

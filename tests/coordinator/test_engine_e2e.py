@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.broker.base import BrokerSettings, free_port
-from coordinator.broker.credentials import COORDINATOR_USER, generate_credentials
-from coordinator.broker.mosquitto import MosquittoBroker, find_mosquitto
+from coordinator.transport.broker.base import BrokerSettings, free_port
+from coordinator.transport.broker.credentials import COORDINATOR_USER, generate_credentials
+from coordinator.transport.broker.mosquitto import MosquittoBroker, find_mosquitto
 from device_agent.wire.messages import Error, Message
 from device_agent.wire.session import Session, SessionConfig
 from device_agent.wire.topics import DeviceTopics
@@ -80,7 +80,7 @@ class Fleet:
 
     def agent(self, device: str, *extra: str) -> subprocess.Popen:
         index = DEVICES.index(device)
-        command = [sys.executable, "-m", "device_agent.cli", "run", "--device", device, "--fleet", FLEET]
+        command = [sys.executable, "-m", "device_agent", "run", "--device", device, "--fleet", FLEET]
         command += ["--broker", f"mqtt://127.0.0.1:{self.port}", "--password", f"file:{self.tmp / 'secrets' / device}"]
         command += ["--index", str(index), "--count", str(len(DEVICES)), "--threads", "1"]
         command += ["--state-dir", str(self.tmp / "agents" / device), *extra]

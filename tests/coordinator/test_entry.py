@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fleet.yaml"
-SCRIPT = "import sys; from coordinator.entry import main; sys.argv[0] = 'coordinator'; sys.exit(main())"
+SCRIPT = "import sys; from coordinator.cli.entry import main; sys.argv[0] = 'coordinator'; sys.exit(main())"
 
 
 def test_output_piped_into_a_closed_reader_ends_with_one_line() -> None:

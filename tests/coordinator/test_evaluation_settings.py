@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.fleet import FleetError, parse_fleet
-from coordinator.readiness import start_problems
-from coordinator.start_cli import fleet_data
+from coordinator.cli.readiness import start_problems
+from coordinator.cli.start import fleet_data
+from coordinator.config.fleet import FleetError, parse_fleet
 from profiles.catalog import load_catalog
 
 CATALOG = load_catalog()

@@ -14,14 +14,14 @@ import pytest
 import torch
 import yaml
 
-from coordinator.engine import EngineSettings, RoundEngine
-from coordinator.fleet import parse_fleet
-from coordinator.local_link import InProcessLink, LocalDevice
-from coordinator.metrics import round_scores
-from coordinator.report import write_report
-from coordinator.rundir import RunDir
-from coordinator.simulation import SimClient, fixed_levels, simulate, simulation_fleet
+from coordinator.config.fleet import parse_fleet
+from coordinator.emulation.simulation import SimClient, fixed_levels, simulate, simulation_fleet
+from coordinator.rounds.engine import EngineSettings, RoundEngine
+from coordinator.run.metrics import round_scores
+from coordinator.run.report import write_report
+from coordinator.run.rundir import RunDir
 from coordinator.strategies import ModelSpec, build_strategy
+from coordinator.transport.local_link import InProcessLink, LocalDevice
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData
 from tests.digit_clients import digit_clients

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator.fleet import FleetError, load_fleet, parse_fleet
+from coordinator.config.fleet import FleetError, load_fleet, parse_fleet
 from profiles.catalog import load_catalog
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fleet.yaml"

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from coordinator.fleet import load_fleet
-from coordinator.planner import plan_fleet
+from coordinator.config.fleet import load_fleet
+from coordinator.planning.planner import plan_fleet
 from device_agent.wire.messages import Hello, ProtocolError, parse_message
 from tests.device_profiles import REPORTED_FIELDS
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from coordinator.engine import EngineSettings
-from coordinator.fleet import parse_fleet
-from coordinator.upload_gate import GateSettings
+from coordinator.config.fleet import parse_fleet
+from coordinator.rounds.engine import EngineSettings
+from coordinator.rounds.upload_gate import GateSettings
 from device_agent.wire.guard import InboundLimits
 from tests.coordinator.test_fleet import CATALOG, MINIMAL
 

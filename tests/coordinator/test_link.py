@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from coordinator.fleet import parse_fleet
-from coordinator.link import MqttLink
+from coordinator.config.fleet import parse_fleet
+from coordinator.transport.link import MqttLink
 from device_agent.wire.session import device_session
 from device_agent.wire.transfer import Completed, TransferError
 from tests.transport_fixtures import TestBroker

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from coordinator.live import round_figures
-from coordinator.metrics import DeviceRoundMetrics, RoundMetrics
+from coordinator.cli.live import round_figures
+from coordinator.run.metrics import DeviceRoundMetrics, RoundMetrics
 
 
 def closed_round(**figures: float) -> RoundMetrics:

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from coordinator.algorithms.lowrank import align, factorize
-from device_agent.factorized import weight_to_matrix
-from device_agent.hybrid import factorization_plan, hybrid
+from device_agent.layers.factorized import weight_to_matrix
+from device_agent.layers.hybrid import factorization_plan, hybrid
 
 GAMMAS = (1.0, 0.5, 0.25, 0.125)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from coordinator.metrics import DeviceRoundMetrics, RoundMetrics, received_metrics, round_scores
-from device_agent.protocol import ReceivedEvaluation
+from coordinator.run.metrics import DeviceRoundMetrics, RoundMetrics, received_metrics, round_scores
+from device_agent.agent.protocol import ReceivedEvaluation
 
 
 def device(received: ReceivedEvaluation | None, local_accuracy: float | None = None) -> DeviceRoundMetrics:

@@ -1,8 +1,8 @@
 """A real (not emulated) device that runs out of memory is planned one rank level lower next round.
 
-A real ``coordinator start`` process and an in-process :class:`~device_agent.runtime.Agent` without an
+A real ``coordinator start`` process and an in-process :class:`~device_agent.agent.runtime.Agent` without an
 ``emulation:`` section meet on the mosquitto the tests start. The out-of-memory is injected through
-the runtime's own step hook (:class:`~device_agent.hooks.RuntimeHooks`, which the runtime calls
+the runtime's own step hook (:class:`~device_agent.agent.hooks.RuntimeHooks`, which the runtime calls
 around every training step): on the first step the hook asks torch's CPU allocator for 1 PiB, which
 it refuses with its genuine ``RuntimeError: DefaultCPUAllocator: can't allocate memory``, raised
 inside the training step as a model too big for the device would. The runtime has no test path:
@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from device_agent.config import parse_config
-from device_agent.hooks import RuntimeHooks
-from device_agent.runtime import Agent
+from device_agent.agent.config import parse_config
+from device_agent.agent.hooks import RuntimeHooks
+from device_agent.agent.runtime import Agent
 from tests.coordinator.one_device_fleet import one_device_fleet
 from tests.transport_fixtures import TestBroker
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from device_agent.launcher import write_agent_list
+from device_agent.emulation.launcher import write_agent_list
 from tests.coordinator.one_device_fleet import one_device_fleet
 from tests.transport_fixtures import TestBroker
 
@@ -57,10 +57,10 @@ def test_out_of_memory_then_one_level_lower_in_either_mode(
     command += ["--no-live", "--min-devices", "1", "--wait-timeout", "60"]
     agent_yaml = _agent_yaml(tmp_path, fresh_mosquitto)
     if mode == "process":
-        agent = [sys.executable, "-m", "device_agent.cli", "run", "--config", str(agent_yaml)]
+        agent = [sys.executable, "-m", "device_agent", "run", "--config", str(agent_yaml)]
     else:
         agent_list = write_agent_list(tmp_path / "worker.yaml", [agent_yaml])
-        agent = [sys.executable, "-m", "device_agent.cli", "worker", "--agents", str(agent_list)]
+        agent = [sys.executable, "-m", "device_agent", "worker", "--agents", str(agent_list)]
     env = {**os.environ, "DEV_A_PASSWORD": fresh_mosquitto.credentials[DEVICE].password}
     log = tmp_path / "coordinator.log"
     agent_log = tmp_path / "agent.log"

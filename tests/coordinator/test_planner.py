@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.fleet import Fleet, load_fleet, parse_fleet
-from coordinator.planner import after_out_of_memory, plan_fleet
+from coordinator.config.fleet import Fleet, load_fleet, parse_fleet
+from coordinator.planning.planner import after_out_of_memory, plan_fleet
+from device_agent.agent.probe import DeviceProfile
 from device_agent.models import build_model
-from device_agent.probe import DeviceProfile
 from profiles.catalog import load_catalog
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fleet.yaml"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator.cli import main
-from coordinator.fleet import load_fleet
-from coordinator.planner import data_bytes
+from coordinator.cli.app import main
+from coordinator.config.fleet import load_fleet
+from coordinator.planning.planner import data_bytes
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
 from device_agent.clients import build_program
 from profiles.costmodel import Workload, predict_process_peak, trace_module

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator.cli import main
-from coordinator.fleet import parse_fleet
-from coordinator.readiness import start_problems
+from coordinator.cli.app import main
+from coordinator.cli.readiness import start_problems
+from coordinator.config.fleet import parse_fleet
 from profiles.catalog import load_catalog
 
 CATALOG = load_catalog()

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.cli import main
-from coordinator.metrics import DeviceRoundMetrics, RoundMetrics
-from coordinator.report import PLOTS, load_run, plot_rank_assignment, plot_training_time, write_report
-from coordinator.rundir import RunDir
+from coordinator.cli.app import main
+from coordinator.run.metrics import DeviceRoundMetrics, RoundMetrics
+from coordinator.run.report import PLOTS, load_run, plot_rank_assignment, plot_training_time, write_report
+from coordinator.run.rundir import RunDir
 
 FLEET = {"pi4": (4, 0.125), "orin": (3, 0.5), "laptop": (2, 1.0)}
 PAYLOAD = {0.125: 120_000, 0.5: 410_000, 1.0: 800_000}

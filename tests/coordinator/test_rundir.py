@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.checkpoints import Retention
-from coordinator.metrics import DeviceRoundMetrics, RoundMetrics
-from coordinator.rundir import RoundNotOpen, RunDir, RunDirError, read_metrics
+from coordinator.run.checkpoints import Retention
+from coordinator.run.metrics import DeviceRoundMetrics, RoundMetrics
+from coordinator.run.rundir import RoundNotOpen, RunDir, RunDirError, read_metrics
 
 FLEET = "fleet: lab\nrounds:\n  count: 5\n  deadline_s: 30\ndevices:\n  - {class: pi4, count: 4}\n"
 
@@ -287,7 +287,7 @@ def test_a_coordinator_killed_mid_round_loses_no_accepted_upload(tmp_path: Path,
     child = textwrap.dedent(
         f"""
         import os, sys, time, torch
-        from coordinator.rundir import RunDir
+        from coordinator.run.rundir import RunDir
         rundir = RunDir.open({str(tmp_path / "run")!r})
         for n in range(3):
             assert rundir.accept_upload(1, f"dev-{{n}}", f"t{{n}}", {{"w": torch.full((256,), float(n))}})

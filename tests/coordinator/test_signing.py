@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator.engine import refusal_reason
-from coordinator.fleet import FleetError, load_fleet
+from coordinator.config.fleet import FleetError, load_fleet
 from coordinator.provision import DeviceLayout, provision
 from coordinator.provision.layout import SIGNING_KEY
-from coordinator.signing import SignatureRefused, upload_signatures
-from device_agent.config import parse_config
-from device_agent.signing import UploadIdentity, signed_meta
+from coordinator.rounds.engine import refusal_reason
+from coordinator.rounds.signing import SignatureRefused, upload_signatures
+from device_agent.agent.config import parse_config
+from device_agent.agent.signing import UploadIdentity, signed_meta
 from device_agent.wire.transfer import make_manifest
 
 PAYLOAD = b"the update's safetensors bytes"

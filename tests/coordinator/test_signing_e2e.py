@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.broker.base import BrokerSettings, free_port
-from coordinator.broker.credentials import COORDINATOR_USER, Credentials, generate_credentials
-from coordinator.broker.mosquitto import MosquittoBroker, find_mosquitto
-from coordinator.fleet import load_fleet
+from coordinator.config.fleet import load_fleet
 from coordinator.provision import provision
 from coordinator.provision.layout import SIGNING_KEY
-from device_agent.signing import UploadIdentity, signed_meta
+from coordinator.transport.broker.base import BrokerSettings, free_port
+from coordinator.transport.broker.credentials import COORDINATOR_USER, Credentials, generate_credentials
+from coordinator.transport.broker.mosquitto import MosquittoBroker, find_mosquitto
+from device_agent.agent.signing import UploadIdentity, signed_meta
 from device_agent.wire.messages import Error, Message
 from device_agent.wire.session import Session, SessionConfig
 from device_agent.wire.topics import DeviceTopics
@@ -115,7 +115,7 @@ def test_a_signing_fleet_accepts_its_devices_and_refuses_a_forger(tmp_path: Path
         start += ["--run-dir", str(run_dir), "--no-live", "--min-devices", "2", "--wait-timeout", "60"]
         coordinator = spawn(start, "coordinator.log")
         for index, device in enumerate(DEVICES):
-            command = [sys.executable, "-m", "device_agent.cli", "run", "--device", device, "--fleet", FLEET]
+            command = [sys.executable, "-m", "device_agent", "run", "--device", device, "--fleet", FLEET]
             command += ["--broker", f"mqtt://127.0.0.1:{port}", "--password", f"file:{secrets_dir / device}"]
             command += ["--signing-key", f"file:{kits.participant(device) / SIGNING_KEY}"]
             command += ["--index", str(index), "--count", "2", "--threads", "1", "--slowdown", "10"]

@@ -1,10 +1,10 @@
 import pytest
 
-from coordinator.simulation import SimClient, simulate
+from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.strategies import ModelSpec, build_strategy
 from device_agent.data.datasets import load_dataset
 from device_agent.data.partition import PartitionSpec, client_shard
-from device_agent.training import TrainConfig
+from device_agent.training.optimizer import TrainConfig
 
 
 @pytest.mark.slow

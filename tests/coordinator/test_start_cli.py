@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.cli import main
-from coordinator.metrics import RoundMetrics
-from coordinator.rundir import RunDir
-from coordinator.storage import out_of_space_message
+from coordinator.cli.app import main
+from coordinator.run.metrics import RoundMetrics
+from coordinator.run.rundir import RunDir
+from coordinator.run.storage import out_of_space_message
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
 
@@ -50,7 +50,7 @@ def test_uploads_accepted_before_the_disk_filled_survive_it(tmp_path: Path) -> N
     child = textwrap.dedent(
         f"""
         import json, resource, torch
-        from coordinator.rundir import RunDir
+        from coordinator.run.rundir import RunDir
         resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000))
         accepted = []
         with RunDir.open({str(tmp_path / "run")!r}) as rundir:

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from coordinator.steady_reports import SteadyReports
-from device_agent.probe import DeviceProfile
+from coordinator.planning.steady_reports import SteadyReports
+from device_agent.agent.probe import DeviceProfile
 from profiles.catalog import load_catalog
 from tests.device_profiles import reported_profile
 

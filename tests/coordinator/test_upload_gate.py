@@ -14,12 +14,10 @@ import pytest
 import torch
 
 from coordinator.algorithms.aggregation import UpdateRejected
-from coordinator.engine import DeviceState, OpenRound, Participant, refusal_reason
-from coordinator.fleet import Device
-from coordinator.local_link import InProcessLink, LocalDevice
-from coordinator.simulation import SimClient, simulate
-from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
-from coordinator.upload_gate import (
+from coordinator.config.fleet import Device
+from coordinator.emulation.simulation import SimClient, simulate
+from coordinator.rounds.engine import DeviceState, OpenRound, Participant, refusal_reason
+from coordinator.rounds.upload_gate import (
     GateSettings,
     UploadGate,
     UploadRefused,
@@ -27,10 +25,12 @@ from coordinator.upload_gate import (
     profile_problem,
     squared_norms,
 )
+from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
+from coordinator.transport.local_link import InProcessLink, LocalDevice
+from device_agent.agent.probe import probe_device
 from device_agent.clients.base import is_norm_statistic
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import load_dataset
-from device_agent.probe import probe_device
 from device_agent.wire.codec import decode_tensors, encode_tensors
 from device_agent.wire.transfer import Completed, make_manifest
 from tests.digit_clients import digit_clients
@@ -99,7 +99,9 @@ def clients() -> list[SimClient]:
 )
 def test_a_bad_upload_is_refused_logged_and_never_folded(clients, tamper, reason, monkeypatch, caplog) -> None:
     data = load_dataset("digits", 8, 1)
-    monkeypatch.setattr("coordinator.simulation.InProcessLink", lambda devices: TamperingLink(list(devices), tamper))
+    monkeypatch.setattr(
+        "coordinator.emulation.simulation.InProcessLink", lambda devices: TamperingLink(list(devices), tamper)
+    )
     strategy = build_strategy("fedavg", CNN, {}, seed=0)
     with caplog.at_level(logging.WARNING, logger="fedfleet.engine"):
         result = simulate(strategy, clients, 2, TrainConfig(batch_size=32), (data.test_x, data.test_y), data.train_x)
@@ -112,7 +114,7 @@ def test_a_bad_upload_is_refused_logged_and_never_folded(clients, tamper, reason
     assert len(refusals) == 2 and all(reason in message for message in refusals)
 
 
-# ---- the gate's own checks (coordinator.upload_gate) ------------------------------------------
+# ---- the gate's own checks (coordinator.rounds.upload_gate) ------------------------------------------
 
 
 def test_every_upload_dtype_but_float32_and_integers_is_refused_before_any_arithmetic() -> None:

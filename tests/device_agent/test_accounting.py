@@ -7,10 +7,10 @@ import threading
 import pytest
 import torch
 
-from device_agent.accounting import MemoryAccount, MemoryCapExceeded
-from device_agent.config import EmulationConfig
-from device_agent.limits import EmulatedDevice
-from device_agent.oom import is_out_of_memory
+from device_agent.agent.config import EmulationConfig
+from device_agent.emulation.accounting import MemoryAccount, MemoryCapExceeded
+from device_agent.emulation.limits import EmulatedDevice
+from device_agent.training.oom import is_out_of_memory
 
 _MIB = 2**20
 CPU = torch.device("cpu")

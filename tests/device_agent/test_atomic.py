@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from device_agent import atomic
-from device_agent.atomic import append_line, atomic_write, remove_temp_files
+from device_agent.common import atomic
+from device_agent.common.atomic import append_line, atomic_write, remove_temp_files
 
 
 def test_atomic_write_replaces_the_file(tmp_path: Path) -> None:
@@ -44,7 +44,7 @@ def test_a_writer_killed_mid_write_leaves_the_old_file_intact(tmp_path: Path) ->
     child = textwrap.dedent(
         f"""
         import os, time
-        from device_agent.atomic import atomic_write
+        from device_agent.common.atomic import atomic_write
         def stalled_disk(fd):
             print("writing", flush=True)
             time.sleep(60)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from device_agent import __version__
-from device_agent.cli import main
-from device_agent.probe import DeviceProfile, probe_device
+from device_agent.agent.probe import DeviceProfile, probe_device
+from device_agent.cli.app import main
 
 
 def test_probe_device_measures_plausible_numbers() -> None:
@@ -125,7 +125,7 @@ def test_installed_console_script_probes_the_cpu() -> None:
 
 def test_device_agent_never_imports_coordinator_export_or_benchmarks() -> None:
     code = (
-        "import device_agent.cli, device_agent.probe, sys; "
+        "import device_agent.cli.app, device_agent.agent.probe, sys; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in {'coordinator','export','benchmarks'}))"
     )
 

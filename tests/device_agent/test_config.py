@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from device_agent.cli import build_parser
-from device_agent.config import ConfigError, load_config, parse_config
-from device_agent.run_cli import config_from_args
+from device_agent.agent.config import ConfigError, load_config, parse_config
+from device_agent.cli.app import build_parser
+from device_agent.cli.run import config_from_args
 
 SAMPLE = """\
 device: pi5-01

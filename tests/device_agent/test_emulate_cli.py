@@ -14,10 +14,10 @@ import psutil
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from coordinator.broker.base import BrokerSettings
-from coordinator.broker.credentials import generate_credentials
-from coordinator.broker.mosquitto import MosquittoBroker, find_mosquitto
-from coordinator.broker.scratch import scratch_dir
+from coordinator.transport.broker.base import BrokerSettings
+from coordinator.transport.broker.credentials import generate_credentials
+from coordinator.transport.broker.mosquitto import MosquittoBroker, find_mosquitto
+from coordinator.transport.broker.scratch import scratch_dir
 from device_agent.wire.messages import Status, parse_message
 from device_agent.wire.topics import ROOT
 
@@ -70,7 +70,7 @@ def test_bulk_launch_joins_n_agents_and_stops_them(broker: tuple[MosquittoBroker
         (tmp_path / f"{device}.pw").write_text(credentials[device].password)
     watcher, states = _watch_states(running, credentials)
     command = [
-        sys.executable, "-m", "device_agent.cli", "emulate",
+        sys.executable, "-m", "device_agent", "emulate",
         "--profile", "raspberry-pi-4", "--count", str(len(DEVICES)), "--prefix", "pi",
         "--broker", running.address.url, "--fleet", FLEET,
         "--password", f"file:{tmp_path}/{{device}}.pw",
@@ -103,7 +103,7 @@ def test_an_agent_that_dies_at_start_up_is_reported(broker: tuple[MosquittoBroke
     running, _ = broker
     done = subprocess.run(
         [
-            sys.executable, "-m", "device_agent.cli", "emulate",
+            sys.executable, "-m", "device_agent", "emulate",
             "--profile", "raspberry-pi-4", "--count", "1", "--prefix", "pi",
             "--broker", running.address.url, "--fleet", FLEET, "--password", f"file:{tmp_path}/missing/{{device}}.pw",
             "--host-gflops", "36", "--run-dir", str(tmp_path / "run"),
@@ -117,7 +117,7 @@ def test_an_agent_that_dies_at_start_up_is_reported(broker: tuple[MosquittoBroke
 
 
 def test_bad_settings_are_usage_errors(tmp_path: Path) -> None:
-    from device_agent.cli import main
+    from device_agent.cli.app import main
 
     code = main(["emulate", "--profile", "raspbery-pi-4", "--count", "2", "--broker", "mqtt://h", "--fleet", "f",
                  "--host-gflops", "10", "--run-dir", str(tmp_path)])  # fmt: skip
@@ -131,9 +131,9 @@ def test_bad_settings_are_usage_errors(tmp_path: Path) -> None:
 def test_relative_flags_are_written_as_the_working_directory_means_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from device_agent.cli import build_parser
-    from device_agent.config import load_config
-    from device_agent.emulate_cli import agent_specs
+    from device_agent.agent.config import load_config
+    from device_agent.cli.app import build_parser
+    from device_agent.cli.emulate import agent_specs
 
     monkeypatch.chdir(tmp_path)
     args = build_parser().parse_args(

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from device_agent.cli import build_parser
-from device_agent.emulate_cli import agent_specs
-from device_agent.emulation import (
+from device_agent.cli.app import build_parser
+from device_agent.cli.emulate import agent_specs
+from device_agent.emulation.profile_config import (
     DataShare,
     EmulationError,
     agent_config,
@@ -68,7 +68,7 @@ def test_bad_profiles_are_named(tmp_path: Path) -> None:
 
 
 def test_agent_config_round_trips_through_the_agent_schema(tmp_path: Path) -> None:
-    from device_agent.config import load_config
+    from device_agent.agent.config import load_config
 
     limits = limits_for(find_profile("jetson-nano"), host_gflops=472.0)
     share = DataShare("digits", "dirichlet(0.5)", 7, index=2, count=8)
@@ -119,8 +119,8 @@ def test_the_agent_side_never_imports_coordinator_or_profiles_code() -> None:
     script = textwrap.dedent(
         """
         import sys
-        from device_agent.cli import build_parser
-        from device_agent.emulation import find_profile, limits_for
+        from device_agent.cli.app import build_parser
+        from device_agent.emulation.profile_config import find_profile, limits_for
         limits_for(find_profile("raspberry-pi-5"), 100.0)
         build_parser().parse_args(["emulate", "--profile", "x", "--count", "2", "--broker", "mqtt://h", "--fleet", "f"])
         print(sorted(m for m in sys.modules if m.split(".")[0] in ("coordinator", "profiles")))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from device_agent.cli import main
-from device_agent.config import ConfigError
-from device_agent.error_boundary import describe, guarded
+from device_agent.agent.config import ConfigError
+from device_agent.cli.app import main
+from device_agent.cli.errors import describe, guarded
 
 
 def _raise(exc: BaseException):

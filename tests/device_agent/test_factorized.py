@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from device_agent.factorized import (
+from device_agent.layers.factorized import (
     FactorizedConv2d,
     FactorizedLinear,
     matrices_to_factors,

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from device_agent.outbox import Outbox, OutboxCorrupt
+from device_agent.agent.outbox import Outbox, OutboxCorrupt
 
 FUZZ = settings(max_examples=200, suppress_health_check=[HealthCheck.function_scoped_fixture])
 values = st.recursive(

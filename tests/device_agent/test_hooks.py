@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from device_agent.config import EmulationConfig
-from device_agent.hooks import RuntimeHooks
-from device_agent.limits import EmulatedDevice, Throttle, runtime_hooks
-from device_agent.probe import ComputeSpec, probe_device
+from device_agent.agent.config import EmulationConfig
+from device_agent.agent.hooks import RuntimeHooks
+from device_agent.agent.probe import ComputeSpec, probe_device
+from device_agent.emulation.limits import EmulatedDevice, Throttle, runtime_hooks
 
 CPU = torch.device("cpu")
 

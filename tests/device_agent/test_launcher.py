@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from device_agent.launcher import AgentExit, AgentGroup, AgentSpec
+from device_agent.emulation.launcher import AgentExit, AgentGroup, AgentSpec
 
 # A stand-in for `device-agent run`: behaves as its config file says, so the test needs no broker.
 _FAKE_AGENT = """

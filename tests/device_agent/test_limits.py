@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from device_agent.limits import Throttle, slowdown_factor, thread_env
+from device_agent.emulation.limits import Throttle, slowdown_factor, thread_env
 
 
 def run_python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -29,7 +29,7 @@ def test_thread_limit_applies_in_the_agent_process() -> None:
     done = run_python(
         """
         import torch
-        from device_agent.limits import limit_threads
+        from device_agent.emulation.limits import limit_threads
         limit_threads(1)
         print(torch.get_num_threads())
         """
@@ -41,7 +41,7 @@ def test_thread_limit_applies_in_the_agent_process() -> None:
 
 AGENT_WITH_A_CAP = """
 import sys, torch
-from device_agent.limits import cap_cpu_memory, MemoryCapExceeded
+from device_agent.emulation.limits import cap_cpu_memory, MemoryCapExceeded
 cap = cap_cpu_memory(300 * 2**20)
 with cap.guard():
     fits = torch.ones(64 * 2**20 // 4)  # a 64 MiB model fits in a 300 MiB device
@@ -76,7 +76,7 @@ def test_the_cuda_memory_cap_stops_an_allocation_past_it() -> None:
     done = run_python(
         """
         import sys, torch
-        from device_agent.limits import cap_cuda_memory, MemoryCapExceeded
+        from device_agent.emulation.limits import cap_cuda_memory, MemoryCapExceeded
         cap = cap_cuda_memory(512 * 2**20)
         with cap.guard():
             fits = torch.ones(256 * 2**20 // 4, device="cuda")

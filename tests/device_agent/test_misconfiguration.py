@@ -11,8 +11,8 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from device_agent.config import AgentConfig, parse_config
-from device_agent.runtime import Agent, AgentError, run_agent
+from device_agent.agent.config import AgentConfig, parse_config
+from device_agent.agent.runtime import Agent, AgentError, run_agent
 from device_agent.wire.topics import DeviceTopics
 from tests.device_profiles import reported_profile
 from tests.transport_fixtures import TestBroker

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from device_agent.factorized import FactorizedConv2d, reconstruct, spectral_factors, weight_to_matrix
-from device_agent.hybrid import factorization_plan, hybrid
+from device_agent.layers.factorized import FactorizedConv2d, reconstruct, spectral_factors, weight_to_matrix
+from device_agent.layers.hybrid import factorization_plan, hybrid
 from device_agent.models import MODELS, build_model
 
 

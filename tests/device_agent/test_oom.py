@@ -9,8 +9,8 @@ import textwrap
 import pytest
 import torch
 
-from device_agent.limits import MemoryCapExceeded
-from device_agent.oom import free_memory, is_out_of_memory
+from device_agent.emulation.limits import MemoryCapExceeded
+from device_agent.training.oom import free_memory, is_out_of_memory
 
 
 def _cpu_allocator_failure() -> RuntimeError:
@@ -60,7 +60,7 @@ def test_free_memory_runs_without_an_accelerator() -> None:
 
 CUDA_FRACTION = """
 import torch
-from device_agent.oom import free_memory, is_out_of_memory
+from device_agent.training.oom import free_memory, is_out_of_memory
 
 total = torch.cuda.get_device_properties(0).total_memory
 torch.cuda.set_per_process_memory_fraction(256 * 2**20 / total, 0)  # a 256 MiB GPU

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from device_agent.outbox import Outbox, OutboxCorrupt
+from device_agent.agent.outbox import Outbox, OutboxCorrupt
 
 
 def update(value: float) -> dict[str, torch.Tensor]:

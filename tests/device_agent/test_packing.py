@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from device_agent.packing import DEVICES_PER_WORKER, PACK_ABOVE, PackingError, describe, pack
+from device_agent.emulation.packing import DEVICES_PER_WORKER, PACK_ABOVE, PackingError, describe, pack
 
 
 def test_small_fleets_get_a_process_per_device_with_hard_caps() -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from device_agent.cli import main
-from device_agent.probe import DeviceProfile, measure_broker_link, probe_device
+from device_agent.agent.probe import DeviceProfile, measure_broker_link, probe_device
+from device_agent.cli.app import main
 from profiles.catalog import profile_from_report
 from profiles.schema import DeviceClass
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from device_agent.protocol import (
+from device_agent.agent.protocol import (
     EXTRA_PREFIX,
     ReceivedEvaluation,
     UploadMeta,

@@ -1,8 +1,8 @@
 import torch
 
-from device_agent.factorized import FactorizedLinear, reconstruct
-from device_agent.hybrid import hybrid
-from device_agent.regularizers import apply_frobenius_decay_, frobenius_penalty, parameter_groups
+from device_agent.layers.factorized import FactorizedLinear, reconstruct
+from device_agent.layers.hybrid import hybrid
+from device_agent.layers.regularizers import apply_frobenius_decay_, frobenius_penalty, parameter_groups
 
 
 def factor_grads(model):

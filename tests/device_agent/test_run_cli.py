@@ -14,7 +14,7 @@ def test_an_agent_whose_password_is_refused_exits_with_an_error_instead_of_idlin
     secret = tmp_path / "password"
     secret.write_text("not-the-password")
     address = mosquitto.address("dev-a")
-    command = [sys.executable, "-m", "device_agent.cli", "run", "--device", "dev-a", "--fleet", mosquitto.fleet]
+    command = [sys.executable, "-m", "device_agent", "run", "--device", "dev-a", "--fleet", mosquitto.fleet]
     command += ["--broker", f"mqtt://{address.host}:{address.port}", "--password", f"file:{secret}"]
     command += ["--state-dir", str(tmp_path / "state"), "--log-level", "WARNING"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)

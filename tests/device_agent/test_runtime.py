@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
+from device_agent.agent.config import parse_config
+from device_agent.agent.runtime import Agent
 from device_agent.clients.spec import TrainConfig
-from device_agent.config import parse_config
-from device_agent.runtime import Agent
 from device_agent.wire.codec import encode_tensors
 from device_agent.wire.messages import Assignment, Hello, Message, RoundFailed
 from device_agent.wire.session import coordinator_session

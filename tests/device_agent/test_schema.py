@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from device_agent.schema import Partition, SecretError, check_name, check_secret_ref, parse_partition, resolve_secret
+from device_agent.common.schema import (
+    Partition,
+    SecretError,
+    check_name,
+    check_secret_ref,
+    parse_partition,
+    resolve_secret,
+)
 
 
 def test_names_are_topic_levels() -> None:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from device_agent.shaping import TokenBucket
+from device_agent.emulation.shaping import TokenBucket
 
 CHUNK = 16 * 1024
 

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from device_agent.signing import SignatureError, UploadIdentity, parse_key, signed_meta, verify
+from device_agent.agent.signing import SignatureError, UploadIdentity, parse_key, signed_meta, verify
 
 KEY = bytes(range(32))
 IDENTITY = UploadIdentity("lab", "run-1", 3, "pi-1", "a" * 32, "b" * 64)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from device_agent.speed import KEPT_STARTS, SPEED_FILE, measured_profile, steady_gflops
+from device_agent.agent.speed import KEPT_STARTS, SPEED_FILE, measured_profile, steady_gflops
 
 WHO = {"hostname": "pi5-01", "accelerator": "cpu", "accelerator_name": None, "torch": "2.13"}
 

@@ -10,7 +10,7 @@ import time
 # A process whose stop either returns at once (graceful) or does nothing (a hung shutdown), then waits.
 _PROCESS = """
 import sys, threading
-from device_agent.stopping import stop_on_signals
+from device_agent.agent.stopping import stop_on_signals
 done = threading.Event()
 stop_on_signals(done.set if sys.argv[1] == "graceful" else (lambda: None), grace_s=0.5)
 print("ready", flush=True)

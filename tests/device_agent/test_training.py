@@ -3,8 +3,8 @@ from torch import nn
 
 from device_agent.clients.base import ClientProgram, trainable_state
 from device_agent.clients.spec import FedFacSpec, ModelSpec
-from device_agent.limits import Throttle
-from device_agent.training import TrainConfig, masked_cross_entropy, train_local
+from device_agent.emulation.limits import Throttle
+from device_agent.training.optimizer import TrainConfig, masked_cross_entropy, train_local
 
 
 def test_masked_cross_entropy_ignores_absent_classes_and_has_finite_gradients():

@@ -11,12 +11,12 @@ import math
 import pytest
 import torch
 
-from coordinator.fleet import parse_fleet
+from coordinator.config.fleet import parse_fleet
 from device_agent.clients import build_program
 from device_agent.clients.spec import FedHMSpec, ModelSpec, TrainConfig, WidthSpec
-from device_agent.hybrid import hybrid
+from device_agent.layers.hybrid import hybrid
 from device_agent.models import build_model
-from device_agent.training import make_optimizer, train_local
+from device_agent.training.optimizer import make_optimizer, train_local
 from device_agent.wire.messages import Assignment, encode, parse_message
 
 CNN = ModelSpec("cnn", 10, 1, 8)

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from device_agent.config import ConfigError
-from device_agent.emulation import DataShare, agent_config, password_env, write_agent_config
-from device_agent.launcher import AgentSpec, pack_specs, worker_command, write_agent_list
-from device_agent.worker import read_agent_list
+from device_agent.agent.config import ConfigError
+from device_agent.emulation.launcher import AgentSpec, pack_specs, worker_command, write_agent_list
+from device_agent.emulation.profile_config import DataShare, agent_config, password_env, write_agent_config
+from device_agent.emulation.worker import read_agent_list
 
 
 def _agent(tmp_path: Path, index: int, device_type: str = "cpu") -> AgentSpec:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from coordinator.exporting import open_trained_run
+from coordinator.run.exporting import open_trained_run
 from device_agent.infer import ModelInfo, preprocess, read_inputs
 from export.runner import ExportRecord
 from export.targets import build_target, load_run_data
@@ -50,7 +50,7 @@ def test_same_top1_as_torch_without_torch(
     result = _run(
         torchless_python,
         "-m",
-        "device_agent.cli",
+        "device_agent.cli.app",
         "infer",
         "--model",
         cnn_export.file,
@@ -75,11 +75,11 @@ def test_same_top1_as_torch_without_torch(
 
 
 def test_infer_errors_name_the_problem(torchless_python: Path, cnn_export: ExportRecord, tmp_path: Path) -> None:
-    missing = _run(torchless_python, "-m", "device_agent.cli", "infer", "--model", cnn_export.file, "nope.npy")
+    missing = _run(torchless_python, "-m", "device_agent", "infer", "--model", cnn_export.file, "nope.npy")
     assert missing.returncode == 1 and "nope.npy: no such file" in missing.stderr
     png = tmp_path / "a.png"
     png.write_bytes(b"\x89PNG")
-    no_pillow = _run(torchless_python, "-m", "device_agent.cli", "infer", "--model", cnn_export.file, str(png))
+    no_pillow = _run(torchless_python, "-m", "device_agent", "infer", "--model", cnn_export.file, str(png))
     assert no_pillow.returncode == 1 and "needs Pillow" in no_pillow.stderr
 
 
@@ -105,6 +105,6 @@ def test_batches_in_npz_and_4d_arrays(tmp_path: Path) -> None:
 
 
 def test_infer_module_never_imports_torch() -> None:
-    code = "import sys, device_agent.cli, device_agent.infer; print('torch' in sys.modules)"
+    code = "import sys, device_agent.cli.app, device_agent.infer; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "False"

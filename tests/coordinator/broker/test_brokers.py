@@ -9,11 +9,11 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
-from coordinator.broker import factory
-from coordinator.broker.amqtt_broker import AmqttBroker, covers
-from coordinator.broker.base import BrokerSettings, probe
-from coordinator.broker.credentials import Credentials, generate_credentials, hash_password, verify_password
-from coordinator.broker.mosquitto import MosquittoBroker, acl_text
+from coordinator.transport.broker import factory
+from coordinator.transport.broker.amqtt_broker import AmqttBroker, covers
+from coordinator.transport.broker.base import BrokerSettings, probe
+from coordinator.transport.broker.credentials import Credentials, generate_credentials, hash_password, verify_password
+from coordinator.transport.broker.mosquitto import MosquittoBroker, acl_text
 from device_agent.wire.topics import DeviceTopics
 
 

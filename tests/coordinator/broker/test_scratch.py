@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.broker.mosquitto import find_mosquitto
-from coordinator.broker.scratch import OWNER_FILE, scratch_dir, sweep_stale
+from coordinator.transport.broker.mosquitto import find_mosquitto
+from coordinator.transport.broker.scratch import OWNER_FILE, scratch_dir, sweep_stale
 
 ROOT = Path(__file__).resolve().parents[3]
 
-MAKE = "from coordinator.broker.scratch import scratch_dir; print(scratch_dir('fedfleet-t-broker-'), flush=True)"
+MAKE = (
+    "from coordinator.transport.broker.scratch import scratch_dir; print(scratch_dir('fedfleet-t-broker-'), flush=True)"
+)
 
 
 def run_child(tmp_path: Path, then: str) -> Path:

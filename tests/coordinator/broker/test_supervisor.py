@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.broker import pidfile
-from coordinator.broker.base import BrokerError, BrokerSettings, probe
-from coordinator.broker.credentials import generate_credentials
-from coordinator.broker.mosquitto import MosquittoBroker, find_mosquitto
-from coordinator.broker.scratch import scratch_dir
-from coordinator.broker.supervisor import BrokerSupervisor
+from coordinator.transport.broker import pidfile
+from coordinator.transport.broker.base import BrokerError, BrokerSettings, probe
+from coordinator.transport.broker.credentials import generate_credentials
+from coordinator.transport.broker.mosquitto import MosquittoBroker, find_mosquitto
+from coordinator.transport.broker.scratch import scratch_dir
+from coordinator.transport.broker.supervisor import BrokerSupervisor
 
 pytestmark = pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
 

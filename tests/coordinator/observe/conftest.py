@@ -1,6 +1,6 @@
 """One small in-process run watched by a :class:`FleetWatch`: two devices, one of which sends a NaN loss.
 
-The engine runs behind an :class:`InProcessLink` exactly as ``coordinator.simulation`` runs it, with the
+The engine runs behind an :class:`InProcessLink` exactly as ``coordinator.emulation.simulation`` runs it, with the
 watch as its progress callback, so the observers see real engine state (refusals included) in seconds.
 """
 
@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator.engine import EngineSettings, RoundEngine
-from coordinator.fleet import parse_fleet
-from coordinator.local_link import LocalDevice
-from coordinator.metrics import RoundMetrics
+from coordinator.config.fleet import parse_fleet
+from coordinator.emulation.simulation import fixed_levels, simulation_fleet
 from coordinator.observe.snapshot import FleetWatch
-from coordinator.rundir import RunDir
-from coordinator.simulation import fixed_levels, simulation_fleet
+from coordinator.rounds.engine import EngineSettings, RoundEngine
+from coordinator.run.metrics import RoundMetrics
+from coordinator.run.rundir import RunDir
 from coordinator.strategies import ModelSpec, build_strategy
+from coordinator.transport.local_link import LocalDevice
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData, load_dataset
 from tests.coordinator.test_upload_gate import TamperingLink, nan_loss

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from coordinator.metrics import RoundMetrics
 from coordinator.observe.snapshot import FleetWatch, RoundView
+from coordinator.run.metrics import RoundMetrics
 from device_agent.wire.messages import Hello, incompatible
 from tests.coordinator.observe.conftest import ROUNDS, WatchedRun
 from tests.coordinator.test_engine_diagnostics import idle_engine

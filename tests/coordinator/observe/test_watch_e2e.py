@@ -26,8 +26,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.broker.base import free_port
-from coordinator.broker.mosquitto import find_mosquitto
+from coordinator.transport.broker.base import free_port
+from coordinator.transport.broker.mosquitto import find_mosquitto
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "examples" / "demo.yaml"

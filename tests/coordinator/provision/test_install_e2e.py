@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from coordinator.broker.mosquitto import find_mosquitto
+from coordinator.transport.broker.mosquitto import find_mosquitto
 from tests.coordinator.provision.kit_fixtures import make_fleet, provision_into
 
 pytestmark = pytest.mark.slow
@@ -96,7 +96,7 @@ def test_a_kit_installs_and_trains_over_tls_with_the_rest_of_the_fleet() -> None
             spawn(
                 device,
                 [
-                    *(sys.executable, "-m", "device_agent.cli", "run", "--config", str(kit / "agent.yaml")),
+                    *(sys.executable, "-m", "device_agent", "run", "--config", str(kit / "agent.yaml")),
                     *("--password", f"file:{kit / 'password'}", "--ca-file", str(kit / "ca.pem")),
                     *("--cert-file", str(kit / "client.pem"), "--key-file", str(kit / "client.key")),
                     *("--state-dir", str(root / f"state-{device}")),

@@ -17,8 +17,8 @@ import psutil
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
-from coordinator.broker.base import BrokerError, check_port_free, probe
-from coordinator.broker.kit import KitBroker
+from coordinator.transport.broker.base import BrokerError, check_port_free, probe
+from coordinator.transport.broker.kit import KitBroker
 from tests.coordinator.provision.kit_fixtures import device_address, kit_broker, make_fleet, provision_into
 
 
@@ -174,7 +174,7 @@ def test_the_managed_broker_dies_with_its_coordinator(kit_fleet: tuple) -> None:
     script = (
         "import sys, time\n"
         "from tests.coordinator.provision.kit_fixtures import kit_broker\n"
-        "from coordinator.fleet import load_fleet\n"
+        "from coordinator.config.fleet import load_fleet\n"
         "from coordinator.provision import Kits\n"
         f"fleet, _ = load_fleet({str(root / 'fleet.yaml')!r})\n"
         f"broker = kit_broker(fleet, Kits(Path({str(kits.root)!r})))\n"

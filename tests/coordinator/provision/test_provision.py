@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from coordinator.cli import main
+from coordinator.cli.app import main
 from coordinator.provision.certificates import server_names
 from tests.coordinator.provision.kit_fixtures import make_fleet, provision_into
 
