@@ -43,7 +43,6 @@ from coordinator.transport.broker.credentials import generate_credentials
 from coordinator.transport.broker.mosquitto import MosquittoBroker, find_mosquitto
 from coordinator.transport.link import MqttLink
 from device_agent.agent.probe import probe_device
-from device_agent.agent.protocol import UPDATE_KIND, upload_meta
 from device_agent.data.datasets import LabeledData, load_dataset
 from device_agent.data.partition import PartitionSpec, client_shard
 from device_agent.training.local_round import train_assignment
@@ -62,6 +61,7 @@ from device_agent.wire.messages import (
     encode,
     parse_message,
 )
+from device_agent.wire.protocol import UPDATE_KIND, upload_meta
 from device_agent.wire.session import BrokerAddress, device_session
 from device_agent.wire.topics import DeviceTopics
 from device_agent.wire.transfer import (

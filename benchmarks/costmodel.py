@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from device_agent.agent.probe import ComputeSpec, measure_matmul_gflops, measure_memory_bandwidth_gbs, probe_device
+from device_agent.agent.probe import measure_matmul_gflops, measure_memory_bandwidth_gbs, probe_device
+from device_agent.common.profile import ComputeSpec
 from device_agent.layers.hybrid import hybrid
 from device_agent.models import model_card
 from profiles.catalog import profile_from_report

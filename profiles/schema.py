@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from device_agent.agent.probe import ComputeSpec, MemorySpec, NetworkSpec
+from device_agent.common.profile import ComputeSpec, MemorySpec, NetworkSpec
 
 Accelerator = Literal["cpu", "cuda", "mps"]
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")

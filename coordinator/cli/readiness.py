@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from coordinator.config.evaluation import no_server_data
 from coordinator.config.fleet import Fleet
+from coordinator.run.fleet_data import no_server_data
 from coordinator.transport.broker.mosquitto import find_mosquitto
 from device_agent.common.schema import SecretError, resolve_secret
 from device_agent.data.datasets import DatasetError, check_source

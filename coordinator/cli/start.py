@@ -12,17 +12,17 @@ from datetime import datetime
 from pathlib import Path
 
 from coordinator.cli.readiness import start_problems
-from coordinator.config.evaluation import no_server_data
 from coordinator.config.fleet import Fleet, FleetError, load_fleet
 from coordinator.observe import ObserveError, Watch, add_observe_arguments
 from coordinator.provision import Kits, ProvisionError, coordinator_tls, default_kits, provision, read_credentials
 from coordinator.provision.broker_files import CONFIG
 from coordinator.rounds.engine import EngineSettings, RoundEngine
 from coordinator.rounds.signing import upload_signatures
+from coordinator.run.fleet_data import fleet_data
 from coordinator.run.report import write_report
 from coordinator.run.rundir import RunDir, RunDirError
 from coordinator.run.storage import out_of_space_message
-from coordinator.strategies import ModelSpec, build_strategy
+from coordinator.strategies import build_strategy
 from coordinator.transport.allocator import keep_freed_buffers
 from coordinator.transport.broker.base import BrokerError, BrokerSettings
 from coordinator.transport.broker.credentials import COORDINATOR_USER, Credentials
@@ -33,7 +33,7 @@ from coordinator.transport.broker.scratch import scratch_dir, sweep_stale
 from coordinator.transport.broker.supervisor import PID_FILE, BrokerSupervisor
 from coordinator.transport.link import MqttLink
 from device_agent.agent.config import ConfigError
-from device_agent.data.datasets import DatasetError, LabeledData, load_dataset
+from device_agent.data.datasets import DatasetError
 from device_agent.wire.session import BrokerAddress
 
 log = logging.getLogger("fedfleet.coordinator")
@@ -100,13 +100,6 @@ def fleet_kits(fleet: Fleet, kits_dir: Path) -> tuple[Kits, dict[str, Credential
         if done.missing:
             raise ProvisionError("; ".join(done.missing.values()))
     return kits, read_credentials(fleet, kits)
-
-
-def fleet_data(fleet: Fleet) -> tuple[ModelSpec, LabeledData]:
-    """The model spec and the coordinator's copy of the data (held-out test split + BN calibration)."""
-    source = "digits" if fleet.dataset.name == "digits" else str(fleet.dataset.path)
-    data = no_server_data(fleet) or load_dataset(source, fleet.model.image_size, fleet.model.in_channels)
-    return ModelSpec(fleet.model.arch, fleet.model.num_classes, data.in_channels, data.image_size), data
 
 
 def _broker(fleet: Fleet, credentials: dict[str, Credentials], kits: Kits):

@@ -28,18 +28,19 @@ from pydantic import (
     model_validator,
 )
 
+from coordinator.config.checkpoints import Retention
 from coordinator.config.evaluation import EvaluationSettings
 from coordinator.config.limits import FleetLimits
-from coordinator.run.checkpoints import Retention
+from coordinator.config.logins import COORDINATOR_USER
 from coordinator.strategies import STRATEGIES
-from coordinator.transport.broker.credentials import COORDINATOR_USER
-from device_agent.agent.probe import ComputeSpec, MemorySpec, NetworkSpec
 from device_agent.clients.spec import TrainConfig
 from device_agent.common.paths import anchor_keys
+from device_agent.common.profile import ComputeSpec, MemorySpec, NetworkSpec
 from device_agent.common.schema import DatasetName, DeviceName, FleetName, Partition, check_secret_ref
+from device_agent.common.validation import describe
 from device_agent.models import MODELS
 from export.auto import ExportSettings
-from profiles.catalog import Catalog, ProfileError, format_validation_error, load_catalog, unknown_profile_message
+from profiles.catalog import Catalog, ProfileError, load_catalog, unknown_profile_message
 from profiles.costmodel import OPTIMIZER_STATES
 
 REPORTED = "reported"
@@ -276,8 +277,7 @@ class Device(_Strict):
                 try:
                     base.model_validate({**base.model_dump(), **patch.model_dump(exclude_none=True)})
                 except ValidationError as exc:
-                    problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
-                    raise ValueError(f"overrides.{section}: {problems}") from None
+                    raise ValueError(describe(exc, prefix=f"overrides.{section}")) from None
         return self
 
 
@@ -398,7 +398,7 @@ def parse_fleet(data: Any, catalog: Mapping[str, Any] | None = None, source: str
     try:
         return Fleet.model_validate(data, context={"profiles": catalog})
     except ValidationError as exc:
-        raise FleetError(f"{source}:\n{format_validation_error(exc)}") from None
+        raise FleetError(f"{source}:\n" + describe(exc, sep="\n")) from None
 
 
 def anchor_file_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:

@@ -9,10 +9,34 @@ updates move further than ten times what they were sent (``norm_bound_factor``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveFloat, PositiveInt
 
-from coordinator.rounds.upload_gate import GateSettings
 from device_agent.wire.guard import InboundLimits
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """Bounds on what one device may claim; generous for honest devices, tight enough for absurd values."""
+
+    max_train_seconds: float = 86_400.0
+    """Longer than any round deadline: a day of training for one round is a lie or a broken clock."""
+    max_abs_loss: float = 1e6
+    max_samples_factor: float = 100.0
+    """A device may claim at most this many times the samples the fleet expects of it (samples weight the average)."""
+    max_meta_entries: int = 16
+    max_meta_chars: int = 256
+    max_norm_ratio: float | None = 10.0
+    """Refuse an update whose L2 norm exceeds this many times its reference (see the module doc); None: off."""
+    norm_floor: float = 1.0
+    """References below this count as this: near-zero tensors sent (fresh adapters) make no bound."""
+
+    def __post_init__(self) -> None:
+        if self.max_norm_ratio is not None and self.max_norm_ratio <= 1:
+            raise ValueError(
+                f"max_norm_ratio must be > 1 (or None to turn the norm bound off), got {self.max_norm_ratio}"
+            )
 
 
 class FleetLimits(BaseModel):

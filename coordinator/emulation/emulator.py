@@ -21,7 +21,7 @@ from coordinator.config.fleet import REPORTED, Device, Fleet, Partition
 from coordinator.planning.planner import effective_profile, level_cost, predict_level_memory
 from coordinator.provision.layout import SIGNING_KEY
 from coordinator.transport.broker.credentials import Credentials
-from device_agent.agent.probe import ComputeSpec
+from device_agent.common.profile import ComputeSpec
 from device_agent.emulation.launcher import AgentExit, AgentGroup, AgentSpec, pack_specs, worker_command
 from device_agent.emulation.packing import PACK_ABOVE, describe, pack
 from device_agent.emulation.profile_config import (

@@ -31,8 +31,8 @@ from coordinator.rounds.engine import EngineSettings, RoundEngine
 from coordinator.run.rundir import RunDir
 from coordinator.strategies.base import ClientSlot, Strategy
 from coordinator.transport.local_link import InProcessLink, LocalDevice
-from device_agent.agent.probe import DeviceProfile
 from device_agent.clients.spec import TrainConfig
+from device_agent.common.profile import DeviceProfile
 from device_agent.data.datasets import LabeledData
 from profiles.schema import DeviceClass
 

@@ -21,7 +21,7 @@ from functools import lru_cache
 
 from coordinator.config.fleet import DATASET_SIZES, REPORTED, Device, Fleet
 from coordinator.strategies import STRATEGIES, ModelSpec
-from device_agent.agent.probe import DeviceProfile
+from device_agent.common.profile import DeviceProfile
 from device_agent.models import model_card
 from profiles.catalog import profile_from_report
 from profiles.costmodel import (

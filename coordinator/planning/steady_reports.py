@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from device_agent.agent.probe import ComputeSpec, DeviceProfile
+from device_agent.common.profile import ComputeSpec, DeviceProfile
 from profiles.schema import DeviceClass
 
 log = logging.getLogger("fedfleet.planning")

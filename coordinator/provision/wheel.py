@@ -12,10 +12,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib.metadata
+import io
 import zipfile
 from pathlib import Path
 
 import device_agent
+from device_agent.common.atomic import atomic_write
 
 DIST = "fedfleet_agent"
 DEMO_EXTRA = ["scikit-learn>=1.3"]
@@ -68,14 +70,14 @@ def build_agent_wheel(out_dir: Path) -> Path:
     files.append((f"{info}/RECORD", ("\n".join(record) + "\n").encode()))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / wheel_name()
-    tmp = path.with_name(path.name + ".tmp")
-    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as wheel:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as wheel:
         for name, data in files:
             entry = zipfile.ZipInfo(name, _EPOCH)
             entry.external_attr = 0o644 << 16
             entry.compress_type = zipfile.ZIP_DEFLATED
             wheel.writestr(entry, data)
-    tmp.replace(path)
+    atomic_write(path, buffer.getvalue())
     return path
 
 

@@ -3,7 +3,7 @@
 One thread owns every piece of round state. The link's threads only enqueue events (hello,
 status, uploads, failures) and the engine's loop applies them in order, so validation, journaling,
 folding and answering an upload happen as one step and need no locks. The wire side of a round is
-described in :mod:`device_agent.agent.protocol`. ``coordinator start`` runs it over MQTT
+described in :mod:`device_agent.wire.protocol`. ``coordinator start`` runs it over MQTT
 (:class:`~coordinator.transport.link.MqttLink`); the simulation and ``benchmarks.compare`` over in-process
 devices (:class:`~coordinator.transport.local_link.InProcessLink`): one round core for both.
 
@@ -42,14 +42,13 @@ from dataclasses import asdict, dataclass, field
 
 from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.config.fleet import Device, Fleet
-from coordinator.config.limits import FleetLimits
+from coordinator.config.limits import FleetLimits, GateSettings
 from coordinator.planning.planner import DevicePlan, after_out_of_memory, fmt_ratio, plan_fleet, why_no_one
 from coordinator.planning.steady_reports import SteadyReports
 from coordinator.rounds.compatibility import release_note
 from coordinator.rounds.evaluation import evaluate_global, federated_evaluation, personalized_accuracy
 from coordinator.rounds.signing import UploadSignatures
 from coordinator.rounds.upload_gate import (
-    GateSettings,
     UploadGate,
     UploadRefused,
     check_dtypes,
@@ -60,16 +59,8 @@ from coordinator.run.metrics import DeviceRoundMetrics, DeviceStatus, RoundMetri
 from coordinator.run.rundir import OPEN_ROUND_FILE, RoundNotOpen, RunDir
 from coordinator.strategies import ClientSlot, RoundAggregate, Strategy
 from coordinator.transport.link import Link
-from device_agent.agent.probe import DeviceProfile
-from device_agent.agent.protocol import (
-    ASSIGNMENT_KIND,
-    UPDATE_KIND,
-    ReceivedEvaluation,
-    UploadMetaError,
-    round_seed,
-    split_upload,
-)
 from device_agent.common.atomic import atomic_write
+from device_agent.common.profile import DeviceProfile
 from device_agent.data.datasets import LabeledData
 from device_agent.wire.codec import CodecError, decode_tensors, encode_tensors
 from device_agent.wire.messages import (
@@ -82,6 +73,14 @@ from device_agent.wire.messages import (
     Receipt,
     RoundFailed,
     Status,
+)
+from device_agent.wire.protocol import (
+    ASSIGNMENT_KIND,
+    UPDATE_KIND,
+    ReceivedEvaluation,
+    UploadMetaError,
+    round_seed,
+    split_upload,
 )
 from device_agent.wire.transfer import Completed
 from profiles.schema import DeviceClass

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from coordinator.strategies import Strategy
-from device_agent.agent.protocol import ReceivedEvaluation
 from device_agent.training.optimizer import calibrate_batchnorm
+from device_agent.wire.protocol import ReceivedEvaluation
 
 Split = tuple[Tensor, Tensor]
 

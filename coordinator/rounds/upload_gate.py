@@ -15,14 +15,14 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from coordinator.algorithms.aggregation import UpdateRejected
-from device_agent.agent.probe import DeviceProfile
-from device_agent.agent.protocol import UploadMeta, parse_upload_meta
+from coordinator.config.limits import GateSettings
+from device_agent.common.profile import DeviceProfile
+from device_agent.wire.protocol import UploadMeta, parse_upload_meta
 
 REASONS = frozenset(
     {
@@ -61,29 +61,6 @@ class UploadRefused(UpdateRejected):
             raise ValueError(f"unknown refusal reason {reason!r}")
         super().__init__(message)
         self.reason = reason
-
-
-@dataclass(frozen=True)
-class GateSettings:
-    """Bounds on what one device may claim; generous for honest devices, tight enough for absurd values."""
-
-    max_train_seconds: float = 86_400.0
-    """Longer than any round deadline: a day of training for one round is a lie or a broken clock."""
-    max_abs_loss: float = 1e6
-    max_samples_factor: float = 100.0
-    """A device may claim at most this many times the samples the fleet expects of it (samples weight the average)."""
-    max_meta_entries: int = 16
-    max_meta_chars: int = 256
-    max_norm_ratio: float | None = 10.0
-    """Refuse an update whose L2 norm exceeds this many times its reference (see the module doc); None: off."""
-    norm_floor: float = 1.0
-    """References below this count as this: near-zero tensors sent (fresh adapters) make no bound."""
-
-    def __post_init__(self) -> None:
-        if self.max_norm_ratio is not None and self.max_norm_ratio <= 1:
-            raise ValueError(
-                f"max_norm_ratio must be > 1 (or None to turn the norm bound off), got {self.max_norm_ratio}"
-            )
 
 
 def check_meta_size(meta: Mapping[str, str], settings: GateSettings) -> None:

@@ -13,8 +13,8 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from coordinator.cli.start import fleet_data
 from coordinator.config.fleet import Fleet, parse_fleet
+from coordinator.run.fleet_data import fleet_data
 from coordinator.run.rundir import FLEET_FILE, RUN_FILE, STATE_DIR, RunDirError, read_run_file
 from coordinator.strategies import ClientSlot, build_strategy
 from export.targets import ExportError, TrainedRun

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from device_agent.agent.protocol import ReceivedEvaluation
+from device_agent.wire.protocol import ReceivedEvaluation
 
 NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Fraction = Annotated[float, Field(ge=0, le=1)]

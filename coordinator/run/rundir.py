@@ -46,9 +46,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from coordinator.run.checkpoints import Retention, kept_rounds
+from coordinator.config.checkpoints import Retention, kept_rounds
 from coordinator.run.metrics import RoundMetrics, round_scores
 from device_agent.common.atomic import append_line, atomic_write, remove_temp_files
+from device_agent.common.validation import describe
 from device_agent.wire.codec import decode_tensors
 
 FORMAT = 1
@@ -168,10 +169,7 @@ def read_metrics(path: Path) -> list[RoundMetrics]:
         except ValidationError as exc:
             if number == len(lines) and not line.endswith("\n"):
                 break  # torn by a crash mid-append: the round it belongs to was never committed
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in err['loc']) or 'line'}: {err['msg']}" for err in exc.errors()
-            )
-            raise RunDirError(f"{path} line {number}: {problems}") from None
+            raise RunDirError(f"{path} line {number}: {describe(exc, empty='line')}") from None
     return rows
 
 

@@ -22,13 +22,13 @@ import torch
 from torch import Tensor
 
 from coordinator.transport.link import MessageHandler, PayloadHandler, RefusalHandler
-from device_agent.agent.assignment_check import BadAssignment
-from device_agent.agent.protocol import UPDATE_KIND, upload_meta
+from device_agent.clients.assignment_check import BadAssignment
 from device_agent.clients.base import KeptStateMissing
 from device_agent.training.local_round import train_assignment
 from device_agent.training.oom import is_out_of_memory
 from device_agent.wire.codec import CodecError, decode_tensors, encode_tensors
 from device_agent.wire.messages import Assignment, Manifest, Message, RoundFailed, Status, encode
+from device_agent.wire.protocol import UPDATE_KIND, upload_meta
 from device_agent.wire.transfer import DEFAULT_CHUNK_SIZE, Completed, make_manifest, new_transfer_id
 
 log = logging.getLogger("fedfleet.local")

@@ -17,9 +17,9 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from device_agent.agent.probe import ComputeSpec
 from device_agent.agent.signing import parse_key
 from device_agent.common.paths import anchor_keys
+from device_agent.common.profile import ComputeSpec
 from device_agent.common.schema import (
     DatasetName,
     DeviceName,
@@ -29,6 +29,7 @@ from device_agent.common.schema import (
     parse_partition,
     resolve_secret,
 )
+from device_agent.common.validation import describe
 from device_agent.data.partition import PartitionSpec
 
 # Relative to agent.yaml's folder when read from a file, else to the working directory.
@@ -200,16 +201,12 @@ class AgentConfig(_Section):
         return value
 
 
-def _problems(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or '<file>'}: {err['msg']}" for err in exc.errors())
-
-
 def parse_config(raw: dict[str, Any], where: str = "agent config") -> AgentConfig:
     """Validate a mapping (from YAML and/or flags) into an AgentConfig, or ``ConfigError`` with key paths."""
     try:
         return AgentConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(f"{where}: {_problems(exc)}") from None
+        raise ConfigError(f"{where}: {describe(exc, empty='<file>')}") from None
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

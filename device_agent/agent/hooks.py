@@ -19,9 +19,12 @@ Where each is called:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 
-from device_agent.agent.probe import DeviceProfile
+import torch
+
+from device_agent.common.profile import DeviceProfile
 
 
 class RuntimeHooks:
@@ -58,3 +61,7 @@ class RuntimeHooks:
 
     def after_chunk_in(self, nbytes: int) -> None:
         """Called after a chunk of ``nbytes`` arrived."""
+
+
+HooksFor = Callable[[torch.device], RuntimeHooks]
+"""Makes a device's hooks once its torch device is known (the CLI injects the emulated device's this way)."""

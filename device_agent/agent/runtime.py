@@ -2,7 +2,7 @@
 
 The MQTT session runs its own threads and hands every message and verified payload to the agent's
 event queue; one main thread does all the work (training included) in order, so the agent's state
-needs no locks. The protocol it speaks is described in :mod:`device_agent.agent.protocol`.
+needs no locks. The protocol it speaks is described in :mod:`device_agent.wire.protocol`.
 
 What survives what:
 
@@ -30,24 +30,24 @@ from pathlib import Path
 from torch import Tensor
 
 from device_agent import __version__
-from device_agent.agent.assignment_check import BadAssignment
 from device_agent.agent.config import AgentConfig
-from device_agent.agent.hooks import RuntimeHooks
+from device_agent.agent.hooks import HooksFor, RuntimeHooks
 from device_agent.agent.kept import KeptStore
 from device_agent.agent.outbox import Outbox, OutboxCorrupt, OutboxItem
-from device_agent.agent.probe import DeviceProfile, resolve_device
-from device_agent.agent.protocol import UPDATE_KIND, upload_meta
+from device_agent.agent.probe import resolve_device
 from device_agent.agent.signing import UploadIdentity, signed_meta
 from device_agent.agent.speed import measured_profile
 from device_agent.agent.stopping import stop_on_signals
+from device_agent.clients.assignment_check import BadAssignment
 from device_agent.clients.base import KeptStateMissing
+from device_agent.common.profile import DeviceProfile
 from device_agent.data.datasets import DatasetError, check_source, load_dataset
 from device_agent.data.partition import client_shard
-from device_agent.emulation.limits import runtime_hooks
 from device_agent.training.local_round import train_assignment
 from device_agent.training.oom import free_memory, is_out_of_memory
 from device_agent.wire.codec import CodecError, decode_tensors
 from device_agent.wire.messages import INCOMPATIBLE, Assignment, Error, Hello, Message, Receipt, RoundFailed, Status
+from device_agent.wire.protocol import UPDATE_KIND, upload_meta
 from device_agent.wire.reachability import wait_for_broker
 from device_agent.wire.session import BrokerAddress, Delivery, Session, device_session
 from device_agent.wire.topics import DeviceTopics
@@ -106,12 +106,16 @@ class Agent:
     """One device in one fleet. ``run`` blocks until :meth:`stop` (or SIGINT/SIGTERM in ``run_agent``)."""
 
     def __init__(
-        self, config: AgentConfig, profile: DeviceProfile | None = None, hooks: RuntimeHooks | None = None
+        self, config: AgentConfig, profile: DeviceProfile | None = None, hooks: RuntimeHooks | HooksFor | None = None
     ) -> None:
-        """``hooks`` default to what ``config`` asks for (emulation or none); tests pass their own."""
+        """``hooks`` (or a function of the torch device that makes them) shape this device; none on real hardware.
+
+        The runtime never imports emulation: ``device-agent run`` and the worker inject the emulated
+        device's hooks, a test its own.
+        """
         self.config = config
         self.device = resolve_device(config.device_type)
-        self.hooks = hooks if hooks is not None else runtime_hooks(config.emulation, self.device)
+        self.hooks = hooks(self.device) if callable(hooks) else (hooks or RuntimeHooks())
         state = Path(config.state_dir)
         state.mkdir(parents=True, exist_ok=True)
         self.profile = self.hooks.profile(profile or measured_profile(config.device_type, state))
@@ -363,13 +367,13 @@ class Agent:
                 self._send(sent.item)
 
 
-def run_agent(config: AgentConfig, profile: DeviceProfile | None = None) -> int:
+def run_agent(config: AgentConfig, profile: DeviceProfile | None = None, hooks: HooksFor | None = None) -> int:
     """Run until SIGINT/SIGTERM; the exit code of ``device-agent run``."""
     try:
         check_source(config.data.source)
     except DatasetError as exc:
         raise AgentError(str(exc)) from None
-    agent = Agent(config, profile)  # first: a setting of this device (no CUDA...) fails before any waiting
+    agent = Agent(config, profile, hooks)  # first: a setting of this device (no CUDA...) fails before any waiting
     broker = BrokerAddress.from_url(config.broker.url)
     try:
         wait_for_broker(broker.host, broker.port, config.connect_timeout_s)

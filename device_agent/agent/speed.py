@@ -13,8 +13,9 @@ import json
 import statistics
 from pathlib import Path
 
-from device_agent.agent.probe import ComputeSpec, DeviceProfile, measure_matmul_gflops, probe_device, resolve_device
+from device_agent.agent.probe import measure_matmul_gflops, probe_device, resolve_device
 from device_agent.common.atomic import atomic_write
+from device_agent.common.profile import ComputeSpec, DeviceProfile
 
 SPEED_FILE = "speed.json"
 REPEATS = 3

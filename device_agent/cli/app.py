@@ -17,7 +17,7 @@ from device_agent import __version__, infer
 from device_agent.cli.errors import DEBUG_FLAG, DEBUG_HELP, debug_requested, guarded
 
 if TYPE_CHECKING:
-    from device_agent.agent.probe import DeviceProfile
+    from device_agent.common.profile import DeviceProfile
 
 _GIB = 1024**3
 

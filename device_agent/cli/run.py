@@ -118,9 +118,10 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from device_agent.agent.runtime import AgentError, run_agent
+    from device_agent.emulation.limits import runtime_hooks
 
     try:
-        return run_agent(config)
+        return run_agent(config, hooks=lambda device: runtime_hooks(config.emulation, device))
     except (AgentError, ConfigError) as exc:
         print(f"device-agent: error: {exc}", file=sys.stderr)
         return 1

@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from device_agent.agent.assignment_check import check_assignment
+from device_agent.clients.assignment_check import check_assignment
 from device_agent.clients.spec import SpecBase
 
 

@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from device_agent.agent.assignment_check import BadAssignment, check_assignment
+from device_agent.clients.assignment_check import BadAssignment, check_assignment
 from device_agent.clients.base import ClientProgram, KeptStateMissing, load_tensors
 from device_agent.clients.spec import LoRASpec
 from device_agent.layers.lora import (

@@ -25,15 +25,28 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` so that no crash can leave a partial file behind."""
+def atomic_write(path: Path, data: bytes | str, mode: int | None = None, owner: tuple[int, int] | None = None) -> None:
+    """Replace ``path`` with ``data`` so that no crash can leave a partial file behind.
+
+    ``mode`` is set on the temporary file before anything is written, so a secret is never readable
+    by others in between; ``owner`` (uid, gid) hands it to another user (mosquitto drops root).
+    """
     path = Path(path)
+    raw = data.encode() if isinstance(data, str) else data
     temp = path.with_name(f"{TEMP_PREFIX}{os.getpid()}-{path.name}")
     try:
-        with open(temp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
+        try:
+            if mode is not None:
+                os.fchmod(fd, mode)
+            view = memoryview(raw)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if owner is not None:
+            os.chown(temp, *owner)
         os.replace(temp, path)
     except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):

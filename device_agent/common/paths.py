@@ -38,3 +38,14 @@ def anchor_keys(section: Any, keys: tuple[str, ...], base: Path, secrets: tuple[
     for key in secrets:
         if key in section:
             section[key] = anchor_secret(section[key], base)
+
+
+def profile_files(directory: Path) -> list[Path]:
+    """The ``*.yaml``/``*.yml`` files of a folder of device profiles, in name order (later ones win a name).
+
+    The one discovery rule for the coordinator's catalog and the emulator's profiles; a folder that
+    is not there is a ``NotADirectoryError`` naming it, not an empty fleet.
+    """
+    if not directory.is_dir():
+        raise NotADirectoryError(f"profile directory {directory} does not exist")
+    return sorted([*directory.glob("*.yaml"), *directory.glob("*.yml")])

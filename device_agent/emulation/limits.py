@@ -43,7 +43,7 @@ import torch
 
 from device_agent.agent.config import EmulationConfig
 from device_agent.agent.hooks import RuntimeHooks
-from device_agent.agent.probe import DeviceProfile, NetworkSpec
+from device_agent.common.profile import DeviceProfile, NetworkSpec
 from device_agent.emulation.accounting import MemoryAccount, MemoryCapExceeded
 from device_agent.emulation.shaping import TokenBucket
 from device_agent.training.oom import is_out_of_memory

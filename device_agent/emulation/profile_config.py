@@ -27,8 +27,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from device_agent.agent.config import parse_config
-from device_agent.agent.probe import ComputeSpec, MemorySpec, NetworkSpec, measure_matmul_gflops, resolve_device
+from device_agent.agent.probe import measure_matmul_gflops, resolve_device
 from device_agent.common.atomic import atomic_write
+from device_agent.common.paths import profile_files
+from device_agent.common.profile import ComputeSpec, MemorySpec, NetworkSpec
+from device_agent.common.validation import describe
 from device_agent.emulation.limits import slowdown_factor
 
 PROFILES_ENV = "FEDFLEET_PROFILES"
@@ -143,10 +146,7 @@ def read_profile(path: Path) -> ProfileSpec:
     try:
         return ProfileSpec.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in error['loc']) or '(top level)'}: {error['msg']}" for error in exc.errors()
-        )
-        raise EmulationError(f"{path}: {problems}") from None
+        raise EmulationError(f"{path}: {describe(exc)}") from None
 
 
 def find_profile(name_or_path: str, extra_dirs: Iterable[Path] = ()) -> ProfileSpec:
@@ -155,9 +155,11 @@ def find_profile(name_or_path: str, extra_dirs: Iterable[Path] = ()) -> ProfileS
         return read_profile(Path(name_or_path))
     found: dict[str, ProfileSpec] = {}
     for folder in profile_dirs(extra_dirs):
-        if not folder.is_dir():
-            raise EmulationError(f"profile directory {folder} does not exist")
-        for path in sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")]):
+        try:
+            paths = profile_files(folder)
+        except NotADirectoryError as exc:
+            raise EmulationError(str(exc)) from None
+        for path in paths:
             profile = read_profile(path)
             found[profile.name] = profile
     if name_or_path not in found:

@@ -24,9 +24,10 @@ from pathlib import Path
 import yaml
 
 from device_agent.agent.config import AgentConfig, ConfigError, EmulationConfig, load_config
-from device_agent.agent.probe import DeviceProfile, probe_device, resolve_device
+from device_agent.agent.probe import probe_device, resolve_device
 from device_agent.agent.runtime import Agent, AgentError
 from device_agent.agent.stopping import stop_on_signals
+from device_agent.common.profile import DeviceProfile
 from device_agent.data.datasets import DatasetError, check_source
 from device_agent.emulation.limits import EmulatedDevice, limit_threads
 

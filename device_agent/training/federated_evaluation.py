@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from device_agent.agent.protocol import ReceivedEvaluation
 from device_agent.clients.base import ClientProgram
 from device_agent.training.optimizer import calibrate_batchnorm
+from device_agent.wire.protocol import ReceivedEvaluation
 
 Split = tuple[Tensor, Tensor]
 

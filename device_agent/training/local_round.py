@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from device_agent.agent.protocol import ReceivedEvaluation, pack_upload
 from device_agent.clients import build_program
 from device_agent.clients.spec import ClientSpec, TrainConfig
 from device_agent.training.federated_evaluation import evaluate_received
 from device_agent.training.optimizer import TrainResult, evaluate_local, train_local
+from device_agent.wire.protocol import ReceivedEvaluation, pack_upload
 
 Split = tuple[Tensor, Tensor]
 

@@ -34,7 +34,7 @@ REASONS = frozenset(
 """Every reason the transport refuses a frame under (the engine adds its own: ``coordinator.rounds.upload_gate``)."""
 
 RETAINED_KINDS: tuple[type, ...] = (Hello, Status)
-"""Messages a peer publishes retained on purpose (see ``device_agent.agent.protocol``)."""
+"""Messages a peer publishes retained on purpose (see ``device_agent.wire.protocol``)."""
 
 
 @dataclass(frozen=True)

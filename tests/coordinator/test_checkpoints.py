@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from coordinator.config.checkpoints import Retention, kept_rounds
 from coordinator.config.fleet import FleetError, parse_fleet
-from coordinator.run.checkpoints import Retention, kept_rounds
 from profiles.catalog import load_catalog
 
 MINIMAL = {"fleet": "lab", "broker": {"mode": "managed"}, "devices": [{"id": "pi5-01", "profile": "raspberry-pi-5"}]}

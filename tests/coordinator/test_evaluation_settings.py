@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from coordinator.cli.readiness import start_problems
-from coordinator.cli.start import fleet_data
 from coordinator.config.fleet import FleetError, parse_fleet
+from coordinator.run.fleet_data import fleet_data
 from profiles.catalog import load_catalog
 
 CATALOG = load_catalog()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from coordinator.config.fleet import parse_fleet
+from coordinator.config.limits import GateSettings
 from coordinator.rounds.engine import EngineSettings
-from coordinator.rounds.upload_gate import GateSettings
 from device_agent.wire.guard import InboundLimits
 from tests.coordinator.test_fleet import CATALOG, MINIMAL
 

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from coordinator.run.metrics import DeviceRoundMetrics, RoundMetrics, received_metrics, round_scores
-from device_agent.agent.protocol import ReceivedEvaluation
+from device_agent.wire.protocol import ReceivedEvaluation
 
 
 def device(received: ReceivedEvaluation | None, local_accuracy: float | None = None) -> DeviceRoundMetrics:

@@ -10,7 +10,7 @@ import torch
 
 from coordinator.config.fleet import Fleet, load_fleet, parse_fleet
 from coordinator.planning.planner import after_out_of_memory, plan_fleet
-from device_agent.agent.probe import DeviceProfile
+from device_agent.common.profile import DeviceProfile
 from device_agent.models import build_model
 from profiles.catalog import load_catalog
 

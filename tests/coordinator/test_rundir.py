@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coordinator.run.checkpoints import Retention
+from coordinator.config.checkpoints import Retention
 from coordinator.run.metrics import DeviceRoundMetrics, RoundMetrics
 from coordinator.run.rundir import RoundNotOpen, RunDir, RunDirError, read_metrics
 

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from coordinator.planning.steady_reports import SteadyReports
-from device_agent.agent.probe import DeviceProfile
+from device_agent.common.profile import DeviceProfile
 from profiles.catalog import load_catalog
 from tests.device_profiles import reported_profile
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from device_agent.agent.assignment_check import BadAssignment, Input, check_assignment
+from device_agent.clients.assignment_check import BadAssignment, Input, check_assignment
 
 MODEL = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)).state_dict()
 NORM_STATISTICS = ("1.running_mean", "1.running_var", "1.num_batches_tracked")

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from device_agent import __version__
-from device_agent.agent.probe import DeviceProfile, probe_device
+from device_agent.agent.probe import probe_device
 from device_agent.cli.app import main
+from device_agent.common.profile import DeviceProfile
 
 
 def test_probe_device_measures_plausible_numbers() -> None:

@@ -6,13 +6,13 @@ import torch
 import torch.nn.functional as F
 
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
-from device_agent.agent.protocol import parse_upload_meta, upload_meta
 from device_agent.clients import build_program
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import load_dataset
 from device_agent.training.federated_evaluation import evaluate_received
 from device_agent.training.local_round import train_assignment
 from device_agent.training.optimizer import calibrate_batchnorm
+from device_agent.wire.protocol import parse_upload_meta, upload_meta
 
 CNN = ModelSpec("cnn", 10, 1, 8)
 

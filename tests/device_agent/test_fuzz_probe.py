@@ -9,7 +9,7 @@ import json
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from device_agent.agent.probe import DeviceProfile
+from device_agent.common.profile import DeviceProfile
 from device_agent.wire.messages import Hello, ProtocolError, parse_message
 from profiles.catalog import profile_from_report
 from tests.device_profiles import REPORTED_FIELDS

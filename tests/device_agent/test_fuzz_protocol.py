@@ -9,7 +9,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from device_agent.agent.protocol import MAX_SAMPLES, UploadMetaError, parse_upload_meta
+from device_agent.wire.protocol import MAX_SAMPLES, UploadMetaError, parse_upload_meta
 
 FUZZ = settings(max_examples=200)
 numbers = st.one_of(

@@ -7,7 +7,8 @@ import torch
 
 from device_agent.agent.config import EmulationConfig
 from device_agent.agent.hooks import RuntimeHooks
-from device_agent.agent.probe import ComputeSpec, probe_device
+from device_agent.agent.probe import probe_device
+from device_agent.common.profile import ComputeSpec
 from device_agent.emulation.limits import EmulatedDevice, Throttle, runtime_hooks
 
 CPU = torch.device("cpu")

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from device_agent.agent.probe import DeviceProfile, measure_broker_link, probe_device
+from device_agent.agent.probe import measure_broker_link, probe_device
 from device_agent.cli.app import main
+from device_agent.common.profile import DeviceProfile
 from profiles.catalog import profile_from_report
 from profiles.schema import DeviceClass
 

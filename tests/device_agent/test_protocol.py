@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from device_agent.agent.protocol import (
+from device_agent.wire.messages import Receipt, RoundFailed, encode, parse_message
+from device_agent.wire.protocol import (
     EXTRA_PREFIX,
     ReceivedEvaluation,
     UploadMeta,
@@ -16,7 +17,6 @@ from device_agent.agent.protocol import (
     split_upload,
     upload_meta,
 )
-from device_agent.wire.messages import Receipt, RoundFailed, encode, parse_message
 
 
 def test_pack_and_split_keep_upload_and_extras_apart() -> None:

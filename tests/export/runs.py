@@ -7,9 +7,9 @@ from pathlib import Path
 
 import yaml
 
-from coordinator.cli.start import fleet_data
 from coordinator.config.fleet import load_fleet
 from coordinator.rounds.evaluation import calibrate_batchnorm
+from coordinator.run.fleet_data import fleet_data
 from coordinator.run.metrics import RoundMetrics
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ClientSlot, build_strategy

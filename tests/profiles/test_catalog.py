@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from device_agent.agent.probe import DeviceProfile
+from device_agent.common.profile import DeviceProfile
 from profiles.catalog import (
     ENV_VAR,
     ProfileError,

@@ -16,9 +16,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from coordinator.config.logins import COORDINATOR_USER
+from device_agent.common.atomic import atomic_write
 from device_agent.wire.topics import check_name
 
-COORDINATOR_USER = "coordinator"
 _ITERATIONS = 101
 _SALT_BYTES = 12
 
@@ -94,15 +95,4 @@ def write_private(path: Path, text: str, owner: tuple[int, int] | None = None) -
 
 def write_file(path: Path, data: bytes | str, mode: int, owner: tuple[int, int] | None = None) -> None:
     """Write atomically with ``mode`` (created with it, so a secret is never readable in between)."""
-    raw = data.encode() if isinstance(data, str) else data
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        os.fchmod(fd, mode)
-        os.write(fd, raw)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    if owner is not None:
-        os.chown(tmp, *owner)
-    os.replace(tmp, path)
+    atomic_write(path, data, mode, owner)

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from device_agent.agent.assignment_check import BadAssignment
 from device_agent.clients import build_program
+from device_agent.clients.assignment_check import BadAssignment
 from device_agent.clients.spec import parse_spec
 from device_agent.layers.hybrid import hybrid
 from device_agent.models import build_model

@@ -30,7 +30,7 @@ Topics are per device (``device_agent.wire.topics``); payloads are verified chun
    personalized strategy that lost the part it keeps between rounds (its state directory was wiped)
    sends reason ``state_lost``: the coordinator forgets its personalized state, so its next
    assignment is a whole model again. A payload that does not fit the model the spec builds (tensor
-   names, shapes, dtypes, finite values; :mod:`device_agent.agent.assignment_check`) is never cast to fit:
+   names, shapes, dtypes, finite values; :mod:`device_agent.clients.assignment_check`) is never cast to fit:
    the device sends reason ``bad_assignment`` naming the offending tensors.
 6. The round closes when every participant answered or at the deadline (quorum permitting).
 """
