@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fedfleet-installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -20,12 +20,19 @@ demo: setup
 	$(VENV)/bin/coordinator plan --fleet examples/demo.yaml
 	$(VENV)/bin/coordinator emulate --fleet examples/demo.yaml
 
+# Style, formatting and the layering contracts of docs/architecture.md (import-linter).
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
 
+# The full suite (what CI runs), with the 25 slowest tests listed at the end.
 test: lint
-	$(PY) -m pytest -q; status=$$?; if [ $$status -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$status
+	$(PY) -m pytest -q --durations=25; status=$$?; if [ $$status -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$status
+
+# The inner loop: everything but the process-spawning tests (tests/e2e) and those marked slow.
+test-fast: setup
+	$(PY) -m pytest -q -x --ignore=tests/e2e -m "not slow" --durations=10; status=$$?; if [ $$status -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$status
 
 # Every benchmark (the list is benchmarks/suite.py's SUITE) -> benchmarks/results.json and the README's table.
 bench: setup

@@ -18,8 +18,9 @@ from coordinator.run.exporting import open_trained_run
 from device_agent.infer import ModelInfo, preprocess, read_inputs
 from export.runner import ExportRecord
 from export.targets import build_target, load_run_data
+from tests.paths import REPO_ROOT
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = REPO_ROOT
 
 
 @pytest.fixture(scope="session")

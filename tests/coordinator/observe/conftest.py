@@ -22,7 +22,7 @@ from coordinator.strategies import ModelSpec, build_strategy
 from coordinator.transport.local_link import LocalDevice
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData, load_dataset
-from tests.coordinator.test_upload_gate import TamperingLink, nan_loss
+from tests.coordinator.rounds.test_upload_gate import TamperingLink, nan_loss
 from tests.digit_clients import digit_clients
 
 ROUNDS = 2

@@ -20,6 +20,7 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 from coordinator.transport.broker.base import BrokerError, check_port_free, probe
 from coordinator.transport.broker.kit import KitBroker
 from tests.coordinator.provision.kit_fixtures import device_address, kit_broker, make_fleet, provision_into
+from tests.paths import REPO_ROOT
 
 
 class Probe:
@@ -184,7 +185,7 @@ def test_the_managed_broker_dies_with_its_coordinator(kit_fleet: tuple) -> None:
     )
     parent = subprocess.Popen(
         [sys.executable, "-c", "from pathlib import Path\n" + script],
-        cwd=Path(__file__).resolve().parents[3],
+        cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -13,8 +13,9 @@ import yaml
 
 from coordinator.transport.broker.base import free_port
 from coordinator.transport.broker.mosquitto import find_mosquitto
+from tests.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 DEMO = ROOT / "examples" / "demo.yaml"
 
 pytestmark = [

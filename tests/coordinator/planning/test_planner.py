@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +12,9 @@ from coordinator.planning.planner import after_out_of_memory, plan_fleet
 from device_agent.common.profile import DeviceProfile
 from device_agent.models import build_model
 from profiles.catalog import load_catalog
+from tests.paths import REPO_ROOT
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fleet.yaml"
+EXAMPLE = REPO_ROOT / "examples" / "fleet.yaml"
 CATALOG = load_catalog()
 RATIOS = [1.0, 0.5, 0.25, 0.125]
 

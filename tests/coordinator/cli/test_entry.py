@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fleet.yaml"
+from tests.paths import REPO_ROOT
+
+EXAMPLE = REPO_ROOT / "examples" / "fleet.yaml"
 SCRIPT = "import sys; from coordinator.cli.entry import main; sys.argv[0] = 'coordinator'; sys.exit(main())"
 
 

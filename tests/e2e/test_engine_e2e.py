@@ -25,12 +25,13 @@ from coordinator.transport.broker.mosquitto import MosquittoBroker, find_mosquit
 from device_agent.wire.messages import Error, Message
 from device_agent.wire.session import Session, SessionConfig
 from device_agent.wire.topics import DeviceTopics
+from tests.paths import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 
 FLEET = "e2e"
 DEVICES = ("d0", "d1", "d2", "d3")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 
 
 class Fleet:

@@ -32,12 +32,13 @@ from device_agent.wire.messages import Error, Message
 from device_agent.wire.session import Session, SessionConfig
 from device_agent.wire.topics import DeviceTopics
 from device_agent.wire.transfer import new_transfer_id
+from tests.paths import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 
 FLEET = "signed"
 DEVICES = ("d0", "d1")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 
 
 def _forge(broker: MosquittoBroker, login: Credentials, run: str, key: bytes) -> dict[str, Error]:

@@ -6,7 +6,7 @@ from coordinator.config.fleet import parse_fleet
 from coordinator.config.limits import GateSettings
 from coordinator.rounds.engine import EngineSettings
 from device_agent.wire.guard import InboundLimits
-from tests.coordinator.test_fleet import CATALOG, MINIMAL
+from tests.coordinator.config.test_fleet import CATALOG, MINIMAL
 
 TUNED = {
     "max_upload_bytes": "256 MiB",

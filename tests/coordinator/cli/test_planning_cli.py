@@ -15,8 +15,9 @@ from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
 from device_agent.clients import build_program
 from profiles.costmodel import Workload, predict_process_peak, trace_module
 from profiles.schema import DeviceClass
+from tests.paths import REPO_ROOT
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fleet.yaml"
+EXAMPLE = REPO_ROOT / "examples" / "fleet.yaml"
 PLAN_KEYS = {
     "device",
     "profile",

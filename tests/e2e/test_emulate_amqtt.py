@@ -17,8 +17,9 @@ from coordinator.transport.broker import factory
 from coordinator.transport.broker.amqtt_broker import AmqttBroker
 from coordinator.transport.broker.base import BrokerSettings, free_port
 from coordinator.transport.broker.credentials import generate_credentials
+from tests.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 DEMO = ROOT / "examples" / "demo.yaml"
 
 

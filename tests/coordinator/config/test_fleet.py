@@ -10,8 +10,9 @@ import yaml
 
 from coordinator.config.fleet import FleetError, load_fleet, parse_fleet
 from profiles.catalog import load_catalog
+from tests.paths import REPO_ROOT
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fleet.yaml"
+EXAMPLE = REPO_ROOT / "examples" / "fleet.yaml"
 CATALOG = load_catalog()
 
 MINIMAL = {

@@ -28,8 +28,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.transport.broker.base import free_port
 from coordinator.transport.broker.mosquitto import find_mosquitto
+from tests.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = REPO_ROOT
 DEMO = ROOT / "examples" / "demo.yaml"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")

@@ -20,11 +20,12 @@ import yaml
 
 from device_agent.emulation.launcher import write_agent_list
 from tests.coordinator.one_device_fleet import one_device_fleet
+from tests.paths import REPO_ROOT
 from tests.transport_fixtures import TestBroker
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 DEVICE = "dev-a"
 _GIB = 2**30
 

@@ -16,8 +16,9 @@ from coordinator.cli.app import main
 from coordinator.run.metrics import RoundMetrics
 from coordinator.run.rundir import RunDir
 from coordinator.run.storage import out_of_space_message
+from tests.paths import REPO_ROOT
 
-DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo.yaml"
+DEMO = REPO_ROOT / "examples" / "demo.yaml"
 
 
 def test_resuming_a_finished_run_says_so_and_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

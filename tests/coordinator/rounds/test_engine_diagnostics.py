@@ -19,7 +19,7 @@ from coordinator.strategies import ModelSpec, build_strategy
 from coordinator.transport.local_link import InProcessLink, LocalDevice
 from device_agent.data.datasets import LabeledData
 from device_agent.wire.messages import Hello, incompatible
-from tests.device_agent.test_misconfiguration import PROFILE
+from tests.device_agent.agent.test_misconfiguration import PROFILE
 
 FLEET = {
     "fleet": "waiting",

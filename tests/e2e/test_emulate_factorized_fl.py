@@ -25,8 +25,9 @@ from coordinator.transport.broker.base import free_port
 from coordinator.transport.broker.mosquitto import find_mosquitto
 from device_agent.clients import build_program
 from device_agent.wire.codec import encode_tensors
+from tests.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 EXAMPLE = ROOT / "examples" / "factorized_fl.yaml"
 
 pytestmark = [

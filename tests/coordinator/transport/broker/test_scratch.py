@@ -12,8 +12,9 @@ import pytest
 
 from coordinator.transport.broker.mosquitto import find_mosquitto
 from coordinator.transport.broker.scratch import OWNER_FILE, scratch_dir, sweep_stale
+from tests.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = REPO_ROOT
 
 MAKE = (
     "from coordinator.transport.broker.scratch import scratch_dir; print(scratch_dir('fedfleet-t-broker-'), flush=True)"

@@ -26,11 +26,12 @@ from device_agent.agent.config import parse_config
 from device_agent.agent.hooks import RuntimeHooks
 from device_agent.agent.runtime import Agent
 from tests.coordinator.one_device_fleet import one_device_fleet
+from tests.paths import REPO_ROOT
 from tests.transport_fixtures import TestBroker
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 DEVICE = "dev-a"
 
 
