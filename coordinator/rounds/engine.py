@@ -2,217 +2,71 @@
 
 One thread owns every piece of round state. The link's threads only enqueue events (hello,
 status, uploads, failures) and the engine's loop applies them in order, so validation, journaling,
-folding and answering an upload happen as one step and need no locks. The wire side of a round is
-described in :mod:`device_agent.wire.protocol`. ``coordinator start`` runs it over MQTT
-(:class:`~coordinator.transport.link.MqttLink`); the simulation and ``benchmarks.compare`` over in-process
-devices (:class:`~coordinator.transport.local_link.InProcessLink`): one round core for both.
+folding and answering an upload happen as one step and need no locks. ``coordinator start`` runs it
+over MQTT (:class:`~coordinator.transport.link.MqttLink`); the simulation and ``benchmarks.compare``
+over in-process devices (:class:`~coordinator.transport.local_link.InProcessLink`): one round core.
 
-The upload gate (:meth:`RoundEngine._accept`), in order: envelope (kind, run, round, participant,
-duplicate) -> the update's meta (samples, finite seconds and loss, accuracies in [0, 1]) -> decode
--> the strategy's checks for that slot (names, shapes, dtypes, finite values, magnitude) ->
-journal -> fold. Nothing touches the aggregate before the journal has the upload, so a refused or
-late upload never counts.
+The loop is here; its parts are one module each: who is online and what they measured
+(:mod:`~coordinator.rounds.roster`), who trains this round (:mod:`~coordinator.rounds.draw`),
+assignments and their re-send policy (:mod:`~coordinator.rounds.dispatch`), the upload gate
+(:mod:`~coordinator.rounds.admission`) and round closing (:mod:`~coordinator.rounds.closing`).
 
-Durability: the round's participants and levels are written to ``open-round.json`` before any
-assignment leaves, every accepted upload is journaled (``RunDir.accept_upload``) before it is folded
-and before its receipt is sent, and closing a round is ``RunDir.complete_round``'s atomic commit. A restart on
-the same run directory reloads the last global state, re-opens the same round with the same
-participants, folds the journal back in and re-sends the assignments; devices that already
-trained re-send their stored update instead of training again.
+Durability: the round's participants and levels are saved in the run directory before any
+assignment leaves, every accepted upload is journaled before it is folded and before its receipt
+is sent, and closing a round is ``RunDir.complete_round``'s atomic commit. A restart on the same
+run directory reloads the last global state, re-opens the same round with the same participants,
+folds the journal back in and re-sends the assignments; devices that already trained re-send
+their stored update instead of training again.
 
-Personalized strategies (Factorized-FL): the coordinator keeps each client's personalized factors
-in the strategy state (checkpointed with the round), the devices keep their private part. The
-global model evaluated here is then only a reference; the round's ``personalized_accuracy`` is the
-mean of the ``local_accuracy`` each device reports in its upload meta (its trained model on its own
-test shard). A device that lost its private part says ``state_lost`` and is started over.
+Personalized strategies: the global model is only a reference; ``personalized_accuracy`` is the
+mean of the ``local_accuracy`` the devices report.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import queue
-import random
 import threading
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 
 from coordinator.algorithms.aggregation import UpdateRejected
-from coordinator.config.fleet import Device, Fleet
-from coordinator.config.limits import FleetLimits, GateSettings
-from coordinator.planning.planner import DevicePlan, after_out_of_memory, fmt_ratio, plan_fleet, why_no_one
-from coordinator.planning.steady_reports import SteadyReports
-from coordinator.rounds.compatibility import release_note
-from coordinator.rounds.evaluation import evaluate_global, federated_evaluation, personalized_accuracy
+from coordinator.config.fleet import Fleet
+from coordinator.planning.planner import plan_fleet, why_no_one
+from coordinator.rounds.admission import Admission
+from coordinator.rounds.closing import RoundCloser, log_closed
+from coordinator.rounds.dispatch import Dispatcher
+from coordinator.rounds.draw import ParticipantDraw, Planner
+from coordinator.rounds.failures import round_failed
+from coordinator.rounds.roster import Roster
+from coordinator.rounds.settings import EngineSettings
 from coordinator.rounds.signing import UploadSignatures
-from coordinator.rounds.upload_gate import (
-    UploadGate,
-    UploadRefused,
-    check_dtypes,
-    profile_problem,
-    squared_norms,
+from coordinator.rounds.state import (
+    DeviceState,
+    OpenRound,
+    Participant,
+    Refusal,
+    Refusals,
+    printable,
+    refusal_reason,
 )
-from coordinator.run.metrics import DeviceRoundMetrics, DeviceStatus, RoundMetrics, received_metrics
-from coordinator.run.rundir import OPEN_ROUND_FILE, RoundNotOpen, RunDir
-from coordinator.strategies import ClientSlot, RoundAggregate, Strategy
+from coordinator.rounds.upload_gate import UploadGate
+from coordinator.run.rundir import RunDir
+from coordinator.strategies import ClientSlot, Strategy
 from coordinator.transport.link import Link
-from device_agent.common.atomic import atomic_write
-from device_agent.common.profile import DeviceProfile
 from device_agent.data.datasets import LabeledData
-from device_agent.wire.codec import CodecError, decode_tensors, encode_tensors
-from device_agent.wire.messages import (
-    INCOMPATIBLE,
-    Assignment,
-    Error,
-    Hello,
-    Manifest,
-    Message,
-    Receipt,
-    RoundFailed,
-    Status,
-)
-from device_agent.wire.protocol import (
-    ASSIGNMENT_KIND,
-    UPDATE_KIND,
-    ReceivedEvaluation,
-    UploadMetaError,
-    round_seed,
-    split_upload,
-)
+from device_agent.wire.codec import CodecError
+from device_agent.wire.messages import INCOMPATIBLE, Error, Hello, Message, Receipt, RoundFailed, Status
+from device_agent.wire.protocol import UploadMetaError
 from device_agent.wire.transfer import Completed
 from profiles.schema import DeviceClass
 
 log = logging.getLogger("fedfleet.engine")
 
 
-def refusal_reason(exc: Exception) -> str:
-    """A bounded label for why an upload was refused: the error's ``reason`` code or its kind."""
-    reason = getattr(exc, "reason", None)
-    if isinstance(reason, str) and reason:
-        return reason
-    return {UpdateRejected: "rejected", UploadMetaError: "bad_meta", CodecError: "bad_payload"}.get(type(exc), "other")
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """One refused upload, kept for the status page (the engine keeps the last ``RECENT_REFUSALS``)."""
-
-    device: str
-    round: int
-    reason: str
-    detail: str
-    time: float
-
-
-RECENT_REFUSALS = 50
-
-
-def printable(text: str, limit: int = 200) -> str:
-    """A device-chosen string fit for one log line: no control characters, bounded length."""
-    clean = "".join(c if c.isprintable() else "?" for c in text[:limit])
-    return clean + ("..." if len(text) > limit else "")
-
-
-Planner = Callable[
-    [Fleet, Mapping[str, DeviceClass], Mapping[str, DeviceProfile], Mapping[str, float]], list[DevicePlan]
-]
-"""Who trains at which level: :func:`~coordinator.planning.planner.plan_fleet` for a fleet; fixed in a simulation."""
-
-
-@dataclass
-class DeviceState:
-    """What the coordinator knows about one fleet device right now."""
-
-    device: Device
-    online: bool = False
-    state: str = "unknown"
-    profile: DeviceProfile | None = None
-    agent_version: str | None = None
-    refused: str | None = None
-    """Why the coordinator will not work with this device (another protocol version), until it says hello."""
-
-
-@dataclass
-class Participant:
-    """One device's part in the open round."""
-
-    level: float
-    trained_level: float | None = None
-    """The level the device actually trains (a fixed-width strategy may differ from the plan)."""
-    status: str = "assigned"
-    bytes_up_start: int = 0
-    bytes_down_start: int = 0
-    payload_bytes: int = 0
-    train_seconds: float | None = None
-    host_seconds: float | None = None
-    error: str | None = None
-    local_accuracy: float | None = None
-    rejected_at: float = math.inf
-    retried: bool = False
-    """Its assignment was sent again after a refusal (once per round: a device that keeps failing is not retrained)."""
-    received: ReceivedEvaluation | None = None
-
-
-@dataclass
-class OpenRound:
-    round: int
-    participants: dict[str, Participant]
-    aggregate: RoundAggregate
-    deadline: float
-    started: float
-    extended: bool = False
-    phases: dict[str, float] = field(default_factory=dict)
-
-    def answered(self, devices: dict[str, DeviceState], rejected_before: float = math.inf) -> bool:
-        """Every participant accepted, failed, offline, or refused at or before ``rejected_before`` (monotonic).
-
-        A fresh refusal is no answer yet: the device may still send a valid update, which must not be late.
-        """
-        return all(
-            p.status in ("accepted", "failed")
-            or (p.status == "rejected" and p.rejected_at <= rejected_before)
-            or not devices[d].online
-            for d, p in self.participants.items()
-        )
-
-    @property
-    def accepted(self) -> list[str]:
-        return [d for d, p in self.participants.items() if p.status == "accepted"]
-
-
-_FLEET_DEFAULTS = FleetLimits()
-"""fleet.yaml's ``limits`` left out: an engine built without a fleet waits on assignments the same way."""
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    min_devices: int
-    wait_timeout_s: float = 600.0
-    calibration_samples: int = 1024
-    gate: GateSettings = field(default_factory=GateSettings)
-    resend_after_s: float = _FLEET_DEFAULTS.resend_after_s
-    """An assignment is sent again to a participant that says it is idle at least this long after the last one."""
-    rejected_grace_s: float = _FLEET_DEFAULTS.rejected_grace_s
-    """How long a refused participant may still send a valid update before the round stops waiting for it."""
-
-    @classmethod
-    def of(cls, fleet: Fleet, min_devices: int, wait_timeout_s: float) -> EngineSettings:
-        """A run's settings with what fleet.yaml's ``limits`` says of updates and assignments."""
-        limits = fleet.limits
-        return cls(
-            min_devices,
-            wait_timeout_s,
-            gate=limits.gate(),
-            resend_after_s=limits.resend_after_s,
-            rejected_grace_s=limits.rejected_grace_s,
-        )
-
-
 class RoundEngine:
-    """Runs ``fleet.rounds`` rounds of ``strategy`` over ``session`` and records them in ``rundir``."""
+    """Runs ``fleet.rounds`` rounds of ``strategy`` over ``link`` and records them in ``rundir``."""
 
     def __init__(
         self,
@@ -228,41 +82,33 @@ class RoundEngine:
     ) -> None:
         """``signatures``: the fleet's upload signature check (``security.sign_uploads``), None when off."""
         self.fleet = fleet
-        self.signatures = signatures
-        self.catalog = catalog
         self.strategy = strategy
         self.rundir = rundir
-        self.data = data
+        self.link = link
         self.settings = settings
-        self.devices = {d.id: DeviceState(d) for d in fleet.devices}
-        self.ceilings: dict[str, float] = {}
-        self.plans: dict[str, DevicePlan] = {}
-        self.reports = SteadyReports()
-        self._last_plan: tuple[int, str] | None = None
-        # Observability counters read by metrics exporters: (device, reason) -> refused uploads, and
-        # device -> out-of-memory step-downs. Reasons are short snake_case codes (a bounded label set).
-        self.refusals: Counter[tuple[str, str]] = Counter()
-        self.step_downs: Counter[str] = Counter()
-        self.recent_refusals: deque[Refusal] = deque(maxlen=RECENT_REFUSALS)
+        self.refused = Refusals()
+        self.roster = Roster(fleet, catalog, self.refused)
+        self.devices = self.roster.devices
+        self.draw = ParticipantDraw(fleet, planner, rundir)
+        gate = UploadGate(settings.gate)
+        self.admission = Admission(gate, rundir, lambda d: fleet.samples_for(self.devices[d].device), signatures)
+        self.dispatch = Dispatcher(link, strategy, gate, rundir, fleet, settings.resend_after_s)
+        self.closer = RoundCloser(strategy, fleet, data, link, self.roster, settings.calibration_samples)
         self.open: OpenRound | None = None
-        self.last: RoundMetrics | None = None
+        self.last = None
         self.stopping = threading.Event()
         self._events: queue.Queue[Callable[[], None]] = queue.Queue()
         self._deferred: list[tuple[str, Completed]] = []
-        self.link = link
-        self.planner = planner
-        self.gate = UploadGate(settings.gate)
-        # device -> (payload, its manifest, the assignment, when it was last sent), for re-sending it.
-        self._assigned: dict[str, tuple[bytes, Manifest, Assignment, float]] = {}
-        # device -> when a deferred re-send falls due: it said idle too soon after its assignment to tell
-        # a lost assignment from one still on its way, and may not say idle again before the round closes.
-        self._resend_due: dict[str, float] = {}
         resume = rundir.resume()
         self.strategy.load_state_dict(resume.state)
         self.next_round = resume.next_round
         self._journal = resume.journal
 
-    # ---- the loop ------------------------------------------------------------------------------
+    # What observers (status page, Prometheus, live table) read.
+    refusals = property(lambda self: self.refused.counts)
+    recent_refusals = property(lambda self: self.refused.recent)
+    step_downs = property(lambda self: self.draw.step_downs)
+    plans = property(lambda self: self.draw.plans)
 
     def run(self, progress: Callable[[RoundEngine], None] = lambda _e: None) -> bool:
         """Run until every round is done (True) or :meth:`stop` (False). The link is stopped on return."""
@@ -298,11 +144,7 @@ class RoundEngine:
         progress(self)
 
     def _drain(self) -> None:
-        """Apply every event already queued, without waiting.
-
-        Closing a round (aggregation, evaluation) applies no events; a device that said hello meanwhile
-        must count before the next round's participants are drawn, or it sits out one more round.
-        """
+        """Apply every event already queued: a hello during closing counts before the next draw."""
         while True:
             try:
                 self._events.get_nowait()()
@@ -312,7 +154,7 @@ class RoundEngine:
     def _wait_for_devices(self, progress: Callable[[RoundEngine], None]) -> bool:
         give_up = time.monotonic() + self.settings.wait_timeout_s
         while not self.stopping.is_set():
-            online = sum(state.online for state in self.devices.values())
+            online = len(self.roster.online())
             if online >= self.settings.min_devices or (self._journal and online):
                 return True
             if time.monotonic() > give_up:
@@ -325,309 +167,100 @@ class RoundEngine:
             self._pump(time.monotonic() + 0.5, progress)
         return False
 
-    # ---- one round -----------------------------------------------------------------------------
-
     def _run_round(self, round_: int, progress: Callable[[RoundEngine], None]) -> bool:
         started = time.monotonic()
         self._drain()
-        participants = self._participants(round_)
+        participants = self.draw.draw(round_, self.roster)
         if not participants and not self.stopping.is_set():
-            log.warning(
-                "round %d: no online device can take part (%s); waiting up to %.0f s",
-                round_,
-                why_no_one(self.plans, {d for d, s in self.devices.items() if s.online}),
-                self.settings.wait_timeout_s,
-            )
+            why = why_no_one(self.plans, set(self.roster.online()))
+            wait = self.settings.wait_timeout_s
+            log.warning("round %d: no online device can take part (%s); waiting up to %.0f s", round_, why, wait)
         while not participants and not self.stopping.is_set():
             if time.monotonic() - started > self.settings.wait_timeout_s:
                 raise TimeoutError(
                     f"round {round_}: no device could take part within {self.settings.wait_timeout_s:.0f} s"
                 )
             self._pump(time.monotonic() + 1.0, progress)
-            participants = self._participants(round_)
+            participants = self.draw.draw(round_, self.roster)
         if self.stopping.is_set():
             return False
         slots = [ClientSlot(d, level, self.fleet.samples_for(self.devices[d].device)) for d, level in participants]
-        atomic_write(
-            self.rundir.path / OPEN_ROUND_FILE,
-            json.dumps({"round": round_, "participants": dict(participants)}).encode(),
-        )
+        self.rundir.save_participants(round_, dict(participants))
         aggregate = self.strategy.open_round(round_, slots)
-        self.gate.open_round()
-        self._assigned.clear()
-        self._resend_due.clear()
+        self.admission.gate.open_round()
+        self.dispatch.clear()
         deadline = started + self.fleet.round_deadline_s
         self.open = OpenRound(
             round_, {d: Participant(level) for d, level in participants}, aggregate, deadline, started
         )
-        self._replay_journal(round_)
+        self.admission.replay(self._journal, self.open)
+        self._journal = []
         planned = time.monotonic()
-        self._push(round_, slots)
+        self.dispatch.push(self.open, slots, self.roster)
         pushed = time.monotonic()
         deferred, self._deferred = self._deferred, []
         for device, completed in deferred:
             self._on_payload(device, completed)
         self.open.phases.update(plan=planned - started, push=pushed - planned)
-        while not self.stopping.is_set():
-            self._pump(self.open.deadline, progress)
-            self._resend_due_assignments()
-            if self.open.answered(self.devices, time.monotonic() - self.settings.rejected_grace_s):
-                break
-            if time.monotonic() >= self.open.deadline:
-                if len(self.open.accepted) >= self._quorum() or self.fleet.on_quorum_miss == "skip":
-                    break
-                if self.open.extended:
-                    break
-                self.open.extended = True
-                self.open.deadline += self.fleet.round_deadline_s
-                log.warning(
-                    "round %d: %d/%d updates at the deadline, below the quorum of %d; extending once by %.0f s",
-                    round_,
-                    len(self.open.accepted),
-                    len(self.open.participants),
-                    self._quorum(),
-                    self.fleet.round_deadline_s,
-                )
+        self._await_answers(progress)
         if self.stopping.is_set():
             return False
-        self._close(round_, pushed)
+        self.last = self.closer.close(self.open, self._quorum(), pushed)
+        self.rundir.complete_round(round_, self.strategy.state_dict(), self.last)
+        self.open = None
+        log_closed(self.last)
         progress(self)
         return True
+
+    def _await_answers(self, progress: Callable[[RoundEngine], None]) -> None:
+        """Until every participant answered, or the deadline (extended once when below the quorum)."""
+        open_ = self.open
+        assert open_ is not None
+        while not self.stopping.is_set():
+            self._pump(open_.deadline, progress)
+            self.dispatch.resend_due(open_)
+            if open_.answered(self.devices, time.monotonic() - self.settings.rejected_grace_s):
+                return
+            if time.monotonic() < open_.deadline:
+                continue
+            if len(open_.accepted) >= self._quorum() or self.fleet.on_quorum_miss == "skip" or open_.extended:
+                return
+            open_.extended = True
+            open_.deadline += self.fleet.round_deadline_s
+            log.warning(
+                "round %d: %d/%d updates at the deadline, below the quorum of %d; extending once by %.0f s",
+                open_.round,
+                len(open_.accepted),
+                len(open_.participants),
+                self._quorum(),
+                self.fleet.round_deadline_s,
+            )
 
     def _quorum(self) -> int:
         assert self.open is not None
         return max(1, math.ceil(self.fleet.quorum * len(self.open.participants)))
 
-    def _participants(self, round_: int) -> list[tuple[str, float]]:
-        """(device, level) of the round: the saved choice when resuming it, else a fresh plan and draw."""
-        saved = self.rundir.path / OPEN_ROUND_FILE
-        if saved.exists():
-            raw = json.loads(saved.read_text())
-            if raw.get("round") == round_:
-                return [(d, float(level)) for d, level in raw["participants"].items() if d in self.devices]
-        reports = {d: s.profile for d, s in self.devices.items() if s.profile is not None}
-        self.plans = {p.device: p for p in self.planner(self.fleet, self.catalog, reports, self.ceilings)}
-        eligible = sorted(d for d, s in self.devices.items() if s.online and self.plans[d].ratio is not None)
-        count = math.ceil(self.fleet.participation * len(eligible))
-        chosen = random.Random(self.rundir.seed * 1_000_003 + round_).sample(eligible, count)
-        self._log_plan(round_, chosen)
-        return [(d, float(self.plans[d].ratio)) for d in sorted(chosen)]  # type: ignore[arg-type]
-
-    def _log_plan(self, round_: int, chosen: list[str]) -> None:
-        """Why each fleet device is in or out of the round: a device that never takes part must say why."""
-        parts = []
-        for device, state in self.devices.items():
-            plan = self.plans[device]
-            if device in chosen:
-                parts.append(f"{device} at {fmt_ratio(plan.ratio)}")  # type: ignore[arg-type]
-            elif not state.online:
-                parts.append(f"{device} out (offline)")
-            elif plan.ratio is None:
-                parts.append(f"{device} out ({plan.reason})")
-            else:
-                parts.append(f"{device} out (not drawn)")
-        line = "; ".join(parts)
-        if (round_, line) != self._last_plan:  # re-planned while waiting: say it again only if it changed
-            log.info("round %d: %s", round_, line)
-        self._last_plan = (round_, line)
-
-    def _replay_journal(self, round_: int) -> None:
-        """Fold the uploads accepted before a restart back into the re-opened round."""
-        assert self.open is not None
-        for entry in self._journal:
-            if entry.round != round_ or entry.device not in self.open.participants:
-                continue
-            upload, extras = split_upload(self.rundir.load_upload(entry))
-            self.open.aggregate.check(entry.device, upload, int(entry.meta["samples"]), extras)
-            self.open.aggregate.fold(entry.device, upload, int(entry.meta["samples"]), extras)
-            participant = self.open.participants[entry.device]
-            self.gate.accepted(participant.level, math.sqrt(sum(squared_norms(upload).values())))
-            participant.status = "accepted"
-            participant.train_seconds = float(entry.meta.get("train_seconds", 0.0))
-            participant.host_seconds = entry.meta.get("host_seconds")
-            participant.payload_bytes = int(entry.meta.get("payload_bytes", 0))
-            participant.local_accuracy = entry.meta.get("local_accuracy")
-            received = entry.meta.get("received")
-            participant.received = ReceivedEvaluation(**received) if received else None
-            log.info("round %d: replayed %s's journaled update", round_, entry.device)
-        self._journal = []
-
-    def _push(self, round_: int, slots: list[ClientSlot]) -> None:
-        assert self.open is not None
-        assignments = self.strategy.configure(round_, slots)
-        # Devices whose payloads are byte-identical (FedHM at one level) share one manifest; personalized
-        # strategies give each device its own payload at the same level, so the level is no key.
-        manifests: dict[bytes, Manifest] = {}
-        norms: dict[bytes, dict[str, float]] = {}
-        shared: dict[bytes, bytes] = {}
-        for slot in slots:
-            participant = self.open.participants[slot.client_id]
-            participant.bytes_up_start = self.link.bytes_up(slot.client_id)
-            participant.bytes_down_start = self.link.bytes_down(slot.client_id)
-            participant.trained_level = self.strategy.trained_level(slot)
-            if participant.status == "accepted":
-                continue
-            assignment = assignments[slot.client_id]
-            payload = encode_tensors(assignment.tensors)
-            payload = shared.setdefault(payload, payload)  # one copy per distinct payload is kept for re-sends
-            if payload not in manifests:
-                manifests[payload] = self.link.prepare(
-                    payload, run=self.rundir.run_id, round=round_, kind=ASSIGNMENT_KIND
-                )
-                norms[payload] = squared_norms(assignment.tensors)
-            self.gate.sent(slot.client_id, norms[payload])
-            transfer = self.link.send_payload(slot.client_id, payload, manifests[payload])
-            device = self.devices[slot.client_id].device
-            seed = round_seed(self.rundir.seed, round_, sorted(self.devices).index(slot.client_id))
-            message = Assignment(
-                run=self.rundir.run_id,
-                round=round_,
-                deadline_s=max(1.0, self.open.deadline - time.monotonic()),
-                download=transfer,
-                spec=assignment.spec,
-                train=self.fleet.training.for_device(device, seed),
-            )
-            self.link.send_control(slot.client_id, message)
-            self._assigned[slot.client_id] = (payload, manifests[payload], message, time.monotonic())
-
-    def _close(self, round_: int, pushed: float) -> None:
-        assert self.open is not None
-        open_ = self.open
-        closing = time.monotonic()
-        skipped = len(open_.accepted) < self._quorum() and self.fleet.on_quorum_miss == "skip"
-        if skipped:
-            log.warning(
-                "round %d skipped: %d/%d updates, quorum %d",
-                round_,
-                len(open_.accepted),
-                len(open_.participants),
-                self._quorum(),
-            )
-            for participant in open_.participants.values():
-                if participant.status == "accepted":
-                    participant.status, participant.error = "late", "round skipped: quorum not met"
-        else:
-            self.strategy.close_round(open_.aggregate)
-        aggregated = time.monotonic()
-        acc: float | None = None
-        loss: float | None = None
-        if self.fleet.evaluation.server:
-            calibration = self.data.train_x[: self.settings.calibration_samples]
-            acc, loss = evaluate_global(self.strategy, (self.data.test_x, self.data.test_y), calibration)
-        evaluated = time.monotonic()
-        devices = {d: self._device_metrics(d, p) for d, p in open_.participants.items()}
-        federated = federated_evaluation(p.received for p in open_.participants.values() if p.status == "accepted")
-        phases = {
-            **open_.phases,
-            "train": closing - pushed,
-            "aggregate": aggregated - closing,
-            "evaluate": evaluated - aggregated,
-        }
-        metrics = RoundMetrics(
-            round=round_,
-            accuracy=acc,
-            loss=loss,
-            federated_accuracy=None if federated is None else federated[0],
-            federated_loss=None if federated is None else federated[1],
-            personalized_accuracy=personalized_accuracy(m.local_accuracy for m in devices.values()),
-            participants=sum(m.status == "accepted" for m in devices.values()),
-            bytes_up=sum(m.bytes_up for m in devices.values()),
-            bytes_down=sum(m.bytes_down for m in devices.values()),
-            seconds=evaluated - open_.started,
-            phases=phases,
-            devices=devices,
-        )
-        self.rundir.complete_round(round_, self.strategy.state_dict(), metrics)
-        self.last = metrics
-        (self.rundir.path / OPEN_ROUND_FILE).unlink(missing_ok=True)
-        self.open = None
-        log.info(
-            "round %d closed: %s%s%s, %d/%d updates, %.1f s",
-            round_,
-            "no server evaluation" if acc is None else f"accuracy {acc:.4f}, loss {loss:.4f}",
-            "" if federated is None else f", federated accuracy {federated[0]:.4f} (model received)",
-            "" if metrics.personalized_accuracy is None else f", local accuracy {metrics.personalized_accuracy:.4f}",
-            metrics.participants,
-            len(devices),
-            self.last.seconds,
-        )
-
-    def _device_metrics(self, device: str, participant: Participant) -> DeviceRoundMetrics:
-        status: DeviceStatus
-        if participant.status in ("accepted", "rejected", "failed", "late"):
-            status = participant.status  # type: ignore[assignment]
-        else:
-            status = "late" if self.devices[device].online else "dropped"
-        return DeviceRoundMetrics(
-            device_class=self.devices[device].device.profile,
-            ratio=participant.level if participant.trained_level is None else participant.trained_level,
-            bytes_up=self.link.bytes_up(device) - participant.bytes_up_start,
-            bytes_down=self.link.bytes_down(device) - participant.bytes_down_start,
-            payload_bytes=participant.payload_bytes,
-            train_seconds=participant.train_seconds,
-            host_seconds=participant.host_seconds,
-            status=status,
-            error=participant.error,
-            local_accuracy=participant.local_accuracy if status == "accepted" else None,
-            **received_metrics(participant.received if status == "accepted" else None),
-        )
-
     # ---- events --------------------------------------------------------------------------------
 
     def _on_message(self, device: str, message: Message) -> None:
-        state = self.devices.get(device)
-        if state is None:
+        if device not in self.devices:
             log.warning("message from %r, which is not in the fleet; ignored", device)
             return
         if isinstance(message, Hello):
-            if message.device != device:
-                self._refuse_message(device, f"a hello as {message.device!r}")
-                return
-            problem = profile_problem(message.profile)
-            if problem is not None:
-                log.warning("%s sent a hello with %s; ignored (bad_message)", device, problem)
-                self._count_refusal(device, "bad_message")
-                return
-            state.profile = self.reports.adopt(device, message.profile, self.catalog.get(state.device.profile))
-            log.info(
-                "%s: hello from agent %s (%s, %.2f GFLOPS measured)",
-                device,
-                message.agent_version,
-                message.profile.accelerator,
-                message.profile.compute.fp32_gflops,
-            )
-            note = release_note(message.agent_version)
-            if note is not None and state.agent_version != message.agent_version:
-                log.warning("%s: %s", device, note)
-            state.agent_version, state.refused = message.agent_version, None
-            self._set_online(state, True, "hello")
+            self.roster.hello(device, message)
         elif isinstance(message, Status):
-            if message.device != device:
-                self._refuse_message(device, f"a status naming {message.device!r}")
+            if not self.roster.status(device, message):
                 return
-            state.state = message.state
-            self._set_online(state, message.state != "offline", f"{message.state} {printable(message.detail)}".strip())
             if message.state in ("idle", "online"):
-                self._resend_assignment(device)
+                self.dispatch.resend(device, self.open)
             else:
-                self._resend_due.pop(device, None)
+                self.dispatch.cancel(device)
         elif isinstance(message, RoundFailed):
-            self._on_failed(device, message)
+            round_failed(self.open, device, message, self.rundir.run_id, self.draw, self.strategy)
         elif isinstance(message, Error) and message.code == INCOMPATIBLE:
-            if state.refused != message.detail:
-                log.warning("%s: refused: %s", device, message.detail)
-            state.refused = message.detail
-            self._set_online(state, False, "incompatible")
+            self.roster.incompatible(device, message.detail)
         elif isinstance(message, Error):
             log.warning("%s reports: %s: %s", device, message.code, printable(message.detail))
-
-    def _refuse_message(self, device: str, what: str) -> None:
-        """A message whose content contradicts its topic's device (the broker-authenticated sender)."""
-        log.warning("%s sent %s; ignored (wrong_sender)", device, what)
-        self._count_refusal(device, "wrong_sender")
-
-    def _count_refusal(self, device: str, reason: str) -> None:
-        self.refusals[(device, reason)] += 1
 
     def _on_transport_refusal(self, device: str, reason: str) -> None:
         """A transfer the link refused outright (past ``limits``) is the participant's refused upload.
@@ -635,74 +268,10 @@ class RoundEngine:
         Without this the device, told its transfer was refused, reports idle, is sent its assignment
         again and retrains the same too-large update until the deadline; as a refusal it is retried once.
         """
-        self._count_refusal(device, reason)
+        self.refused.count(device, reason)
         participant = self.open.participants.get(device) if self.open is not None else None
         if reason == "transfer_refused" and participant is not None and participant.status == "assigned":
-            participant.status, participant.error = "rejected", "its upload was refused by the link (transfer_refused)"
-            participant.rejected_at = time.monotonic()
-
-    def _resend_assignment(self, device: str) -> None:
-        """A participant that says it is idle mid-round without an accepted update gets its assignment again.
-
-        It missed it (offline, or another connection with its login took it), or its upload was refused:
-        either way it may still train this round. After a refusal, once.
-        """
-        open_ = self.open
-        sent = self._assigned.get(device)
-        participant = open_.participants.get(device) if open_ is not None else None
-        if open_ is None or sent is None or participant is None:
-            return
-        if participant.status != "assigned" and (participant.status != "rejected" or participant.retried):
-            return
-        payload, manifest, assignment, at = sent
-        now = time.monotonic()
-        if now - at < self.settings.resend_after_s:
-            self._resend_due[device] = at + self.settings.resend_after_s
-            return
-        self._resend_due.pop(device, None)
-        if now >= open_.deadline or self.link.payload_in_flight(device):
-            return  # a slow download still under way: the device is idle until its assignment message follows
-        transfer = self.link.send_payload(device, payload, manifest)
-        again = assignment.model_copy(update={"download": transfer, "deadline_s": max(1.0, open_.deadline - now)})
-        self.link.send_control(device, again)
-        self._assigned[device] = (payload, manifest, again, now)
-        if participant.status == "rejected":  # expected to answer again: the refusal grace no longer applies
-            participant.status, participant.retried = "assigned", True
-        log.info("round %d: %s is idle without an update; its assignment was sent again", open_.round, device)
-
-    def _resend_due_assignments(self) -> None:
-        now = time.monotonic()
-        for device in [d for d, due in self._resend_due.items() if due <= now]:
-            self._resend_assignment(device)
-
-    @staticmethod
-    def _set_online(state: DeviceState, online: bool, why: str) -> None:
-        if online != state.online:
-            log.info("%s: %s (%s)", state.device.id, "online" if online else "offline", why)
-        state.online = online
-
-    def _on_failed(self, device: str, failure: RoundFailed) -> None:
-        open_ = self.open
-        if open_ is None or failure.run != self.rundir.run_id or failure.round != open_.round:
-            return
-        participant = open_.participants.get(device)
-        if participant is None or participant.status == "accepted":
-            return
-        participant.status, participant.error = "failed", f"{failure.reason}: {printable(failure.detail, 480)}"
-        log.warning("round %d: %s failed: %s", open_.round, device, participant.error)
-        if failure.reason == "out_of_memory":
-            self.step_downs[device] += 1
-            self.ceilings = after_out_of_memory(self.ceilings, device, participant.level, self.fleet.ratios)
-        elif failure.reason == "state_lost":
-            self.strategy.forget(device)
-            log.warning("round %d: %s lost its kept state; it gets a whole model next round", open_.round, device)
-        elif failure.reason == "bad_assignment":
-            log.error(
-                "round %d: %s refused its assignment as not fitting the model its spec builds: a strategy bug, "
-                "or a coordinator and agent of different releases",
-                open_.round,
-                device,
-            )
+            participant.reject("its upload was refused by the link (transfer_refused)")
 
     def _on_payload(self, device: str, completed: Completed) -> None:
         manifest = completed.manifest
@@ -714,77 +283,19 @@ class RoundEngine:
             self._deferred.append((device, completed))
             return
         try:
-            status = self._accept(device, completed)
+            status = self.admission.admit(device, completed, self.open, self.next_round)
         except (UpdateRejected, UploadMetaError, CodecError) as exc:
             reason = refusal_reason(exc)
             log.warning("rejected %s's update for round %d (%s): %s", device, manifest.round, reason, exc)
-            self._count_refusal(device, reason)
-            self.recent_refusals.append(Refusal(device, manifest.round, reason, str(exc)[:300], time.time()))
+            self.refused.upload(device, manifest.round, reason, str(exc))
             participant = self.open.participants.get(device) if self.open else None
             if participant is not None and participant.status != "accepted":
-                # Not an answer yet: the device may still send a valid update this round (see OpenRound.answered).
-                participant.status, participant.error = "rejected", str(exc)[:500]
-                participant.rejected_at = time.monotonic()
+                participant.reject(str(exc)[:500])
             self.link.send_control(device, Error(code="rejected", detail=str(exc)[:1000], transfer=manifest.transfer))
             return
         self.link.send_control(
             device, Receipt(run=manifest.run, round=manifest.round, transfer=manifest.transfer, status=status)
         )
 
-    def _accept(self, device: str, completed: Completed) -> str:
-        """The upload gate: returns the receipt status, or raises why the update is refused.
 
-        Envelope -> meta -> decode -> the strategy's checks -> journal -> fold. The aggregate is
-        touched last, so a refused, duplicate or late upload never counts.
-        """
-        manifest = completed.manifest
-        if manifest.kind != UPDATE_KIND:
-            raise UploadRefused("wrong_kind", f"expected a transfer of kind {UPDATE_KIND!r}, got {manifest.kind!r}")
-        if manifest.run != self.rundir.run_id:
-            raise UploadRefused("wrong_run", f"update for run {manifest.run!r}, but this run is {self.rundir.run_id!r}")
-        open_ = self.open
-        if open_ is None or manifest.round < open_.round:
-            if manifest.round < self.next_round:
-                return "late"
-            raise UploadRefused("wrong_round", f"round {manifest.round} is not open")
-        if manifest.round != open_.round:
-            raise UploadRefused("wrong_round", f"round {manifest.round} is not open (the open round is {open_.round})")
-        participant = open_.participants.get(device)
-        if participant is None:
-            raise UploadRefused("not_participant", f"{device!r} is not a participant of round {open_.round}")
-        if participant.status == "accepted":
-            return "duplicate"
-        data = completed.data
-        if self.signatures is not None:
-            self.signatures.check(device, manifest, data)
-        parsed = self.gate.meta(manifest.meta, self.fleet.samples_for(self.devices[device].device))
-        try:
-            tensors = decode_tensors(data)
-            check_dtypes(tensors)
-            upload, extras = split_upload(tensors)
-            open_.aggregate.check(device, upload, parsed.samples, extras)
-            norm = self.gate.norm(device, participant.level, upload)
-        except (UpdateRejected, CodecError):
-            raise
-        except Exception as exc:  # one device's bytes must never stop the engine, whatever they trip over
-            raise UploadRefused("other", f"the update could not be checked: {type(exc).__name__}: {exc}") from exc
-        meta = {
-            "samples": parsed.samples,
-            "train_seconds": parsed.train_seconds,
-            "host_seconds": parsed.host_seconds,
-            "loss": parsed.loss,
-            "level": participant.level,
-            "payload_bytes": len(data),
-            "local_accuracy": parsed.local_accuracy,
-            "received": None if parsed.received is None else asdict(parsed.received),
-        }
-        try:
-            self.rundir.accept_upload(open_.round, device, manifest.transfer, data, meta)
-        except RoundNotOpen:
-            return "late"
-        open_.aggregate.fold(device, upload, parsed.samples, extras)
-        self.gate.accepted(participant.level, norm)
-        participant.status, participant.payload_bytes = "accepted", len(data)
-        participant.train_seconds, participant.local_accuracy = parsed.train_seconds, parsed.local_accuracy
-        participant.host_seconds, participant.received = parsed.host_seconds, parsed.received
-        return "accepted"
+__all__ = ["DeviceState", "EngineSettings", "OpenRound", "Participant", "Refusal", "RoundEngine", "refusal_reason"]

@@ -525,6 +525,25 @@ class RunDir:
             entries.append(entry)
         return entries
 
+    def save_participants(self, round_: int, participants: Mapping[str, float]) -> None:
+        """Who takes part in ``round_`` at which level, written before any assignment leaves.
+
+        A restart re-opens the same round with the same devices (their journaled updates still count).
+        """
+        atomic_write(
+            self.path / OPEN_ROUND_FILE, json.dumps({"round": round_, "participants": dict(participants)}).encode()
+        )
+
+    def saved_participants(self, round_: int) -> dict[str, float] | None:
+        """The participants saved for ``round_`` by :meth:`save_participants`, or None (a fresh round)."""
+        saved = self.path / OPEN_ROUND_FILE
+        if not saved.exists():
+            return None
+        raw = json.loads(saved.read_text())
+        if raw.get("round") != round_:
+            return None
+        return {device: float(level) for device, level in raw["participants"].items()}
+
     def complete_round(self, round_: int, state: Mapping[str, torch.Tensor], metrics: RoundMetrics) -> None:
         """Close the open round: its new global state and metrics become durable, then its journal goes."""
         metrics = RoundMetrics.model_validate(metrics.model_dump())
@@ -548,6 +567,7 @@ class RunDir:
         for old in self._kept_rounds():
             if old not in keep:
                 self.state_path(old).unlink()
+        (self.path / OPEN_ROUND_FILE).unlink(missing_ok=True)
 
     def _retained(self, states: Mapping[str, str]) -> set[int]:
         """Rounds whose states the retention setting keeps (every round without one)."""

@@ -51,7 +51,7 @@ def test_same_top1_as_torch_without_torch(
     result = _run(
         torchless_python,
         "-m",
-        "device_agent.cli.app",
+        "device_agent",
         "infer",
         "--model",
         cnn_export.file,
