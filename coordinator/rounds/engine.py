@@ -2,9 +2,8 @@
 
 One thread owns every piece of round state. The link's threads only enqueue events (hello,
 status, uploads, failures) and the engine's loop applies them in order, so validation, journaling,
-folding and answering an upload happen as one step and need no locks. ``coordinator start`` runs it
-over MQTT (:class:`~coordinator.transport.link.MqttLink`); the simulation and ``benchmarks.compare``
-over in-process devices (:class:`~coordinator.transport.local_link.InProcessLink`): one round core.
+folding and answering an upload happen as one step and need no locks. One round core for MQTT
+(``coordinator start``) and for in-process devices (the simulation, ``benchmarks.compare``).
 
 The loop is here; its parts are one module each: who is online and what they measured
 (:mod:`~coordinator.rounds.roster`), who trains this round (:mod:`~coordinator.rounds.draw`),
@@ -239,8 +238,6 @@ class RoundEngine:
     def _quorum(self) -> int:
         assert self.open is not None
         return max(1, math.ceil(self.fleet.quorum * len(self.open.participants)))
-
-    # ---- events --------------------------------------------------------------------------------
 
     def _on_message(self, device: str, message: Message) -> None:
         if device not in self.devices:
