@@ -181,6 +181,10 @@ class Receipt(_Message):
     status: Literal["accepted", "duplicate", "late"]
 
 
+FailureReason = Literal["out_of_memory", "state_lost", "bad_assignment", "error"]
+"""Why a device could not do its round; ``error`` is any other exception (a program's bug, unreadable data)."""
+
+
 class RoundFailed(_Message):
     """A device could not do its round (out of memory, bad data, ...): the coordinator stops waiting for it.
 
@@ -190,7 +194,7 @@ class RoundFailed(_Message):
     type: Literal["round_failed"] = "round_failed"
     run: Annotated[str, Field(pattern=_NAME)]
     round: Annotated[int, Field(ge=0)]
-    reason: Literal["out_of_memory", "state_lost", "bad_assignment", "error"]
+    reason: FailureReason
     detail: str = ""
 
 
