@@ -31,7 +31,7 @@ from coordinator.transport.broker.kit import KitBroker
 from coordinator.transport.broker.mosquitto import find_mosquitto
 from coordinator.transport.broker.scratch import scratch_dir, sweep_stale
 from coordinator.transport.broker.supervisor import PID_FILE, BrokerSupervisor
-from coordinator.transport.link import MqttLink
+from coordinator.transport.fleet_link import fleet_link
 from device_agent.agent.config import ConfigError
 from device_agent.data.datasets import DatasetError
 from device_agent.wire.session import BrokerAddress
@@ -209,7 +209,7 @@ def run_start(
             strategy,
             rundir,
             data,
-            MqttLink.of(fleet, address, protocol=broker.protocol),
+            fleet_link(fleet, address, protocol=broker.protocol),
             EngineSettings.of(fleet, min_devices, args.wait_timeout),
             signatures=signatures,
         )

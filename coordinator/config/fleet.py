@@ -201,6 +201,16 @@ class Training(_Strict):
         )
 
 
+class Transport(_Strict):
+    """How the coordinator reaches its devices: the engine's Link (``coordinator.transport.link``)."""
+
+    kind: Literal["mqtt", "in_process"] = Field(
+        "mqtt",
+        description="mqtt: devices are agents on the broker (coordinator start); in_process: devices are "
+        "threads of this process with their data in memory, which only simulate() sets up",
+    )
+
+
 class Planning(_Strict):
     memory_safety_factor: float = Field(
         1.25, ge=1, description="predicted peak memory times this must fit in the device's usable memory"
@@ -301,6 +311,7 @@ class Fleet(_Strict):
     )
     training: Training = Training()
     planning: Planning = Planning()
+    transport: Transport = Field(default_factory=Transport, description="how the coordinator reaches its devices")
     security: Security = Security()
     profile_dirs: list[Path] = Field(
         default_factory=list, description="extra profile directories (relative: to this file)"

@@ -30,7 +30,9 @@ from coordinator.planning.planner import DevicePlan
 from coordinator.rounds.engine import EngineSettings, RoundEngine
 from coordinator.run.rundir import RunDir
 from coordinator.strategies.base import ClientSlot, Strategy
-from coordinator.transport.local_link import InProcessLink, LocalDevice
+from coordinator.transport.fleet_link import fleet_link
+from coordinator.transport.link import Link
+from coordinator.transport.local_link import LocalDevice
 from device_agent.clients.spec import TrainConfig
 from device_agent.common.profile import DeviceProfile
 from device_agent.data.datasets import LabeledData
@@ -126,6 +128,7 @@ def simulation_fleet(
     return {
         "fleet": "simulation",
         "broker": {"mode": "managed"},
+        "transport": {"kind": "in_process"},
         "model": {
             "arch": model.arch,
             "num_classes": model.num_classes,
@@ -155,10 +158,13 @@ def simulate(
     test: Split,
     calibration: Tensor,
     server_evaluation: bool = True,
+    link: Link | None = None,
 ) -> SimulationResult:
     """Run ``rounds`` rounds of ``strategy`` over ``clients``; ``train.seed`` seeds the run.
 
     ``server_evaluation=False`` runs as a coordinator without data: ``test`` and ``calibration`` go unused.
+    ``link`` replaces the in-process devices (transport ``in_process``) with another transport whose
+    devices are named by the clients' ids.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
@@ -166,7 +172,8 @@ def simulate(
         raise ValueError("a simulation needs at least one client")
     raw = simulation_fleet(strategy, clients, rounds, train, server_evaluation)
     fleet = parse_fleet(raw, source="simulation")
-    devices = [LocalDevice(c.client_id, c.train, c.test) for c in clients]
+    if link is None:
+        link = fleet_link(fleet, devices=[LocalDevice(c.client_id, c.train, c.test) for c in clients])
     data = LabeledData(
         calibration, calibration.new_zeros(len(calibration)), test[0], test[1], strategy.model.num_classes
     )
@@ -181,7 +188,7 @@ def simulate(
                 strategy,
                 rundir,
                 data,
-                InProcessLink(devices),
+                link,
                 EngineSettings(
                     min_devices=len(clients),
                     wait_timeout_s=60,

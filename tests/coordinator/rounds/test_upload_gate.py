@@ -97,14 +97,13 @@ def clients() -> list[SimClient]:
         (missing_layer, "conv1.weight"),
     ],
 )
-def test_a_bad_upload_is_refused_logged_and_never_folded(clients, tamper, reason, monkeypatch, caplog) -> None:
+def test_a_bad_upload_is_refused_logged_and_never_folded(clients, tamper, reason, caplog) -> None:
     data = load_dataset("digits", 8, 1)
-    monkeypatch.setattr(
-        "coordinator.emulation.simulation.InProcessLink", lambda devices: TamperingLink(list(devices), tamper)
-    )
+    link = TamperingLink([LocalDevice(c.client_id, c.train, c.test) for c in clients], tamper)
     strategy = build_strategy("fedavg", CNN, {}, seed=0)
+    test = (data.test_x, data.test_y)
     with caplog.at_level(logging.WARNING, logger="fedfleet.engine"):
-        result = simulate(strategy, clients, 2, TrainConfig(batch_size=32), (data.test_x, data.test_y), data.train_x)
+        result = simulate(strategy, clients, 2, TrainConfig(batch_size=32), test, data.train_x, link=link)
     assert [r.round for r in result.rounds] == [1, 2]  # the rounds went on
     for record in result.rounds:
         assert set(record.upload_bytes) == {"good"}  # only the good device counted
