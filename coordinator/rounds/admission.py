@@ -60,7 +60,7 @@ class Admission:
             return "duplicate"
         data = completed.data
         if self.signatures is not None:
-            self.signatures.check(device, manifest, data)
+            self.signatures.check(device, manifest)
         parsed = self.gate.meta(manifest.meta, self.expected_samples(device))
         try:
             tensors = decode_tensors(data)
@@ -83,7 +83,8 @@ class Admission:
             "received": None if parsed.received is None else asdict(parsed.received),
         }
         try:
-            self.rundir.accept_upload(open_.round, device, manifest.transfer, data, meta)
+            verified = None if manifest.digest is None else (manifest.digest, manifest.chunk_size)
+            self.rundir.accept_upload(open_.round, device, manifest.transfer, data, meta, verified)
         except RoundNotOpen:
             return "late"
         open_.aggregate.fold(device, upload, parsed.samples, extras)

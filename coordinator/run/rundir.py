@@ -51,6 +51,7 @@ from coordinator.run.metrics import RoundMetrics, round_scores
 from device_agent.common.atomic import append_line, atomic_write, remove_temp_files
 from device_agent.common.validation import describe
 from device_agent.wire.codec import decode_tensors
+from device_agent.wire.transfer import transfer_digest
 
 FORMAT = 1
 RUN_FILE = "run.json"
@@ -82,8 +83,14 @@ class JournalEntry:
     device: str
     transfer_id: str
     sha256: str
+    """The payload's digest: its transfer digest when ``chunk_size`` is set, else its plain sha256."""
     path: Path
     meta: dict[str, Any]
+    chunk_size: int | None = None
+
+    def intact(self, data: bytes) -> bool:
+        """Whether ``data`` still has the digest it was journaled with (read back on resume only)."""
+        return payload_digest(data, self.chunk_size) == self.sha256
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,20 @@ def _now() -> str:
 
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def payload_digest(data: bytes, chunk_size: int | None) -> str:
+    """The transfer digest of ``data`` sent in ``chunk_size`` chunks (plain sha256 without a chunk size).
+
+    An accepted upload is journaled with the digest its transfer already verified, so the coordinator
+    hashes each received byte once; only a resume reads the file back and hashes it again.
+    """
+    if chunk_size is None:
+        return _sha256(data)
+    view = memoryview(data)
+    return transfer_digest(
+        [hashlib.sha256(view[i : i + chunk_size]).hexdigest() for i in range(0, len(data), chunk_size)]
+    )
 
 
 def _tensor_bytes(tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
@@ -374,7 +395,7 @@ class RunDir:
             text = text[: text.rfind("\n") + 1]
             atomic_write(index, text.encode())
         entries = self._read_journal(journal)
-        corrupt = [entry for entry in entries if _sha256(entry.path.read_bytes()) != entry.sha256]
+        corrupt = [entry for entry in entries if not entry.intact(entry.path.read_bytes())]
         if corrupt:
             for entry in corrupt:
                 log.error(
@@ -444,16 +465,18 @@ class RunDir:
         transfer_id: str,
         payload: bytes | Mapping[str, torch.Tensor],
         meta: Mapping[str, Any] | None = None,
+        verified: tuple[str, int] | None = None,
     ) -> bool:
         """Persist an accepted upload before it is acknowledged; False if ``device`` already has one this round.
 
         ``payload`` is the upload's safetensors bytes as received, or its tensors. ``meta`` (JSON)
-        carries what folding it needs again after a crash (ratio, samples, ...). The caller folds the
-        upload only when this returns True, so a retransmission after a lost ack is never counted twice.
-        Raises :class:`RoundNotOpen` for an upload that arrives after its round closed.
+        carries what folding it needs again after a crash (ratio, samples, ...). ``verified``: the
+        (transfer digest, chunk size) its transfer already checked, journaled instead of hashing it again.
+        The caller folds the upload only when this returns True, so a retransmission after a lost ack
+        is never counted twice. Raises :class:`RoundNotOpen` for an upload that arrives after its round closed.
         """
         with self._writing:
-            return self._accept_upload(round_, device, transfer_id, payload, meta)
+            return self._accept_upload(round_, device, transfer_id, payload, meta, verified)
 
     def _accept_upload(
         self,
@@ -462,6 +485,7 @@ class RunDir:
         transfer_id: str,
         payload: bytes | Mapping[str, torch.Tensor],
         meta: Mapping[str, Any] | None,
+        verified: tuple[str, int] | None,
     ) -> bool:
         if round_ != self.last_completed_round + 1:
             raise RoundNotOpen(f"round {round_} is not open (last completed round is {self.last_completed_round})")
@@ -479,7 +503,8 @@ class RunDir:
             "device": device,
             "transfer_id": transfer_id,
             "file": name,
-            "sha256": _sha256(data),
+            "sha256": _sha256(data) if verified is None else verified[0],
+            "chunk_size": None if verified is None else verified[1],
             "bytes": len(data),
             "meta": dict(meta or {}),
         }
@@ -489,7 +514,7 @@ class RunDir:
     def load_upload(self, entry: JournalEntry) -> dict[str, torch.Tensor]:
         """An accepted upload's tensors, refusing a file whose digest no longer matches the journal."""
         data = entry.path.read_bytes()
-        if _sha256(data) != entry.sha256:
+        if not entry.intact(data):
             index = entry.path.parent / INDEX_FILE
             raise RunDirError(f"{entry.path}: sha256 does not match {index}; the file is corrupt")
         return decode_tensors(data)
@@ -512,6 +537,7 @@ class RunDir:
                     sha256=str(raw["sha256"]),
                     path=journal / Path(raw["file"]).name,
                     meta=dict(raw.get("meta") or {}),
+                    chunk_size=None if raw.get("chunk_size") is None else int(raw["chunk_size"]),
                 )
             except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
                 raise RunDirError(
