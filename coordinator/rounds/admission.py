@@ -17,7 +17,8 @@ from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.rounds.signing import UploadSignatures
 from coordinator.rounds.state import OpenRound
 from coordinator.rounds.upload_gate import UploadGate, UploadRefused, check_dtypes, squared_norms
-from coordinator.run.rundir import JournalEntry, RoundNotOpen, RunDir
+from coordinator.run.journal import JournalEntry
+from coordinator.run.rundir import RoundNotOpen, RunDir
 from device_agent.wire.codec import CodecError, decode_tensors
 from device_agent.wire.protocol import UPDATE_KIND, ReceivedEvaluation, split_upload
 from device_agent.wire.transfer import Completed
