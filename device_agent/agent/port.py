@@ -15,11 +15,13 @@ from device_agent.agent.config import AgentConfig
 from device_agent.wire.messages import Message, Status
 from device_agent.wire.session import BrokerAddress, ChunkHook, Session, device_session
 from device_agent.wire.topics import DeviceTopics
-from device_agent.wire.transfer import Completed
+from device_agent.wire.transfer import Completed, make_manifest
 
 MessageHandler = Callable[[Message], None]
 PayloadHandler = Callable[[str, bytes], None]
 """Told (transfer id, verified bytes) of every payload the coordinator sent, once."""
+Signer = Callable[[str, dict[str, Any]], dict[str, Any]]
+"""Given (the payload's transfer digest, its meta), the meta to send: a signed upload binds that digest."""
 
 
 class Upload(Protocol):
@@ -44,8 +46,11 @@ class CoordinatorPort(Protocol):
         """Send a control message; ``retain``: a coordinator that comes later still gets the last one."""
         ...
 
-    def send(self, payload: bytes, **fields: Any) -> Upload:
-        """Start sending ``payload`` described by ``fields`` (``run``, ``round``, ``kind``, ``meta``, ``transfer``)."""
+    def send(self, payload: bytes, sign: Signer | None = None, **fields: Any) -> Upload:
+        """Start sending ``payload`` described by ``fields`` (``run``, ``round``, ``kind``, ``meta``, ``transfer``).
+
+        With ``sign`` the payload is hashed first and its meta signed over the digest before anything is sent.
+        """
         ...
 
     @property
@@ -101,8 +106,14 @@ class MqttPort:
         topic = self.topics.status if isinstance(message, Status) else self.topics.up
         self._started().publish(topic, message, retain)
 
-    def send(self, payload: bytes, **fields: Any) -> Upload:
-        return self._started().send(self.topics.up, payload, **fields)
+    def send(self, payload: bytes, sign: Signer | None = None, **fields: Any) -> Upload:
+        session = self._started()
+        if sign is None:  # hashed chunk by chunk as it is published
+            return session.send(self.topics.up, payload, **fields)
+        config = session.config
+        manifest = make_manifest(payload, config.chunk_size, limits=config.limits, **fields)
+        manifest = manifest.model_copy(update={"meta": sign(manifest.digest, manifest.meta)})  # type: ignore[arg-type]
+        return session.send(self.topics.up, payload, manifest=manifest, transfer=fields.get("transfer"))
 
     @property
     def connects(self) -> int:
@@ -129,4 +140,4 @@ def _hand_over(completed: Completed, on_payload: PayloadHandler) -> None:
     on_payload(completed.manifest.transfer, completed.data)
 
 
-__all__ = ["CoordinatorPort", "MqttPort", "Upload"]
+__all__ = ["CoordinatorPort", "MqttPort", "Signer", "Upload"]

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torch import Tensor
 
@@ -282,13 +283,17 @@ class Agent:
             return
         self.hooks.before_upload()
         self._set_state("uploading", f"round {item.round}")
-        transfer, meta = new_transfer_id(), dict(item.meta)
-        if self.signing_key is not None:
-            identity = UploadIdentity(
-                self.config.fleet, item.run, item.round, self.config.device, transfer, item.sha256
-            )
-            meta = signed_meta(meta, self.signing_key, identity)
-        upload = self.port.send(payload, run=item.run, round=item.round, kind=UPDATE_KIND, meta=meta, transfer=transfer)
+        transfer = new_transfer_id()
+        sign = None
+        if self.signing_key is not None:  # the signature binds the digest of the transfer as sent
+            key, who = self.signing_key, (self.config.fleet, item.run, item.round, self.config.device, transfer)
+
+            def sign(digest: str, meta: dict[str, Any]) -> dict[str, Any]:
+                return signed_meta(meta, key, UploadIdentity(*who, digest))
+
+        upload = self.port.send(
+            payload, sign, run=item.run, round=item.round, kind=UPDATE_KIND, meta=dict(item.meta), transfer=transfer
+        )
         self._sent[(item.run, item.round)] = _Sent(item, transfer, upload, time.monotonic())
 
     def _forget(self, run: str, round_: int, why: str) -> None:

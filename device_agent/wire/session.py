@@ -371,15 +371,16 @@ class Session:
         """Start a verified chunked transfer of ``payload`` to ``topic``; refuse it now if it breaks a limit.
 
         Pass a ``manifest`` from ``make_manifest`` to send the same bytes to several receivers without
-        rehashing (each send gets a fresh transfer id); otherwise ``payload`` is announced with
-        ``manifest_fields`` and hashed chunk by chunk as it is published.
+        rehashing (each send gets a fresh transfer id, unless ``transfer=`` names the one a signature
+        binds); otherwise ``payload`` is announced with ``manifest_fields`` and hashed chunk by chunk
+        as it is published.
         """
         cfg = self.config
         if manifest is None:
             manifest = announce(len(payload), cfg.chunk_size, limits=cfg.limits, **manifest_fields)
         else:
             cfg.limits.check(manifest.size, manifest.chunk_size)
-            manifest = manifest.model_copy(update={"transfer": new_transfer_id()})
+            manifest = manifest.model_copy(update={"transfer": manifest_fields.get("transfer") or new_transfer_id()})
         # The seal is the largest control message of a transfer: check it before the first byte leaves.
         placeholder = ["0" * 64] * manifest.chunk_count
         self._check_packet(
