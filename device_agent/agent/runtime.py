@@ -28,8 +28,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 from torch import Tensor
 
@@ -38,7 +38,7 @@ from device_agent.agent.config import AgentConfig
 from device_agent.agent.hooks import HooksFor, RuntimeHooks
 from device_agent.agent.kept import KeptStore
 from device_agent.agent.outbox import Outbox, OutboxCorrupt, OutboxItem
-from device_agent.agent.port import CoordinatorPort, MqttPort, Upload
+from device_agent.agent.port import CoordinatorPort, MqttPort, Signer, Upload
 from device_agent.agent.probe import resolve_device
 from device_agent.agent.signing import UploadIdentity, signed_meta
 from device_agent.agent.speed import measured_profile
@@ -284,17 +284,24 @@ class Agent:
         self.hooks.before_upload()
         self._set_state("uploading", f"round {item.round}")
         transfer = new_transfer_id()
-        sign = None
-        if self.signing_key is not None:  # the signature binds the digest of the transfer as sent
-            key, who = self.signing_key, (self.config.fleet, item.run, item.round, self.config.device, transfer)
-
-            def sign(digest: str, meta: dict[str, Any]) -> dict[str, Any]:
-                return signed_meta(meta, key, UploadIdentity(*who, digest))
-
         upload = self.port.send(
-            payload, sign, run=item.run, round=item.round, kind=UPDATE_KIND, meta=dict(item.meta), transfer=transfer
+            payload,
+            self._signer(item, transfer),
+            run=item.run,
+            round=item.round,
+            kind=UPDATE_KIND,
+            meta=dict(item.meta),
+            transfer=transfer,
         )
         self._sent[(item.run, item.round)] = _Sent(item, transfer, upload, time.monotonic())
+
+    def _signer(self, item: OutboxItem, transfer: str) -> Signer | None:
+        """Signs an upload's meta over the digest of the transfer as sent; None when this device does not sign."""
+        key = self.signing_key
+        if key is None:
+            return None
+        identity = partial(UploadIdentity, self.config.fleet, item.run, item.round, self.config.device, transfer)
+        return lambda digest, meta: signed_meta(meta, key, identity(digest))
 
     def _forget(self, run: str, round_: int, why: str) -> None:
         sent = self._sent.pop((run, round_), None)

@@ -15,6 +15,7 @@ import torch
 
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
 from device_agent.agent.config import parse_config
+from device_agent.agent.port import Signer
 from device_agent.agent.runtime import Agent
 from device_agent.clients import PROGRAMS
 from device_agent.clients.spec import TrainConfig, WidthSpec
@@ -108,7 +109,7 @@ class FakeCoordinator:
     def publish(self, message: Message, retain: bool = False) -> None:
         self.heard.put(message)
 
-    def send(self, payload: bytes, **fields: Any) -> Any:
+    def send(self, payload: bytes, sign: Signer | None = None, **fields: Any) -> Any:
         self.heard.put(fields)
         return SimpleNamespace(error=None)
 
