@@ -17,7 +17,8 @@ from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.rounds.signing import UploadSignatures
 from coordinator.rounds.state import OpenRound
 from coordinator.rounds.upload_gate import UploadGate, UploadRefused, check_dtypes, squared_norms
-from coordinator.run.rundir import JournalEntry, RoundNotOpen, RunDir
+from coordinator.run.journal import JournalEntry
+from coordinator.run.rundir import RoundNotOpen, RunDir
 from device_agent.wire.codec import CodecError, decode_tensors
 from device_agent.wire.protocol import UPDATE_KIND, ReceivedEvaluation, split_upload
 from device_agent.wire.transfer import Completed
@@ -60,7 +61,7 @@ class Admission:
             return "duplicate"
         data = completed.data
         if self.signatures is not None:
-            self.signatures.check(device, manifest, data)
+            self.signatures.check(device, manifest)
         parsed = self.gate.meta(manifest.meta, self.expected_samples(device))
         try:
             tensors = decode_tensors(data)
@@ -83,7 +84,8 @@ class Admission:
             "received": None if parsed.received is None else asdict(parsed.received),
         }
         try:
-            self.rundir.accept_upload(open_.round, device, manifest.transfer, data, meta)
+            verified = None if manifest.digest is None else (manifest.digest, manifest.chunk_size)
+            self.rundir.accept_upload(open_.round, device, manifest.transfer, data, meta, verified)
         except RoundNotOpen:
             return "late"
         open_.aggregate.fold(device, upload, parsed.samples, extras)
