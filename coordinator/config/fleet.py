@@ -300,7 +300,7 @@ class Fleet(_Strict):
     ratios: list[float] = Field(
         [1.0, 0.5, 0.25, 0.125],
         min_length=1,
-        description="allowed levels in (0, 1], e.g. 1/4: FedHM's rank ratio, HeteroFL's width; [1] for strategies without levels",
+        description="levels in (0, 1]: FedHM's rank ratio, HeteroFL's width; [1] for strategies without levels",
     )
     rounds: PositiveInt = Field(100, description="rounds to run")
     participation: float = Field(1.0, gt=0, le=1, description="fraction of planned devices asked per round")
