@@ -63,6 +63,8 @@ from profiles.schema import DeviceClass
 
 log = logging.getLogger("fedfleet.engine")
 
+TICK_S = 0.25  # the longest the loop applies events before it looks at the round again
+
 
 class RoundEngine:
     """Runs ``fleet.rounds`` rounds of ``strategy`` over ``link`` and records them in ``rundir``."""
@@ -131,11 +133,11 @@ class RoundEngine:
         self.stopping.set()
 
     def _pump(self, until: float, progress: Callable[[RoundEngine], None]) -> None:
-        """Apply events until ``until`` (monotonic) or until the queue has been idle for a tick."""
+        """Apply events for one tick at most, never past ``until``: no flood holds a round open past its deadline."""
+        until = min(until, time.monotonic() + TICK_S)
         while not self.stopping.is_set():
-            timeout = min(0.25, max(0.0, until - time.monotonic()))
             try:
-                self._events.get(timeout=timeout)()
+                self._events.get(timeout=max(0.0, until - time.monotonic()))()
             except queue.Empty:
                 break
             if time.monotonic() >= until:
@@ -262,8 +264,7 @@ class RoundEngine:
     def _on_transport_refusal(self, device: str, reason: str) -> None:
         """A transfer the link refused outright (past ``limits``) is the participant's refused upload.
 
-        Without this the device, told its transfer was refused, reports idle, is sent its assignment
-        again and retrains the same too-large update until the deadline; as a refusal it is retried once.
+        As a refusal it is retried once, not retrained and refused again until the deadline.
         """
         self.refused.count(device, reason)
         participant = self.open.participants.get(device) if self.open is not None else None

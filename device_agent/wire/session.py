@@ -700,6 +700,12 @@ class Session:
             return None
         now = time.monotonic()
         problem = guard.manifest_problem(manifest)
+        held = sum(t.pending_bytes() for t in self._incoming.values())
+        if problem is None and held + manifest.size > guard.limits.max_total_pending_bytes:
+            problem = (
+                f"the receiver holds {held} bytes of unfinished transfers from all peers (at most "
+                f"{guard.limits.max_total_pending_bytes}); send it again later"
+            )
         if problem is not None:
             guard.refuse(peer, "transfer_refused", f"transfer {manifest.transfer}: {problem}", now)
             return Error(code="too_large", transfer=manifest.transfer, detail=problem)
