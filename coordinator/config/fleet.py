@@ -381,12 +381,12 @@ class Fleet(_Strict):
     def _ratios_fit_the_strategy(self) -> Fleet:
         """A ratio means what the strategy makes of it; one with no size levels trains the whole model, ratio 1."""
         strategy = STRATEGIES[self.strategy.name]
-        if strategy.levels == "none" and "ratios" not in self.model_fields_set:
+        if not strategy.levels.sized and "ratios" not in self.model_fields_set:
             self.ratios = [1.0]
         for ratio in self.ratios:
             problem = strategy.level_problem(ratio)
             if problem is not None:
-                hint = "write `ratios: [1]` or leave ratios out" if strategy.levels == "none" else "drop it"
+                hint = "write `ratios: [1]` or leave ratios out" if not strategy.levels.sized else "drop it"
                 raise ValueError(
                     f"ratios: {ratio:g} does not fit strategy {strategy.name!r}: {problem}; {hint}"
                     f" (ratios are {', '.join(f'{r:g}' for r in self.ratios)})"
@@ -408,7 +408,7 @@ class Fleet(_Strict):
         if self.export is not None:
             strategy = STRATEGIES[self.strategy.name]
             ids = [d.id for d in self.devices]
-            problems = self.export.problems(self.ratios, ids, strategy.personalized, strategy.levels == "rank")
+            problems = self.export.problems(self.ratios, ids, strategy.personalized, strategy.levels.factorized)
             if problems:
                 raise ValueError("export." + "; export.".join(problems))
         return self

@@ -33,6 +33,7 @@ from coordinator.strategies.base import (
     StrategyParams,
     seeded_model,
 )
+from coordinator.strategies.levels import RANK, LevelScale
 from device_agent.clients.base import ClientProgram, is_norm_statistic
 from device_agent.clients.fedhm import FedHMProgram
 from device_agent.clients.spec import FedHMSpec
@@ -115,7 +116,7 @@ class FedHM(Strategy):
     Params: ClassVar[type[FedHMParams]] = FedHMParams
     program: ClassVar[type[ClientProgram]] = FedHMProgram
     personalized: ClassVar[bool] = False
-    levels: ClassVar[str] = "rank"
+    levels: ClassVar[LevelScale] = RANK
     params: FedHMParams
 
     def __init__(self, model: ModelSpec, params: FedHMParams, seed: int = 0) -> None:

@@ -35,8 +35,8 @@ from coordinator.strategies.base import (
     check_finite_float,
     seeded_model,
 )
+from coordinator.strategies.levels import NONE, WIDTH, LevelScale
 from device_agent.clients.base import ClientProgram, is_norm_statistic
-from device_agent.clients.spec import WidthSpec
 from device_agent.clients.width import WidthProgram
 from device_agent.models import build_model
 
@@ -194,12 +194,16 @@ class WidthStrategy(Strategy):
     def client_model(cls, model: ModelSpec, params: BaseModel, level: float) -> nn.Module:
         """The dense model at the client's width, as ``WidthProgram`` builds it."""
         width = cls.client_width(params, level)
-        spec = WidthSpec(strategy=cls.name, model=model, level=width, scaler=False, send_classes=False)  # type: ignore[arg-type]
+        spec = cls.program.Spec.model_construct(strategy=cls.name, model=model, level=width)  # shapes only
         with torch.device("meta"):
             return cls.program.build_model(spec)
 
     def client_level(self, slot: ClientSlot) -> float:
         return slot.level
+
+    def spec_fields(self) -> dict[str, object]:
+        """What a subclass's client spec adds to ``WidthSpec``'s fields (a FedProx-style ``mu``, say)."""
+        return {}
 
     def trained_level(self, slot: ClientSlot) -> float:
         return self.client_level(slot)
@@ -224,12 +228,13 @@ class WidthStrategy(Strategy):
         for slot in clients:
             level = self.client_level(slot)
             index = self.index_for(round, level)
-            spec = WidthSpec(
-                strategy=self.name,  # type: ignore[arg-type]
+            spec = self.program.Spec(
+                strategy=self.name,
                 model=self.model,
                 level=level,
                 scaler=self.scaler,
                 send_classes=self.label_masked,
+                **self.spec_fields(),
             )
             out[slot.client_id] = Assignment(spec, {k: extract(v, index[k]) for k, v in self._global.items()})
         return out
@@ -277,7 +282,7 @@ class WidthStrategy(Strategy):
 class HeteroFL(WidthStrategy):
     name: ClassVar[str] = "heterofl"
     Params: ClassVar[type[WidthParams]] = WidthParams
-    levels: ClassVar[str] = "width"
+    levels: ClassVar[LevelScale] = WIDTH
 
     def __init__(self, model: ModelSpec, params: WidthParams, seed: int = 0) -> None:
         super().__init__(model, params, seed)
@@ -296,7 +301,7 @@ class FedAvg(WidthStrategy):
 
     name: ClassVar[str] = "fedavg"
     Params: ClassVar[type[FedAvgParams]] = FedAvgParams
-    levels: ClassVar[str] = "none"
+    levels: ClassVar[LevelScale] = NONE
 
     @classmethod
     def client_width(cls, params: BaseModel, level: float) -> float:
@@ -311,7 +316,7 @@ class FedAvgSmall(WidthStrategy):
 
     name: ClassVar[str] = "fedavg_small"
     Params: ClassVar[type[FedAvgSmallParams]] = FedAvgSmallParams
-    levels: ClassVar[str] = "width"
+    levels: ClassVar[LevelScale] = WIDTH
     params: FedAvgSmallParams
 
     def __init__(self, model: ModelSpec, params: FedAvgSmallParams, seed: int = 0) -> None:
