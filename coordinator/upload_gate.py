@@ -1,7 +1,9 @@
 """What the upload gate checks on top of the envelope and the strategy: meta bounds, dtypes and norms.
 
 Everything in an upload comes from one device and is checked before the journal, so a round
-close can never fail because of one device's values. Every refusal is an :class:`UploadRefused`
+close can never fail because of one device's values: every number of the meta within its range of
+:data:`device_agent.wire.bounds.UPLOAD_META` (``parse_upload_meta``), the sample counts also within a
+multiple of the device's share. Every refusal is an :class:`UploadRefused`
 with a short snake_case ``reason`` from :data:`REASONS` (a bounded label set for metrics).
 
 The norm bound compares an update's L2 norm with a reference: the norm of what the device was
@@ -67,11 +69,10 @@ class UploadRefused(UpdateRejected):
 class GateSettings:
     """Bounds on what one device may claim; generous for honest devices, tight enough for absurd values."""
 
-    max_train_seconds: float = 86_400.0
-    """Longer than any round deadline: a day of training for one round is a lie or a broken clock."""
-    max_abs_loss: float = 1e6
     max_samples_factor: float = 100.0
-    """A device may claim at most this many times the samples the fleet expects of it (samples weight the average)."""
+    """A device may claim at most this many times the samples the fleet expects of it, for training (samples weight
+    the average) and for evaluation (test samples weight the federated accuracy). Every other number of the meta
+    has its one range in :data:`device_agent.wire.bounds.UPLOAD_META`."""
     max_meta_entries: int = 16
     max_meta_chars: int = 256
     max_norm_ratio: float | None = 10.0
@@ -100,19 +101,16 @@ def check_meta_size(meta: Mapping[str, str], settings: GateSettings) -> None:
 
 
 def check_meta_values(meta: UploadMeta, expected_samples: int, settings: GateSettings) -> None:
-    """Bounds ``parse_upload_meta`` leaves open: seconds, loss and samples a device cannot plausibly report."""
-    if meta.train_seconds > settings.max_train_seconds:
-        raise UploadRefused(
-            "bad_meta", f"train_seconds={meta.train_seconds:.6g} exceeds the bound of {settings.max_train_seconds:g} s"
-        )
-    if abs(meta.loss) > settings.max_abs_loss:
-        raise UploadRefused("bad_meta", f"loss={meta.loss:.6g} exceeds the bound of {settings.max_abs_loss:g}")
+    """Sample counts relative to this device's share: the schema's absolute ranges allow any device a billion."""
     most = max(1, math.ceil(expected_samples * settings.max_samples_factor))
-    if meta.samples > most:
-        raise UploadRefused(
-            "bad_meta",
-            f"samples={meta.samples} is over {settings.max_samples_factor:g}x the {expected_samples} expected",
-        )
+    claims = [("samples", meta.samples)]
+    if meta.received is not None:
+        claims.append(("eval_samples", meta.received.samples))
+    for name, value in claims:
+        if value > most:
+            raise UploadRefused(
+                "bad_meta", f"{name}={value} is over {settings.max_samples_factor:g}x the {expected_samples} expected"
+            )
 
 
 def profile_problem(profile: DeviceProfile) -> str | None:

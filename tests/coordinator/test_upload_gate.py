@@ -77,6 +77,11 @@ def bad_global_accuracy(tensors, meta):
     return tensors, {**meta, "global_accuracy": "1.5"}
 
 
+def overflowing_global_loss(tensors, meta):
+    """A valid update whose federated evaluation would overflow the round's weighted loss to inf."""
+    return tensors, {**meta, "global_accuracy": "0.5", "global_loss": "1.7e308", "eval_samples": str(2**53)}
+
+
 def missing_layer(tensors, meta):
     del tensors["conv1.weight"]
     return tensors, meta
@@ -93,7 +98,8 @@ def clients() -> list[SimClient]:
         (nan_weights, "'fc.weight': contains NaN or infinite values"),
         (huge_weights, "'fc.weight': a value of magnitude 3e+38 exceeds the bound"),
         (nan_loss, "loss=nan is not a finite number"),
-        (bad_global_accuracy, "global_accuracy=1.5 is not in [0, 1]"),
+        (bad_global_accuracy, "global_accuracy=1.5 is outside [0, 1]"),
+        (overflowing_global_loss, "global_loss=1.7e+308 is outside"),
         (missing_layer, "conv1.weight"),
     ],
 )
@@ -143,11 +149,12 @@ def test_a_fedhm_update_must_hold_exactly_what_its_level_sends() -> None:
 @pytest.mark.parametrize(
     ("meta", "problem"),
     [
-        ({"train_seconds": "1e30"}, "train_seconds=1e+30 exceeds the bound"),
-        ({"loss": "1e300"}, "loss=1e+300 exceeds the bound"),
+        ({"train_seconds": "1e30"}, "train_seconds=1e+30 is outside [0, 86400]"),
+        ({"loss": "1e300"}, "loss=1e+300 is outside [-1e+06, 1e+06]"),
         ({"samples": "100001"}, "samples=100001 is over 100x the 1000 expected"),
         ({"samples": "0"}, "samples=0"),
-        ({"local_accuracy": "3"}, "local_accuracy=3.0 is not in [0, 1]"),
+        ({"local_accuracy": "3"}, "local_accuracy=3.0 is outside [0, 1]"),
+        ({"global_accuracy": "0.5", "global_loss": "1", "eval_samples": "100001"}, "eval_samples=100001 is over 100x"),
         ({f"x{i}": "1" for i in range(20)}, "entries (at most 16)"),
         ({"note": "x" * 300}, "is over 256 characters"),
     ],
