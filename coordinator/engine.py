@@ -42,13 +42,14 @@ from dataclasses import asdict, dataclass, field
 
 from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.compatibility import release_note
-from coordinator.evaluation import evaluate_global, federated_evaluation, personalized_accuracy
+from coordinator.evaluation import evaluate_global
 from coordinator.fleet import Device, Fleet
 from coordinator.limits import FleetLimits
 from coordinator.link import Link
 from coordinator.metrics import DeviceRoundMetrics, DeviceStatus, RoundMetrics, received_metrics
 from coordinator.planner import DevicePlan, after_out_of_memory, fmt_ratio, plan_fleet, why_no_one
-from coordinator.rundir import OPEN_ROUND_FILE, RoundNotOpen, RunDir
+from coordinator.round_close import journaled_meta, round_metrics
+from coordinator.rundir import OPEN_ROUND_FILE, JournalEntry, RoundNotOpen, RunDir
 from coordinator.signing import UploadSignatures
 from coordinator.steady_reports import SteadyReports
 from coordinator.strategies import ClientSlot, RoundAggregate, Strategy
@@ -361,7 +362,7 @@ class RoundEngine:
         self.open = OpenRound(
             round_, {d: Participant(level) for d, level in participants}, aggregate, deadline, started
         )
-        self._replay_journal(round_)
+        self._replay_journal(round_, slots)
         planned = time.monotonic()
         self._push(round_, slots)
         pushed = time.monotonic()
@@ -432,26 +433,54 @@ class RoundEngine:
             log.info("round %d: %s", round_, line)
         self._last_plan = (round_, line)
 
-    def _replay_journal(self, round_: int) -> None:
-        """Fold the uploads accepted before a restart back into the re-opened round."""
+    def _replay_journal(self, round_: int, slots: list[ClientSlot]) -> None:
+        """Fold the uploads accepted before a restart back into the re-opened round.
+
+        Each is checked again with today's bounds (:func:`~coordinator.round_close.journaled_meta`) and
+        the strategy's checks; one that fails, or whose fold fails, is quarantined, never a stopped run.
+        """
         assert self.open is not None
-        for entry in self._journal:
-            if entry.round != round_ or entry.device not in self.open.participants:
-                continue
-            upload, extras = split_upload(self.rundir.load_upload(entry))
-            self.open.aggregate.check(entry.device, upload, int(entry.meta["samples"]), extras)
-            self.open.aggregate.fold(entry.device, upload, int(entry.meta["samples"]), extras)
-            participant = self.open.participants[entry.device]
-            self.gate.accepted(participant.level, math.sqrt(sum(squared_norms(upload).values())))
-            participant.status = "accepted"
-            participant.train_seconds = float(entry.meta.get("train_seconds", 0.0))
-            participant.host_seconds = entry.meta.get("host_seconds")
-            participant.payload_bytes = int(entry.meta.get("payload_bytes", 0))
-            participant.local_accuracy = entry.meta.get("local_accuracy")
-            received = entry.meta.get("received")
-            participant.received = ReceivedEvaluation(**received) if received else None
-            log.info("round %d: replayed %s's journaled update", round_, entry.device)
+        open_ = self.open
+        pending = [e for e in self._journal if e.round == round_ and e.device in open_.participants]
         self._journal = []
+        folded: list[tuple[str, dict, int, dict]] = []
+        for entry in pending:
+            try:
+                parsed = journaled_meta(entry.meta)
+                payload_bytes = int(entry.meta.get("payload_bytes", 0))
+                upload, extras = split_upload(self.rundir.load_upload(entry))
+                open_.aggregate.check(entry.device, upload, parsed.samples, extras)
+            except Exception as exc:  # a journal of an older release: whatever it trips over, the run goes on
+                self._quarantine(entry, exc)
+                continue
+            try:
+                open_.aggregate.fold(entry.device, upload, parsed.samples, extras)
+            except Exception as exc:
+                self._quarantine(entry, exc)
+                # A fold that failed part-way leaves the aggregate unknown: start it over without this upload.
+                open_.aggregate = self.strategy.open_round(round_, slots)
+                for device, kept, samples, kept_extras in folded:
+                    open_.aggregate.fold(device, kept, samples, kept_extras)
+                continue
+            folded.append((entry.device, upload, parsed.samples, extras))
+            participant = open_.participants[entry.device]
+            self.gate.accepted(participant.level, math.sqrt(sum(squared_norms(upload).values())))
+            participant.status, participant.payload_bytes = "accepted", payload_bytes
+            participant.train_seconds, participant.host_seconds = parsed.train_seconds, parsed.host_seconds
+            participant.local_accuracy, participant.received = parsed.local_accuracy, parsed.received
+            log.info("round %d: replayed %s's journaled update", round_, entry.device)
+
+    def _quarantine(self, entry: JournalEntry, exc: Exception) -> None:
+        reason = f"{refusal_reason(exc)}: {type(exc).__name__}: {printable(str(exc), 480)}"
+        where = self.rundir.quarantine(entry, reason)
+        log.error(
+            "round %d: %s's journaled update cannot be folded or closed (%s); quarantined in %s, the round goes on "
+            "without it",
+            entry.round,
+            entry.device,
+            reason,
+            where,
+        )
 
     def _push(self, round_: int, slots: list[ClientSlot]) -> None:
         assert self.open is not None
@@ -517,26 +546,19 @@ class RoundEngine:
             acc, loss = evaluate_global(self.strategy, (self.data.test_x, self.data.test_y), calibration)
         evaluated = time.monotonic()
         devices = {d: self._device_metrics(d, p) for d, p in open_.participants.items()}
-        federated = federated_evaluation(p.received for p in open_.participants.values() if p.status == "accepted")
         phases = {
             **open_.phases,
             "train": closing - pushed,
             "aggregate": aggregated - closing,
             "evaluate": evaluated - aggregated,
         }
-        metrics = RoundMetrics(
-            round=round_,
-            accuracy=acc,
-            loss=loss,
-            federated_accuracy=None if federated is None else federated[0],
-            federated_loss=None if federated is None else federated[1],
-            personalized_accuracy=personalized_accuracy(m.local_accuracy for m in devices.values()),
-            participants=sum(m.status == "accepted" for m in devices.values()),
-            bytes_up=sum(m.bytes_up for m in devices.values()),
-            bytes_down=sum(m.bytes_down for m in devices.values()),
-            seconds=evaluated - open_.started,
-            phases=phases,
-            devices=devices,
+        metrics = round_metrics(
+            round_,
+            devices,
+            (p.received for p in open_.participants.values() if p.status == "accepted"),
+            None if acc is None or loss is None else (acc, loss),
+            evaluated - open_.started,
+            phases,
         )
         self.rundir.complete_round(round_, self.strategy.state_dict(), metrics)
         self.last = metrics
@@ -546,7 +568,9 @@ class RoundEngine:
             "round %d closed: %s%s%s, %d/%d updates, %.1f s",
             round_,
             "no server evaluation" if acc is None else f"accuracy {acc:.4f}, loss {loss:.4f}",
-            "" if federated is None else f", federated accuracy {federated[0]:.4f} (model received)",
+            ""
+            if metrics.federated_accuracy is None
+            else f", federated accuracy {metrics.federated_accuracy:.4f} (model received)",
             "" if metrics.personalized_accuracy is None else f", local accuracy {metrics.personalized_accuracy:.4f}",
             metrics.participants,
             len(devices),

@@ -11,6 +11,7 @@ Layout::
         index.jsonl                  one line per accepted upload, with its sha256 (the commit point of an upload)
         000001.safetensors ...
       metrics.jsonl                  one validated RoundMetrics object per closed round
+      quarantine/round-000008-dev3.* journaled uploads the run could not fold or close, each with its reason
 
 Closing round r writes the state, then appends its metrics line, then rewrites run.json; only the last
 step commits. Opening the directory repairs whatever a crash left between those steps (metrics lines or
@@ -58,6 +59,7 @@ METRICS_FILE = "metrics.jsonl"
 STATE_DIR = "state"
 JOURNAL_DIR = "journal"
 INDEX_FILE = "index.jsonl"
+QUARANTINE_DIR = "quarantine"
 LOCK_FILE = ".lock"
 # The engine's record of the open round's participants; stale once the run rolls back past it.
 OPEN_ROUND_FILE = "open-round.json"
@@ -110,6 +112,14 @@ def _sha256(data: bytes) -> str:
 
 def _tensor_bytes(tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
     return save_tensors({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata=metadata)
+
+
+def _names_file(line: str, name: str) -> bool:
+    """Whether a journal index line is the entry of payload file ``name``."""
+    try:
+        return Path(json.loads(line)["file"]).name == name
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 def _yaml_diff(old: Any, new: Any, path: str = "") -> list[str]:
@@ -495,6 +505,30 @@ class RunDir:
             index = entry.path.parent / INDEX_FILE
             raise RunDirError(f"{entry.path}: sha256 does not match {index}; the file is corrupt")
         return decode_tensors(data)
+
+    def quarantine(self, entry: JournalEntry, reason: str) -> Path:
+        """Take an accepted upload out of the journal, keeping its payload and ``reason`` in ``quarantine/``.
+
+        For an upload that a resume cannot fold or close (a journal of a release that checked less): the
+        run goes on without it, and the evidence stays for a person. Returns the reason file's path.
+        """
+        with self._writing:
+            folder = self.path / QUARANTINE_DIR
+            folder.mkdir(exist_ok=True)
+            stem = f"round-{entry.round:06d}-{entry.device}-{entry.transfer_id}"
+            note = {"round": entry.round, "device": entry.device, "transfer_id": entry.transfer_id}
+            note |= {"sha256": entry.sha256, "meta": entry.meta, "reason": reason, "quarantined_at": _now()}
+            atomic_write(folder / f"{stem}.json", json.dumps(note, sort_keys=True, default=str).encode())
+            journal = entry.path.parent
+            index = journal / INDEX_FILE
+            kept = [
+                line
+                for line in index.read_text().splitlines(keepends=True)
+                if not (line.endswith("\n") and _names_file(line, entry.path.name))
+            ]
+            atomic_write(index, "".join(kept).encode())
+            entry.path.replace(folder / f"{stem}.safetensors")
+            return folder / f"{stem}.json"
 
     def _read_journal(self, journal: Path) -> list[JournalEntry]:
         index = journal / INDEX_FILE
