@@ -7,11 +7,13 @@ described in :mod:`device_agent.protocol`. ``coordinator start`` runs it over MQ
 (:class:`~coordinator.link.MqttLink`); the simulation and ``benchmarks.compare`` over in-process
 devices (:class:`~coordinator.local_link.InProcessLink`): one round core for both.
 
-The upload gate (:meth:`RoundEngine._accept`), in order: envelope (kind, run, round, participant,
-duplicate) -> the update's meta (samples, finite seconds and loss, accuracies in [0, 1]) -> decode
--> the strategy's checks for that slot (names, shapes, dtypes, finite values, magnitude) ->
-journal -> fold. Nothing touches the aggregate before the journal has the upload, so a refused or
-late upload never counts.
+The upload gate (:meth:`RoundEngine._accept`), in order: the signature (with ``security.sign_uploads``;
+before any receipt, so a forgery is never answered ``duplicate``) -> envelope (kind, run, round,
+participant, duplicate) -> the update's meta (every number within its range of
+:data:`device_agent.wire.bounds.UPLOAD_META`) -> decode -> only the extras the strategy declares ->
+the strategy's checks for that slot (names, shapes, dtypes, finite values, magnitude) -> journal ->
+fold. Nothing touches the aggregate before the journal has the upload, so a refused or late upload
+never counts.
 
 Durability: the round's participants and levels are written to ``open-round.json`` before any
 assignment leaves, every accepted upload is journaled (``RunDir.accept_upload``) before it is folded
@@ -58,6 +60,7 @@ from coordinator.upload_gate import (
     UploadGate,
     UploadRefused,
     check_dtypes,
+    check_extras,
     profile_problem,
     squared_norms,
 )
@@ -759,12 +762,15 @@ class RoundEngine:
     def _accept(self, device: str, completed: Completed) -> str:
         """The upload gate: returns the receipt status, or raises why the update is refused.
 
-        Envelope -> meta -> decode -> the strategy's checks -> journal -> fold. The aggregate is
-        touched last, so a refused, duplicate or late upload never counts.
+        Signature -> envelope -> meta -> decode -> declared extras -> the strategy's checks -> journal -> fold.
+        The aggregate is touched last, so a refused, duplicate or late upload never counts.
         """
         manifest = completed.manifest
+        data = completed.data
         if manifest.kind != UPDATE_KIND:
             raise UploadRefused("wrong_kind", f"expected a transfer of kind {UPDATE_KIND!r}, got {manifest.kind!r}")
+        if self.signatures is not None:  # before any receipt: a forgery is refused, never told "duplicate"
+            self.signatures.check(device, manifest, data)
         if manifest.run != self.rundir.run_id:
             raise UploadRefused("wrong_run", f"update for run {manifest.run!r}, but this run is {self.rundir.run_id!r}")
         open_ = self.open
@@ -779,14 +785,12 @@ class RoundEngine:
             raise UploadRefused("not_participant", f"{device!r} is not a participant of round {open_.round}")
         if participant.status == "accepted":
             return "duplicate"
-        data = completed.data
-        if self.signatures is not None:
-            self.signatures.check(device, manifest, data)
         parsed = self.gate.meta(manifest.meta, self.fleet.samples_for(self.devices[device].device))
         try:
             tensors = decode_tensors(data)
             check_dtypes(tensors)
             upload, extras = split_upload(tensors)
+            check_extras(extras, self.strategy.declared_extras())
             open_.aggregate.check(device, upload, parsed.samples, extras)
             norm = self.gate.norm(device, participant.level, upload)
         except (UpdateRejected, CodecError):

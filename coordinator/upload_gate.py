@@ -24,7 +24,7 @@ from torch import Tensor
 
 from coordinator.algorithms.aggregation import UpdateRejected
 from device_agent.probe import DeviceProfile
-from device_agent.protocol import UploadMeta, parse_upload_meta
+from device_agent.protocol import EXTRA_PREFIX, UploadMeta, parse_upload_meta
 
 REASONS = frozenset(
     {
@@ -138,6 +138,17 @@ def check_dtypes(tensors: Mapping[str, Tensor]) -> None:
             raise UploadRefused("bad_dtype", f"{key!r}: dtype {value.dtype}, expected {FLOAT_DTYPE}")
         if not value.is_floating_point() and value.dtype not in INTEGER_DTYPES:
             raise UploadRefused("bad_dtype", f"{key!r}: dtype {value.dtype} is neither {FLOAT_DTYPE} nor an integer")
+
+
+def check_extras(extras: Mapping[str, Tensor], declared: frozenset[str]) -> None:
+    """Side information only under the names the strategy declares: anything else would be journaled unchecked."""
+    unknown = sorted(set(extras) - declared)
+    if unknown:
+        takes = ", ".join(sorted(declared)) or "none"
+        raise UploadRefused(
+            "unknown_tensor",
+            f"{EXTRA_PREFIX}{unknown[0][:80]!r}: side information this strategy does not take ({takes})",
+        )
 
 
 def squared_norms(tensors: Mapping[str, Tensor]) -> dict[str, float]:

@@ -6,18 +6,22 @@ tampers with what it sends after training, as a compromised or buggy device woul
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import re
 
 import pytest
 import torch
+import yaml
 
 from coordinator.algorithms.aggregation import UpdateRejected
-from coordinator.engine import DeviceState, OpenRound, Participant, refusal_reason
-from coordinator.fleet import Device
+from coordinator.engine import DeviceState, EngineSettings, OpenRound, Participant, RoundEngine, refusal_reason
+from coordinator.fleet import Device, parse_fleet
 from coordinator.local_link import InProcessLink, LocalDevice
-from coordinator.simulation import SimClient, simulate
+from coordinator.rundir import RunDir
+from coordinator.signing import UploadSignatures
+from coordinator.simulation import SimClient, fixed_levels, simulate, simulation_fleet
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
 from coordinator.upload_gate import (
     GateSettings,
@@ -31,7 +35,9 @@ from device_agent.clients.base import is_norm_statistic
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import load_dataset
 from device_agent.probe import probe_device
+from device_agent.signing import UploadIdentity, signed_meta
 from device_agent.wire.codec import decode_tensors, encode_tensors
+from device_agent.wire.messages import Error
 from device_agent.wire.transfer import Completed, make_manifest
 from tests.digit_clients import digit_clients
 
@@ -82,6 +88,11 @@ def overflowing_global_loss(tensors, meta):
     return tensors, {**meta, "global_accuracy": "0.5", "global_loss": "1.7e308", "eval_samples": str(2**53)}
 
 
+def unknown_extra(tensors, meta):
+    tensors["__extra__.junk"] = torch.zeros(1000)
+    return tensors, meta
+
+
 def missing_layer(tensors, meta):
     del tensors["conv1.weight"]
     return tensors, meta
@@ -100,6 +111,7 @@ def clients() -> list[SimClient]:
         (nan_loss, "loss=nan is not a finite number"),
         (bad_global_accuracy, "global_accuracy=1.5 is outside [0, 1]"),
         (overflowing_global_loss, "global_loss=1.7e+308 is outside"),
+        (unknown_extra, "'junk': side information this strategy does not take (none)"),
         (missing_layer, "conv1.weight"),
     ],
 )
@@ -203,3 +215,65 @@ def test_a_fresh_refusal_is_no_answer_until_its_grace_has_passed() -> None:
     open_ = OpenRound(1, {"a": Participant(1.0, status="rejected", rejected_at=100.0)}, None, 0.0, 0.0)  # type: ignore[arg-type]
     assert not open_.answered(devices, rejected_before=99.0)  # it may still send a valid update
     assert open_.answered(devices, rejected_before=100.0)
+
+
+class ForgingLink(InProcessLink):
+    """Devices sign their updates; right after pi-1's genuine one, a login holder resends it claiming 100x samples."""
+
+    def __init__(self, devices: list[LocalDevice], key: bytes) -> None:
+        super().__init__(devices)
+        self.key = key
+        self.answers: list[tuple[str, object]] = []
+        self.forged: set[str] = set()
+
+    def start(self, on_message, on_payload, on_refused=None) -> None:
+        def sign_then_forge(device: str, completed: Completed) -> None:
+            manifest, data = completed.manifest, completed.data
+            identity = UploadIdentity("simulation", manifest.run, manifest.round, device, manifest.transfer,
+                                      hashlib.sha256(data).hexdigest())  # fmt: skip
+            signed = manifest.model_copy(update={"meta": signed_meta(manifest.meta, self.key, identity)})
+            on_payload(device, Completed(signed, [data]))
+            if device == "pi-1":
+                reweighted = {**signed.meta, "samples": str(int(manifest.meta["samples"]) * 100)}
+                forged = make_manifest(
+                    data, run=manifest.run, round=manifest.round, kind=manifest.kind, meta=reweighted
+                )
+                self.forged.add(forged.transfer)
+                on_payload(device, Completed(forged, [data]))
+
+        super().start(on_message, sign_then_forge, on_refused)
+
+    def send_control(self, device: str, message) -> None:
+        self.answers.append((device, message))
+        super().send_control(device, message)
+
+
+def test_a_forged_upload_after_the_genuine_one_is_refused_not_told_duplicate(tmp_path) -> None:
+    clients = digit_clients(["pi-0", "pi-1"])
+    data = load_dataset("digits", 8, 1)
+    strategy = build_strategy("fedavg", CNN, {}, seed=0)
+    raw = simulation_fleet(strategy, clients, 1, TrainConfig(batch_size=32))
+    fleet_file = tmp_path / "fleet.yaml"
+    fleet_file.write_text(yaml.safe_dump(raw))
+    rundir = RunDir.create(tmp_path / "run", fleet_file, strategy.state_dict(), seed=0)
+    key = bytes(range(32))
+    link = ForgingLink([LocalDevice(c.client_id, c.train, c.test) for c in clients], key)
+    engine = RoundEngine(
+        parse_fleet(raw, source="test"),
+        {},
+        strategy,
+        rundir,
+        data,
+        link,
+        EngineSettings(min_devices=2, wait_timeout_s=60, calibration_samples=len(data.train_x)),
+        planner=fixed_levels({c.client_id: c.level for c in clients}),
+        signatures=UploadSignatures("simulation", {"pi-0": key, "pi-1": key}),
+    )
+    assert engine.run()
+    (closed,) = rundir.metrics()
+    rundir.close()
+    assert closed.participants == 2
+    (answer,) = [m for d, m in link.answers if getattr(m, "transfer", None) in link.forged]
+    assert isinstance(answer, Error) and answer.code == "rejected"
+    assert "does not verify with pi-1's key" in answer.detail
+    assert engine.refusals[("pi-1", "bad_signature")] == 1
