@@ -17,6 +17,7 @@ use.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from torch import Tensor
 from coordinator.engine import EngineSettings, RoundEngine
 from coordinator.fleet import Fleet, parse_fleet
 from coordinator.local_link import InProcessLink, LocalDevice
+from coordinator.metrics import failed_rounds
 from coordinator.planner import DevicePlan
 from coordinator.rundir import RunDir
 from coordinator.strategies.base import ClientSlot, Strategy
@@ -35,6 +37,8 @@ from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData
 from device_agent.probe import DeviceProfile
 from profiles.schema import DeviceClass
+
+log = logging.getLogger("fedfleet.simulation")
 
 Split = tuple[Tensor, Tensor]
 
@@ -64,6 +68,8 @@ class RoundRecord:
 @dataclass
 class SimulationResult:
     rounds: list[RoundRecord] = field(default_factory=list)
+    failed_rounds: list[int] = field(default_factory=list)
+    """Rounds that aggregated no update or fewer than the quorum (:func:`coordinator.metrics.failed_rounds`)."""
 
     @property
     def final(self) -> RoundRecord:
@@ -192,6 +198,9 @@ def simulate(
             )
             engine.run()
             metrics = rundir.metrics()
+            failed = failed_rounds(metrics, fleet.quorum)
+            if failed:
+                log.warning("simulation: rounds %s failed (no update, or below the quorum)", failed)
         finally:
             rundir.close()
     return SimulationResult(
@@ -205,7 +214,8 @@ def simulate(
                 m.federated_accuracy,
             )
             for m in metrics
-        ]
+        ],
+        failed,
     )
 
 

@@ -23,6 +23,7 @@ from coordinator.engine import EngineSettings, RoundEngine
 from coordinator.evaluation_settings import no_server_data
 from coordinator.fleet import Fleet, FleetError, load_fleet
 from coordinator.link import MqttLink
+from coordinator.metrics import RoundMetrics, failed_rounds
 from coordinator.observe import ObserveError, Watch, add_observe_arguments
 from coordinator.provision import Kits, ProvisionError, coordinator_tls, default_kits, provision, read_credentials
 from coordinator.provision.broker_files import CONFIG
@@ -221,8 +222,25 @@ def run_start(
         export_finished_run(fleet, run_dir)
     if rundir.metrics():
         print(f"report: {write_report(run_dir)}")
-    print("all rounds done" if finished else f"stopped; run the same command to resume {run_dir}")
-    return 0
+    if not finished:
+        print(f"stopped; run the same command to resume {run_dir}")
+        return 0
+    return finished_run_status(rundir.metrics(), fleet.quorum)
+
+
+def finished_run_status(rounds: list[RoundMetrics], quorum: float) -> int:
+    """0 when every round aggregated its quorum; else say which rounds failed and return 1."""
+    failed = failed_rounds(rounds, quorum)
+    if not failed:
+        print("all rounds done")
+        return 0
+    listed = ", ".join(map(str, failed[:20])) + (f" and {len(failed) - 20} more" if len(failed) > 20 else "")
+    print(
+        f"coordinator: {len(failed)} of {len(rounds)} rounds failed (no update, or fewer than the quorum of "
+        f"{quorum:g} of the devices asked): round {listed}; see the refusals and failures in the log",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _run(engine: RoundEngine, live: bool, watch: Watch) -> bool:

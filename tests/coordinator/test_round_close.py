@@ -78,8 +78,16 @@ def test_any_meta_the_gate_accepts_closes_the_round(metas) -> None:
 def poisoned_journal_meta(payload_bytes: int) -> dict:
     """What a release without the upload schema journaled for the federated-evaluation overflow."""
     received = {"accuracy": 0.5, "loss": 1.7e308, "samples": 2**53}
-    return {"samples": 100, "train_seconds": 1.0, "loss": 0.5, "level": 1.0, "payload_bytes": payload_bytes,
-            "local_accuracy": None, "host_seconds": None, "received": received}  # fmt: skip
+    return {
+        "samples": 100,
+        "train_seconds": 1.0,
+        "loss": 0.5,
+        "level": 1.0,
+        "payload_bytes": payload_bytes,
+        "local_accuracy": None,
+        "host_seconds": None,
+        "received": received,
+    }
 
 
 def test_a_journaled_meta_is_read_again_through_todays_schema() -> None:

@@ -130,6 +130,19 @@ def test_a_bad_upload_is_refused_logged_and_never_folded(clients, tamper, reason
     assert len(refusals) == 2 and all(reason in message for message in refusals)
 
 
+def test_a_simulation_whose_every_upload_is_refused_reports_its_failed_rounds(monkeypatch) -> None:
+    data = load_dataset("digits", 8, 1)
+    monkeypatch.setattr(
+        "coordinator.simulation.InProcessLink", lambda devices: TamperingLink(list(devices), nan_weights)
+    )
+    strategy = build_strategy("fedavg", CNN, {}, seed=0)
+    result = simulate(
+        strategy, digit_clients(["bad"]), 2, TrainConfig(batch_size=32), (data.test_x, data.test_y), data.train_x
+    )
+    assert result.failed_rounds == [1, 2]
+    assert all(not record.upload_bytes for record in result.rounds)
+
+
 # ---- the gate's own checks (coordinator.upload_gate) ------------------------------------------
 
 
@@ -229,8 +242,9 @@ class ForgingLink(InProcessLink):
     def start(self, on_message, on_payload, on_refused=None) -> None:
         def sign_then_forge(device: str, completed: Completed) -> None:
             manifest, data = completed.manifest, completed.data
-            identity = UploadIdentity("simulation", manifest.run, manifest.round, device, manifest.transfer,
-                                      hashlib.sha256(data).hexdigest())  # fmt: skip
+            identity = UploadIdentity(
+                "simulation", manifest.run, manifest.round, device, manifest.transfer, hashlib.sha256(data).hexdigest()
+            )
             signed = manifest.model_copy(update={"meta": signed_meta(manifest.meta, self.key, identity)})
             on_payload(device, Completed(signed, [data]))
             if device == "pi-1":
