@@ -10,7 +10,7 @@ meaningful. The bounds are generous for honest devices (a loss of a million is a
 model) and the same on both sides: the agent's kit and the coordinator read this one table.
 
 The coordinator's gate narrows the sample counts further, relative to what the fleet expects of each
-device (:mod:`coordinator.upload_gate`).
+device (:mod:`coordinator.rounds.upload_gate`).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ UPLOAD_META: dict[str, Bound] = {
     "global_loss": Bound(0, MAX_MEASURE, "cross-entropy of the received model on that shard"),
     "eval_samples": Bound(1, MAX_COUNT, "test samples behind global_accuracy and global_loss", integer=True),
 }
-"""Every number of an update's manifest meta (:func:`device_agent.protocol.upload_meta`), by key."""
+"""Every number of an update's manifest meta (:func:`device_agent.wire.protocol.upload_meta`), by key."""
 
 MESSAGE_CLOCK = Bound(0, MAX_CLOCK, "the sender's Unix clock when it sent the message")
 """``sent_at`` of every control message (hello, status, ...): the only number a status carries."""
