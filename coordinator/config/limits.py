@@ -20,11 +20,10 @@ from device_agent.wire.guard import InboundLimits
 class GateSettings:
     """Bounds on what one device may claim; generous for honest devices, tight enough for absurd values."""
 
-    max_train_seconds: float = 86_400.0
-    """Longer than any round deadline: a day of training for one round is a lie or a broken clock."""
-    max_abs_loss: float = 1e6
     max_samples_factor: float = 100.0
-    """A device may claim at most this many times the samples the fleet expects of it (samples weight the average)."""
+    """A device may claim at most this many times the samples the fleet expects of it, for training (samples weight
+    the average) and for evaluation (test samples weight the federated accuracy). Every other number of the meta
+    has its one range in :data:`device_agent.wire.bounds.UPLOAD_META`."""
     max_meta_entries: int = 16
     max_meta_chars: int = 256
     max_norm_ratio: float | None = 10.0

@@ -17,6 +17,7 @@ use.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from torch import Tensor
 from coordinator.config.fleet import Fleet, parse_fleet
 from coordinator.planning.planner import DevicePlan
 from coordinator.rounds.engine import EngineSettings, RoundEngine
+from coordinator.run.metrics import failed_rounds
 from coordinator.run.rundir import RunDir
 from coordinator.strategies.base import ClientSlot, Strategy
 from coordinator.transport.fleet_link import fleet_link
@@ -37,6 +39,8 @@ from device_agent.clients.spec import TrainConfig
 from device_agent.common.profile import DeviceProfile
 from device_agent.data.datasets import LabeledData
 from profiles.schema import DeviceClass
+
+log = logging.getLogger("fedfleet.simulation")
 
 Split = tuple[Tensor, Tensor]
 
@@ -66,6 +70,8 @@ class RoundRecord:
 @dataclass
 class SimulationResult:
     rounds: list[RoundRecord] = field(default_factory=list)
+    failed_rounds: list[int] = field(default_factory=list)
+    """Rounds that aggregated no update or fewer than the quorum (:func:`coordinator.run.metrics.failed_rounds`)."""
 
     @property
     def final(self) -> RoundRecord:
@@ -199,6 +205,9 @@ def simulate(
             )
             engine.run()
             metrics = rundir.metrics()
+            failed = failed_rounds(metrics, fleet.quorum)
+            if failed:
+                log.warning("simulation: rounds %s failed (no update, or below the quorum)", failed)
         finally:
             rundir.close()
     return SimulationResult(
@@ -212,7 +221,8 @@ def simulate(
                 m.federated_accuracy,
             )
             for m in metrics
-        ]
+        ],
+        failed,
     )
 
 

@@ -92,7 +92,13 @@ class RoundEngine:
         self.devices = self.roster.devices
         self.draw = ParticipantDraw(fleet, planner, rundir)
         gate = UploadGate(settings.gate)
-        self.admission = Admission(gate, rundir, lambda d: fleet.samples_for(self.devices[d].device), signatures)
+        self.admission = Admission(
+            gate,
+            rundir,
+            lambda d: fleet.samples_for(self.devices[d].device),
+            signatures,
+            strategy.declared_extras(),
+        )
         self.dispatch = Dispatcher(link, strategy, gate, rundir, fleet, settings.resend_after_s)
         self.closer = RoundCloser(strategy, fleet, data, link, self.roster, settings.calibration_samples)
         self.open: OpenRound | None = None
@@ -194,7 +200,7 @@ class RoundEngine:
         self.open = OpenRound(
             round_, {d: Participant(level) for d, level in participants}, aggregate, deadline, started
         )
-        self.admission.replay(self._journal, self.open)
+        self.admission.replay(self._journal, self.open, lambda: self.strategy.open_round(round_, slots))
         self._journal = []
         planned = time.monotonic()
         self.dispatch.push(self.open, slots, self.roster)

@@ -1,7 +1,9 @@
 """What the upload gate checks on top of the envelope and the strategy: meta bounds, dtypes and norms.
 
 Everything in an upload comes from one device and is checked before the journal, so a round
-close can never fail because of one device's values. Every refusal is an :class:`UploadRefused`
+close can never fail because of one device's values: every number of the meta within its range of
+:data:`device_agent.wire.bounds.UPLOAD_META` (``parse_upload_meta``), the sample counts also within a
+multiple of the device's share. Every refusal is an :class:`UploadRefused`
 with a short snake_case ``reason`` from :data:`REASONS` (a bounded label set for metrics).
 
 The norm bound compares an update's L2 norm with a reference: the norm of what the device was
@@ -22,7 +24,7 @@ from torch import Tensor
 from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.config.limits import GateSettings
 from device_agent.common.profile import DeviceProfile
-from device_agent.wire.protocol import UploadMeta, parse_upload_meta
+from device_agent.wire.protocol import EXTRA_PREFIX, UploadMeta, parse_upload_meta
 
 REASONS = frozenset(
     {
@@ -77,19 +79,16 @@ def check_meta_size(meta: Mapping[str, str], settings: GateSettings) -> None:
 
 
 def check_meta_values(meta: UploadMeta, expected_samples: int, settings: GateSettings) -> None:
-    """Bounds ``parse_upload_meta`` leaves open: seconds, loss and samples a device cannot plausibly report."""
-    if meta.train_seconds > settings.max_train_seconds:
-        raise UploadRefused(
-            "bad_meta", f"train_seconds={meta.train_seconds:.6g} exceeds the bound of {settings.max_train_seconds:g} s"
-        )
-    if abs(meta.loss) > settings.max_abs_loss:
-        raise UploadRefused("bad_meta", f"loss={meta.loss:.6g} exceeds the bound of {settings.max_abs_loss:g}")
+    """Sample counts relative to this device's share: the schema's absolute ranges allow any device a billion."""
     most = max(1, math.ceil(expected_samples * settings.max_samples_factor))
-    if meta.samples > most:
-        raise UploadRefused(
-            "bad_meta",
-            f"samples={meta.samples} is over {settings.max_samples_factor:g}x the {expected_samples} expected",
-        )
+    claims = [("samples", meta.samples)]
+    if meta.received is not None:
+        claims.append(("eval_samples", meta.received.samples))
+    for name, value in claims:
+        if value > most:
+            raise UploadRefused(
+                "bad_meta", f"{name}={value} is over {settings.max_samples_factor:g}x the {expected_samples} expected"
+            )
 
 
 def profile_problem(profile: DeviceProfile) -> str | None:
@@ -117,6 +116,17 @@ def check_dtypes(tensors: Mapping[str, Tensor]) -> None:
             raise UploadRefused("bad_dtype", f"{key!r}: dtype {value.dtype}, expected {FLOAT_DTYPE}")
         if not value.is_floating_point() and value.dtype not in INTEGER_DTYPES:
             raise UploadRefused("bad_dtype", f"{key!r}: dtype {value.dtype} is neither {FLOAT_DTYPE} nor an integer")
+
+
+def check_extras(extras: Mapping[str, Tensor], declared: frozenset[str]) -> None:
+    """Side information only under the names the strategy declares: anything else would be journaled unchecked."""
+    unknown = sorted(set(extras) - declared)
+    if unknown:
+        takes = ", ".join(sorted(declared)) or "none"
+        raise UploadRefused(
+            "unknown_tensor",
+            f"{EXTRA_PREFIX}{unknown[0][:80]!r}: side information this strategy does not take ({takes})",
+        )
 
 
 def squared_norms(tensors: Mapping[str, Tensor]) -> dict[str, float]:

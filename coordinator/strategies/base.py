@@ -166,6 +166,10 @@ class Strategy(ABC):
         self.params = params
         self.seed = seed
 
+    def declared_extras(self) -> frozenset[str]:
+        """Names of the side information (``extras``) its clients upload; the upload gate refuses any other."""
+        return frozenset()
+
     @classmethod
     def client_model(cls, model: ModelSpec, params: BaseModel, level: float) -> nn.Module:
         """The module a client assigned ``level`` trains, built on the meta device (shapes, no values).

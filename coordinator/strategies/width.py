@@ -176,6 +176,10 @@ class WidthStrategy(Strategy):
     label_masked: bool = False
     scaler: bool = False
 
+    def declared_extras(self) -> frozenset[str]:
+        """A label-masked classifier needs each client's classes; nothing else is sent."""
+        return frozenset({"classes"}) if self.label_masked else frozenset()
+
     def __init__(self, model: ModelSpec, params: StrategyParams, seed: int = 0, width: float = 1.0) -> None:
         super().__init__(model, params, seed)
         self.width = width
