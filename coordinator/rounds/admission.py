@@ -10,19 +10,26 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 
 from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.rounds.signing import UploadSignatures
 from coordinator.rounds.state import OpenRound
-from coordinator.rounds.upload_gate import UploadGate, UploadRefused, check_dtypes, squared_norms
+from coordinator.rounds.upload_gate import Screened, UploadGate, UploadRefused, check_dtypes, squared_norms
 from coordinator.run.rundir import JournalEntry, RoundNotOpen, RunDir
-from device_agent.wire.codec import CodecError, decode_tensors
+from device_agent.wire.codec import CodecError, decode_tensors, encode_tensors
 from device_agent.wire.protocol import UPDATE_KIND, ReceivedEvaluation, split_upload
 from device_agent.wire.transfer import Completed
 
 log = logging.getLogger("fedfleet.engine")
+
+
+def describe_steps(steps: Mapping[str, float]) -> str:
+    """The clipped layers, worst first, for a log line."""
+    worst = sorted(steps.items(), key=lambda item: item[1])
+    shown = ", ".join(f"{name} x{step:.3g}" for name, step in worst[:3])
+    return shown + (f" and {len(worst) - 3} more layers" if len(worst) > 3 else "")
 
 
 class Admission:
@@ -67,13 +74,14 @@ class Admission:
             check_dtypes(tensors)
             upload, extras = split_upload(tensors)
             open_.aggregate.check(device, upload, parsed.samples, extras)
-            norm = self.gate.norm(device, participant.level, upload)
+            screened = self.gate.norm(device, participant.level, upload)
         except (UpdateRejected, CodecError):
             raise
         except Exception as exc:  # one device's bytes must never stop the engine, whatever they trip over
             raise UploadRefused("other", f"the update could not be checked: {type(exc).__name__}: {exc}") from exc
+        weight = self.gate.sample_weight(parsed.samples, self.expected_samples(device))
         meta = {
-            "samples": parsed.samples,
+            "samples": weight,
             "train_seconds": parsed.train_seconds,
             "host_seconds": parsed.host_seconds,
             "loss": parsed.loss,
@@ -81,14 +89,21 @@ class Admission:
             "payload_bytes": len(data),
             "local_accuracy": parsed.local_accuracy,
             "received": None if parsed.received is None else asdict(parsed.received),
+            "update_norms": screened.update_norms,
         }
+        if weight != parsed.samples:
+            meta["claimed_samples"] = parsed.samples
+        if screened.steps:  # the journal keeps what is folded, so a replay folds the same
+            meta["clipped"] = screened.steps
+            data = encode_tensors({**tensors, **screened.upload})
+            log.warning("round %d: clipped %s's update (%s)", open_.round, device, describe_steps(screened.steps))
         try:
             self.rundir.accept_upload(open_.round, device, manifest.transfer, data, meta)
         except RoundNotOpen:
             return "late"
-        open_.aggregate.fold(device, upload, parsed.samples, extras)
-        self.gate.accepted(participant.level, norm)
-        participant.status, participant.payload_bytes = "accepted", len(data)
+        open_.aggregate.fold(device, screened.upload, weight, extras)
+        self.gate.accepted(participant.level, screened)
+        participant.status, participant.payload_bytes = "accepted", len(completed.data)
         participant.train_seconds, participant.local_accuracy = parsed.train_seconds, parsed.local_accuracy
         participant.host_seconds, participant.received = parsed.host_seconds, parsed.received
         return "accepted"
@@ -102,7 +117,8 @@ class Admission:
             open_.aggregate.check(entry.device, upload, int(entry.meta["samples"]), extras)
             open_.aggregate.fold(entry.device, upload, int(entry.meta["samples"]), extras)
             participant = open_.participants[entry.device]
-            self.gate.accepted(participant.level, math.sqrt(sum(squared_norms(upload).values())))
+            norm = math.sqrt(sum(squared_norms(upload).values()))
+            self.gate.accepted(participant.level, Screened(upload, norm, dict(entry.meta.get("update_norms") or {})))
             participant.status = "accepted"
             participant.train_seconds = float(entry.meta.get("train_seconds", 0.0))
             participant.host_seconds = entry.meta.get("host_seconds")
