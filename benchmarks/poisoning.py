@@ -251,9 +251,11 @@ def poisoning(
     train: TrainConfig,
     defense: bool = True,
     progress: Callable[[str], None] = lambda _line: None,
+    limits: Mapping[str, object] | None = None,
 ) -> dict[str, Any]:
+    """Clean and attacked runs; ``limits`` (fleet.yaml's section) tunes the gate, ``defense=False`` turns it off."""
     data = load_dataset("digits", 8, 1)
-    limits = None if defense else NO_DEFENSE
+    limits = {**(limits or {}), **({} if defense else NO_DEFENSE)}
     clean: dict[str, float] = {}
     entries: list[dict[str, Any]] = []
     for name in strategies:
@@ -279,7 +281,8 @@ def poisoning(
             "epochs": train.epochs,
             "model": MODEL.arch,
             "dataset": "digits",
-            "defense": "defaults" if defense else "off (update bound and sample-weight cap disabled)",
+            "defense": "off (update bound and sample-weight cap disabled)" if not defense else "defaults",
+            "limits": limits,
         },
         "clean_accuracy": clean,
         "attacks": entries,
@@ -312,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--clients", type=int, default=10, help="devices in the fleet (default: 10)")
     parser.add_argument("--epochs", type=int, default=1, help="local epochs per round (default: 1)")
     parser.add_argument("--no-defense", action="store_true", help="turn the update bound and weight cap off")
+    parser.add_argument(
+        "--limits", default="{}", help="fleet.yaml limits as JSON, e.g. '{\"update_bound_factor\": 2}' (default: none)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return parser
 
@@ -337,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         train,
         defense=not args.no_defense,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
+        limits=json.loads(args.limits),
     )
     print(json.dumps(result, indent=2) if args.json else table(result))
     return 0

@@ -5,7 +5,7 @@ and the engine's assignment timings default to the ones here (``EngineSettings``
 the section out runs exactly as before. An operator tunes them for a fleet whose updates are bigger
 than a ResNet (``max_upload_bytes``), whose devices talk more (``messages_per_s``), or whose honest
 updates move further than ten times what they were sent (``norm_bound_factor``), or whose honest
-updates differ more than threefold between devices (``update_bound_factor``).
+updates differ more than 1.5-fold between devices (``update_bound_factor``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class GateSettings:
     """Refuse an update whose L2 norm exceeds this many times its reference (see the module doc); None: off."""
     norm_floor: float = 1.0
     """References below this count as this: near-zero tensors sent (fresh adapters) make no bound."""
-    update_bound_factor: float | None = 3.0
+    update_bound_factor: float | None = 1.5
     """Bound each layer's update (upload minus sent, full rank) at this many times the fleet's recent
     median update norm of that layer; None: off (docs/robust-aggregation.md)."""
     update_bound_action: Literal["clip", "refuse"] = "clip"

@@ -96,7 +96,8 @@ class Admission:
         if screened.steps:  # the journal keeps what is folded, so a replay folds the same
             meta["clipped"] = screened.steps
             data = encode_tensors({**tensors, **screened.upload})
-            log.warning("round %d: clipped %s's update (%s)", open_.round, device, describe_steps(screened.steps))
+            level = logging.WARNING if min(screened.steps.values()) < 0.5 else logging.INFO  # honest ones by a bit
+            log.log(level, "round %d: clipped %s's update (%s)", open_.round, device, describe_steps(screened.steps))
         try:
             self.rundir.accept_upload(open_.round, device, manifest.transfer, data, meta)
         except RoundNotOpen:
