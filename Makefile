@@ -16,9 +16,10 @@ $(STAMP): pyproject.toml
 	touch $@
 
 # The main demo: a coordinator, a managed broker and nine emulated device agents (FedHM on digits).
+# DEMO_ARGS passes more flags to `coordinator emulate` (e.g. DEMO_ARGS="--rounds 2 --no-live").
 demo: setup
 	$(VENV)/bin/coordinator plan --fleet examples/demo.yaml
-	$(VENV)/bin/coordinator emulate --fleet examples/demo.yaml
+	$(VENV)/bin/coordinator emulate --fleet examples/demo.yaml $(DEMO_ARGS)
 
 # Style, formatting and the layering contracts of docs/architecture.md (import-linter).
 lint: setup

@@ -100,7 +100,7 @@ def _emulate(args: argparse.Namespace) -> int:
     args.kits = args.kits or default_kits(args.fleet, fleet)
     emulation.kits = args.kits
     try:
-        code = run_start(args, on_broker_ready=emulation.launch)
+        code = run_start(args, on_broker_ready=emulation.launch, plain_fallback=True)
     finally:
         crashed = emulation.stop()
     if crashed:

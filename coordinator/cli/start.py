@@ -122,17 +122,43 @@ def _broker(fleet: Fleet, credentials: dict[str, Credentials], kits: Kits):
     return make_broker(broker_settings, prefer="amqtt" if settings.mode == "amqtt" else "auto")
 
 
+PLAIN_FALLBACK_WARNING = (
+    "WARNING: mosquitto is not installed, so this emulation runs on the amqtt development broker "
+    "WITHOUT TLS (plain MQTT 3.1.1 on {host}:{port}). Fine for a demo on one host; a real fleet needs "
+    "`apt install mosquitto` (`coordinator start` refuses to run a TLS fleet without it)."
+)
+
+
+def _without_mosquitto(fleet: Fleet) -> Fleet:
+    """The fleet on the plain amqtt broker when it asks for a managed TLS broker and mosquitto is missing."""
+    broker = fleet.broker
+    if broker.mode != "managed" or not broker.tls or find_mosquitto() is not None:
+        return fleet
+    port = broker.port if broker.port != 8883 else 1883
+    plain = broker.model_copy(update={"mode": "amqtt", "tls": False, "port": port})
+    banner = PLAIN_FALLBACK_WARNING.format(host=broker.host, port=port)
+    print(f"\n{'!' * 100}\n{banner}\n{'!' * 100}\n", file=sys.stderr, flush=True)
+    log.warning(banner)
+    return fleet.model_copy(update={"broker": plain})
+
+
 def run_start(
     args: argparse.Namespace,
     on_broker_ready: Callable[[str, dict[str, Credentials], Path, str], Callable[[], object]] | None = None,
+    plain_fallback: bool = False,
 ) -> int:
     """``coordinator start``. ``on_broker_ready(url, credentials, run_dir, protocol)`` runs once the broker is
     up and returns what to run before it stops (``coordinator emulate`` starts and stops its agents there);
-    ``protocol`` is the MQTT version the broker speaks ("3.1.1" for the amqtt fallback)."""
+    ``protocol`` is the MQTT version the broker speaks ("3.1.1" for the amqtt fallback).
+
+    ``plain_fallback`` (emulation, where every process is on this host): a managed TLS broker without
+    mosquitto installed becomes the plain amqtt development broker, loudly, instead of a refusal."""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     keep_freed_buffers()  # this process ingests every upload: reuse freed buffers (see coordinator.transport.allocator)
     try:
         fleet, catalog = load_fleet(args.fleet)
+        if plain_fallback:
+            fleet = _without_mosquitto(fleet)
         problems = start_problems(fleet)
         if problems:
             raise FleetError(f"{args.fleet} cannot start here:\n" + "\n".join(problems))

@@ -82,6 +82,16 @@ class FleetLimits(BaseModel):
         InboundLimits.max_open_transfers,
         description="unfinished uploads per device; a newer one drops the least recently active",
     )
+    transfer_idle_s: PositiveFloat = Field(
+        InboundLimits.idle_s,
+        description="an unfinished upload with no chunk for this long is dropped (its memory freed) and its "
+        "device told to send it again",
+    )
+    max_total_pending_bytes: ByteSize = Field(
+        ByteSize(InboundLimits.max_total_pending_bytes),
+        gt=0,
+        description="bytes all devices together may hold in unfinished uploads; past it a new upload waits",
+    )
     norm_bound_factor: float | None = Field(
         GateSettings.max_norm_ratio,
         gt=1,
@@ -122,6 +132,8 @@ class FleetLimits(BaseModel):
             max_open_transfers=self.max_open_transfers,
             messages_per_s=self.messages_per_s,
             burst=self.message_burst,
+            idle_s=self.transfer_idle_s,
+            max_total_pending_bytes=self.max_total_pending_bytes,
         )
 
     def gate(self) -> GateSettings:

@@ -144,7 +144,8 @@ def write_agent_specs(
         )
         kit = None if kits is None else (kits / device.id).resolve()
         variable = password_env(index if packed else None)
-        tls = {} if kit is None or not (kit / "client.pem").exists() else kit_tls_files(kit)
+        secure = broker_url.startswith("mqtts://") and kit is not None and (kit / "client.pem").exists()
+        tls = kit_tls_files(kit) if secure else {}  # type: ignore[arg-type]
         config = agent_config(
             device.id,
             fleet.fleet,

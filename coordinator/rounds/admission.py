@@ -17,7 +17,8 @@ from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.rounds.signing import UploadSignatures
 from coordinator.rounds.state import OpenRound
 from coordinator.rounds.upload_gate import Screened, UploadGate, UploadRefused, check_dtypes, squared_norms
-from coordinator.run.rundir import JournalEntry, RoundNotOpen, RunDir
+from coordinator.run.journal import JournalEntry
+from coordinator.run.rundir import RoundNotOpen, RunDir
 from device_agent.wire.codec import CodecError, decode_tensors, encode_tensors
 from device_agent.wire.protocol import UPDATE_KIND, ReceivedEvaluation, split_upload
 from device_agent.wire.transfer import Completed
@@ -67,7 +68,7 @@ class Admission:
             return "duplicate"
         data = completed.data
         if self.signatures is not None:
-            self.signatures.check(device, manifest, data)
+            self.signatures.check(device, manifest)
         parsed = self.gate.meta(manifest.meta, self.expected_samples(device))
         try:
             tensors = decode_tensors(data)
@@ -99,7 +100,10 @@ class Admission:
             level = logging.WARNING if min(screened.steps.values()) < 0.5 else logging.INFO  # honest ones by a bit
             log.log(level, "round %d: clipped %s's update (%s)", open_.round, device, describe_steps(screened.steps))
         try:
-            self.rundir.accept_upload(open_.round, device, manifest.transfer, data, meta)
+            # A clipped upload is journaled as folded, so its digest is not the transfer's: hashed again.
+            unchanged = manifest.digest is not None and not screened.steps
+            verified = (manifest.digest, manifest.chunk_size) if unchanged else None
+            self.rundir.accept_upload(open_.round, device, manifest.transfer, data, meta, verified)
         except RoundNotOpen:
             return "late"
         open_.aggregate.fold(device, screened.upload, weight, extras)

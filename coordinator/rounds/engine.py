@@ -2,9 +2,8 @@
 
 One thread owns every piece of round state. The link's threads only enqueue events (hello,
 status, uploads, failures) and the engine's loop applies them in order, so validation, journaling,
-folding and answering an upload happen as one step and need no locks. ``coordinator start`` runs it
-over MQTT (:class:`~coordinator.transport.link.MqttLink`); the simulation and ``benchmarks.compare``
-over in-process devices (:class:`~coordinator.transport.local_link.InProcessLink`): one round core.
+folding and answering an upload happen as one step and need no locks. One round core for MQTT
+(``coordinator start``) and for in-process devices (the simulation, ``benchmarks.compare``).
 
 The loop is here; its parts are one module each: who is online and what they measured
 (:mod:`~coordinator.rounds.roster`), who trains this round (:mod:`~coordinator.rounds.draw`),
@@ -63,6 +62,8 @@ from device_agent.wire.transfer import Completed
 from profiles.schema import DeviceClass
 
 log = logging.getLogger("fedfleet.engine")
+
+TICK_S = 0.25  # the longest the loop applies events before it looks at the round again
 
 
 class RoundEngine:
@@ -132,11 +133,11 @@ class RoundEngine:
         self.stopping.set()
 
     def _pump(self, until: float, progress: Callable[[RoundEngine], None]) -> None:
-        """Apply events until ``until`` (monotonic) or until the queue has been idle for a tick."""
+        """Apply events for one tick at most, never past ``until``: no flood holds a round open past its deadline."""
+        until = min(until, time.monotonic() + TICK_S)
         while not self.stopping.is_set():
-            timeout = min(0.25, max(0.0, until - time.monotonic()))
             try:
-                self._events.get(timeout=timeout)()
+                self._events.get(timeout=max(0.0, until - time.monotonic()))()
             except queue.Empty:
                 break
             if time.monotonic() >= until:
@@ -240,8 +241,6 @@ class RoundEngine:
         assert self.open is not None
         return max(1, math.ceil(self.fleet.quorum * len(self.open.participants)))
 
-    # ---- events --------------------------------------------------------------------------------
-
     def _on_message(self, device: str, message: Message) -> None:
         if device not in self.devices:
             log.warning("message from %r, which is not in the fleet; ignored", device)
@@ -265,8 +264,7 @@ class RoundEngine:
     def _on_transport_refusal(self, device: str, reason: str) -> None:
         """A transfer the link refused outright (past ``limits``) is the participant's refused upload.
 
-        Without this the device, told its transfer was refused, reports idle, is sent its assignment
-        again and retrains the same too-large update until the deadline; as a refusal it is retried once.
+        As a refusal it is retried once, not retrained and refused again until the deadline.
         """
         self.refused.count(device, reason)
         participant = self.open.participants.get(device) if self.open is not None else None

@@ -7,7 +7,6 @@ decodes or journals anything, so a forged or replayed update never reaches the r
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 
 from coordinator.algorithms.aggregation import UpdateRejected
@@ -32,14 +31,18 @@ class UploadSignatures:
         self.fleet = fleet
         self._keys = dict(keys)
 
-    def check(self, device: str, manifest: Manifest, payload: bytes) -> None:
-        """Return if ``manifest`` signs ``payload`` as ``device``'s update of its run, round and transfer."""
+    def check(self, device: str, manifest: Manifest) -> None:
+        """Return if ``manifest`` signs its payload as ``device``'s update of its run, round and transfer.
+
+        ``manifest`` is a completed transfer's: every chunk matched its seal, so its digest stands for
+        the payload's bytes and nothing is hashed again here.
+        """
+        if manifest.digest is None:
+            raise SignatureRefused(SignatureError("bad_signature", "an unsealed transfer carries no digest to verify"))
         key = self._keys.get(device)
         if key is None:
             raise SignatureRefused(SignatureError("bad_signature", f"no signing key for {device} in the kits"))
-        identity = UploadIdentity(
-            self.fleet, manifest.run, manifest.round, device, manifest.transfer, hashlib.sha256(payload).hexdigest()
-        )
+        identity = UploadIdentity(self.fleet, manifest.run, manifest.round, device, manifest.transfer, manifest.digest)
         try:
             verify(key, manifest.meta, identity)
         except SignatureError as exc:

@@ -47,10 +47,10 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from coordinator.config.checkpoints import Retention, kept_rounds
+from coordinator.run.journal import JournalEntry, RoundJournal, RunDirError
 from coordinator.run.metrics import RoundMetrics, round_scores
 from device_agent.common.atomic import append_line, atomic_write, remove_temp_files
 from device_agent.common.validation import describe
-from device_agent.wire.codec import decode_tensors
 
 FORMAT = 1
 RUN_FILE = "run.json"
@@ -58,7 +58,6 @@ FLEET_FILE = "fleet.yaml"
 METRICS_FILE = "metrics.jsonl"
 STATE_DIR = "state"
 JOURNAL_DIR = "journal"
-INDEX_FILE = "index.jsonl"
 LOCK_FILE = ".lock"
 # The engine's record of the open round's participants; stale once the run rolls back past it.
 OPEN_ROUND_FILE = "open-round.json"
@@ -66,24 +65,8 @@ OPEN_ROUND_FILE = "open-round.json"
 log = logging.getLogger("fedfleet.rundir")
 
 
-class RunDirError(Exception):
-    """A run directory that cannot be used as asked; the message names the file (and line)."""
-
-
 class RoundNotOpen(RunDirError):
     """An upload for a round that is already closed (late) or not started; answer it, do not journal it."""
-
-
-@dataclass(frozen=True)
-class JournalEntry:
-    """One accepted upload of the open round, as persisted before it was acknowledged."""
-
-    round: int
-    device: str
-    transfer_id: str
-    sha256: str
-    path: Path
-    meta: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -302,7 +285,7 @@ class RunDir:
             elif round_ > done + 1:
                 raise RunDirError(f"{journal} belongs to round {round_}, but only round {done + 1} can be open")
             else:
-                self._repair_journal(journal)
+                RoundJournal(journal).repair()
 
     def state_problem(self, round_: int) -> str | None:
         """Why round ``round_``'s saved state cannot be used (missing, truncated, digest mismatch), or None."""
@@ -366,33 +349,6 @@ class RunDir:
             raise RunDirError(f"{path}: unexpected file in the run directory")
         return int(match.group(1))
 
-    def _repair_journal(self, journal: Path) -> None:
-        """Drop a torn last index line and payload files no index line commits."""
-        index = journal / INDEX_FILE
-        text = index.read_text() if index.exists() else ""
-        if text and not text.endswith("\n"):
-            text = text[: text.rfind("\n") + 1]
-            atomic_write(index, text.encode())
-        entries = self._read_journal(journal)
-        corrupt = [entry for entry in entries if _sha256(entry.path.read_bytes()) != entry.sha256]
-        if corrupt:
-            for entry in corrupt:
-                log.error(
-                    "%s: sha256 does not match %s; %s's accepted upload for round %d is dropped",
-                    entry.path,
-                    index,
-                    entry.device,
-                    entry.round,
-                )
-            names = {entry.path.name for entry in corrupt}
-            lines = [line for line in text.splitlines(keepends=True) if json.loads(line).get("file") not in names]
-            atomic_write(index, "".join(lines).encode())
-            entries = [entry for entry in entries if entry.path.name not in names]
-        committed = {entry.path.name for entry in entries}
-        for payload in journal.glob("*.safetensors"):
-            if payload.name not in committed:
-                payload.unlink()
-
     # ---- properties ----------------------------------------------------------------------------
 
     @property
@@ -423,7 +379,7 @@ class RunDir:
             seed=self.seed,
             last_completed_round=done,
             state=self.load_state(done),
-            journal=self._read_journal(self.journal_path(done + 1)),
+            journal=RoundJournal(self.journal_path(done + 1)).entries(),
         )
 
     def load_state(self, round_: int) -> dict[str, torch.Tensor]:
@@ -444,86 +400,26 @@ class RunDir:
         transfer_id: str,
         payload: bytes | Mapping[str, torch.Tensor],
         meta: Mapping[str, Any] | None = None,
+        verified: tuple[str, int] | None = None,
     ) -> bool:
         """Persist an accepted upload before it is acknowledged; False if ``device`` already has one this round.
 
         ``payload`` is the upload's safetensors bytes as received, or its tensors. ``meta`` (JSON)
-        carries what folding it needs again after a crash (ratio, samples, ...). The caller folds the
-        upload only when this returns True, so a retransmission after a lost ack is never counted twice.
-        Raises :class:`RoundNotOpen` for an upload that arrives after its round closed.
+        carries what folding it needs again after a crash (ratio, samples, ...). ``verified``: the
+        (transfer digest, chunk size) its transfer already checked, journaled instead of hashing it again.
+        The caller folds the upload only when this returns True, so a retransmission after a lost ack
+        is never counted twice. Raises :class:`RoundNotOpen` for an upload that arrives after its round closed.
         """
         with self._writing:
-            return self._accept_upload(round_, device, transfer_id, payload, meta)
-
-    def _accept_upload(
-        self,
-        round_: int,
-        device: str,
-        transfer_id: str,
-        payload: bytes | Mapping[str, torch.Tensor],
-        meta: Mapping[str, Any] | None,
-    ) -> bool:
-        if round_ != self.last_completed_round + 1:
-            raise RoundNotOpen(f"round {round_} is not open (last completed round is {self.last_completed_round})")
-        journal = self.journal_path(round_)
-        entries = self._read_journal(journal)
-        if any(entry.device == device for entry in entries):
-            return False
-        data = payload if isinstance(payload, bytes) else _tensor_bytes(payload)
-        journal.mkdir(parents=True, exist_ok=True)
-        # Numbered past the highest entry, not by count: a dropped corrupt entry leaves a gap.
-        name = f"{max((int(entry.path.stem) for entry in entries), default=0) + 1:06d}.safetensors"
-        atomic_write(journal / name, data)
-        line = {
-            "round": round_,
-            "device": device,
-            "transfer_id": transfer_id,
-            "file": name,
-            "sha256": _sha256(data),
-            "bytes": len(data),
-            "meta": dict(meta or {}),
-        }
-        append_line(journal / INDEX_FILE, json.dumps(line, sort_keys=True))
-        return True
+            if round_ != self.last_completed_round + 1:
+                done = self.last_completed_round
+                raise RoundNotOpen(f"round {round_} is not open (last completed round is {done})")
+            data = payload if isinstance(payload, bytes) else _tensor_bytes(payload)
+            return RoundJournal(self.journal_path(round_)).accept(round_, device, transfer_id, data, meta, verified)
 
     def load_upload(self, entry: JournalEntry) -> dict[str, torch.Tensor]:
         """An accepted upload's tensors, refusing a file whose digest no longer matches the journal."""
-        data = entry.path.read_bytes()
-        if _sha256(data) != entry.sha256:
-            index = entry.path.parent / INDEX_FILE
-            raise RunDirError(f"{entry.path}: sha256 does not match {index}; the file is corrupt")
-        return decode_tensors(data)
-
-    def _read_journal(self, journal: Path) -> list[JournalEntry]:
-        index = journal / INDEX_FILE
-        if not index.exists():
-            return []
-        entries: list[JournalEntry] = []
-        seen: set[str] = set()
-        for number, line in enumerate(index.read_text().splitlines(keepends=True), start=1):
-            if not line.endswith("\n"):
-                break  # torn append: never committed, so never acknowledged
-            try:
-                raw = json.loads(line)
-                entry = JournalEntry(
-                    round=int(raw["round"]),
-                    device=str(raw["device"]),
-                    transfer_id=str(raw["transfer_id"]),
-                    sha256=str(raw["sha256"]),
-                    path=journal / Path(raw["file"]).name,
-                    meta=dict(raw.get("meta") or {}),
-                )
-            except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
-                raise RunDirError(
-                    f"{index} line {number}: not a journal entry ({type(exc).__name__}: {str(exc)[:200]})"
-                ) from None
-            if entry.device in seen:
-                continue
-            if not entry.path.is_file():
-                raise RunDirError(f"{index} line {number}: {entry.path.name} is missing; an accepted upload is lost")
-            seen.add(entry.device)
-            entries.append(entry)
-        return entries
+        return RoundJournal.load(entry)
 
     def save_participants(self, round_: int, participants: Mapping[str, float]) -> None:
         """Who takes part in ``round_`` at which level, written before any assignment leaves.

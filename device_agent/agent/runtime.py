@@ -51,7 +51,7 @@ from device_agent.wire.protocol import UPDATE_KIND, upload_meta
 from device_agent.wire.reachability import wait_for_broker
 from device_agent.wire.session import BrokerAddress, Delivery, Session, device_session
 from device_agent.wire.topics import DeviceTopics
-from device_agent.wire.transfer import Completed, new_transfer_id
+from device_agent.wire.transfer import Completed, make_manifest, new_transfer_id
 
 log = logging.getLogger("fedfleet.agent")
 
@@ -324,21 +324,18 @@ class Agent:
             return
         self.hooks.before_upload()
         self._set_state("uploading", f"round {item.round}")
-        transfer, meta = new_transfer_id(), dict(item.meta)
-        if self.signing_key is not None:
+        transfer = new_transfer_id()
+        fields = {"run": item.run, "round": item.round, "kind": UPDATE_KIND, "meta": dict(item.meta)}
+        if self.signing_key is None:  # hashed chunk by chunk as it is published
+            delivery = self.session.send(self.topics.up, payload, transfer=transfer, **fields)
+        else:  # the signature binds the transfer digest: hash first (once), then send the sealed manifest
+            cfg = self.session.config
+            manifest = make_manifest(payload, cfg.chunk_size, limits=cfg.limits, transfer=transfer, **fields)
             identity = UploadIdentity(
-                self.config.fleet, item.run, item.round, self.config.device, transfer, item.sha256
-            )
-            meta = signed_meta(meta, self.signing_key, identity)
-        delivery = self.session.send(
-            self.topics.up,
-            payload,
-            run=item.run,
-            round=item.round,
-            kind=UPDATE_KIND,
-            meta=meta,
-            transfer=transfer,
-        )
+                self.config.fleet, item.run, item.round, self.config.device, transfer, manifest.digest
+            )  # type: ignore[arg-type]
+            manifest = manifest.model_copy(update={"meta": signed_meta(manifest.meta, self.signing_key, identity)})
+            delivery = self.session.send(self.topics.up, payload, manifest=manifest, transfer=transfer)
         self._sent[(item.run, item.round)] = _Sent(item, delivery, time.monotonic())
 
     def _forget(self, run: str, round_: int, why: str) -> None:

@@ -1,4 +1,4 @@
-"""Per-device signatures on uploads: HMAC-SHA256 over an update's identity and its payload's sha256.
+"""Per-device signatures on uploads: HMAC-SHA256 over an update's identity and its transfer digest.
 
 The broker authenticates a login, not an update: anyone holding a device's password (or a copy of an
 update captured earlier) can publish on its topic. A key that only the device's kit and the
@@ -6,6 +6,10 @@ coordinator's kits hold binds the payload to (fleet, run, round, device, transfe
 coordinator can refuse an update signed with another key (``bad_signature``) and a genuine one sent
 again as another round's or under another transfer id (``replayed``). The signed round and transfer
 travel in the manifest meta next to the MAC, which is what tells a replay from a forgery.
+
+The bytes are bound through the transfer digest (sha256 over the chunk digests, see
+:func:`device_agent.wire.transfer.transfer_digest`), which both sides compute anyway to move the
+payload: the coordinator verifies each chunk once and never hashes the whole payload again.
 
 Shared by the agent (signs) and the coordinator (verifies); standard library only.
 """
@@ -23,7 +27,7 @@ SIGNATURE = "signature"
 SIGNED_ROUND = "signed_round"
 SIGNED_TRANSFER = "signed_transfer"
 KEY_BYTES = 32
-_VERSION = "fedfleet-upload-signature-v1"
+_VERSION = "fedfleet-upload-signature-v2"
 _HEX_MAC = re.compile(r"[0-9a-f]{64}")
 
 
@@ -37,17 +41,18 @@ class SignatureError(ValueError):
 
 @dataclass(frozen=True)
 class UploadIdentity:
-    """What a signature binds: which update of which device in which round, and which bytes."""
+    """What a signature binds: which update of which device in which round, and which bytes (``digest``)."""
 
     fleet: str
     run: str
     round: int
     device: str
     transfer: str
-    payload_sha256: str
+    digest: str
+    """The transfer digest of the update's payload (what its sealed manifest carries)."""
 
     def signed_bytes(self) -> bytes:
-        fields = [_VERSION, self.fleet, self.run, self.round, self.device, self.transfer, self.payload_sha256]
+        fields = [_VERSION, self.fleet, self.run, self.round, self.device, self.transfer, self.digest]
         return json.dumps(fields, separators=(",", ":")).encode()
 
 
@@ -93,7 +98,7 @@ def verify(key: bytes, meta: Mapping[str, str], identity: UploadIdentity) -> Non
     except (KeyError, ValueError):
         raise SignatureError("bad_signature", "update signature lacks a readable signed round and transfer") from None
     claimed = UploadIdentity(
-        identity.fleet, identity.run, claimed_round, identity.device, claimed_transfer, identity.payload_sha256
+        identity.fleet, identity.run, claimed_round, identity.device, claimed_transfer, identity.digest
     )
     signature = meta[SIGNATURE]
     if not (isinstance(signature, str) and _HEX_MAC.fullmatch(signature)):

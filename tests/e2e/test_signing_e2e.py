@@ -8,7 +8,6 @@ signature sent again under another transfer id (a replay), one unsigned.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import secrets
@@ -31,7 +30,7 @@ from device_agent.agent.signing import UploadIdentity, signed_meta
 from device_agent.wire.messages import Error, Message
 from device_agent.wire.session import Session, SessionConfig
 from device_agent.wire.topics import DeviceTopics
-from device_agent.wire.transfer import new_transfer_id
+from device_agent.wire.transfer import make_manifest, new_transfer_id
 from tests.paths import REPO_ROOT
 
 pytestmark = pytest.mark.slow
@@ -51,7 +50,7 @@ def _forge(broker: MosquittoBroker, login: Credentials, run: str, key: bytes) ->
         on_message=lambda _t, m: answers.append(m),
     )
     payload = b"forged update bytes" * 50
-    sha = hashlib.sha256(payload).hexdigest()
+    digest = make_manifest(payload, session.config.chunk_size).digest  # what the transfer will seal
     meta = {"samples": "10", "train_seconds": "1", "loss": "1"}
     sent: dict[str, str] = {}
     with session.start():
@@ -59,7 +58,7 @@ def _forge(broker: MosquittoBroker, login: Credentials, run: str, key: bytes) ->
             transfer = new_transfer_id()
             signed_for = new_transfer_id() if forgery == "replayed" else transfer
             signing_key = secrets.token_bytes(32) if forgery == "wrong_key" else key
-            identity = UploadIdentity(FLEET, run, 1, "d1", signed_for, sha)
+            identity = UploadIdentity(FLEET, run, 1, "d1", signed_for, digest)  # type: ignore[arg-type]
             forged = meta if forgery == "unsigned" else signed_meta(meta, signing_key, identity)
             session.send(topics.up, payload, run=run, round=1, kind="update", meta=forged, transfer=transfer)
             sent[transfer] = forgery

@@ -35,6 +35,7 @@ def _assert_parity(record: ExportRecord, samples: int = 64) -> None:
     assert record.parity_samples == samples
 
 
+@pytest.mark.slow
 def test_resnet18_merged_and_quarter_rank(resnet18_run: Path, tmp_path: Path) -> None:
     run = open_trained_run(resnet18_run)
     fast = {"parity_samples": 16, "latency": False}

@@ -31,10 +31,18 @@ from device_agent.wire.topics import ROOT, acl_patterns, check_name
 log = logging.getLogger("fedfleet.broker")
 
 _CANDIDATES = ("mosquitto", "/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto")
+MOSQUITTO_ENV = "FEDFLEET_MOSQUITTO"
 
 
 def find_mosquitto() -> str | None:
-    """Path of the mosquitto binary, or None (Debian installs it in /usr/sbin, often not on PATH)."""
+    """Path of the mosquitto binary, or None (Debian installs it in /usr/sbin, often not on PATH).
+
+    ``FEDFLEET_MOSQUITTO`` names the binary where it is installed elsewhere; ``none`` acts as if it
+    were not installed at all (what a machine without it sees, e.g. to try the amqtt fallback).
+    """
+    chosen = os.environ.get(MOSQUITTO_ENV)
+    if chosen is not None:
+        return None if chosen.strip().lower() in ("", "none") else shutil.which(chosen)
     for candidate in _CANDIDATES:
         path = shutil.which(candidate)
         if path:

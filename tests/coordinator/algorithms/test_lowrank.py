@@ -14,6 +14,7 @@ def resnet18():
     return hybrid("resnet18", 1.0).state_dict(), factorization_plan("resnet18")
 
 
+@pytest.mark.slow
 def test_every_level_loads_into_its_hybrid_model(resnet18):
     state, plan = resnet18
     levels = factorize(state, plan, GAMMAS)
@@ -23,6 +24,7 @@ def test_every_level_loads_into_its_hybrid_model(resnet18):
     assert levels[1.0] == state
 
 
+@pytest.mark.slow
 def test_each_level_is_the_optimal_truncation(resnet18):
     state, plan = resnet18
     levels = factorize(state, plan, GAMMAS[1:])

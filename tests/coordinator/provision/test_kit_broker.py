@@ -104,6 +104,7 @@ def test_a_device_cannot_touch_another_devices_subtree(kit_fleet: tuple) -> None
             client.close()
 
 
+@pytest.mark.slow
 def test_a_device_needs_its_password_and_a_fleet_certificate(kit_fleet: tuple) -> None:
     fleet, kits, _, root = kit_fleet
     a = device_address(fleet, kits, "a")
@@ -126,6 +127,7 @@ def test_a_device_needs_its_password_and_a_fleet_certificate(kit_fleet: tuple) -
     assert probe(replace(a, ca_file=str(other.participant("a") / "ca.pem")), 5) != "ok"  # the agent verifies the broker
 
 
+@pytest.mark.slow
 def test_after_rotation_the_old_secret_is_refused_and_the_new_kit_works(kit_fleet: tuple) -> None:
     fleet, kits, broker, root = kit_fleet
     old = device_address(fleet, kits, "b")

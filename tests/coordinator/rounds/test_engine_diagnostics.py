@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -114,3 +116,24 @@ def test_giving_up_on_devices_names_the_ones_that_never_came(tmp_path: Path) -> 
             engine.run()
     finally:
         engine.rundir.close()
+
+
+def test_a_flood_of_events_cannot_hold_the_loop_past_a_tick(tmp_path: Path) -> None:
+    engine = idle_engine(tmp_path, wait_timeout_s=5)
+    flooding = threading.Event()
+
+    def flood() -> None:
+        while not flooding.is_set():
+            engine._events.put(lambda: None)
+
+    thread = threading.Thread(target=flood, daemon=True)
+    thread.start()
+    try:
+        started = time.monotonic()
+        engine._pump(started + 30, lambda _e: None)
+        took = time.monotonic() - started
+    finally:
+        flooding.set()
+        thread.join()
+        engine.rundir.close()
+    assert took < 1.0, f"the loop applied events for {took:.1f} s before looking at the round again"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import stat
 import tarfile
 from pathlib import Path
@@ -42,9 +41,14 @@ def provisioned(tmp_path: Path):
 def _upload(key: bytes, round_: int = 1, signed_round: int | None = None, transfer: str | None = None):
     """A sealed update manifest of run-1 from pi-1, signed with ``key`` (for ``signed_round`` if given)."""
     manifest = make_manifest(PAYLOAD, run="run-1", round=round_, kind="update", transfer=transfer)
-    sha = hashlib.sha256(PAYLOAD).hexdigest()
-    identity = UploadIdentity("lab", "run-1", signed_round or round_, "pi-1", manifest.transfer, sha)
+    identity = UploadIdentity("lab", "run-1", signed_round or round_, "pi-1", manifest.transfer, manifest.digest)
     return manifest.model_copy(update={"meta": signed_meta({"samples": "5"}, key, identity)})
+
+
+def _resealed(manifest, payload: bytes):
+    """``manifest``'s signed meta over other bytes: a transfer sealed anew for a tampered payload."""
+    other = make_manifest(payload, run=manifest.run, round=manifest.round, kind="update", transfer=manifest.transfer)
+    return other.model_copy(update={"meta": manifest.meta})
 
 
 def test_provisioning_makes_one_secret_key_per_device_and_keeps_it(provisioned, tmp_path: Path) -> None:
@@ -71,19 +75,20 @@ def test_the_gate_accepts_its_devices_signature_and_names_every_refusal(provisio
     signatures = upload_signatures(fleet, kits)
     assert signatures is not None
     key = bytes.fromhex((kits.participant("pi-1") / SIGNING_KEY).read_text())
-    signatures.check("pi-1", _upload(key), PAYLOAD)
+    signatures.check("pi-1", _upload(key))
 
     cases = {
-        "bad_signature": ("pi-1", _upload(bytes(32)), PAYLOAD),  # signed with another key
-        "replayed": ("pi-1", _upload(key, round_=2, signed_round=1), PAYLOAD),  # round 1's update as round 2's
-        "unsigned": ("pi-1", make_manifest(PAYLOAD, run="run-1", round=1, kind="update"), PAYLOAD),
+        "bad_signature": ("pi-1", _upload(bytes(32))),  # signed with another key
+        "replayed": ("pi-1", _upload(key, round_=2, signed_round=1)),  # round 1's update as round 2's
+        "unsigned": ("pi-1", make_manifest(PAYLOAD, run="run-1", round=1, kind="update")),
     }
-    cases["tampered"] = ("pi-1", _upload(key), PAYLOAD + b"!")  # other bytes under a genuine signature
-    cases["impersonated"] = ("pi-2", _upload(key), PAYLOAD)  # pi-1's key cannot sign for pi-2
-    expected = {"tampered": "bad_signature", "impersonated": "bad_signature"}
-    for name, (device, manifest, payload) in cases.items():
+    cases["tampered"] = ("pi-1", _resealed(_upload(key), PAYLOAD + b"!"))  # other bytes under a genuine signature
+    cases["impersonated"] = ("pi-2", _upload(key))  # pi-1's key cannot sign for pi-2
+    cases["unsealed"] = ("pi-1", _upload(key).model_copy(update={"digest": None, "chunks": None}))
+    expected = {"tampered": "bad_signature", "impersonated": "bad_signature", "unsealed": "bad_signature"}
+    for name, (device, manifest) in cases.items():
         with pytest.raises(SignatureRefused) as caught:
-            signatures.check(device, manifest, payload)
+            signatures.check(device, manifest)
         assert refusal_reason(caught.value) == expected.get(name, name), name
 
 

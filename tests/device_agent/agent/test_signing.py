@@ -28,8 +28,8 @@ def test_another_key_or_altered_fields_are_a_bad_signature():
     meta = signed_meta(META, KEY, IDENTITY)
     assert _refused(bytes(32), meta) == "bad_signature"
     assert _refused(KEY, {**meta, "signed_round": "4"}, IDENTITY) == "bad_signature"
-    for changed in ("fleet", "run", "device", "payload_sha256"):
-        other = UploadIdentity(**{**IDENTITY.__dict__, changed: "c" * 64 if changed == "payload_sha256" else "x"})
+    for changed in ("fleet", "run", "device", "digest"):
+        other = UploadIdentity(**{**IDENTITY.__dict__, changed: "c" * 64 if changed == "digest" else "x"})
         assert _refused(KEY, meta, other) == "bad_signature", changed
     assert _refused(KEY, {**meta, "signed_round": "three"}) == "bad_signature"
 
