@@ -1,10 +1,22 @@
 """The upload gate's update bound: -9.5x the weights sent passes the old 10x bound, not this one."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from coordinator.config.limits import GateSettings
+from coordinator.rounds.admission import Admission
+from coordinator.rounds.state import OpenRound, Participant
 from coordinator.rounds.upload_gate import UploadGate, UploadRefused, squared_norms
+from coordinator.run.rundir import RunDir
+from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
+from device_agent.clients.base import is_norm_statistic
+from device_agent.wire.codec import encode_tensors
+from device_agent.wire.protocol import UPDATE_KIND
+from device_agent.wire.transfer import Completed, make_manifest
+
+CNN = ModelSpec("cnn", 10, 1, 8)
 
 SENT = {"w": torch.ones(100), "b": torch.zeros(10)}
 
@@ -55,3 +67,40 @@ def test_the_bound_can_be_turned_off_and_the_sample_weight_is_capped() -> None:
     assert gate.sample_weight(claimed=9_700, expected_samples=100) == 200
     assert gate.sample_weight(claimed=90, expected_samples=100) == 90
     assert UploadGate(GateSettings(sample_weight_factor=None)).sample_weight(9_700, 100) == 9_700
+
+
+def test_a_clipped_fedhm_upload_is_journaled_as_folded_so_a_resume_folds_the_same(tmp_path: Path) -> None:
+    strategy = build_strategy("fedhm", CNN, {}, seed=0)
+    (tmp_path / "fleet.yaml").write_text("fleet: lab\n")
+    rundir = RunDir.create(tmp_path / "run", tmp_path / "fleet.yaml", strategy.state_dict(), seed=0)
+    slots = [ClientSlot("pi-1", 0.5, 100)]
+    sent = strategy.configure(1, slots)["pi-1"].tensors
+    attack = encode_tensors({k: -9.5 * v for k, v in sent.items() if not is_norm_statistic(k)})
+    manifest = make_manifest(
+        attack,
+        run=rundir.run_id,
+        round=1,
+        kind=UPDATE_KIND,
+        meta={"samples": "9700", "train_seconds": "2", "loss": "1"},
+    )
+
+    def fresh_round() -> tuple[Admission, OpenRound]:
+        gate = UploadGate()
+        gate.sent("pi-1", squared_norms(sent), sent)
+        open_ = OpenRound(1, {"pi-1": Participant(0.5)}, strategy.open_round(1, slots), 1e12, 0.0)
+        return Admission(gate, rundir, lambda _d: 100), open_
+
+    admission, open_ = fresh_round()
+    assert admission.admit("pi-1", Completed(manifest, [attack]), open_, next_round=1) == "accepted"
+    folded = open_.aggregate.aggregator.result()  # type: ignore[attr-defined]
+    (entry,) = rundir.resume().journal
+    assert entry.meta["clipped"] and entry.meta["samples"] == 200 and entry.meta["claimed_samples"] == 9700
+    admission, replayed = fresh_round()
+    admission.replay([entry], replayed)
+    again = replayed.aggregate.aggregator.result()  # type: ignore[attr-defined]
+    assert all(torch.equal(folded[k], again[k]) for k in folded)
+    # The warm-up bound held: the model moved by about its own norm (SVD truncation included), not 90x it.
+    before = strategy.global_state()
+    keys = [k for k, v in before.items() if v.is_floating_point() and not is_norm_statistic(k)]
+    moved = sum(float((folded[k] - before[k]).square().sum()) for k in keys) ** 0.5
+    assert moved < 2 * sum(float(before[k].square().sum()) for k in keys) ** 0.5
