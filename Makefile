@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fedfleet-installed
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast lint docs docs-reference bench clean
 
 setup: $(STAMP)
 
@@ -21,11 +21,21 @@ demo: setup
 	$(VENV)/bin/coordinator plan --fleet examples/demo.yaml
 	$(VENV)/bin/coordinator emulate --fleet examples/demo.yaml $(DEMO_ARGS)
 
-# Style, formatting and the layering contracts of docs/architecture.md (import-linter).
+# Style, formatting, the layering contracts of docs/architecture.md (import-linter) and the docs site:
+# --strict makes a broken link or a missing page fail.
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(VENV)/bin/lint-imports
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+# The docs site in site/ (mkdocs serve for a live preview).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# docs/fleet-yaml.md's reference table, regenerated from the fleet.yaml models' field descriptions.
+docs-reference: setup
+	$(PY) -m coordinator.config.reference
 
 # The full suite (what CI runs), with the 25 slowest tests listed at the end.
 test: lint
@@ -40,4 +50,4 @@ bench: setup
 	$(PY) -m benchmarks.suite
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info site

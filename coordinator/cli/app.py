@@ -11,6 +11,7 @@ from coordinator.cli import emulate, planning, provision, report, start
 from coordinator.planning.model_stats import model_stats
 from coordinator.run import pretrain
 from coordinator.run.exporting import open_trained_run
+from device_agent import __version__
 from device_agent.cli.errors import DEBUG_FLAG, DEBUG_HELP
 from device_agent.models import MODELS
 from export import cli as export_cli
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="fedfleet coordinator: plans, runs and inspects federated training on a device fleet.",
     )
     parser.add_argument(DEBUG_FLAG, action="store_true", help=DEBUG_HELP)
+    parser.add_argument("--version", action="version", version=f"coordinator {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     models = commands.add_parser(
         "models",

@@ -14,9 +14,7 @@ from coordinator.config.fleet import Fleet
 from coordinator.run.fleet_data import no_server_data
 from coordinator.transport.broker.mosquitto import find_mosquitto
 from device_agent.common.schema import SecretError, resolve_secret
-from device_agent.data.datasets import DatasetError, check_source
-
-BUILT_IN = "digits"
+from device_agent.data.datasets import BUILT_IN, DatasetError, check_source
 
 
 def start_problems(fleet: Fleet) -> list[str]:
@@ -28,17 +26,17 @@ def _data_problems(fleet: Fleet) -> list[str]:
     if no_server_data(fleet) is not None:
         return []
     dataset = fleet.dataset
-    if dataset.name == BUILT_IN:
+    if dataset.name in BUILT_IN and dataset.path is None:
         try:
-            check_source(BUILT_IN)
+            check_source(dataset.name)
         except DatasetError as exc:
             return [f"dataset.name: {exc}"]
         return []
     if dataset.path is None:
         return [
             f"dataset.path: dataset {dataset.name!r} needs a path on the coordinator (its test split evaluates "
-            f"the global model); set dataset.path, or use name: {BUILT_IN} (built in), or run without data: "
-            "evaluation.server: false with model.in_channels and model.image_size"
+            "the global model); set dataset.path, or use name: digits or fashion_mnist (built in), or run without "
+            "data: evaluation.server: false with model.in_channels and model.image_size"
         ]
     if not Path(dataset.path).exists():
         return [f"dataset.path: {dataset.path}: no such file or folder on this machine"]

@@ -45,7 +45,7 @@ from profiles.costmodel import OPTIMIZER_STATES
 
 REPORTED = "reported"
 # Training-set sizes of the built-in datasets, to split across devices when no size is given.
-DATASET_SIZES = {"digits": 1797, "cifar10": 50_000, "cifar100": 50_000}
+DATASET_SIZES = {"digits": 1797, "fashion_mnist": 60_000, "cifar10": 50_000, "cifar100": 50_000}
 
 
 class FleetError(ValueError):
@@ -73,8 +73,11 @@ class Broker(_Strict):
     """Where devices and coordinator meet. managed: a mosquitto the coordinator starts; amqtt: the pure-Python
     development fallback; external: an existing broker (cluster) by URL."""
 
-    mode: Literal["managed", "amqtt", "external"] = "managed"
-    host: str = "0.0.0.0"
+    mode: Literal["managed", "amqtt", "external"] = Field(
+        "managed",
+        description="managed: the coordinator runs mosquitto; amqtt: pure-Python dev fallback; external: by url",
+    )
+    host: str = Field("0.0.0.0", description="where a managed broker listens")
     port: int = Field(None, ge=1, le=65535, description="default 8883 with tls, 1883 without")  # type: ignore[assignment]
     # Provisioning (`coordinator provision`): devices verify the broker and show it a client certificate.
     tls: bool = Field(True, description="managed mosquitto: TLS listener, CA and certificates from the kits")
@@ -82,10 +85,10 @@ class Broker(_Strict):
     hosts: list[str] = Field(
         default_factory=list, description="names/IPs devices use to reach the broker (server certificate SANs)"
     )
-    url: str | None = None
-    ca_file: Path | None = None
-    username: str = COORDINATOR_USER
-    password: str | None = None
+    url: str | None = Field(None, description="external broker: mqtt://host:port or mqtts://host:port")
+    ca_file: Path | None = Field(None, description="CA file that signed an external mqtts:// broker's certificate")
+    username: str = Field(COORDINATOR_USER, description="the coordinator's login on an external broker")
+    password: str | None = Field(None, description="the coordinator's password as a reference: env:NAME or file:PATH")
 
     @field_validator("password")
     @classmethod
@@ -116,10 +119,10 @@ class Broker(_Strict):
 
 
 class ModelConfig(_Strict):
-    arch: str = "resnet18"
-    num_classes: PositiveInt = 10
-    in_channels: PositiveInt | None = None
-    image_size: int | None = Field(None, ge=8)
+    arch: str = Field("resnet18", description=f"one of: {', '.join(sorted(MODELS))}")
+    num_classes: PositiveInt = Field(10, description="output classes")
+    in_channels: PositiveInt | None = Field(None, description="input channels; default: the data set's")
+    image_size: int | None = Field(None, ge=8, description="input height and width; default: the data set's")
 
     @field_validator("arch")
     @classmethod
@@ -130,10 +133,20 @@ class ModelConfig(_Strict):
 
 
 class Dataset(_Strict):
-    name: DatasetName = "cifar10"
-    path: Path | None = None
-    partition: Partition = Partition(kind="iid")
-    seed: int = 0
+    name: DatasetName = Field(
+        "cifar10",
+        description="digits and fashion_mnist are built in (scikit-learn; Debian's dataset-fashion-mnist); "
+        "cifar10, cifar100, image_folder and npz read dataset.path",
+    )
+    path: Path | None = Field(
+        None,
+        description="where the data lies; needed by all but digits and fashion_mnist (an idx folder for fashion_mnist)",
+    )
+    partition: Partition = Field(
+        Partition(kind="iid"),
+        description="how emulated devices split the data (agent.yaml's data.partition reads the same)",
+    )
+    seed: int = Field(0, description="seed of the split and of each round's per-device training seed")
     samples_per_device: PositiveInt | None = Field(
         None, description="local training samples per device; default: the dataset's size split evenly"
     )
@@ -151,8 +164,8 @@ class Dataset(_Strict):
 class Strategy(_Strict):
     """The strategy by registry name; ``params`` are checked by that strategy's own ``Params`` schema."""
 
-    name: str = "fedhm"
-    params: dict[str, Any] = Field(default_factory=dict)
+    name: str = Field("fedhm", description=f"one of: {', '.join(STRATEGIES)}")
+    params: dict[str, Any] = Field(default_factory=dict, description="checked by the strategy's own Params schema")
 
     @field_validator("name")
     @classmethod
@@ -171,10 +184,10 @@ class Strategy(_Strict):
 class Training(_Strict):
     """Local training on every device; each option reaches the device in its assignment's ``train``."""
 
-    batch_size: PositiveInt = 32
-    local_epochs: PositiveInt = 1
-    lr: PositiveFloat = 0.05
-    optimizer: Literal[tuple(OPTIMIZER_STATES)] = "momentum"  # type: ignore[valid-type]
+    batch_size: PositiveInt = Field(32, description="local batch size")
+    local_epochs: PositiveInt = Field(1, description="passes over the local data per round")
+    lr: PositiveFloat = Field(0.05, description="learning rate")
+    optimizer: Literal[tuple(OPTIMIZER_STATES)] = Field("momentum", description="local optimizer")  # type: ignore[valid-type]
     momentum: float | None = Field(
         None, ge=0, lt=1, description="heavy-ball momentum of the 'momentum' optimizer (default 0.9)"
     )
@@ -232,13 +245,13 @@ NetworkOverride = _partial(NetworkSpec)
 class DeviceOverrides(_Strict):
     """Per-device corrections: a bigger batch for one box, a known-slow link, a smaller local dataset..."""
 
-    batch_size: PositiveInt | None = None
-    local_epochs: PositiveInt | None = None
-    samples: PositiveInt | None = None
-    max_ratio: float | None = None
-    memory: MemoryOverride | None = None  # type: ignore[valid-type]
-    compute: ComputeOverride | None = None  # type: ignore[valid-type]
-    network: NetworkOverride | None = None  # type: ignore[valid-type]
+    batch_size: PositiveInt | None = Field(None, description="this device's batch size")
+    local_epochs: PositiveInt | None = Field(None, description="this device's local epochs")
+    samples: PositiveInt | None = Field(None, description="this device's local samples, for planning")
+    max_ratio: float | None = Field(None, description="the largest level this device may get (e.g. 1/2)")
+    memory: MemoryOverride | None = Field(None, description="patch over the profile's memory")  # type: ignore[valid-type]
+    compute: ComputeOverride | None = Field(None, description="patch over the profile's compute")  # type: ignore[valid-type]
+    network: NetworkOverride | None = Field(None, description="patch over the profile's network")  # type: ignore[valid-type]
 
     @field_validator("max_ratio", mode="before")
     @classmethod
@@ -247,10 +260,12 @@ class DeviceOverrides(_Strict):
 
 
 class Device(_Strict):
-    id: DeviceName
-    profile: str
+    id: DeviceName = Field(description="device name, also its broker login and topic level")
+    profile: str = Field(
+        description=f"a device class (`coordinator profiles`) or {REPORTED!r}: what the device measures"
+    )
     credentials: str | None = Field(None, description="env:NAME or file:PATH; generated at provisioning when absent")
-    overrides: DeviceOverrides = DeviceOverrides()
+    overrides: DeviceOverrides = Field(DeviceOverrides(), description="per-device corrections")
 
     @field_validator("credentials")
     @classmethod
@@ -285,27 +300,31 @@ class Fleet(_Strict):
     """The whole fleet.yaml."""
 
     fleet: FleetName = Field(description="fleet name (an MQTT topic level)")
-    broker: Broker
-    model: ModelConfig = ModelConfig()
-    dataset: Dataset = Dataset()
-    strategy: Strategy = Strategy()
-    ratios: list[float] = Field([1.0, 0.5, 0.25, 0.125], min_length=1, description="allowed rank ratios gamma")
-    rounds: PositiveInt = 100
+    broker: Broker = Field(description="where devices and coordinator meet")
+    model: ModelConfig = Field(ModelConfig(), description="the global model")
+    dataset: Dataset = Field(Dataset(), description="the data and how emulated devices split it")
+    strategy: Strategy = Field(Strategy(), description="the federated algorithm and its parameters")
+    ratios: list[float] = Field(
+        [1.0, 0.5, 0.25, 0.125],
+        min_length=1,
+        description="levels in (0, 1]: FedHM's rank ratio, HeteroFL's width; [1] for strategies without levels",
+    )
+    rounds: PositiveInt = Field(100, description="rounds to run")
     participation: float = Field(1.0, gt=0, le=1, description="fraction of planned devices asked per round")
-    round_deadline_s: PositiveFloat = 600.0
+    round_deadline_s: PositiveFloat = Field(600.0, description="seconds a round waits for its answers")
     quorum: float = Field(
         0.8, gt=0, le=1, description="fraction of asked devices whose accepted updates a round needs at its deadline"
     )
     on_quorum_miss: Literal["extend", "skip"] = Field(
         "extend", description="at the deadline below quorum: extend once by round_deadline_s, or skip the round"
     )
-    training: Training = Training()
-    planning: Planning = Planning()
-    security: Security = Security()
+    training: Training = Field(Training(), description="local training, the same on every device unless overridden")
+    planning: Planning = Field(Planning(), description="how levels are chosen")
+    security: Security = Field(Security(), description="upload signatures")
     profile_dirs: list[Path] = Field(
         default_factory=list, description="extra profile directories (relative: to this file)"
     )
-    devices: list[Device] = Field(min_length=1)
+    devices: list[Device] = Field(min_length=1, description="the fleet's devices, at least one")
     export: ExportSettings | None = Field(None, description="ONNX exports written when the run finishes")
     checkpoints: Retention = Field(default_factory=Retention, description="which round states the run keeps")
     evaluation: EvaluationSettings = Field(

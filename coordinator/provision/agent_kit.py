@@ -21,13 +21,13 @@ from coordinator.provision.layout import CA_CERT, CLIENT_CERT, CLIENT_KEY, PASSW
 from coordinator.provision.templates import render
 from coordinator.provision.wheel import wheel_name
 from coordinator.transport.broker.credentials import write_file
+from device_agent.data.datasets import BUILT_IN
 from device_agent.emulation.profile_config import DataShare
 
 UNIT = "fedfleet-agent.service"
 INSTALL = "install.sh"
 USER_DATA = "user-data"
 SERVICE_USER = "fedfleet"
-BUILT_IN = ("digits",)
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # On a Jetson the GPU's device nodes belong to group video: the unit's user joins it.
 JETSON_GROUPS = "SupplementaryGroups=video\n"
@@ -69,7 +69,7 @@ def agent_yaml(fleet: Fleet, index: int, layout: DeviceLayout, tls: bool, passwo
             "cert_file": str(layout.etc / CLIENT_CERT),
             "key_file": str(layout.etc / CLIENT_KEY),
         }
-    if dataset.name in BUILT_IN:
+    if dataset.name in BUILT_IN and dataset.path is None:
         share = DataShare(dataset.name, dataset.partition.text, dataset.seed, index, len(fleet.devices), None)
         data, note = share.as_config(), "built-in demo data: this device takes share `index` of `count`"
     else:

@@ -51,7 +51,7 @@ def build_agent_wheel(out_dir: Path) -> Path:
         "Metadata-Version: 2.1",
         "Name: fedfleet-agent",
         f"Version: {version}",
-        "Summary: fedfleet device agent: trains FedHM models on an edge device for a fedfleet coordinator",
+        "Summary: fedfleet device agent: trains any fedfleet strategy's client program on an edge device",
         "License: Apache-2.0",
         "Requires-Python: >=3.10",
         *(f"Requires-Dist: {r}" for r in agent_requirements()),

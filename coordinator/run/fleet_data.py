@@ -6,7 +6,7 @@ import torch
 
 from coordinator.config.fleet import Fleet
 from coordinator.strategies import ModelSpec
-from device_agent.data.datasets import LabeledData, load_dataset
+from device_agent.data.datasets import LabeledData, load_dataset, source_of
 
 
 def no_server_data(fleet: Fleet) -> LabeledData | None:
@@ -25,7 +25,7 @@ def no_server_data(fleet: Fleet) -> LabeledData | None:
 
 def fleet_data(fleet: Fleet) -> tuple[ModelSpec, LabeledData]:
     """The model spec and the coordinator's copy of the data (held-out test split + BN calibration)."""
-    source = "digits" if fleet.dataset.name == "digits" else str(fleet.dataset.path)
+    source = source_of(fleet.dataset.name, fleet.dataset.path)
     data = no_server_data(fleet) or load_dataset(source, fleet.model.image_size, fleet.model.in_channels)
     return ModelSpec(fleet.model.arch, fleet.model.num_classes, data.in_channels, data.image_size), data
 

@@ -30,6 +30,7 @@ from device_agent.common.schema import (
     resolve_secret,
 )
 from device_agent.common.validation import describe
+from device_agent.data.datasets import BUILT_IN, source_of
 from device_agent.data.partition import PartitionSpec
 
 # Relative to agent.yaml's folder when read from a file, else to the working directory.
@@ -112,7 +113,7 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> DataConfig:
-        if self.dataset != "digits" and self.path is None:
+        if self.dataset not in BUILT_IN and self.path is None:
             raise ValueError(f"dataset {self.dataset!r} needs data.path (a folder or file on this device)")
         if (self.index is None) != (self.count is None):
             raise ValueError("data.index and data.count go together (this device's share of `count` shares)")
@@ -123,7 +124,7 @@ class DataConfig(_Section):
     @property
     def source(self) -> str:
         """What ``device_agent.data.datasets.load_dataset`` reads."""
-        return "digits" if self.dataset == "digits" else str(self.path)
+        return source_of(self.dataset, self.path)
 
     def partition_spec(self) -> PartitionSpec | None:
         """The split this device takes one share of; None when all local data is this device's."""

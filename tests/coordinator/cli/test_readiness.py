@@ -25,8 +25,8 @@ def test_a_minimal_fleet_is_told_its_data_set_needs_a_path() -> None:
 
     assert problems == [
         "dataset.path: dataset 'cifar10' needs a path on the coordinator (its test split evaluates the global "
-        "model); set dataset.path, or use name: digits (built in), or run without data: evaluation.server: false "
-        "with model.in_channels and model.image_size"
+        "model); set dataset.path, or use name: digits or fashion_mnist (built in), or run without data: "
+        "evaluation.server: false with model.in_channels and model.image_size"
     ]
 
 
