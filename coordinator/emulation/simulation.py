@@ -117,9 +117,15 @@ def fixed_levels(levels: Mapping[str, float]):
 
 
 def simulation_fleet(
-    strategy: Strategy, clients: Sequence[SimClient], rounds: int, train: TrainConfig, server_evaluation: bool = True
+    strategy: Strategy,
+    clients: Sequence[SimClient],
+    rounds: int,
+    train: TrainConfig,
+    server_evaluation: bool = True,
+    limits: Mapping[str, object] | None = None,
 ) -> dict:
-    """The fleet.yaml of a simulation: one device per client, every training option from ``train``."""
+    """The fleet.yaml of a simulation: one device per client, every training option from ``train``,
+    fleet.yaml's ``limits`` from ``limits`` (the upload gate's bounds)."""
     model = strategy.model
     training = {
         "optimizer": train.optimizer,
@@ -153,6 +159,7 @@ def simulation_fleet(
         "devices": [
             {"id": c.client_id, "profile": "simulated", "overrides": {"samples": len(c.train[1])}} for c in clients
         ],
+        **({"limits": dict(limits)} if limits else {}),
     }
 
 
@@ -165,18 +172,20 @@ def simulate(
     calibration: Tensor,
     server_evaluation: bool = True,
     link: Link | None = None,
+    limits: Mapping[str, object] | None = None,
 ) -> SimulationResult:
     """Run ``rounds`` rounds of ``strategy`` over ``clients``; ``train.seed`` seeds the run.
 
     ``server_evaluation=False`` runs as a coordinator without data: ``test`` and ``calibration`` go unused.
     ``link`` replaces the in-process devices (transport ``in_process``) with another transport whose
-    devices are named by the clients' ids.
+    devices are named by the clients' ids. ``limits`` is fleet.yaml's section of that name (validated
+    the same way), e.g. the update bound.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     if not clients:
         raise ValueError("a simulation needs at least one client")
-    raw = simulation_fleet(strategy, clients, rounds, train, server_evaluation)
+    raw = simulation_fleet(strategy, clients, rounds, train, server_evaluation, limits)
     fleet = parse_fleet(raw, source="simulation")
     if link is None:
         link = fleet_link(fleet, devices=[LocalDevice(c.client_id, c.train, c.test) for c in clients])
@@ -199,6 +208,7 @@ def simulate(
                     min_devices=len(clients),
                     wait_timeout_s=60,
                     calibration_samples=len(calibration),
+                    gate=fleet.limits.gate(),
                     rejected_grace_s=0.0,  # in-process devices never send a second update
                 ),
                 planner=fixed_levels({c.client_id: c.level for c in clients}),

@@ -22,15 +22,29 @@ from typing import Any
 from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.rounds.signing import UploadSignatures
 from coordinator.rounds.state import OpenRound, printable, refusal_reason
-from coordinator.rounds.upload_gate import UploadGate, UploadRefused, check_dtypes, check_extras, squared_norms
+from coordinator.rounds.upload_gate import (
+    Screened,
+    UploadGate,
+    UploadRefused,
+    check_dtypes,
+    check_extras,
+    squared_norms,
+)
 from coordinator.run.journal import JournalEntry
 from coordinator.run.rundir import RoundNotOpen, RunDir
 from coordinator.strategies import RoundAggregate
-from device_agent.wire.codec import CodecError, decode_tensors
+from device_agent.wire.codec import CodecError, decode_tensors, encode_tensors
 from device_agent.wire.protocol import UPDATE_KIND, UploadMeta, UploadMetaError, parse_upload_meta, split_upload
 from device_agent.wire.transfer import Completed
 
 log = logging.getLogger("fedfleet.engine")
+
+
+def describe_steps(steps: Mapping[str, float]) -> str:
+    """The clipped layers, worst first, for a log line."""
+    worst = sorted(steps.items(), key=lambda item: item[1])
+    shown = ", ".join(f"{name} x{step:.3g}" for name, step in worst[:3])
+    return shown + (f" and {len(worst) - 3} more layers" if len(worst) > 3 else "")
 
 
 class Admission:
@@ -79,13 +93,14 @@ class Admission:
             upload, extras = split_upload(tensors)
             check_extras(extras, self.declared_extras)
             open_.aggregate.check(device, upload, parsed.samples, extras)
-            norm = self.gate.norm(device, participant.level, upload)
+            screened = self.gate.norm(device, participant.level, upload)
         except (UpdateRejected, CodecError):
             raise
         except Exception as exc:  # one device's bytes must never stop the engine, whatever they trip over
             raise UploadRefused("other", f"the update could not be checked: {type(exc).__name__}: {exc}") from exc
+        weight = self.gate.sample_weight(parsed.samples, self.expected_samples(device))
         meta = {
-            "samples": parsed.samples,
+            "samples": weight,
             "train_seconds": parsed.train_seconds,
             "host_seconds": parsed.host_seconds,
             "loss": parsed.loss,
@@ -93,15 +108,25 @@ class Admission:
             "payload_bytes": len(data),
             "local_accuracy": parsed.local_accuracy,
             "received": None if parsed.received is None else asdict(parsed.received),
+            "update_norms": screened.update_norms,
         }
+        if weight != parsed.samples:
+            meta["claimed_samples"] = parsed.samples
+        if screened.steps:  # the journal keeps what is folded, so a replay folds the same
+            meta["clipped"] = screened.steps
+            data = encode_tensors({**tensors, **screened.upload})
+            level = logging.WARNING if min(screened.steps.values()) < 0.5 else logging.INFO  # honest ones by a bit
+            log.log(level, "round %d: clipped %s's update (%s)", open_.round, device, describe_steps(screened.steps))
         try:
-            verified = None if manifest.digest is None else (manifest.digest, manifest.chunk_size)
+            # A clipped upload is journaled as folded, so its digest is not the transfer's: hashed again.
+            unchanged = manifest.digest is not None and not screened.steps
+            verified = (manifest.digest, manifest.chunk_size) if unchanged else None
             self.rundir.accept_upload(open_.round, device, manifest.transfer, data, meta, verified)
         except RoundNotOpen:
             return "late"
-        open_.aggregate.fold(device, upload, parsed.samples, extras)
-        self.gate.accepted(participant.level, norm)
-        participant.status, participant.payload_bytes = "accepted", len(data)
+        open_.aggregate.fold(device, screened.upload, weight, extras)
+        self.gate.accepted(participant.level, screened)
+        participant.status, participant.payload_bytes = "accepted", len(completed.data)
         participant.train_seconds, participant.local_accuracy = parsed.train_seconds, parsed.local_accuracy
         participant.host_seconds, participant.received = parsed.host_seconds, parsed.received
         return "accepted"
@@ -135,7 +160,8 @@ class Admission:
                 continue
             folded.append((entry.device, upload, parsed.samples, extras))
             participant = open_.participants[entry.device]
-            self.gate.accepted(participant.level, math.sqrt(sum(squared_norms(upload).values())))
+            norm = math.sqrt(sum(squared_norms(upload).values()))
+            self.gate.accepted(participant.level, Screened(upload, norm, dict(entry.meta.get("update_norms") or {})))
             participant.status, participant.payload_bytes = "accepted", payload_bytes
             participant.train_seconds, participant.host_seconds = parsed.train_seconds, parsed.host_seconds
             participant.local_accuracy, participant.received = parsed.local_accuracy, parsed.received

@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field
 from torch import Tensor, nn
 
 from coordinator.algorithms.aggregation import UpdateRejected
+from coordinator.algorithms.robust import buffered_aggregate
 from coordinator.strategies.base import (
     Assignment,
     ClientSlot,
@@ -92,7 +93,13 @@ class WidthParams(StrategyParams):
 
 
 class FedAvgParams(StrategyParams):
-    pass
+    rule: Literal["mean", "median", "trimmed_mean", "multi_krum"] = "mean"
+    """mean streams (memory O(model)); the robust rules buffer the round's uploads (O(clients x model)),
+    see docs/robust-aggregation.md."""
+    trim: float = Field(0.1, ge=0, lt=0.5)
+    """trimmed_mean: the fraction of values dropped at each end, per coordinate."""
+    byzantine: int = Field(1, ge=0)
+    """multi_krum: the malicious devices f it assumes; it keeps the n - f best-scored uploads."""
 
 
 class FedAvgSmallParams(StrategyParams):
@@ -306,6 +313,7 @@ class FedAvg(WidthStrategy):
     name: ClassVar[str] = "fedavg"
     Params: ClassVar[type[FedAvgParams]] = FedAvgParams
     levels: ClassVar[LevelScale] = NONE
+    params: FedAvgParams
 
     @classmethod
     def client_width(cls, params: BaseModel, level: float) -> float:
@@ -313,6 +321,40 @@ class FedAvg(WidthStrategy):
 
     def client_level(self, slot: ClientSlot) -> float:
         return 1.0
+
+    def open_round(self, round: int, clients: Sequence[ClientSlot]) -> RoundAggregate:
+        if self.params.rule == "mean":
+            return super().open_round(round, clients)
+        return BufferedRound(self, round, clients)
+
+    def close_round(self, aggregate: RoundAggregate) -> None:
+        if not isinstance(aggregate, BufferedRound) or aggregate.strategy is not self or not aggregate.uploads:
+            super().close_round(aggregate)
+            return
+        params = self.params
+        combined = buffered_aggregate(params.rule, aggregate.uploads, aggregate.weights, params.trim, params.byzantine)
+        for key, value in combined.items():
+            self._global[key] = value.to(self._global[key].dtype)
+
+
+class BufferedRound(WidthRound):
+    """A FedAvg round that also keeps every upload, for a robust rule at close."""
+
+    def __init__(self, strategy: WidthStrategy, round: int, clients: Sequence[ClientSlot]) -> None:
+        super().__init__(strategy, round, clients)
+        self.uploads: list[dict[str, Tensor]] = []
+        self.weights: list[float] = []
+
+    def fold(
+        self,
+        client_id: str,
+        tensors: dict[str, torch.Tensor],
+        num_samples: int,
+        extras: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        super().fold(client_id, tensors, num_samples, extras)
+        self.uploads.append({k: tensors[k] for k in self.sums})
+        self.weights.append(float(num_samples))
 
 
 class FedAvgSmall(WidthStrategy):

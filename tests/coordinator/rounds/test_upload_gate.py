@@ -21,6 +21,7 @@ from coordinator.rounds.engine import DeviceState, EngineSettings, OpenRound, Pa
 from coordinator.rounds.signing import UploadSignatures
 from coordinator.rounds.upload_gate import (
     GateSettings,
+    Screened,
     UploadGate,
     UploadRefused,
     check_dtypes,
@@ -197,16 +198,16 @@ def test_the_norm_bound_compares_with_what_was_sent_else_the_level_median() -> N
     gate = UploadGate(GateSettings(max_norm_ratio=10))
     sent = {"w": torch.full((100,), 0.1)}  # norm 1
     gate.sent("a", squared_norms(sent))
-    assert gate.norm("a", 1.0, {"w": sent["w"] * 3}) == pytest.approx(3.0)
+    assert gate.norm("a", 1.0, {"w": sent["w"] * 3}).norm == pytest.approx(3.0)
     with pytest.raises(UploadRefused, match="is 20x its reference") as refused:
         gate.norm("a", 1.0, {"w": sent["w"] * 20})
     assert refused.value.reason == "norm_too_large"
     # Nothing sent to compare with (a kept personalized part): the first upload of a level passes, then the median.
-    assert gate.norm("b", 0.5, {"v": torch.full((100,), 5.0)}) == pytest.approx(50.0)
-    gate.accepted(0.5, 50.0)
+    assert gate.norm("b", 0.5, {"v": torch.full((100,), 5.0)}).norm == pytest.approx(50.0)
+    gate.accepted(0.5, Screened({}, 50.0))
     with pytest.raises(UploadRefused, match="its reference 50"):
         gate.norm("c", 0.5, {"v": torch.full((100,), 60.0)})
-    assert UploadGate(GateSettings(max_norm_ratio=None)).norm("a", 1.0, {"w": torch.full((4,), 1e5)}) > 0
+    assert UploadGate(GateSettings(max_norm_ratio=None)).norm("a", 1.0, {"w": torch.full((4,), 1e5)}).norm > 0
 
 
 def test_gate_settings_and_reasons_are_checked() -> None:
