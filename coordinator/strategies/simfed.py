@@ -38,12 +38,7 @@ from device_agent.layers import dense_state, rank_one_layers
 class SimFedParams(StrategyParams):
     tau: float = Field(0.0, ge=-1.0, le=1.0, description="peers with cosine(z) below tau are not reflected")
     alpha: float = Field(1.0, gt=0, description="softmax scale on similarities in Eq. 8")
-    min_peers: int = Field(
-        0,
-        ge=0,
-        description="keep at least this many most-similar peers even below tau: the reference's minimum_aggr"
-        " minus one (it counts the client itself)",
-    )
+    min_peers: int = Field(0, ge=0, description="keep at least this many most-similar peers even below tau")
     criteria_batch: int = Field(1, ge=1, le=256, description="number of Gaussian criteria inputs")
     lambda_sparsity: float = Field(1e-3, ge=0, description="L1 strength on the sparse masks mu")
     prune_below: float = Field(0.0, ge=0, description="zero |mu| below this at evaluation (0 = no pruning)")
