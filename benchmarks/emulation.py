@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 import yaml
 
-from device_agent.config import load_config
+from device_agent.agent.config import load_config
 from device_agent.data.datasets import load_dataset
 from device_agent.data.partition import partition
-from device_agent.limits import Throttle, step_seconds_at
-from device_agent.shaping import TokenBucket
+from device_agent.emulation.limits import Throttle, step_seconds_at
+from device_agent.emulation.shaping import TokenBucket
 
 _ROOT = Path(__file__).resolve().parents[1]
 _DEMO = _ROOT / "examples" / "demo.yaml"
@@ -90,7 +90,7 @@ def link(rate: float, megabytes: float) -> dict:
 
 _PROBE = """
 import torch
-from device_agent.limits import cap_cpu_memory
+from device_agent.emulation.limits import cap_cpu_memory
 budget = {budget}
 cap_cpu_memory(budget)
 low, high = 0, 2 * budget // 2**20
@@ -130,7 +130,7 @@ def _predicted_train_seconds(agent_yaml: Path, level: float, fleet: dict) -> flo
 
 def device_time(rounds: int, every: int = 3, timeout: float = 600) -> list[dict]:
     """The demo's device classes side by side: emulated vs predicted training seconds, per class."""
-    from coordinator.broker.base import free_port
+    from coordinator.transport.broker.base import free_port
 
     fleet = yaml.safe_load(_DEMO.read_text())
     fleet["broker"]["port"] = free_port()

@@ -18,11 +18,11 @@ import torch
 
 from benchmarks.compare import ARCH, levels_for, mean_std, scenarios
 from coordinator.algorithms.aggregation import ClassifierRule
-from coordinator.simulation import SimClient, simulate
+from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.strategies import ModelSpec, build_strategy
 from device_agent.data.datasets import LabeledData, load_dataset
 from device_agent.data.partition import PartitionSpec, client_shard
-from device_agent.training import TrainConfig
+from device_agent.training.optimizer import TrainConfig
 
 
 def run_rule(rule: str, partition: PartitionSpec, data: LabeledData, rounds: int, train: TrainConfig) -> dict:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmarks import compare
-from coordinator.engine import RoundEngine
+from coordinator.rounds.engine import RoundEngine
 from coordinator.strategies import STRATEGIES
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import load_dataset

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from benchmarks.emulation import device_time, main
-from coordinator.broker.mosquitto import find_mosquitto
+from coordinator.transport.broker.mosquitto import find_mosquitto
 
 
 def test_json_output_reports_each_limit_as_a_ratio(capsys):

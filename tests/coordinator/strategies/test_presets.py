@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.fleet import FleetError, parse_fleet
+from coordinator.config.fleet import FleetError, parse_fleet
 from coordinator.strategies.presets import PRESETS
 from profiles.catalog import load_catalog
 
