@@ -134,8 +134,15 @@ class ModelConfig(_Strict):
 
 
 class Dataset(_Strict):
-    name: DatasetName = Field("cifar10", description="built-in (digits, cifar10, cifar100) or image_folder / npz")
-    path: Path | None = Field(None, description="where the data lies; needed by all but digits")
+    name: DatasetName = Field(
+        "cifar10",
+        description="digits and fashion_mnist are built in (scikit-learn; Debian's dataset-fashion-mnist); "
+        "cifar10, cifar100, image_folder and npz read dataset.path",
+    )
+    path: Path | None = Field(
+        None,
+        description="where the data lies; needed by all but digits and fashion_mnist (an idx folder for fashion_mnist)",
+    )
     partition: Partition = Field(
         Partition(kind="iid"),
         description="how emulated devices split the data (agent.yaml's data.partition reads the same)",
