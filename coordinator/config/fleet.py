@@ -33,6 +33,7 @@ from coordinator.config.evaluation import EvaluationSettings
 from coordinator.config.limits import FleetLimits
 from coordinator.config.logins import COORDINATOR_USER
 from coordinator.strategies import STRATEGIES
+from coordinator.strategies.presets import apply_preset, preset_for
 from device_agent.clients.spec import TrainConfig
 from device_agent.common.paths import anchor_keys
 from device_agent.common.profile import ComputeSpec, MemorySpec, NetworkSpec
@@ -165,6 +166,9 @@ class Strategy(_Strict):
     """The strategy by registry name; ``params`` are checked by that strategy's own ``Params`` schema."""
 
     name: str = Field("fedhm", description=f"one of: {', '.join(STRATEGIES)}")
+    preset: str | None = Field(
+        None, description="'paper': the paper's training recipe as defaults (docs/presets.md); explicit keys win"
+    )
     params: dict[str, Any] = Field(default_factory=dict, description="checked by the strategy's own Params schema")
 
     @field_validator("name")
@@ -173,6 +177,13 @@ class Strategy(_Strict):
         if name not in STRATEGIES:
             raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
         return name
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, preset: str | None, info: ValidationInfo) -> str | None:
+        if preset is not None and "name" in info.data:
+            preset_for(preset, info.data["name"])
+        return preset
 
     @field_validator("params")
     @classmethod
@@ -344,6 +355,23 @@ class Fleet(_Strict):
     limits: FleetLimits = Field(
         default_factory=FleetLimits, description="what the coordinator accepts from each device, how long it waits"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        """Fill ``training`` and ``strategy.params`` from ``strategy.preset``; a bad preset is reported at its key."""
+        strategy = data.get("strategy") if isinstance(data, dict) else None
+        if not isinstance(strategy, dict) or strategy.get("preset") is None:
+            return data
+        try:
+            preset = preset_for(strategy["preset"], strategy.get("name", "fedhm"))
+        except (TypeError, ValueError):
+            return data
+        training, params = data.get("training", {}), strategy.get("params", {})
+        if not isinstance(training, dict) or not isinstance(params, dict):
+            return data
+        training, params = apply_preset(preset, training, params)
+        return {**data, "training": training, "strategy": {**strategy, "params": params}}
 
     @field_validator("ratios", mode="before")
     @classmethod

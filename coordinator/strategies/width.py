@@ -23,7 +23,7 @@ import torch
 from pydantic import BaseModel, Field
 from torch import Tensor, nn
 
-from coordinator.algorithms.aggregation import UpdateRejected
+from coordinator.algorithms.aggregation import UpdateRejected, parse_classes
 from coordinator.algorithms.robust import buffered_aggregate
 from coordinator.strategies.base import (
     Assignment,
@@ -160,17 +160,7 @@ class WidthRound(RosterRound):
     def _classifier_rows(self, extras: Mapping[str, Tensor] | None) -> Tensor | None:
         if not self.strategy.label_masked:
             return None
-        classes = (extras or {}).get("classes")
-        if classes is None:
-            raise UpdateRejected("'classes': label-masked aggregation needs the client's classes in its extras")
-        num_classes = self.strategy.model.num_classes
-        if classes.dtype not in (torch.int32, torch.int64) or classes.dim() != 1:
-            raise UpdateRejected("'classes': expected a 1-D integer tensor of class indices")
-        if len(classes) and (int(classes.min()) < 0 or int(classes.max()) >= num_classes):
-            raise UpdateRejected(f"'classes': indices must lie in [0, {num_classes})")
-        rows = torch.zeros(num_classes, dtype=torch.bool)
-        rows[classes] = True
-        return rows
+        return parse_classes(extras, self.strategy.model.num_classes)
 
 
 class WidthStrategy(Strategy):

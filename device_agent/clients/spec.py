@@ -91,6 +91,8 @@ class FedHMSpec(SpecBase):
 
     strategy: Literal["fedhm"]
     frobenius_decay: Annotated[float, Field(ge=0)]
+    send_classes: bool
+    """Report the local classes: the server's label-masked classifier counts only their rows."""
 
 
 class WidthSpec(SpecBase):
