@@ -153,10 +153,13 @@ class Strategy(ABC):
     levels: ClassVar[LevelScale] = NONE
     """How ``ClientSlot.level`` is read: a rank ratio (FedHM gamma), a channel width, or none (full model)."""
 
-    def __init_subclass__(cls, **kwargs: object) -> None:
-        """A strategy that names itself is registered under that name: no list anywhere to edit."""
+    def __init_subclass__(cls, register: bool = True, **kwargs: object) -> None:
+        """A strategy that names itself is registered under that name: no list anywhere to edit.
+
+        ``class Variant(FedAvg, register=False)`` keeps a test double or an experiment out of the registry.
+        """
         super().__init_subclass__(**kwargs)
-        if "name" in cls.__dict__:
+        if register and "name" in cls.__dict__:
             STRATEGIES.register(cls.name, cls)
 
     def __init__(self, model: ModelSpec, params: BaseModel, seed: int = 0) -> None:

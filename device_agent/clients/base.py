@@ -52,10 +52,13 @@ class ClientProgram(ABC):
     Spec: ClassVar[type[SpecBase]]
     model: nn.Module
 
-    def __init_subclass__(cls, **kwargs: object) -> None:
-        """A program whose spec names its strategies is registered under each name: nothing else to edit."""
+    def __init_subclass__(cls, register: bool = True, **kwargs: object) -> None:
+        """A program whose spec names its strategies is registered under each name: nothing else to edit.
+
+        ``class Double(ClientProgram, register=False)`` keeps a test double or a variant out of the registry.
+        """
         super().__init_subclass__(**kwargs)
-        if "Spec" in cls.__dict__:
+        if register and "Spec" in cls.__dict__:
             for name in literal_names(cls.Spec):
                 PROGRAMS.register(name, cls)
 
