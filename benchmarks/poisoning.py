@@ -24,7 +24,6 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from unittest import mock
 
 import torch
 from torch import Tensor
@@ -232,10 +231,11 @@ def run_one(
     """Final global accuracy of one run (``attack`` None: the clean fleet)."""
     fleet = fleet_clients(data, clients, malicious, attack == "label_flip", LEVELS[strategy_name])
     bad = {c.client_id for c in fleet[:malicious]} if attack else set()
-    link = lambda devices: PoisoningLink(list(devices), bad, ATTACKS.get(attack or ""), attack or "")  # noqa: E731
+    devices = [LocalDevice(c.client_id, c.train, c.test) for c in fleet]
+    link = PoisoningLink(devices, bad, ATTACKS.get(attack or ""), attack or "")
     strategy = build_strategy(strategy_name, MODEL, {}, seed=0)
-    with mock.patch("coordinator.emulation.simulation.InProcessLink", link):
-        result = simulate(strategy, fleet, rounds, train, (data.test_x, data.test_y), data.train_x[:256], limits=limits)
+    test = (data.test_x, data.test_y)
+    result = simulate(strategy, fleet, rounds, train, test, data.train_x[:256], link=link, limits=limits)
     accuracy = result.final.accuracy
     if accuracy is None or not math.isfinite(accuracy):
         raise RuntimeError(f"{strategy_name} {attack}: no final accuracy")

@@ -131,15 +131,13 @@ def test_a_bad_upload_is_refused_logged_and_never_folded(clients, tamper, reason
     assert len(refusals) == 2 and all(reason in message for message in refusals)
 
 
-def test_a_simulation_whose_every_upload_is_refused_reports_its_failed_rounds(monkeypatch) -> None:
+def test_a_simulation_whose_every_upload_is_refused_reports_its_failed_rounds() -> None:
     data = load_dataset("digits", 8, 1)
-    monkeypatch.setattr(
-        "coordinator.emulation.simulation.InProcessLink", lambda devices: TamperingLink(list(devices), nan_weights)
-    )
+    clients = digit_clients(["bad"])
+    link = TamperingLink([LocalDevice(c.client_id, c.train, c.test) for c in clients], nan_weights)
     strategy = build_strategy("fedavg", CNN, {}, seed=0)
-    result = simulate(
-        strategy, digit_clients(["bad"]), 2, TrainConfig(batch_size=32), (data.test_x, data.test_y), data.train_x
-    )
+    test = (data.test_x, data.test_y)
+    result = simulate(strategy, clients, 2, TrainConfig(batch_size=32), test, data.train_x, link=link)
     assert result.failed_rounds == [1, 2]
     assert all(not record.upload_bytes for record in result.rounds)
 
