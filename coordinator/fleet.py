@@ -44,7 +44,7 @@ from profiles.costmodel import OPTIMIZER_STATES
 
 REPORTED = "reported"
 # Training-set sizes of the built-in datasets, to split across devices when no size is given.
-DATASET_SIZES = {"digits": 1797, "cifar10": 50_000, "cifar100": 50_000}
+DATASET_SIZES = {"digits": 1797, "fashion_mnist": 60_000, "cifar10": 50_000, "cifar100": 50_000}
 
 
 class FleetError(ValueError):

@@ -13,7 +13,7 @@ from pathlib import Path
 from coordinator.broker.mosquitto import find_mosquitto
 from coordinator.evaluation_settings import no_server_data
 from coordinator.fleet import Fleet
-from device_agent.data.datasets import DatasetError, check_source
+from device_agent.data.datasets import FASHION_MNIST, DatasetError, check_source
 from device_agent.schema import SecretError, resolve_secret
 
 BUILT_IN = "digits"
@@ -28,9 +28,9 @@ def _data_problems(fleet: Fleet) -> list[str]:
     if no_server_data(fleet) is not None:
         return []
     dataset = fleet.dataset
-    if dataset.name == BUILT_IN:
+    if dataset.name in (BUILT_IN, FASHION_MNIST) and dataset.path is None:
         try:
-            check_source(BUILT_IN)
+            check_source(dataset.name)
         except DatasetError as exc:
             return [f"dataset.name: {exc}"]
         return []

@@ -104,7 +104,8 @@ def fleet_kits(fleet: Fleet, kits_dir: Path) -> tuple[Kits, dict[str, Credential
 
 def fleet_data(fleet: Fleet) -> tuple[ModelSpec, LabeledData]:
     """The model spec and the coordinator's copy of the data (held-out test split + BN calibration)."""
-    source = "digits" if fleet.dataset.name == "digits" else str(fleet.dataset.path)
+    name, path = fleet.dataset.name, fleet.dataset.path
+    source = name if name in ("digits", "fashion_mnist") and path is None else str(path)
     data = no_server_data(fleet) or load_dataset(source, fleet.model.image_size, fleet.model.in_channels)
     return ModelSpec(fleet.model.arch, fleet.model.num_classes, data.in_channels, data.image_size), data
 

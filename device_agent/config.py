@@ -96,6 +96,10 @@ class BrokerConfig(_Section):
             raise ConfigError(f"broker.password: {exc}") from None
 
 
+# Data sets found without data.path: scikit-learn's digits, and Fashion-MNIST from its Debian package.
+SYSTEM_DATASETS = ("digits", "fashion_mnist")
+
+
 class DataConfig(_Section):
     dataset: DatasetName = "digits"
     path: str | None = None
@@ -111,7 +115,7 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> DataConfig:
-        if self.dataset != "digits" and self.path is None:
+        if self.dataset not in SYSTEM_DATASETS and self.path is None:
             raise ValueError(f"dataset {self.dataset!r} needs data.path (a folder or file on this device)")
         if (self.index is None) != (self.count is None):
             raise ValueError("data.index and data.count go together (this device's share of `count` shares)")
@@ -122,7 +126,7 @@ class DataConfig(_Section):
     @property
     def source(self) -> str:
         """What ``device_agent.data.datasets.load_dataset`` reads."""
-        return "digits" if self.dataset == "digits" else str(self.path)
+        return self.dataset if self.dataset in SYSTEM_DATASETS and self.path is None else str(self.path)
 
     def partition_spec(self) -> PartitionSpec | None:
         """The split this device takes one share of; None when all local data is this device's."""

@@ -188,6 +188,12 @@ def check_data(config: AgentConfig) -> Check:
         except DatasetError as exc:
             return Check("data", False, "built-in digits need scikit-learn, which is not installed", str(exc))
         return Check("data", True, "built-in digits (scikit-learn)")
+    if data.dataset == "fashion_mnist" and data.path is None:
+        try:
+            check_source("fashion_mnist")
+        except DatasetError as exc:
+            return Check("data", False, "Fashion-MNIST's Debian package is not installed", str(exc))
+        return Check("data", True, "Fashion-MNIST (Debian package dataset-fashion-mnist)")
     path = Path(str(data.path)).expanduser()
     hint = f"copy this device's {data.dataset} data to {path} (readable by the agent's user) or fix data.path"
     if not path.exists():

@@ -75,7 +75,7 @@ def resolve_secret(ref: str) -> str:
         raise SecretError(f"cannot read {path}: {exc.strerror}") from None
 
 
-DatasetName = Literal["digits", "cifar10", "cifar100", "image_folder", "npz"]
+DatasetName = Literal["digits", "fashion_mnist", "cifar10", "cifar100", "image_folder", "npz"]
 DATASETS: tuple[str, ...] = get_args(DatasetName)
 
 _PARTITION = re.compile(r"^(?P<kind>iid|permuted_labels|dirichlet|domains)(\((?P<arg>[^)]*)\))?$")

@@ -1,6 +1,7 @@
 """Image classification data sets a device or a simulation trains on, as float tensors.
 
-Sources: ``digits`` (scikit-learn's 8x8 handwritten digits, built in), a CIFAR-10/100 folder
+Sources: ``digits`` (scikit-learn's 8x8 handwritten digits, built in), ``fashion_mnist`` (the idx
+files of Debian's ``dataset-fashion-mnist`` package, or a folder holding them), a CIFAR-10/100 folder
 (python-batch or binary version), an image folder (one subfolder per class; decoded with Pillow,
 which the agent does not depend on) and an ``.npz`` file with arrays ``x`` and ``y`` (plus
 ``x_test``/``y_test`` if it has its own test split). Images come out (N, C, H, W) in [0, 1],
@@ -23,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from device_agent.data.idx import DEBIAN_DIR, IdxError, available, has_idx_files, missing_message, read_fashion_mnist
+
 SPLIT_SEED = 0
 TEST_FRACTION = 0.2
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".pgm")
@@ -32,6 +35,9 @@ DIGITS_NEED_SKLEARN = (
     "the built-in 'digits' demo data needs scikit-learn, which is not installed: "
     "pip install 'fedfleet-agent[demo]' (or scikit-learn), or train on this device's own data (data.dataset, data.path)"
 )
+
+
+FASHION_MNIST = "fashion_mnist"
 
 
 class DatasetError(ValueError):
@@ -45,6 +51,8 @@ def check_source(source: str | Path) -> None:
             import sklearn  # noqa: F401
         except ImportError:
             raise DatasetError(DIGITS_NEED_SKLEARN) from None
+    if str(source) == FASHION_MNIST and not available(DEBIAN_DIR):
+        raise DatasetError(missing_message(DEBIAN_DIR))
 
 
 @dataclass(frozen=True)
@@ -65,13 +73,15 @@ class LabeledData:
 
 
 def load_dataset(source: str | Path, image_size: int | None = None, in_channels: int | None = None) -> LabeledData:
-    """Read ``source`` ("digits", a CIFAR folder, an image folder or an .npz file) and fit it to the model.
+    """Read ``source`` ("digits", "fashion_mnist", a CIFAR, idx or image folder, an .npz file) and fit it to the model.
 
     Sources without their own test split get a fixed one: 20 % of the samples, chosen with a
     fixed seed, so every run and every emulated device sees the same split.
     """
     if str(source) == "digits":
         data = _digits()
+    elif str(source) == FASHION_MNIST:
+        data = _fashion_mnist(DEBIAN_DIR)
     else:
         path = Path(source)
         if not path.exists():
@@ -80,6 +90,8 @@ def load_dataset(source: str | Path, image_size: int | None = None, in_channels:
             if path.suffix != ".npz":
                 raise DatasetError(f"{path}: expected an .npz file with arrays 'x' and 'y', or a folder")
             data = _npz(path)
+        elif has_idx_files(path):
+            data = _fashion_mnist(path)
         elif _cifar_files(path):
             data = _cifar(path)
         else:
@@ -160,6 +172,15 @@ def _digits() -> LabeledData:
         raise DatasetError(DIGITS_NEED_SKLEARN) from None
     x, y = load_digits(return_X_y=True)
     return _from_arrays((x / 16.0).reshape(-1, 8, 8).astype(np.float32), y, "digits")
+
+
+def _fashion_mnist(folder: Path) -> LabeledData:
+    """Its own 60,000 / 10,000 split; the decoded bytes are cached per process (see idx.py)."""
+    try:
+        arrays = read_fashion_mnist(folder)
+    except IdxError as error:
+        raise DatasetError(str(error)) from None
+    return _from_arrays(arrays["train_x"], arrays["train_y"], str(folder), (arrays["test_x"], arrays["test_y"]))
 
 
 def _npz(path: Path) -> LabeledData:
