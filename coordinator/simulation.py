@@ -109,9 +109,17 @@ def fixed_levels(levels: Mapping[str, float]):
 
 
 def simulation_fleet(
-    strategy: Strategy, clients: Sequence[SimClient], rounds: int, train: TrainConfig, server_evaluation: bool = True
+    strategy: Strategy,
+    clients: Sequence[SimClient],
+    rounds: int,
+    train: TrainConfig,
+    server_evaluation: bool = True,
+    participation: float = 1.0,
 ) -> dict:
-    """The fleet.yaml of a simulation: one device per client, every training option from ``train``."""
+    """The fleet.yaml of a simulation: one device per client, every training option from ``train``.
+
+    ``participation`` < 1 asks that fraction of the clients each round (a large fleet's partial rounds).
+    """
     model = strategy.model
     training = {
         "optimizer": train.optimizer,
@@ -136,7 +144,7 @@ def simulation_fleet(
         "strategy": {"name": strategy.name},
         "ratios": sorted({c.level for c in clients}, reverse=True),
         "rounds": rounds,
-        "participation": 1.0,
+        "participation": participation,
         "round_deadline_s": 86400,
         "quorum": 1.0,
         "training": training,
@@ -155,6 +163,7 @@ def simulate(
     test: Split,
     calibration: Tensor,
     server_evaluation: bool = True,
+    participation: float = 1.0,
 ) -> SimulationResult:
     """Run ``rounds`` rounds of ``strategy`` over ``clients``; ``train.seed`` seeds the run.
 
@@ -164,7 +173,7 @@ def simulate(
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     if not clients:
         raise ValueError("a simulation needs at least one client")
-    raw = simulation_fleet(strategy, clients, rounds, train, server_evaluation)
+    raw = simulation_fleet(strategy, clients, rounds, train, server_evaluation, participation)
     fleet = parse_fleet(raw, source="simulation")
     devices = [LocalDevice(c.client_id, c.train, c.test) for c in clients]
     data = LabeledData(

@@ -52,3 +52,35 @@ def test_all_scenarios_skip_the_fine_tuning_strategies_with_a_note(monkeypatch, 
 def test_asking_for_a_fine_tuning_strategy_outside_its_scenario_is_refused(capsys) -> None:
     assert compare.main(["--scenario", "domains", "--strategies", "fedavg,fedlora"]) == 2
     assert "--strategies fedlora: fine-tuning strategies start from a pre-trained ViT" in capsys.readouterr().err
+
+
+def _row(accuracy: float, personalized: float, upload: float) -> dict:
+    return {
+        "accuracy": {"mean": accuracy, "std": 0.0},
+        "personalized_accuracy": {"mean": personalized, "std": 0.0},
+        "upload_bytes_per_round": upload,
+    }
+
+
+def test_claims_read_each_papers_metric_and_the_upload_ratio() -> None:
+    results = {
+        "hetero-devices/dirichlet-0.5": {
+            "fedhm": _row(0.80, 0.7, 100),
+            "heterofl": _row(0.75, 0.9, 100),
+            "fedrolex": _row(0.85, 0.6, 100),
+        },
+        "permuted-labels/iid": {"fedavg": _row(0.1, 0.70, 1000), "factorized_fl": _row(0.1, 0.72, 200)},
+    }
+    lines = compare.claim_lines(compare.claims(results)).splitlines()
+    assert lines[0].startswith("PASS hetero-devices/dirichlet-0.5: FedHM >= HeteroFL, global")
+    assert lines[1].startswith("FAIL hetero-devices/dirichlet-0.5: FedHM >= FedRolex, global")
+    assert lines[2].startswith("FAIL permuted-labels/iid: Factorized-FL >= FedAvg, personalized with <= 1/10")
+    assert lines[2].endswith("upload ratio 0.200)") and len(lines) == 3
+
+
+def test_fashion_mnist_without_the_package_names_it(monkeypatch, capsys, tmp_path) -> None:
+    from device_agent.data import datasets
+
+    monkeypatch.setattr(datasets, "DEBIAN_DIR", tmp_path)
+    assert compare.main(["--scenario", "domains", "--dataset", "fashion_mnist", "--strategies", "fedavg"]) == 2
+    assert "apt-get install dataset-fashion-mnist" in capsys.readouterr().err
