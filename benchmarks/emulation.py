@@ -33,6 +33,7 @@ import yaml
 
 from device_agent.config import load_config
 from device_agent.data.datasets import load_dataset
+from device_agent.data.idx import DEBIAN_DIR, available, missing_message
 from device_agent.data.partition import partition
 from device_agent.limits import Throttle, step_seconds_at
 from device_agent.shaping import TokenBucket
@@ -208,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="100,200,300,400", help="--scale: fleet sizes (default: 100,200,300,400)")
     parser.add_argument("--devices", type=int, metavar="N", help="--scale: run this one fleet size")
     parser.add_argument(
+        "--scale-dataset",
+        choices=["digits", "fashion_mnist"],
+        default="digits",
+        help="--scale: shards from digits (default) or Fashion-MNIST's 60,000 (apt-get install dataset-fashion-mnist)",
+    )
+    parser.add_argument(
         "--memory",
         action="store_true",
         help="only predicted vs measured agent process peak (benchmarks/process_peak.py): process_peak",
@@ -228,7 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import emulation_scale
 
         sizes = [args.devices] if args.devices else [int(x) for x in args.sizes.split(",")]
-        outcome = emulation_scale.scale(sizes)
+        if args.scale_dataset == "fashion_mnist" and not available():
+            print(f"--scale-dataset fashion_mnist: {missing_message(DEBIAN_DIR)}", file=sys.stderr)
+            return 2
+        outcome = emulation_scale.scale(sizes, args.scale_dataset)
         print(
             json.dumps({"benchmark": "emulation", **outcome})
             if args.json
