@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fedfleet-installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-fast lint docs docs-reference bench clean
 
 setup: $(STAMP)
 
@@ -16,20 +16,38 @@ $(STAMP): pyproject.toml
 	touch $@
 
 # The main demo: a coordinator, a managed broker and nine emulated device agents (FedHM on digits).
+# DEMO_ARGS passes more flags to `coordinator emulate` (e.g. DEMO_ARGS="--rounds 2 --no-live").
 demo: setup
 	$(VENV)/bin/coordinator plan --fleet examples/demo.yaml
-	$(VENV)/bin/coordinator emulate --fleet examples/demo.yaml
+	$(VENV)/bin/coordinator emulate --fleet examples/demo.yaml $(DEMO_ARGS)
 
+# Style, formatting, the layering contracts of docs/architecture.md (import-linter) and the docs site:
+# --strict makes a broken link or a missing page fail.
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(VENV)/bin/lint-imports
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
+# The docs site in site/ (mkdocs serve for a live preview).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# docs/fleet-yaml.md's reference table, regenerated from the fleet.yaml models' field descriptions.
+docs-reference: setup
+	$(PY) -m coordinator.config.reference
+
+# The full suite (what CI runs), with the 25 slowest tests listed at the end.
 test: lint
-	$(PY) -m pytest -q; status=$$?; if [ $$status -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$status
+	$(PY) -m pytest -q --durations=25; status=$$?; if [ $$status -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$status
+
+# The inner loop: everything but the process-spawning tests (tests/e2e) and those marked slow.
+test-fast: setup
+	$(PY) -m pytest -q -x --ignore=tests/e2e -m "not slow" --durations=10; status=$$?; if [ $$status -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$status
 
 # Every benchmark (the list is benchmarks/suite.py's SUITE) -> benchmarks/results.json and the README's table.
 bench: setup
 	$(PY) -m benchmarks.suite
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info site

@@ -32,21 +32,20 @@ import torch
 import yaml
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
-from coordinator.broker.base import BrokerSettings
-from coordinator.broker.credentials import generate_credentials
-from coordinator.broker.mosquitto import MosquittoBroker, find_mosquitto
-from coordinator.engine import EngineSettings, RoundEngine
-from coordinator.fleet import parse_fleet
-from coordinator.link import MqttLink
-from coordinator.rundir import RunDir
-from coordinator.simulation import fixed_levels
+from coordinator.config.fleet import parse_fleet
+from coordinator.emulation.simulation import fixed_levels
+from coordinator.rounds.engine import EngineSettings, RoundEngine
+from coordinator.rounds.upload_gate import REASONS
+from coordinator.run.rundir import RunDir
 from coordinator.strategies import ModelSpec, build_strategy
-from coordinator.upload_gate import REASONS
+from coordinator.transport.broker.base import BrokerSettings
+from coordinator.transport.broker.credentials import generate_credentials
+from coordinator.transport.broker.mosquitto import MosquittoBroker, find_mosquitto
+from coordinator.transport.link import MqttLink
+from device_agent.agent.probe import probe_device
 from device_agent.data.datasets import LabeledData, load_dataset
 from device_agent.data.partition import PartitionSpec, client_shard
-from device_agent.local_round import train_assignment
-from device_agent.probe import probe_device
-from device_agent.protocol import UPDATE_KIND, upload_meta
+from device_agent.training.local_round import train_assignment
 from device_agent.wire.codec import decode_tensors, encode_tensors
 from device_agent.wire.guard import InboundLimits
 from device_agent.wire.messages import (
@@ -62,6 +61,7 @@ from device_agent.wire.messages import (
     encode,
     parse_message,
 )
+from device_agent.wire.protocol import UPDATE_KIND, upload_meta
 from device_agent.wire.session import BrokerAddress, device_session
 from device_agent.wire.topics import DeviceTopics
 from device_agent.wire.transfer import (

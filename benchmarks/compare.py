@@ -39,14 +39,14 @@ from dataclasses import dataclass, field
 import torch
 
 from benchmarks import fedlora
-from coordinator.simulation import SimClient, simulate
+from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.strategies import STRATEGIES, ModelSpec, build_strategy
 from coordinator.strategies.fedlora import FineTune
 from device_agent.data.datasets import FASHION_MNIST, DatasetError, LabeledData, load_dataset
 from device_agent.data.partition import PartitionSpec, client_shard
-from device_agent.hybrid import hybrid
+from device_agent.layers.hybrid import hybrid
 from device_agent.models import build_model
-from device_agent.training import TrainConfig
+from device_agent.training.optimizer import TrainConfig
 
 ARCH = "cnn"
 SCENARIOS = ("hetero-devices", "permuted-labels", "domains", "large-fleet")

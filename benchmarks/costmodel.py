@@ -28,9 +28,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from device_agent.hybrid import hybrid
+from device_agent.agent.probe import measure_matmul_gflops, measure_memory_bandwidth_gbs, probe_device
+from device_agent.common.profile import ComputeSpec
+from device_agent.layers.hybrid import hybrid
 from device_agent.models import model_card
-from device_agent.probe import ComputeSpec, measure_matmul_gflops, measure_memory_bandwidth_gbs, probe_device
 from profiles.catalog import profile_from_report
 from profiles.costmodel import calibrate_efficiency, hybrid_workload, predict_memory, predict_step_seconds
 

@@ -31,12 +31,11 @@ from pathlib import Path
 import torch
 import yaml
 
-from device_agent.config import load_config
-from device_agent.data.datasets import load_dataset
-from device_agent.data.idx import DEBIAN_DIR, available, missing_message
+from device_agent.agent.config import load_config
+from device_agent.data.datasets import FASHION_MNIST, DatasetError, check_source, load_dataset
 from device_agent.data.partition import partition
-from device_agent.limits import Throttle, step_seconds_at
-from device_agent.shaping import TokenBucket
+from device_agent.emulation.limits import Throttle, step_seconds_at
+from device_agent.emulation.shaping import TokenBucket
 
 _ROOT = Path(__file__).resolve().parents[1]
 _DEMO = _ROOT / "examples" / "demo.yaml"
@@ -91,7 +90,7 @@ def link(rate: float, megabytes: float) -> dict:
 
 _PROBE = """
 import torch
-from device_agent.limits import cap_cpu_memory
+from device_agent.emulation.limits import cap_cpu_memory
 budget = {budget}
 cap_cpu_memory(budget)
 low, high = 0, 2 * budget // 2**20
@@ -131,7 +130,7 @@ def _predicted_train_seconds(agent_yaml: Path, level: float, fleet: dict) -> flo
 
 def device_time(rounds: int, every: int = 3, timeout: float = 600) -> list[dict]:
     """The demo's device classes side by side: emulated vs predicted training seconds, per class."""
-    from coordinator.broker.base import free_port
+    from coordinator.transport.broker.base import free_port
 
     fleet = yaml.safe_load(_DEMO.read_text())
     fleet["broker"]["port"] = free_port()
@@ -210,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, metavar="N", help="--scale: run this one fleet size")
     parser.add_argument(
         "--scale-dataset",
-        choices=["digits", "fashion_mnist"],
+        choices=["digits", FASHION_MNIST],
         default="digits",
         help="--scale: shards from digits (default) or Fashion-MNIST's 60,000 (apt-get install dataset-fashion-mnist)",
     )
@@ -235,8 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import emulation_scale
 
         sizes = [args.devices] if args.devices else [int(x) for x in args.sizes.split(",")]
-        if args.scale_dataset == "fashion_mnist" and not available():
-            print(f"--scale-dataset fashion_mnist: {missing_message(DEBIAN_DIR)}", file=sys.stderr)
+        try:
+            check_source(args.scale_dataset)
+        except DatasetError as error:
+            print(f"--scale-dataset {args.scale_dataset}: {error}", file=sys.stderr)
             return 2
         outcome = emulation_scale.scale(sizes, args.scale_dataset)
         print(

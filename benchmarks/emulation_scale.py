@@ -60,8 +60,8 @@ def scale_fleet(devices: int, port: int, dataset: str = "digits") -> dict:
 
 
 def _slowest_predicted_seconds(path: Path) -> float:
-    from coordinator.fleet import load_fleet
-    from coordinator.planner import plan_fleet
+    from coordinator.config.fleet import load_fleet
+    from coordinator.planning.planner import plan_fleet
 
     fleet, catalog = load_fleet(path)
     return max(plan.est_round_seconds or 0.0 for plan in plan_fleet(fleet, catalog))
@@ -85,7 +85,7 @@ def _sample(process: psutil.Process, peaks: dict[str, dict[int, int]]) -> None:
 
 def run_size(devices: int, timeout: float = 1200, dataset: str = "digits") -> dict:
     """One emulated fleet of ``devices``; what it took and whether every round completed."""
-    from coordinator.broker.base import free_port
+    from coordinator.transport.broker.base import free_port
 
     fleet = scale_fleet(devices, free_port(), dataset)
     with tempfile.TemporaryDirectory(prefix="fedfleet-bench-scale-") as folder:

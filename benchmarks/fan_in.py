@@ -18,7 +18,7 @@ its update at once, in one of four ways:
   how much of the gap to raw the digest alone costs on this machine.
 
 The coordinator process keeps freed buffers for reuse, as ``coordinator start`` does
-(``coordinator.allocator``); the raw subscriber lives in that process too.
+(``coordinator.transport.allocator``); the raw subscriber lives in that process too.
 
 Each repeat runs the three back to back; ratios are the medians of the per-repeat ratios, so load
 from other jobs on a shared machine hits both sides of a ratio alike.
@@ -39,10 +39,10 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
-from coordinator.allocator import keep_freed_buffers
-from coordinator.broker.base import BrokerSettings
-from coordinator.broker.credentials import generate_credentials
-from coordinator.broker.factory import make_broker
+from coordinator.transport.allocator import keep_freed_buffers
+from coordinator.transport.broker.base import BrokerSettings
+from coordinator.transport.broker.credentials import generate_credentials
+from coordinator.transport.broker.factory import make_broker
 from device_agent.wire.session import BrokerAddress, coordinator_session, device_session
 from device_agent.wire.topics import ROOT
 from device_agent.wire.transfer import Completed, make_manifest

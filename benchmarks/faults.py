@@ -6,7 +6,7 @@ fault with real signals, restarts what a person or systemd would restart, and le
 
     python -m benchmarks.faults --json
     python -m benchmarks.faults --scenarios agent,coordinator --repeats 1 --json
-    python -m benchmarks.faults --readme README.md          # also rewrite the README Reliability table
+    python -m benchmarks.faults --page docs/reliability.md  # also rewrite the reliability tables there
 
 By default the kinds of hostile input of :mod:`benchmarks.bad_inputs` are tried too (key ``bad_inputs``;
 ``--no-bad-inputs`` skips them).
@@ -40,11 +40,11 @@ from pathlib import Path
 import psutil
 
 from benchmarks import bad_inputs
-from benchmarks.reliability import update_readme
-from coordinator.broker.base import free_port
-from coordinator.broker.scratch import OWNER_FILE, PATTERN
-from device_agent.launcher import agent_command
-from device_agent.limits import thread_env
+from benchmarks.reliability import update_page
+from coordinator.transport.broker.base import free_port
+from coordinator.transport.broker.scratch import OWNER_FILE, PATTERN
+from device_agent.emulation.launcher import agent_command
+from device_agent.emulation.limits import thread_env
 
 DEVICES = ("orin-01", "orin-02", "pi5-01", "pi5-02")
 FLEET = """\
@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         help="skip benchmarks.bad_inputs (by default its kinds of hostile input are tried too, key bad_inputs)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--readme", type=Path, help="rewrite this README's Reliability table with the results")
+    parser.add_argument("--page", type=Path, help="rewrite the reliability tables on this page (docs/reliability.md)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
@@ -463,8 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.bad_inputs:
         result |= bad_inputs.run()
     result["seconds"] = round(time.monotonic() - started, 1)
-    if args.readme is not None:
-        args.readme.write_text(update_readme(args.readme.read_text(), result))
+    if args.page is not None:
+        args.page.write_text(update_page(args.page.read_text(), result))
     if args.json:
         print(json.dumps(result))
     else:

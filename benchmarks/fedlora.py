@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from coordinator.pretrain import class_subset, pretrain, save_checkpoint
-from coordinator.simulation import SimClient, simulate
+from coordinator.emulation.simulation import SimClient, simulate
+from coordinator.run.pretrain import class_subset, pretrain, save_checkpoint
 from coordinator.strategies import STRATEGIES, ModelSpec, build_strategy
 from device_agent.data.datasets import load_dataset
 from device_agent.data.partition import PartitionSpec, client_shard
-from device_agent.training import TrainConfig
+from device_agent.training.optimizer import TrainConfig
 
 ARCH = "vit_tiny"
 RANKS = (2, 4, 8, 16)

@@ -1,7 +1,7 @@
 """The agent's start-up speed report with and without contention, old reading and steady one side by side.
 
 Each simulated agent start times the matmul benchmark as the agent did before (one 0.2 s reading)
-and as it does now (:func:`device_agent.speed.steady_gflops`: the median of three readings, then
+and as it does now (:func:`device_agent.agent.speed.steady_gflops`: the median of three readings, then
 the upper median of the last starts kept in the state directory). Some starts run while
 ``--hogs`` busy processes compete for the CPU, as when several agents start at once on one host.
 The figure of merit is the worst report of the run relative to the quiet speed (1.0 = never
@@ -22,8 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from device_agent.probe import measure_matmul_gflops, resolve_device
-from device_agent.speed import REPEATS, steady_gflops
+from device_agent.agent.probe import measure_matmul_gflops, resolve_device
+from device_agent.agent.speed import REPEATS, steady_gflops
 
 _WHO = {"hostname": "bench", "accelerator": "cpu", "accelerator_name": None, "torch": "bench"}
 _SPIN = "while True: pass"

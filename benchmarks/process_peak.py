@@ -73,7 +73,7 @@ def calibrate_baseline(settle_s: float = 3.0, timeout: float = 180.0) -> int:
             "emulation": {"threads": 1},
         }
         config.write_text(yaml.safe_dump(agent_config))
-        command = [sys.executable, "-m", "device_agent.cli", "run", "--config", str(config)]
+        command = [sys.executable, "-m", "device_agent", "run", "--config", str(config)]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         with log.open("wb") as out:
             agent = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=_ROOT)
@@ -114,9 +114,9 @@ def _fleet(arch: str, batch: int, data: Path, port: int) -> dict:
 
 def measure_case(arch: str, batch: int, data: Path, folder: Path, timeout: float = 600) -> list[dict]:
     """One round of the two-device fleet: per device, the planner's estimate and the agent's VmHWM."""
-    from coordinator.broker.base import free_port
-    from coordinator.fleet import load_fleet
-    from coordinator.planner import plan_fleet
+    from coordinator.config.fleet import load_fleet
+    from coordinator.planning.planner import plan_fleet
+    from coordinator.transport.broker.base import free_port
 
     folder = Path(tempfile.mkdtemp(prefix=f"{arch}-{batch}-", dir=folder))
     folder.chmod(0o755)  # the managed mosquitto drops to its own user and must reach its kit folder

@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from coordinator.algorithms.lowrank import align, factorize
-from device_agent.factorized import matrices_to_factors, weight_to_matrix
-from device_agent.hybrid import LayerSpec, factorization_plan, hybrid
+from device_agent.layers.factorized import matrices_to_factors, weight_to_matrix
+from device_agent.layers.hybrid import LayerSpec, factorization_plan, hybrid
 
 
 def reference_factorize(

@@ -1,8 +1,8 @@
-"""The README "Reliability" table, rendered from ``python -m benchmarks.faults --json`` output.
+"""The reliability tables of docs/reliability.md, rendered from ``python -m benchmarks.faults --json`` output.
 
 ``scenarios`` (this benchmark) and ``bad_inputs`` (``benchmarks.bad_inputs``) are rendered when present;
-:func:`update_readme` replaces what lies between the ``faults`` marker comments, so the table in the
-README is always one measured run, never hand-edited figures.
+:func:`update_page` replaces what lies between the ``faults`` marker comments, so the tables on the
+page are always one measured run, never hand-edited figures.
 """
 
 from __future__ import annotations
@@ -49,28 +49,28 @@ def render(results: Mapping[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
-def update_readme(text: str, results: Mapping[str, Any]) -> str:
+def update_page(text: str, results: Mapping[str, Any]) -> str:
     """``text`` with the block between the marker comments replaced by :func:`render`'s tables."""
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"the README has no {BEGIN} ... {END} block to fill")
+        raise ValueError(f"the page has no {BEGIN} ... {END} block to fill")
     return f"{text[: start + len(BEGIN)]}\n{render(results)}\n{text[end:]}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.reliability", description="write the README Reliability table from results"
+        prog="python -m benchmarks.reliability", description="write the reliability tables of a docs page"
     )
     parser.add_argument("results", type=Path, help="JSON from python -m benchmarks.faults --json (and bad_inputs)")
-    parser.add_argument("--readme", type=Path, default=Path("README.md"), help="README to update (default: README.md)")
+    parser.add_argument("--page", type=Path, default=Path("docs/reliability.md"), help="default: %(default)s")
     args = parser.parse_args(argv)
     try:
         results = json.loads(args.results.read_text())
-        args.readme.write_text(update_readme(args.readme.read_text(), results))
+        args.page.write_text(update_page(args.page.read_text(), results))
     except (OSError, ValueError, KeyError) as exc:
         print(f"reliability: error: {exc}", file=sys.stderr)
         return 2
-    print(f"updated {args.readme}")
+    print(f"updated {args.page}")
     return 0
 
 

@@ -33,9 +33,9 @@ from pathlib import Path
 import paho.mqtt.client as mqtt
 
 from benchmarks import fan_in
-from coordinator.broker.base import BrokerSettings
-from coordinator.broker.credentials import generate_credentials
-from coordinator.broker.factory import make_broker
+from coordinator.transport.broker.base import BrokerSettings
+from coordinator.transport.broker.credentials import generate_credentials
+from coordinator.transport.broker.factory import make_broker
 from device_agent.wire.session import BrokerAddress, coordinator_session, device_session
 from device_agent.wire.topics import DeviceTopics
 from device_agent.wire.transfer import DEFAULT_CHUNK_SIZE, Completed, Limits

@@ -1,1 +1,5 @@
-"""The fedfleet coordinator: fleet config, planning, strategies, rounds, broker management, CLI."""
+"""The fedfleet coordinator: fleet config, planning, strategies, rounds, transport and brokers, run storage, CLI."""
+
+from device_agent import __version__
+
+__all__ = ["__version__"]

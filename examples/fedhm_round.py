@@ -19,8 +19,8 @@ from sklearn.datasets import load_digits
 
 from coordinator.algorithms.aggregation import StreamingAggregator, aggregation_weights
 from coordinator.algorithms.lowrank import factorize
-from device_agent.hybrid import factorization_plan, hybrid
-from device_agent.regularizers import apply_frobenius_decay_, parameter_groups
+from device_agent.layers.hybrid import factorization_plan, hybrid
+from device_agent.layers.regularizers import apply_frobenius_decay_, parameter_groups
 
 RATIOS = (1.0, 0.5, 0.25, 0.125)
 

@@ -28,12 +28,12 @@ class ExportSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    merged: bool = True
+    merged: bool = Field(True, description="the merged global model")
     ratios: list[float] = Field(default_factory=list, description="rank ratios whose hybrid model is exported")
     personal: list[str] | Literal["all"] = Field(default_factory=list, description="device ids, or 'all'")
-    quantize: bool = False
-    opset: int = Field(18, ge=9, le=23)
-    dir: Path = Path("exports")
+    quantize: bool = Field(False, description="also an int8 dynamically quantized copy of each file")
+    opset: int = Field(18, ge=9, le=23, description="ONNX opset")
+    dir: Path = Field(Path("exports"), description="where the files go, relative to the run directory")
 
     @field_validator("ratios", mode="before")
     @classmethod

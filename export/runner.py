@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from device_agent.atomic import append_line
+from device_agent.common.atomic import append_line
 from export.check import FP32_TOLERANCE, accuracy, check_parity, latency_ms, quantize_int8
 from export.onnx_file import DEFAULT_OPSET, opset_of, write_onnx
 from export.records import EXPORTS_FILE

@@ -18,14 +18,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
+from device_agent.agent.kept import SUFFIX as KEPT_SUFFIX
 from device_agent.clients import build_program
 from device_agent.clients.base import KeptStateMissing
 from device_agent.clients.spec import ClientSpec
 from device_agent.data.datasets import load_dataset
-from device_agent.factorized import LowRankLayer
-from device_agent.hybrid import hybrid
-from device_agent.kept import SUFFIX as KEPT_SUFFIX
 from device_agent.layers import dense_state, rank_one_layers
+from device_agent.layers.factorized import LowRankLayer
+from device_agent.layers.hybrid import hybrid
 from device_agent.models import build_model
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")

@@ -1,1 +1,1 @@
-"""Device profiles and the cost model that turns a profile into a rank ratio (not built yet)."""
+"""Device classes as YAML data, their catalog, and the cost model that predicts a level's memory and time."""

@@ -18,7 +18,9 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from device_agent.probe import DeviceProfile
+from device_agent.common.paths import profile_files
+from device_agent.common.profile import DeviceProfile
+from device_agent.common.validation import describe
 from profiles.schema import DeviceClass
 
 ENV_VAR = "FEDFLEET_PROFILES"
@@ -30,18 +32,6 @@ class ProfileError(ValueError):
     """A profile file that cannot be used; the message names the file and the key path."""
 
 
-def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
-    """One line per problem, each starting with its key path (``devices[3].profile: ...``)."""
-    lines = []
-    for error in exc.errors():
-        path = prefix
-        for part in error["loc"]:
-            path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
-        message = error["msg"].removeprefix("Value error, ")
-        lines.append(f"{path or '(top level)'}: {message}")
-    return "\n".join(lines)
-
-
 def load_profile(path: Path) -> DeviceClass:
     try:
         data = yaml.safe_load(path.read_text())
@@ -50,18 +40,12 @@ def load_profile(path: Path) -> DeviceClass:
     try:
         return DeviceClass.model_validate(data)
     except ValidationError as exc:
-        raise ProfileError(f"{path}:\n{format_validation_error(exc)}") from None
+        raise ProfileError(f"{path}:\n" + describe(exc, sep="\n")) from None
 
 
 def builtin_profile_files() -> list[Path]:
     folder = resources.files("profiles") / "devices"
     return sorted(Path(str(entry)) for entry in folder.iterdir() if entry.name.endswith((".yaml", ".yml")))
-
-
-def _files_in(directory: Path) -> list[Path]:
-    if not directory.is_dir():
-        raise ProfileError(f"profile directory {directory} does not exist")
-    return sorted([*directory.glob("*.yaml"), *directory.glob("*.yml")])
 
 
 @dataclass
@@ -100,7 +84,10 @@ def load_catalog(extra_dirs: Iterable[Path] = (), include_builtin: bool = True) 
     files = builtin_profile_files() if include_builtin else []
     env_dirs = [Path(part) for part in os.environ.get(ENV_VAR, "").split(os.pathsep) if part]
     for directory in [*env_dirs, *extra_dirs]:
-        files.extend(_files_in(Path(directory)))
+        try:
+            files.extend(profile_files(Path(directory)))
+        except NotADirectoryError as exc:
+            raise ProfileError(str(exc)) from None
     for path in files:
         catalog.add(load_profile(path), path)
     return catalog

@@ -34,10 +34,10 @@ from typing import Literal
 import torch
 from torch import nn
 
-from device_agent.factorized import LowRankLayer
-from device_agent.hybrid import hybrid
 from device_agent.layers import RankOneLayer
-from device_agent.lora import LoRALinear
+from device_agent.layers.factorized import LowRankLayer
+from device_agent.layers.hybrid import hybrid
+from device_agent.layers.lora import LoRALinear
 from device_agent.models import model_card
 from profiles.schema import DeviceClass
 

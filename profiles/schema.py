@@ -1,7 +1,7 @@
 """The schema of a device-class profile: what the planner knows about a device before it reports.
 
 The ``memory`` / ``compute`` / ``network`` sections are the device agent's own probe models, so a
-measured report (``device_agent.probe.DeviceProfile``) overrides a profile section by section.
+measured report (``device_agent.agent.probe.DeviceProfile``) overrides a profile section by section.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from device_agent.probe import ComputeSpec, MemorySpec, NetworkSpec
+from device_agent.common.profile import ComputeSpec, MemorySpec, NetworkSpec
 
 Accelerator = Literal["cpu", "cuda", "mps"]
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from device_agent.probe import DeviceProfile
+from device_agent.common.profile import DeviceProfile
 
 GIB = 1024**3
 

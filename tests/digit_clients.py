@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from coordinator.simulation import SimClient
+from coordinator.emulation.simulation import SimClient
 from device_agent.data.datasets import load_dataset
 from device_agent.data.partition import PartitionSpec, client_shard
 

@@ -1,10 +1,11 @@
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.paths import REPO_ROOT
+
+ROOT = REPO_ROOT
 
 
 @pytest.mark.slow

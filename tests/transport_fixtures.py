@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.broker.base import BrokerSettings, ManagedBroker
-from coordinator.broker.credentials import COORDINATOR_USER, Credentials, generate_credentials
-from coordinator.broker.mosquitto import MosquittoBroker, find_mosquitto
-from coordinator.broker.scratch import scratch_dir
+from coordinator.transport.broker.base import BrokerSettings, ManagedBroker
+from coordinator.transport.broker.credentials import COORDINATOR_USER, Credentials, generate_credentials
+from coordinator.transport.broker.mosquitto import MosquittoBroker, find_mosquitto
+from coordinator.transport.broker.scratch import scratch_dir
 from device_agent.wire.session import BrokerAddress
 
 FLEET = "test"
@@ -52,7 +52,7 @@ def _start(kind: str) -> TestBroker:
     if kind == "mosquitto":
         broker: ManagedBroker = MosquittoBroker(settings)
     else:
-        from coordinator.broker.amqtt_broker import AmqttBroker
+        from coordinator.transport.broker.amqtt_broker import AmqttBroker
 
         broker = AmqttBroker(settings)
     broker.start()

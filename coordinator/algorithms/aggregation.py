@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from coordinator.algorithms.lowrank import factor_keys
-from device_agent.factorized import reconstruct
-from device_agent.hybrid import LayerSpec
+from device_agent.layers.factorized import reconstruct
+from device_agent.layers.hybrid import LayerSpec
 
 
 class Weighting(str, Enum):
@@ -37,7 +37,7 @@ class Weighting(str, Enum):
 class UpdateRejected(ValueError):
     """A client update that cannot be aggregated; the message names the offending key.
 
-    ``reason`` is a short snake_case code the engine counts refusals by (``coordinator.upload_gate.REASONS``).
+    ``reason`` is a short snake_case code the engine counts refusals by (``coordinator.rounds.upload_gate.REASONS``).
     """
 
     def __init__(self, message: str, reason: str = "rejected") -> None:

@@ -11,8 +11,8 @@ from collections.abc import Iterable, Mapping
 
 from torch import Tensor
 
-from device_agent.factorized import matrices_to_factors, reconstruct, spectral_factors, weight_to_matrix
-from device_agent.hybrid import LayerSpec
+from device_agent.layers.factorized import matrices_to_factors, reconstruct, spectral_factors, weight_to_matrix
+from device_agent.layers.hybrid import LayerSpec
 
 State = Mapping[str, Tensor]
 

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from coordinator.observe.snapshot import DeviceView, Snapshot
-from coordinator.planner import fmt_ratio
+from coordinator.planning.planner import fmt_ratio
 
 PREFIX = "fedfleet_"
 

@@ -15,11 +15,11 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from coordinator.engine import Refusal
-from coordinator.metrics import RoundMetrics
+from coordinator.rounds.engine import Refusal
+from coordinator.run.metrics import RoundMetrics
 
 if TYPE_CHECKING:
-    from coordinator.engine import RoundEngine
+    from coordinator.rounds.engine import RoundEngine
 
 STRAGGLER_STATUSES = ("late", "dropped")
 """A selected device whose update did not arrive in time: it missed the deadline or went offline."""

@@ -6,12 +6,12 @@ import argparse
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from coordinator.metrics import RoundMetrics
 from coordinator.observe.serving import BackgroundServer, ObserveError
 from coordinator.observe.snapshot import FleetWatch
+from coordinator.run.metrics import RoundMetrics
 
 if TYPE_CHECKING:
-    from coordinator.engine import RoundEngine
+    from coordinator.rounds.engine import RoundEngine
 
 LOCALHOST = "127.0.0.1"
 

@@ -1,6 +1,7 @@
-"""``coordinator provision``: fleet.yaml in, one startup kit per participant out, as a chain of builders.
+"""``coordinator provision``: fleet.yaml in, one startup kit per participant out, as a list of builders.
 
-credentials -> certificates -> broker files -> agent kits -> bundles. Every builder keeps what is
+credentials -> signing keys -> certificates -> broker files -> agent wheel -> agent kits -> bundles
+-> manifest (:data:`~coordinator.provision.builders.BUILDERS`). Every builder keeps what is
 already there, so provisioning again (after adding a device, or changing broker.hosts) never
 changes a deployed device's secrets; ``rotate`` replaces the named participants' password and
 certificate (and revokes the old certificate) and rewrites the broker files. Credentials belong to
@@ -10,23 +11,26 @@ the fleet's kits, not to a run: every ``coordinator start`` of the fleet reads t
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.broker.credentials import COORDINATOR_USER, Credentials, write_file
-from coordinator.fleet import Fleet
-from coordinator.provision.agent_kit import DeviceLayout, broker_url, build_agent_kit
-from coordinator.provision.broker_files import build_broker_files
-from coordinator.provision.bundle import build_bundle
-from coordinator.provision.certificates import Authority, build_certificates
-from coordinator.provision.layout import CA_CERT, CLIENT_CERT, CLIENT_KEY, PASSWORD, Kits, private_dir
-from coordinator.provision.secrets import ProvisionError, build_credentials
-from coordinator.provision.signing_keys import build_signing_keys
-from coordinator.provision.wheel import build_agent_wheel
-from device_agent.schema import SecretError, resolve_secret
-
-MANIFEST = "fleet.json"
+from coordinator.config.fleet import Fleet
+from coordinator.provision.agent_kit import broker_url
+from coordinator.provision.builders import BUILDERS, Builder, Provisioning
+from coordinator.provision.layout import (
+    CA_CERT,
+    CLIENT_CERT,
+    CLIENT_KEY,
+    MANIFEST,
+    PASSWORD,
+    DeviceLayout,
+    Kits,
+    private_dir,
+)
+from coordinator.provision.secrets import ProvisionError
+from coordinator.transport.broker.credentials import COORDINATOR_USER, Credentials
+from device_agent.common.schema import SecretError, resolve_secret
 
 
 @dataclass(frozen=True)
@@ -41,46 +45,23 @@ class Provisioned:
     missing: dict[str, str]
 
 
-def server_hosts(fleet: Fleet) -> list[str]:
-    """The names the server certificate covers: broker.hosts, the listen address, and loopback (for emulation)."""
-    names = [*fleet.broker.hosts]
-    if fleet.broker.host not in ("0.0.0.0", "::"):
-        names.append(fleet.broker.host)
-    names += ["localhost", "127.0.0.1"]
-    return list(dict.fromkeys(names))
-
-
 def provision(
     fleet: Fleet,
     out: Path,
     rotate: Collection[str] = (),
     layout: DeviceLayout | None = None,
     broker_dir: Path | None = None,
+    builders: Sequence[Builder] = BUILDERS,
 ) -> Provisioned:
-    """Build (or refresh) every kit of ``fleet`` under ``out``."""
+    """Build (or refresh) every kit of ``fleet`` under ``out`` by running ``builders`` in order."""
     known = {COORDINATOR_USER, *(d.id for d in fleet.devices)}
     unknown = sorted(set(rotate) - known)
     if unknown:
         raise ProvisionError(f"--rotate {', '.join(unknown)}: not in fleet {fleet.fleet} ({', '.join(sorted(known))})")
-    kits = Kits(private_dir(out, 0o711))
-    layout = layout or DeviceLayout()
-    credentials, missing = build_credentials(fleet, kits, rotate)
-    build_signing_keys(fleet, kits, rotate)
-    tls = fleet.broker.tls and fleet.broker.mode == "managed"
-    authority = Authority(kits, fleet.fleet)
-    if tls:
-        build_certificates(
-            authority, kits, server_hosts(fleet), [COORDINATOR_USER, *(d.id for d in fleet.devices)], rotate
-        )
-    build_broker_files(fleet, kits, credentials, authority, broker_dir)
-    wheel = build_agent_wheel(kits.root / "wheels")
-    for index, device in enumerate(fleet.devices):
-        password_ref = fleet.devices[index].credentials if device.id in missing else None
-        build_bundle(build_agent_kit(fleet, index, kits, wheel, layout, password_ref), kits.bundle(device.id))
-    url = broker_url(fleet)
-    manifest = {"fleet": fleet.fleet, "broker_url": url, "tls": tls, "devices": [d.id for d in fleet.devices]}
-    write_file(kits.root / MANIFEST, json.dumps(manifest, indent=2) + "\n", 0o644)
-    return Provisioned(kits, credentials, url, tls, tuple(rotate), missing)
+    run = Provisioning(fleet, Kits(private_dir(out, 0o711)), layout or DeviceLayout(), rotate, broker_dir)
+    for builder in builders:
+        builder.build(run)
+    return Provisioned(run.kits, run.credentials, broker_url(fleet), run.tls, tuple(rotate), run.missing)
 
 
 def default_kits(fleet_file: Path, fleet: Fleet) -> Path:
@@ -123,10 +104,13 @@ def coordinator_tls(kits: Kits) -> dict[str, str]:
 
 
 __all__ = [
+    "BUILDERS",
+    "Builder",
     "DeviceLayout",
     "Kits",
     "ProvisionError",
     "Provisioned",
+    "Provisioning",
     "coordinator_tls",
     "default_kits",
     "provision",

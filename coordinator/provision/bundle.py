@@ -6,7 +6,7 @@ import io
 import tarfile
 from pathlib import Path
 
-from coordinator.broker.credentials import write_file
+from coordinator.transport.broker.credentials import write_file
 
 
 def build_bundle(folder: Path, out: Path) -> Path:

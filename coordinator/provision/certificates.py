@@ -20,8 +20,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from coordinator.broker.credentials import write_file
 from coordinator.provision.layout import CA_CERT, CLIENT_CERT, CLIENT_KEY, Kits, private_dir
+from coordinator.transport.broker.credentials import write_file
 
 CA_KEY = "ca.key"
 CRL = "crl.pem"

@@ -8,6 +8,9 @@
       broker/             mosquitto.conf, passwd, acl, ca.pem, crl.pem, server.pem, server.key, data/
       <device>/           the device's kit: agent.yaml, secrets, CA, agent wheel, install.sh, unit, README
       <device>.tar.gz     the same folder as one file to copy onto the device
+      fleet.json          which fleet the kits belong to, its broker URL and devices
+
+and, on a device after its kit's ``install.sh``, the places of :class:`DeviceLayout`.
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from coordinator.broker.credentials import COORDINATOR_USER
+from coordinator.transport.broker.credentials import COORDINATOR_USER
 
 PASSWORD = "password"
 CLIENT_CERT = "client.pem"
 CLIENT_KEY = "client.key"
 CA_CERT = "ca.pem"
 SIGNING_KEY = "signing.key"
+MANIFEST = "fleet.json"
 
 
 @dataclass(frozen=True)
@@ -56,3 +60,26 @@ def private_dir(path: Path, mode: int = 0o700) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     os.chmod(path, mode)
     return path
+
+
+@dataclass(frozen=True)
+class DeviceLayout:
+    """Where the kit's files land on the device: ``prefix`` (venv and ``etc``) and the agent's state directory."""
+
+    prefix: Path = Path("/opt/fedfleet")
+    state_dir: Path = Path("/var/lib/fedfleet")
+
+    @property
+    def etc(self) -> Path:
+        return self.prefix / "etc"
+
+    @property
+    def agent(self) -> Path:
+        return self.prefix / "venv" / "bin" / "device-agent"
+
+    @property
+    def config(self) -> Path:
+        return self.etc / "agent.yaml"
+
+    def command(self, verb: str = "run") -> str:
+        return f"{self.agent} {verb} --config {self.config}"

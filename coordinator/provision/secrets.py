@@ -10,10 +10,10 @@ from __future__ import annotations
 import secrets as random
 from collections.abc import Collection
 
-from coordinator.broker.credentials import COORDINATOR_USER, Credentials, write_file
-from coordinator.fleet import Fleet
+from coordinator.config.fleet import Fleet
 from coordinator.provision.layout import PASSWORD, Kits, private_dir
-from device_agent.schema import SecretError, resolve_secret
+from coordinator.transport.broker.credentials import COORDINATOR_USER, Credentials, write_file
+from device_agent.common.schema import SecretError, resolve_secret
 
 
 class ProvisionError(ValueError):

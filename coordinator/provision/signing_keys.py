@@ -10,10 +10,10 @@ from __future__ import annotations
 import secrets as random
 from collections.abc import Collection
 
-from coordinator.broker.credentials import write_file
-from coordinator.fleet import Fleet
+from coordinator.config.fleet import Fleet
 from coordinator.provision.layout import SIGNING_KEY, Kits, private_dir
-from device_agent.signing import KEY_BYTES
+from coordinator.transport.broker.credentials import write_file
+from device_agent.agent.signing import KEY_BYTES
 
 
 def build_signing_keys(fleet: Fleet, kits: Kits, rotate: Collection[str] = ()) -> None:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib.metadata
+import io
 import zipfile
 from pathlib import Path
 
 import device_agent
+from device_agent.common.atomic import atomic_write
 
 DIST = "fedfleet_agent"
 DEMO_EXTRA = ["scikit-learn>=1.3"]
@@ -49,7 +51,7 @@ def build_agent_wheel(out_dir: Path) -> Path:
         "Metadata-Version: 2.1",
         "Name: fedfleet-agent",
         f"Version: {version}",
-        "Summary: fedfleet device agent: trains FedHM models on an edge device for a fedfleet coordinator",
+        "Summary: fedfleet device agent: trains any fedfleet strategy's client program on an edge device",
         "License: Apache-2.0",
         "Requires-Python: >=3.10",
         *(f"Requires-Dist: {r}" for r in agent_requirements()),
@@ -62,20 +64,20 @@ def build_agent_wheel(out_dir: Path) -> Path:
             f"{info}/WHEEL",
             b"Wheel-Version: 1.0\nGenerator: fedfleet-provision\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
         ),
-        (f"{info}/entry_points.txt", b"[console_scripts]\ndevice-agent = device_agent.cli:main\n"),
+        (f"{info}/entry_points.txt", b"[console_scripts]\ndevice-agent = device_agent.cli.app:main\n"),
     ]
     record = [f"{name},sha256={_digest(data)},{len(data)}" for name, data in files] + [f"{info}/RECORD,,"]
     files.append((f"{info}/RECORD", ("\n".join(record) + "\n").encode()))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / wheel_name()
-    tmp = path.with_name(path.name + ".tmp")
-    with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as wheel:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as wheel:
         for name, data in files:
             entry = zipfile.ZipInfo(name, _EPOCH)
             entry.external_attr = 0o644 << 16
             entry.compress_type = zipfile.ZIP_DEFLATED
             wheel.writestr(entry, data)
-    tmp.replace(path)
+    atomic_write(path, buffer.getvalue())
     return path
 
 

@@ -14,6 +14,7 @@ from coordinator.strategies.fedhm import FedHM
 from coordinator.strategies.fedlora import FedLoRA, FineTune, HomogeneousLoRA
 from coordinator.strategies.simfed import SimFed
 from coordinator.strategies.width import FedAvg, FedAvgSmall, FedRolex, HeteroFL
+from device_agent.common.validation import describe
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls
@@ -43,10 +44,7 @@ def build_strategy(name: str, model: ModelSpec, params: Mapping[str, Any] | None
     try:
         validated = cls.Params.model_validate(dict(params or {}))
     except ValidationError as error:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in item['loc']) or '(params)'}: {item['msg']}" for item in error.errors()
-        )
-        raise ValueError(f"strategy {name!r} parameters: {problems}") from None
+        raise ValueError(f"strategy {name!r} parameters: {describe(error, empty='(params)')}") from None
     return cls(model, validated, seed)
 
 

@@ -36,7 +36,7 @@ from coordinator.strategies.base import (
 from device_agent.clients.base import ClientProgram, is_norm_statistic
 from device_agent.clients.fedhm import FedHMProgram
 from device_agent.clients.spec import FedHMSpec
-from device_agent.hybrid import factorization_plan
+from device_agent.layers.hybrid import factorization_plan
 
 
 class FedHMParams(StrategyParams):

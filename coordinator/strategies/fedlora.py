@@ -45,7 +45,7 @@ from coordinator.strategies.base import (
 from device_agent.clients.base import ClientProgram
 from device_agent.clients.lora import TARGETS, LoRAProgram
 from device_agent.clients.spec import LoRASpec
-from device_agent.lora import FACTORS, apply_lora, base_state, lora_layers, state_digest
+from device_agent.layers.lora import FACTORS, apply_lora, base_state, lora_layers, state_digest
 from device_agent.models.vit import load_checkpoint
 
 PLANNING_DIGEST = "0" * 64

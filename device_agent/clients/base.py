@@ -2,7 +2,7 @@
 
 A ``ClientProgram`` is built from its strategy's typed spec (``device_agent.clients.spec``) and
 the tensors the coordinator sent (plus what the device kept from its previous round, for
-personalized strategies), is trained by ``device_agent.training.train_local``, and says what goes
+personalized strategies), is trained by ``device_agent.training.optimizer.train_local``, and says what goes
 back. Each program names the one spec class it consumes (``Spec``); the server strategy names
 the program (``Strategy.program``), so the pairing is by class, never by string.
 """
@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from device_agent.assignment_check import check_assignment
+from device_agent.clients.assignment_check import check_assignment
 from device_agent.clients.spec import SpecBase
 
 

@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from device_agent.assignment_check import check_assignment
+from device_agent.clients.assignment_check import check_assignment
 from device_agent.clients.base import ClientProgram
 from device_agent.clients.spec import FedFacSpec
 from device_agent.models import build_model

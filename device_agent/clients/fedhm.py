@@ -16,8 +16,8 @@ from torch import nn
 
 from device_agent.clients.base import ClientProgram, load_tensors, trainable_state
 from device_agent.clients.spec import FedHMSpec
-from device_agent.hybrid import hybrid
-from device_agent.regularizers import apply_frobenius_decay_, parameter_groups
+from device_agent.layers.hybrid import hybrid
+from device_agent.layers.regularizers import apply_frobenius_decay_, parameter_groups
 
 
 class FedHMProgram(ClientProgram):

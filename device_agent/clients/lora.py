@@ -15,10 +15,17 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from device_agent.assignment_check import BadAssignment, check_assignment
+from device_agent.clients.assignment_check import BadAssignment, check_assignment
 from device_agent.clients.base import ClientProgram, KeptStateMissing, load_tensors
 from device_agent.clients.spec import LoRASpec
-from device_agent.lora import ATTENTION_TARGETS, MLP_TARGETS, apply_lora, base_state, exchanged_keys, state_digest
+from device_agent.layers.lora import (
+    ATTENTION_TARGETS,
+    MLP_TARGETS,
+    apply_lora,
+    base_state,
+    exchanged_keys,
+    state_digest,
+)
 from device_agent.models import build_model
 
 TARGETS = {"attn": ATTENTION_TARGETS, "attn_mlp": ATTENTION_TARGETS + MLP_TARGETS}

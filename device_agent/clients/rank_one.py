@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from device_agent.assignment_check import Input, check_assignment
+from device_agent.clients.assignment_check import Input, check_assignment
 from device_agent.clients.base import ClientProgram, KeptStateMissing
 from device_agent.clients.spec import FactorizedFLBetaSpec, FactorizedFLSpec, RankOneSpec, SimFedSpec
 from device_agent.layers import RankOneLayer, l1_on_mu, rank_one_layers, reparametrize, similarity_layer

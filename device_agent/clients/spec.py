@@ -23,6 +23,8 @@ from pydantic import (
 )
 from pydantic.dataclasses import dataclass
 
+from device_agent.common.validation import describe
+
 Optimizer = Literal["sgd", "momentum", "adam"]
 """sgd: plain SGD; momentum: SGD with heavy-ball momentum; adam: Adam (decoupled from momentum)."""
 
@@ -178,10 +180,7 @@ def parse_spec(raw: object) -> ClientSpec:
     try:
         return CLIENT_SPEC.validate_python(raw)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in ('spec', *error['loc']))}: {error['msg']}" for error in exc.errors()
-        )
-        raise ValueError(f"invalid client spec: {problems}") from None
+        raise ValueError(f"invalid client spec: {describe(exc, prefix='spec')}") from None
 
 
 def strategies_of(spec_type: type[SpecBase]) -> tuple[str, ...]:

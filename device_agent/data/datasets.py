@@ -1,9 +1,9 @@
 """Image classification data sets a device or a simulation trains on, as float tensors.
 
-Sources: ``digits`` (scikit-learn's 8x8 handwritten digits, built in), ``fashion_mnist`` (the idx
-files of Debian's ``dataset-fashion-mnist`` package, or a folder holding them), a CIFAR-10/100 folder
-(python-batch or binary version), an image folder (one subfolder per class; decoded with Pillow,
-which the agent does not depend on) and an ``.npz`` file with arrays ``x`` and ``y`` (plus
+Sources: ``digits`` (scikit-learn's 8x8 handwritten digits, built in), ``fashion_mnist`` (Zalando's
+70,000 28x28 clothing images from Debian's ``dataset-fashion-mnist`` package, or a folder of the idx
+files), a CIFAR-10/100 folder (python-batch or binary version), an image folder (one subfolder per
+class; decoded with Pillow, which the agent does not depend on) and an ``.npz`` file with arrays ``x`` and ``y`` (plus
 ``x_test``/``y_test`` if it has its own test split). Images come out (N, C, H, W) in [0, 1],
 resized and converted to the model's input size and channel count.
 
@@ -14,6 +14,8 @@ else, so no code named by the file is ever imported or run.
 
 from __future__ import annotations
 
+import functools
+import gzip
 import pickletools
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +25,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from device_agent.data.idx import DEBIAN_DIR, IdxError, available, has_idx_files, missing_message, read_fashion_mnist
 
 SPLIT_SEED = 0
 TEST_FRACTION = 0.2
@@ -38,10 +38,35 @@ DIGITS_NEED_SKLEARN = (
 
 
 FASHION_MNIST = "fashion_mnist"
+FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+"""Where Debian's ``dataset-fashion-mnist`` package installs the idx files."""
+FASHION_MNIST_FILES = {
+    "train_x": "train-images-idx3-ubyte",
+    "train_y": "train-labels-idx1-ubyte",
+    "test_x": "t10k-images-idx3-ubyte",
+    "test_y": "t10k-labels-idx1-ubyte",
+}
+FASHION_MNIST_MISSING = (
+    f"the built-in 'fashion_mnist' data is read from {FASHION_MNIST_DIR}, which is not there: "
+    "apt-get install dataset-fashion-mnist (Debian/Ubuntu), or set the data path to a folder holding "
+    "train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte and t10k-labels-idx1-ubyte "
+    "(each raw or .gz)"
+)
+BUILT_IN = ("digits", FASHION_MNIST)
+"""Data sets named rather than found at a path (a path may still point fashion_mnist at its idx files)."""
 
 
 class DatasetError(ValueError):
     """A data source that cannot be read; the message names the file and the problem."""
+
+
+def source_of(name: str, path: str | Path | None) -> str:
+    """What :func:`load_dataset` reads for a config's data set ``name`` and ``path``."""
+    if name == "digits" or (name == FASHION_MNIST and path is None):
+        return name
+    if path is None:
+        raise DatasetError(f"dataset {name!r} needs a path (a folder or file on this machine)")
+    return str(path)
 
 
 def check_source(source: str | Path) -> None:
@@ -51,8 +76,8 @@ def check_source(source: str | Path) -> None:
             import sklearn  # noqa: F401
         except ImportError:
             raise DatasetError(DIGITS_NEED_SKLEARN) from None
-    if str(source) == FASHION_MNIST and not available(DEBIAN_DIR):
-        raise DatasetError(missing_message(DEBIAN_DIR))
+    if str(source) == FASHION_MNIST and not FASHION_MNIST_DIR.is_dir():
+        raise DatasetError(FASHION_MNIST_MISSING)
 
 
 @dataclass(frozen=True)
@@ -73,7 +98,7 @@ class LabeledData:
 
 
 def load_dataset(source: str | Path, image_size: int | None = None, in_channels: int | None = None) -> LabeledData:
-    """Read ``source`` ("digits", "fashion_mnist", a CIFAR, idx or image folder, an .npz file) and fit it to the model.
+    """Read ``source`` ("digits", "fashion_mnist", an idx, CIFAR or image folder, or an .npz file) for the model.
 
     Sources without their own test split get a fixed one: 20 % of the samples, chosen with a
     fixed seed, so every run and every emulated device sees the same split.
@@ -81,7 +106,8 @@ def load_dataset(source: str | Path, image_size: int | None = None, in_channels:
     if str(source) == "digits":
         data = _digits()
     elif str(source) == FASHION_MNIST:
-        data = _fashion_mnist(DEBIAN_DIR)
+        check_source(FASHION_MNIST)
+        data = _idx_folder(FASHION_MNIST_DIR)
     else:
         path = Path(source)
         if not path.exists():
@@ -90,8 +116,8 @@ def load_dataset(source: str | Path, image_size: int | None = None, in_channels:
             if path.suffix != ".npz":
                 raise DatasetError(f"{path}: expected an .npz file with arrays 'x' and 'y', or a folder")
             data = _npz(path)
-        elif has_idx_files(path):
-            data = _fashion_mnist(path)
+        elif _idx_file(path, FASHION_MNIST_FILES["train_x"]) is not None:
+            data = _idx_folder(path)
         elif _cifar_files(path):
             data = _cifar(path)
         else:
@@ -174,13 +200,52 @@ def _digits() -> LabeledData:
     return _from_arrays((x / 16.0).reshape(-1, 8, 8).astype(np.float32), y, "digits")
 
 
-def _fashion_mnist(folder: Path) -> LabeledData:
-    """Its own 60,000 / 10,000 split; the decoded bytes are cached per process (see idx.py)."""
+def _idx_file(folder: Path, stem: str) -> Path | None:
+    for name in (stem, stem + ".gz"):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
+@functools.lru_cache(maxsize=2)
+def _idx_folder(folder: Path) -> LabeledData:
+    """The four MNIST-style idx files of ``folder`` (raw or gzipped); decoded once per process."""
+    arrays = {}
+    for key, stem in FASHION_MNIST_FILES.items():
+        file = _idx_file(folder, stem)
+        if file is None:
+            raise DatasetError(f"{folder}: {stem} (or {stem}.gz) is missing; an idx data set needs all four files")
+        arrays[key] = read_idx(file)
+    for split in ("train", "test"):
+        x, y = arrays[f"{split}_x"], arrays[f"{split}_y"]
+        if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
+            raise DatasetError(f"{folder}: {split} images {x.shape} and labels {y.shape} do not pair up")
+    train_x = (arrays["train_x"].astype(np.float32) / 255.0)[:, None]
+    test_x = (arrays["test_x"].astype(np.float32) / 255.0)[:, None]
+    return _from_arrays(train_x, arrays["train_y"], str(folder), (test_x, arrays["test_y"]))
+
+
+_IDX_TYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4")}
+
+
+def read_idx(file: Path) -> np.ndarray:
+    """One idx array (the MNIST file format: a 4-byte magic, big-endian dimensions, then the values)."""
     try:
-        arrays = read_fashion_mnist(folder)
-    except IdxError as error:
-        raise DatasetError(str(error)) from None
-    return _from_arrays(arrays["train_x"], arrays["train_y"], str(folder), (arrays["test_x"], arrays["test_y"]))
+        raw = gzip.decompress(file.read_bytes()) if file.suffix == ".gz" else file.read_bytes()
+    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+        raise DatasetError(f"{file}: cannot be read: {exc}") from None
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_TYPES or not 1 <= raw[3] <= 4:
+        raise DatasetError(f"{file}: not an idx file (magic {raw[:4].hex() or 'missing'})")
+    ndim = raw[3]
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise DatasetError(f"{file}: truncated idx header")
+    shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+    dtype = np.dtype(_IDX_TYPES[raw[2]])
+    expected = int(np.prod(shape)) * dtype.itemsize
+    if len(raw) - header != expected:
+        raise DatasetError(f"{file}: {len(raw) - header} bytes of values for shape {shape} (expected {expected})")
+    return np.frombuffer(raw, dtype=dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
 
 
 def _npz(path: Path) -> LabeledData:

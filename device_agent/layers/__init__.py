@@ -1,4 +1,4 @@
-"""Alternative layer parametrizations the personalized strategies train (FedHM's live in factorized.py)."""
+"""Every layer parametrization the strategies train: FedHM factorized/hybrid, rank-one + sparse, LoRA, regularizers."""
 
 from device_agent.layers.rank_one import (
     LAYOUTS,

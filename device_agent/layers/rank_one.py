@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from device_agent.factorized import matrix_to_weight, weight_to_matrix
+from device_agent.layers.factorized import matrix_to_weight, weight_to_matrix
 
 Layout = Literal["kernel", "channel"]
 LAYOUTS: tuple[Layout, ...] = ("kernel", "channel")

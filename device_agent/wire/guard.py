@@ -31,10 +31,10 @@ RefusalHandler = Callable[[str, str], None]
 REASONS = frozenset(
     {"rate_limited", "retained", "malformed", "transfer_refused", "transfer_evicted", "corrupt_chunk", "wrong_sender"}
 )
-"""Every reason the transport refuses a frame under (the engine adds its own: ``coordinator.upload_gate``)."""
+"""Every reason the transport refuses a frame under (the engine adds its own: ``coordinator.rounds.upload_gate``)."""
 
 RETAINED_KINDS: tuple[type, ...] = (Hello, Status)
-"""Messages a peer publishes retained on purpose (see ``device_agent.protocol``)."""
+"""Messages a peer publishes retained on purpose (see ``device_agent.wire.protocol``)."""
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,26 @@ class InboundLimits:
     burst: int = 200
     quiet_s: float = 10.0
     """A burst of refusals ends after this long without one; the next refusal is logged again."""
+    idle_s: float = 60.0
+    """An unfinished transfer with no chunk and no seal for this long is dropped and its sender told."""
+    max_total_pending_bytes: int = 4 << 30
+    """Bytes all peers together may hold in unfinished transfers: k compromised devices cannot hold k GiB."""
 
     def __post_init__(self) -> None:
-        for name in ("max_transfer_bytes", "max_pending_bytes", "max_open_transfers", "max_chunks", "burst"):
+        for name in (
+            "max_transfer_bytes",
+            "max_pending_bytes",
+            "max_open_transfers",
+            "max_chunks",
+            "burst",
+            "max_total_pending_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.messages_per_s <= 0:
             raise ValueError(f"messages_per_s must be > 0, got {self.messages_per_s}")
+        if self.idle_s <= 0:
+            raise ValueError(f"idle_s must be > 0, got {self.idle_s}")
 
     def receiver(self, nack_after: float) -> IncomingTransfers:
         """One peer topic's reassembly, bounded by these limits: it never refuses a transfer the guard admitted.
@@ -71,6 +84,7 @@ class InboundLimits:
             max_pending_bytes=self.max_pending_bytes,
             max_pending_chunks=self.max_open_transfers * self.max_chunks,
             nack_after=nack_after,
+            abandon_after=self.idle_s,
         )
 
 

@@ -16,8 +16,9 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from device_agent.clients.spec import ClientSpec, TrainConfig
-from device_agent.probe import DeviceProfile
-from device_agent.schema import NAME_PATTERN as _NAME
+from device_agent.common.profile import DeviceProfile
+from device_agent.common.schema import NAME_PATTERN as _NAME
+from device_agent.common.validation import describe
 from device_agent.wire.json_bounds import nesting_depth
 
 # 3: the assignment carries a typed client spec and training config (2 carried an untyped options dict).
@@ -246,7 +247,5 @@ def parse_message(data: bytes | str) -> Message:
     try:
         return _ADAPTER.validate_python(raw)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '<message>'}: {err['msg']}" for err in exc.errors()
-        )
+        problems = describe(exc, empty="<message>")
         raise ProtocolError(f"invalid {raw.get('type', 'message')!r} message: {problems}") from None

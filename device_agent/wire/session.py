@@ -371,15 +371,16 @@ class Session:
         """Start a verified chunked transfer of ``payload`` to ``topic``; refuse it now if it breaks a limit.
 
         Pass a ``manifest`` from ``make_manifest`` to send the same bytes to several receivers without
-        rehashing (each send gets a fresh transfer id); otherwise ``payload`` is announced with
-        ``manifest_fields`` and hashed chunk by chunk as it is published.
+        rehashing (each send gets a fresh transfer id, unless ``transfer=`` names the one a signature
+        binds); otherwise ``payload`` is announced with ``manifest_fields`` and hashed chunk by chunk
+        as it is published.
         """
         cfg = self.config
         if manifest is None:
             manifest = announce(len(payload), cfg.chunk_size, limits=cfg.limits, **manifest_fields)
         else:
             cfg.limits.check(manifest.size, manifest.chunk_size)
-            manifest = manifest.model_copy(update={"transfer": new_transfer_id()})
+            manifest = manifest.model_copy(update={"transfer": manifest_fields.get("transfer") or new_transfer_id()})
         # The seal is the largest control message of a transfer: check it before the first byte leaves.
         placeholder = ["0" * 64] * manifest.chunk_count
         self._check_packet(
@@ -699,6 +700,12 @@ class Session:
             return None
         now = time.monotonic()
         problem = guard.manifest_problem(manifest)
+        held = sum(t.pending_bytes() for t in self._incoming.values())
+        if problem is None and held + manifest.size > guard.limits.max_total_pending_bytes:
+            problem = (
+                f"the receiver holds {held} bytes of unfinished transfers from all peers (at most "
+                f"{guard.limits.max_total_pending_bytes}); send it again later"
+            )
         if problem is not None:
             guard.refuse(peer, "transfer_refused", f"transfer {manifest.transfer}: {problem}", now)
             return Error(code="too_large", transfer=manifest.transfer, detail=problem)

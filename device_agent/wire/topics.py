@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from device_agent.schema import check_name
+from device_agent.common.schema import check_name
 
 ROOT = "fedfleet"
 

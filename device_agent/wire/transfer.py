@@ -335,6 +335,7 @@ class ReceiverStats:
     late: int = 0
     nacks: int = 0
     completed: int = 0
+    expired: int = 0
 
 
 @dataclass
@@ -463,11 +464,18 @@ class IncomingTransfers:
         return self._finish(incoming) if self._complete(incoming) else ([], None)
 
     def poll(self, now: float) -> list[Message]:
-        """Nack stalled transfers; drop abandoned ones."""
+        """Nack stalled transfers; drop abandoned ones (their memory with them) and tell their sender.
+
+        Abandoned: no chunk and no seal for ``abandon_after`` seconds. An honest sender answers a nack
+        within seconds; one that went silent (or never meant to seal) must not hold the bytes it sent.
+        """
         out: list[Message] = []
         for tid, incoming in list(self._open.items()):
             if now - incoming.last_seen > self.abandon_after:
                 del self._open[tid]
+                self.stats.expired += 1
+                detail = f"transfer {tid} expired after {self.abandon_after:g} s without a chunk or its seal"
+                out.append(Error(code="unknown_transfer", transfer=tid, detail=f"{detail}; send it again"))
             elif now - max(incoming.last_seen, incoming.nacked_at) >= self.nack_after:
                 out.append(self._nack(incoming, now))
         return out

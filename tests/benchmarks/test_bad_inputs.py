@@ -3,7 +3,7 @@
 import pytest
 
 from benchmarks.bad_inputs import main, run
-from coordinator.broker.mosquitto import find_mosquitto
+from coordinator.transport.broker.mosquitto import find_mosquitto
 
 KINDS = [
     "malformed_json",

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmarks import compare
-from coordinator.engine import RoundEngine
+from coordinator.rounds.engine import RoundEngine
 from coordinator.strategies import STRATEGIES
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import load_dataset
@@ -81,6 +81,6 @@ def test_claims_read_each_papers_metric_and_the_upload_ratio() -> None:
 def test_fashion_mnist_without_the_package_names_it(monkeypatch, capsys, tmp_path) -> None:
     from device_agent.data import datasets
 
-    monkeypatch.setattr(datasets, "DEBIAN_DIR", tmp_path)
+    monkeypatch.setattr(datasets, "FASHION_MNIST_DIR", tmp_path / "absent")
     assert compare.main(["--scenario", "domains", "--dataset", "fashion_mnist", "--strategies", "fedavg"]) == 2
     assert "apt-get install dataset-fashion-mnist" in capsys.readouterr().err

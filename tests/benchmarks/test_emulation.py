@@ -3,7 +3,7 @@ import json
 import pytest
 
 from benchmarks.emulation import device_time, main
-from coordinator.broker.mosquitto import find_mosquitto
+from coordinator.transport.broker.mosquitto import find_mosquitto
 
 
 def test_json_output_reports_each_limit_as_a_ratio(capsys):
@@ -34,7 +34,7 @@ def test_emulated_devices_take_the_predicted_training_time_unless_the_host_is_sl
 
 def test_the_scale_fleet_draws_fashion_mnist_shards_at_28x28() -> None:
     from benchmarks.emulation_scale import scale_fleet
-    from coordinator.fleet import parse_fleet
+    from coordinator.config.fleet import parse_fleet
 
     fleet = parse_fleet(scale_fleet(1000, 18999, "fashion_mnist"), source="scale")
     assert fleet.dataset.name == "fashion_mnist" and (fleet.model.in_channels, fleet.model.image_size) == (1, 28)

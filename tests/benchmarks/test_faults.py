@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.faults import main
-from coordinator.broker.mosquitto import find_mosquitto
-from coordinator.broker.pidfile import live_owner
-from coordinator.broker.scratch import OWNER_FILE, PATTERN
+from coordinator.transport.broker.mosquitto import find_mosquitto
+from coordinator.transport.broker.pidfile import live_owner
+from coordinator.transport.broker.scratch import OWNER_FILE, PATTERN
 
 
 @pytest.mark.slow

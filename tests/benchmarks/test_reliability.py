@@ -1,10 +1,10 @@
-"""The README Reliability table: rendered from fault and bad-input results between marker comments."""
+"""The reliability tables of docs/reliability.md: rendered from fault and bad-input results between marker comments."""
 
 import json
 
 import pytest
 
-from benchmarks.reliability import BEGIN, END, main, render, update_readme
+from benchmarks.reliability import BEGIN, END, main, render, update_page
 
 RESULTS = {
     "scenarios": {
@@ -35,21 +35,21 @@ def test_both_tables_are_rendered_with_one_row_per_case() -> None:
     assert "| nan update | yes | non_finite | yes | a\\|b |" in text
 
 
-def test_the_readme_block_is_replaced_and_the_rest_kept(tmp_path) -> None:
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\n## Reliability\n\n{BEGIN}\nold table\n{END}\n\n## Next\n")
+def test_the_page_block_is_replaced_and_the_rest_kept(tmp_path) -> None:
+    page = tmp_path / "reliability.md"
+    page.write_text(f"# x\n\n## Reliability\n\n{BEGIN}\nold table\n{END}\n\n## Next\n")
     results = tmp_path / "faults.json"
     results.write_text(json.dumps({"scenarios": RESULTS["scenarios"]}))
 
-    assert main([str(results), "--readme", str(readme)]) == 0
+    assert main([str(results), "--page", str(page)]) == 0
 
-    text = readme.read_text()
+    text = page.read_text()
     assert "old table" not in text and "| kill -9 the broker mid-upload | yes |" in text
     assert text.startswith("# x\n\n## Reliability\n\n") and text.endswith(f"{END}\n\n## Next\n")
 
 
 def test_missing_markers_or_results_are_clear_errors() -> None:
     with pytest.raises(ValueError, match=r"no <!-- faults:begin --> \.\.\. <!-- faults:end --> block"):
-        update_readme("# no markers\n", RESULTS)
+        update_page("# no markers\n", RESULTS)
     with pytest.raises(ValueError, match="expected a 'scenarios' or 'bad_inputs' key"):
         render({"seconds": 3})

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from benchmarks.transport import main
-from coordinator.broker.mosquitto import find_mosquitto
+from coordinator.transport.broker.mosquitto import find_mosquitto
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from coordinator.broker.credentials import COORDINATOR_USER
+from coordinator.transport.broker.credentials import COORDINATOR_USER
 from tests.transport_fixtures import TestBroker
 
 

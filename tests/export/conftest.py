@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.exporting import open_trained_run
+from coordinator.run.exporting import open_trained_run
 from export.runner import ExportOptions, ExportRecord, export_run
 from export.targets import TrainedRun
 from tests.export.runs import make_run

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import yaml
 
-from coordinator.evaluation import calibrate_batchnorm
-from coordinator.fleet import load_fleet
-from coordinator.metrics import RoundMetrics
-from coordinator.rundir import RunDir
-from coordinator.start_cli import fleet_data
+from coordinator.config.fleet import load_fleet
+from coordinator.rounds.evaluation import calibrate_batchnorm
+from coordinator.run.fleet_data import fleet_data
+from coordinator.run.metrics import RoundMetrics
+from coordinator.run.rundir import RunDir
 from coordinator.strategies import ClientSlot, build_strategy
+from device_agent.agent.kept import KeptStore
 from device_agent.clients import build_program
-from device_agent.kept import KeptStore
-from device_agent.training import TrainConfig, train_local
+from device_agent.training.optimizer import TrainConfig, train_local
 from export.targets import AGENT_KEPT_DIR
 
 DEVICES = ("dev-a", "dev-b")

@@ -12,12 +12,12 @@ import pytest
 import torch
 import yaml
 
-from coordinator.cli import main as coordinator_main
-from coordinator.exporting import export_finished_run, open_trained_run
-from coordinator.fleet import FleetError, load_fleet, parse_fleet
-from coordinator.report import write_report
-from device_agent.hybrid import factorization_plan
+from coordinator.cli.app import main as coordinator_main
+from coordinator.config.fleet import FleetError, load_fleet, parse_fleet
+from coordinator.run.exporting import export_finished_run, open_trained_run
+from coordinator.run.report import write_report
 from device_agent.infer import Classifier, model_info
+from device_agent.layers.hybrid import factorization_plan
 from export.check import FP32_TOLERANCE, ParityError, check_parity, session
 from export.records import read_exports
 from export.runner import ExportOptions, ExportRecord, export_run
@@ -35,6 +35,7 @@ def _assert_parity(record: ExportRecord, samples: int = 64) -> None:
     assert record.parity_samples == samples
 
 
+@pytest.mark.slow
 def test_resnet18_merged_and_quarter_rank(resnet18_run: Path, tmp_path: Path) -> None:
     run = open_trained_run(resnet18_run)
     fast = {"parity_samples": 16, "latency": False}

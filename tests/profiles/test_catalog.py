@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from device_agent.probe import DeviceProfile
+from device_agent.common.profile import DeviceProfile
 from profiles.catalog import (
     ENV_VAR,
     ProfileError,
@@ -162,4 +162,4 @@ def _top_level_modules_after(statement: str) -> set[str]:
 
 def test_profiles_never_import_the_coordinator_and_the_agent_never_imports_profiles() -> None:
     assert not _top_level_modules_after("import profiles.catalog, profiles.costmodel") & {"coordinator", "benchmarks"}
-    assert "profiles" not in _top_level_modules_after("import device_agent.cli, device_agent.probe")
+    assert "profiles" not in _top_level_modules_after("import device_agent.cli.app, device_agent.agent.probe")

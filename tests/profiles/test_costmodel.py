@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from coordinator.model_stats import model_stats
+from coordinator.planning.model_stats import model_stats
 from device_agent.layers import rank_one_layers, reparametrize
 from device_agent.models import build_model
 from profiles.catalog import load_catalog

@@ -1,6 +1,6 @@
 """One small in-process run watched by a :class:`FleetWatch`: two devices, one of which sends a NaN loss.
 
-The engine runs behind an :class:`InProcessLink` exactly as ``coordinator.simulation`` runs it, with the
+The engine runs behind an :class:`InProcessLink` exactly as ``coordinator.emulation.simulation`` runs it, with the
 watch as its progress callback, so the observers see real engine state (refusals included) in seconds.
 """
 
@@ -12,17 +12,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator.engine import EngineSettings, RoundEngine
-from coordinator.fleet import parse_fleet
-from coordinator.local_link import LocalDevice
-from coordinator.metrics import RoundMetrics
+from coordinator.config.fleet import parse_fleet
+from coordinator.emulation.simulation import fixed_levels, simulation_fleet
 from coordinator.observe.snapshot import FleetWatch
-from coordinator.rundir import RunDir
-from coordinator.simulation import fixed_levels, simulation_fleet
+from coordinator.rounds.engine import EngineSettings, RoundEngine
+from coordinator.run.metrics import RoundMetrics
+from coordinator.run.rundir import RunDir
 from coordinator.strategies import ModelSpec, build_strategy
+from coordinator.transport.local_link import LocalDevice
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData, load_dataset
-from tests.coordinator.test_upload_gate import TamperingLink, nan_loss
+from tests.coordinator.rounds.test_upload_gate import TamperingLink, nan_loss
 from tests.digit_clients import digit_clients
 
 ROUNDS = 2
@@ -52,7 +52,7 @@ def watched_run(tmp_path_factory: pytest.TempPathFactory) -> WatchedRun:
         rundir,
         LabeledData(calibration, calibration.new_zeros(len(calibration)), data.test_x, data.test_y, 10),
         TamperingLink([LocalDevice(c.client_id, c.train, c.test) for c in clients], nan_loss),
-        EngineSettings(min_devices=2, wait_timeout_s=60, calibration_samples=len(calibration)),
+        EngineSettings(min_devices=2, wait_timeout_s=60, calibration_samples=len(calibration), rejected_grace_s=0.5),
         planner=fixed_levels({c.client_id: c.level for c in clients}),
     )
     watch = FleetWatch(rundir.metrics())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -12,8 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from coordinator.observe.prometheus import RunCollector
 from coordinator.observe.snapshot import FleetWatch
 from tests.coordinator.observe.conftest import ROUNDS, WatchedRun
+from tests.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = REPO_ROOT
 LABELS = {"device", "device_class", "rank_ratio", "reason", "phase", "status"}
 
 

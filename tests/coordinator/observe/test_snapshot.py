@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from coordinator.metrics import RoundMetrics
 from coordinator.observe.snapshot import FleetWatch, RoundView
+from coordinator.run.metrics import RoundMetrics
 from device_agent.wire.messages import Hello, incompatible
 from tests.coordinator.observe.conftest import ROUNDS, WatchedRun
-from tests.coordinator.test_engine_diagnostics import idle_engine
-from tests.device_agent.test_misconfiguration import PROFILE
+from tests.coordinator.rounds.test_engine_diagnostics import idle_engine
+from tests.device_agent.agent.test_misconfiguration import PROFILE
 
 
 def test_history_and_device_totals_are_the_closed_rounds_of_metrics_jsonl(watched_run: WatchedRun) -> None:

@@ -16,8 +16,8 @@ from coordinator.observe.snapshot import FleetWatch
 from coordinator.observe.status_server import StatusServer
 from device_agent.wire.messages import incompatible
 from tests.coordinator.observe.conftest import WatchedRun
-from tests.coordinator.observe.test_watch_e2e import CHROMEDRIVER, CHROMIUM
-from tests.coordinator.test_engine_diagnostics import idle_engine
+from tests.coordinator.rounds.test_engine_diagnostics import idle_engine
+from tests.e2e.test_watch_e2e import CHROMEDRIVER, CHROMIUM
 
 
 @pytest.fixture

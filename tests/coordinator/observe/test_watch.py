@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.cli import main
+from coordinator.cli.app import main
 from coordinator.observe import ObserveError, Watch, add_observe_arguments
 from coordinator.observe.serving import BackgroundServer, ReadOnlyHandler
 

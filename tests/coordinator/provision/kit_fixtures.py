@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.broker.base import free_port
-from coordinator.broker.kit import KitBroker
-from coordinator.broker.mosquitto import find_mosquitto
-from coordinator.fleet import Fleet, load_fleet
+from coordinator.config.fleet import Fleet, load_fleet
 from coordinator.provision import DeviceLayout, Kits, coordinator_tls, provision, read_credentials
 from coordinator.provision.broker_files import CONFIG
+from coordinator.transport.broker.base import free_port
+from coordinator.transport.broker.kit import KitBroker
+from coordinator.transport.broker.mosquitto import find_mosquitto
 from device_agent.wire.session import BrokerAddress
 
 DEVICES = ("a", "b", "c")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from device_agent.cli import main
+from device_agent.cli.app import main
 from tests.coordinator.provision.kit_fixtures import kit_broker, make_fleet, provision_into
 
 
@@ -96,7 +96,7 @@ def test_a_broker_that_is_down_is_named(kit: tuple, capsys: pytest.CaptureFixtur
 
 def test_an_agent_without_scikit_learn_refuses_digits_at_start(kit: tuple) -> None:
     kits, _, root = kit
-    blocked = "import sys; sys.modules['sklearn'] = None; from device_agent.cli import main; sys.exit(main())"
+    blocked = "import sys; sys.modules['sklearn'] = None; from device_agent.cli.app import main; sys.exit(main())"
     result = subprocess.run(
         [sys.executable, "-c", blocked, "run", "--config", str(_config(kits, root, "no-sklearn"))],
         capture_output=True,

@@ -17,9 +17,10 @@ import psutil
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
-from coordinator.broker.base import BrokerError, check_port_free, probe
-from coordinator.broker.kit import KitBroker
+from coordinator.transport.broker.base import BrokerError, check_port_free, probe
+from coordinator.transport.broker.kit import KitBroker
 from tests.coordinator.provision.kit_fixtures import device_address, kit_broker, make_fleet, provision_into
+from tests.paths import REPO_ROOT
 
 
 class Probe:
@@ -103,6 +104,7 @@ def test_a_device_cannot_touch_another_devices_subtree(kit_fleet: tuple) -> None
             client.close()
 
 
+@pytest.mark.slow
 def test_a_device_needs_its_password_and_a_fleet_certificate(kit_fleet: tuple) -> None:
     fleet, kits, _, root = kit_fleet
     a = device_address(fleet, kits, "a")
@@ -125,6 +127,7 @@ def test_a_device_needs_its_password_and_a_fleet_certificate(kit_fleet: tuple) -
     assert probe(replace(a, ca_file=str(other.participant("a") / "ca.pem")), 5) != "ok"  # the agent verifies the broker
 
 
+@pytest.mark.slow
 def test_after_rotation_the_old_secret_is_refused_and_the_new_kit_works(kit_fleet: tuple) -> None:
     fleet, kits, broker, root = kit_fleet
     old = device_address(fleet, kits, "b")
@@ -174,7 +177,7 @@ def test_the_managed_broker_dies_with_its_coordinator(kit_fleet: tuple) -> None:
     script = (
         "import sys, time\n"
         "from tests.coordinator.provision.kit_fixtures import kit_broker\n"
-        "from coordinator.fleet import load_fleet\n"
+        "from coordinator.config.fleet import load_fleet\n"
         "from coordinator.provision import Kits\n"
         f"fleet, _ = load_fleet({str(root / 'fleet.yaml')!r})\n"
         f"broker = kit_broker(fleet, Kits(Path({str(kits.root)!r})))\n"
@@ -184,7 +187,7 @@ def test_the_managed_broker_dies_with_its_coordinator(kit_fleet: tuple) -> None:
     )
     parent = subprocess.Popen(
         [sys.executable, "-c", "from pathlib import Path\n" + script],
-        cwd=Path(__file__).resolve().parents[3],
+        cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         text=True,
     )

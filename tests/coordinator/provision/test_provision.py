@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from coordinator.cli import main
+from coordinator.cli.app import main
 from coordinator.provision.certificates import server_names
 from tests.coordinator.provision.kit_fixtures import make_fleet, provision_into
+from tests.paths import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = REPO_ROOT
 
 
 def _mode(path: Path) -> int:

@@ -6,7 +6,7 @@ import torch
 
 from coordinator.strategies import ClientSlot, ModelSpec, Strategy
 from device_agent.clients import build_program
-from device_agent.training import TrainConfig, train_local
+from device_agent.training.optimizer import TrainConfig, train_local
 
 CNN = ModelSpec("cnn", num_classes=4, in_channels=1, image_size=8)
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from coordinator.model_stats import model_stats
+from coordinator.planning.model_stats import model_stats
 from coordinator.strategies import STRATEGIES, ClientSlot, ModelSpec, build_strategy
 from device_agent.clients import build_program
 

@@ -14,10 +14,10 @@ import torch
 from coordinator.strategies import STRATEGIES, ClientSlot, ModelSpec, build_strategy
 from device_agent.clients import KNOWN_STRATEGIES, PROGRAMS, build_program
 from device_agent.clients.spec import SPEC_TYPES, TrainConfig, strategies_of
-from device_agent.protocol import pack_upload, split_upload
-from device_agent.training import train_local
+from device_agent.training.optimizer import train_local
 from device_agent.wire.codec import decode_tensors, encode_tensors
 from device_agent.wire.messages import Assignment, encode, parse_message
+from device_agent.wire.protocol import pack_upload, split_upload
 
 CNN = ModelSpec("cnn", 4, 1, 8)
 VIT = ModelSpec("vit_tiny", 4, 1, 8)

@@ -2,7 +2,7 @@ import torch
 
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
 from device_agent.clients import build_program
-from device_agent.hybrid import factorization_plan
+from device_agent.layers.hybrid import factorization_plan
 
 SPEC = ModelSpec("cnn", 10, 1, 8)
 

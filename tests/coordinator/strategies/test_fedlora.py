@@ -12,10 +12,10 @@ from coordinator.algorithms.lora import lora_factors
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
 from device_agent.clients import build_program
 from device_agent.clients.base import KeptStateMissing
-from device_agent.lora import LoRALinear, apply_lora, base_state
+from device_agent.layers.lora import LoRALinear, apply_lora, base_state
 from device_agent.models import build_model
 from device_agent.models.vit import convert_checkpoint
-from device_agent.training import TrainConfig, train_local
+from device_agent.training.optimizer import TrainConfig, train_local
 
 VIT = ModelSpec("vit_tiny", 10, 1, 8)
 

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from coordinator.simulation import SimClient, simulate, tensor_bytes
+from coordinator.emulation.simulation import SimClient, simulate, tensor_bytes
 from coordinator.strategies import ModelSpec, build_strategy
 from device_agent.data.datasets import load_dataset
 from device_agent.data.partition import PartitionSpec, client_shard
 from device_agent.models import build_model
-from device_agent.training import TrainConfig
+from device_agent.training.optimizer import TrainConfig
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from device_agent.assignment_check import BadAssignment
 from device_agent.clients import build_program
+from device_agent.clients.assignment_check import BadAssignment
 from device_agent.clients.base import is_norm_statistic
 from device_agent.clients.spec import parse_spec
-from device_agent.hybrid import hybrid
+from device_agent.layers.hybrid import hybrid
 from device_agent.models import build_model
 
 FUZZ = settings(max_examples=15, suppress_health_check=[HealthCheck.too_slow])

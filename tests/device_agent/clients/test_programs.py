@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from device_agent.assignment_check import BadAssignment
 from device_agent.clients import build_program
+from device_agent.clients.assignment_check import BadAssignment
 from device_agent.clients.spec import parse_spec
-from device_agent.hybrid import hybrid
+from device_agent.layers.hybrid import hybrid
 from device_agent.models import build_model
 
 MODEL = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 8}

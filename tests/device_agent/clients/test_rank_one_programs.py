@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from device_agent.assignment_check import BadAssignment
 from device_agent.clients import build_program
+from device_agent.clients.assignment_check import BadAssignment
 from device_agent.clients.rank_one import rank_one_model
 from device_agent.clients.spec import parse_spec
 from device_agent.layers import rank_one_layers

@@ -1,7 +1,12 @@
+import gzip
+from pathlib import Path
+
 import numpy as np
 import pytest
+import torch
 
-from device_agent.data.datasets import DatasetError, decode_data_pickle, load_dataset
+from device_agent.data import datasets
+from device_agent.data.datasets import DatasetError, check_source, decode_data_pickle, load_dataset, read_idx
 
 
 def test_digits_fit_to_model_input():
@@ -121,3 +126,62 @@ def test_pickles_that_name_code_are_refused(tmp_path):
     (tmp_path / "data_batch_1").write_bytes(evil)
     with pytest.raises(DatasetError, match="os system"):
         load_dataset(tmp_path)
+
+
+def _write_idx(path: Path, array: np.ndarray, gz: bool) -> None:
+    """An MNIST-style idx file: magic (0, 0, dtype code, ndim), big-endian dimensions, then the values."""
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in array.shape)
+    raw = header + array.astype(np.uint8).tobytes()
+    if gz:
+        path.with_name(path.name + ".gz").write_bytes(gzip.compress(raw))
+    else:
+        path.write_bytes(raw)
+
+
+def _idx_folder(root: Path, gz: bool, train: int = 30, test: int = 10) -> Path:
+    rng = np.random.default_rng(0)
+    root.mkdir()
+    _write_idx(root / "train-images-idx3-ubyte", rng.integers(0, 256, (train, 28, 28)), gz)
+    _write_idx(root / "train-labels-idx1-ubyte", np.arange(train) % 10, gz)
+    _write_idx(root / "t10k-images-idx3-ubyte", rng.integers(0, 256, (test, 28, 28)), gz)
+    _write_idx(root / "t10k-labels-idx1-ubyte", np.arange(test) % 10, gz)
+    return root
+
+
+@pytest.mark.parametrize("gz", [True, False], ids=["gzipped", "raw"])
+def test_an_idx_folder_loads_with_its_own_test_split_in_unit_range(tmp_path: Path, gz: bool) -> None:
+    folder = _idx_folder(tmp_path / "fmnist", gz)
+    data = load_dataset(folder)
+    assert data.train_x.shape == (30, 1, 28, 28) and data.test_x.shape == (10, 1, 28, 28)
+    assert data.num_classes == 10 and data.train_y.tolist() == [i % 10 for i in range(30)]
+    assert float(data.train_x.min()) >= 0.0 and float(data.train_x.max()) <= 1.0
+    raw = read_idx(folder / ("train-images-idx3-ubyte" + (".gz" if gz else "")))
+    assert torch.allclose(data.train_x[3, 0], torch.from_numpy(raw[3].astype(np.float32) / 255))
+    assert load_dataset(folder, image_size=14, in_channels=3).train_x.shape == (30, 3, 14, 14)
+
+
+def test_a_bad_idx_file_is_named_with_what_is_wrong(tmp_path: Path) -> None:
+    folder = _idx_folder(tmp_path / "fmnist", gz=False)
+    (folder / "t10k-labels-idx1-ubyte").write_bytes(b"\x00\x00\x08\x01" + (5).to_bytes(4, "big") + b"\x01\x02")
+    with pytest.raises(DatasetError, match=r"t10k-labels-idx1-ubyte: 2 bytes of values for shape \(5,\)"):
+        load_dataset(folder)
+    (folder / "t10k-labels-idx1-ubyte").write_bytes(b"PK\x03\x04 a zip, not idx")
+    with pytest.raises(DatasetError, match=r"t10k-labels-idx1-ubyte: not an idx file \(magic 504b0304\)"):
+        load_dataset(folder)
+    (folder / "t10k-labels-idx1-ubyte").unlink()
+    with pytest.raises(DatasetError, match=r"t10k-labels-idx1-ubyte \(or t10k-labels-idx1-ubyte.gz\) is missing"):
+        load_dataset(folder)
+
+
+def test_the_built_in_fashion_mnist_names_its_debian_package_when_missing(monkeypatch) -> None:
+    monkeypatch.setattr(datasets, "FASHION_MNIST_DIR", Path("/nonexistent/fashion-mnist"))
+    for call in (lambda: check_source("fashion_mnist"), lambda: load_dataset("fashion_mnist")):
+        with pytest.raises(DatasetError, match="apt-get install dataset-fashion-mnist"):
+            call()
+
+
+@pytest.mark.skipif(not datasets.FASHION_MNIST_DIR.is_dir(), reason="Debian's dataset-fashion-mnist is not installed")
+def test_the_built_in_fashion_mnist_is_debians_70000_images() -> None:
+    data = load_dataset("fashion_mnist")
+    assert (len(data.train_y), len(data.test_y), data.num_classes) == (60_000, 10_000, 10)
+    assert torch.bincount(data.train_y).tolist() == [6000] * 10

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from device_agent.probe import probe_device
+from device_agent.agent.probe import probe_device
 from device_agent.wire.guard import InboundGuard, InboundLimits, TokenBucket
 from device_agent.wire.messages import Hello, Manifest, RoundFailed, Status
 from device_agent.wire.session import coordinator_session, device_session

@@ -45,6 +45,7 @@ def test_waiting_backs_off_then_gives_up_with_the_cause(caplog: pytest.LogCaptur
     assert len(caplog.records) == 3 and "retrying in 1 s" in caplog.records[0].getMessage()
 
 
+@pytest.mark.slow
 def test_a_session_that_cannot_reach_its_broker_says_why_once(caplog: pytest.LogCaptureFixture) -> None:
     port = _closed_port()
     session = Session(SessionConfig("dev-a", BrokerAddress("127.0.0.1", port), reconnect_max_s=1), subscriptions=[])

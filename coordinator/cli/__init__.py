@@ -1,0 +1,1 @@
+"""The ``coordinator`` command line: one module per command group; imports anything."""

@@ -1,0 +1,50 @@
+"""The live terminal view of ``coordinator start``: one table of the fleet and the open round."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import TYPE_CHECKING
+
+from rich.table import Table
+
+from coordinator.run.metrics import RoundMetrics
+
+if TYPE_CHECKING:
+    from coordinator.rounds.engine import RoundEngine
+
+
+def round_table(engine: RoundEngine) -> Table:
+    open_ = engine.open
+    last = engine.last
+    title = f"fleet {engine.fleet.fleet}: round {engine.next_round}/{engine.fleet.rounds}"
+    if last is not None:
+        title += f"  (round {last.round}: {round_figures(last)}, {last.seconds:.1f} s)"
+    table = Table(title=title)
+    for column in ("device", "class", "online", "agent", "ratio", "round status", "bytes up", "train s"):
+        table.add_column(column, justify="right" if column in ("ratio", "bytes up", "train s") else "left")
+    for device_id, state in engine.devices.items():
+        participant = open_.participants.get(device_id) if open_ else None
+        up = ""
+        if participant is not None:
+            up = f"{participant.payload_bytes / 2**10:.0f} KiB" if participant.payload_bytes else ""
+        table.add_row(
+            device_id,
+            state.device.profile,
+            "refused" if state.refused else "yes" if state.online else "no",
+            state.state,
+            str(Fraction(participant.level).limit_denominator(1000)) if participant else "-",
+            participant.status if participant else "-",
+            up,
+            f"{participant.train_seconds:.1f}" if participant and participant.train_seconds is not None else "",
+        )
+    return table
+
+
+def round_figures(last: RoundMetrics) -> str:
+    """The server's accuracy and loss, the devices' federated accuracy, or both, whichever the round has."""
+    parts = []
+    if last.accuracy is not None and last.loss is not None:
+        parts.append(f"accuracy {last.accuracy:.3f}, loss {last.loss:.3f}")
+    if last.federated_accuracy is not None:
+        parts.append(f"federated accuracy {last.federated_accuracy:.3f}")
+    return ", ".join(parts) or "not evaluated"

@@ -1,0 +1,1 @@
+"""fleet.yaml and its sections: the validated configuration a run starts from."""

@@ -1,0 +1,22 @@
+"""fleet.yaml ``evaluation``: where the global model is measured, for coordinators with and without data."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+
+class EvaluationSettings(BaseModel):
+    """``server``: evaluate on the coordinator's own test split after every round.
+
+    Off, the coordinator needs no test data: the round's figure is the devices' federated evaluation
+    (each measures the model it received on its own test shard), which is always collected.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    server: StrictBool = Field(
+        True, description="evaluate the global model on the coordinator's test split (static BN on its train split)"
+    )
+
+
+__all__ = ["EvaluationSettings"]

@@ -1,0 +1,458 @@
+"""fleet.yaml: one file that says which devices train what, how, and where they meet.
+
+Validation is strict and every error names its key path (``devices[3].profile: unknown profile
+'jetson-nanoo' (did you mean 'jetson-nano'?)``): a typo found when the file is read costs a
+second, one found in round 40 costs the run. See examples/fleet.yaml for a commented reference.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from copy import copy
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    ValidationInfo,
+    create_model,
+    field_validator,
+    model_validator,
+)
+
+from coordinator.config.checkpoints import Retention
+from coordinator.config.evaluation import EvaluationSettings
+from coordinator.config.limits import FleetLimits
+from coordinator.config.logins import COORDINATOR_USER
+from coordinator.strategies import STRATEGIES
+from device_agent.clients.spec import TrainConfig
+from device_agent.common.paths import anchor_keys
+from device_agent.common.profile import ComputeSpec, MemorySpec, NetworkSpec
+from device_agent.common.schema import DatasetName, DeviceName, FleetName, Partition, check_secret_ref
+from device_agent.common.validation import describe
+from device_agent.models import MODELS
+from export.auto import ExportSettings
+from profiles.catalog import Catalog, ProfileError, load_catalog, unknown_profile_message
+from profiles.costmodel import OPTIMIZER_STATES
+
+REPORTED = "reported"
+# Training-set sizes of the built-in datasets, to split across devices when no size is given.
+DATASET_SIZES = {"digits": 1797, "fashion_mnist": 60_000, "cifar10": 50_000, "cifar100": 50_000}
+
+
+class FleetError(ValueError):
+    """fleet.yaml cannot be used; one line per problem, each starting with its key path."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def parse_ratio(value: Any) -> float:
+    """A rank ratio from a number or a fraction string ('1/4'); must lie in (0, 1]."""
+    if isinstance(value, bool):
+        raise ValueError(f"rank ratio must be a number, got {value!r}")
+    try:
+        ratio = float(Fraction(str(value).strip())) if isinstance(value, str) else float(value)
+    except (TypeError, ValueError, ZeroDivisionError):
+        raise ValueError(f"rank ratio {value!r} is not a number (use e.g. 0.25 or 1/4)") from None
+    if not 0 < ratio <= 1:
+        raise ValueError(f"rank ratio {value} is outside (0, 1]")
+    return ratio
+
+
+class Broker(_Strict):
+    """Where devices and coordinator meet. managed: a mosquitto the coordinator starts; amqtt: the pure-Python
+    development fallback; external: an existing broker (cluster) by URL."""
+
+    mode: Literal["managed", "amqtt", "external"] = Field(
+        "managed",
+        description="managed: the coordinator runs mosquitto; amqtt: pure-Python dev fallback; external: by url",
+    )
+    host: str = Field("0.0.0.0", description="where a managed broker listens")
+    port: int = Field(None, ge=1, le=65535, description="default 8883 with tls, 1883 without")  # type: ignore[assignment]
+    # Provisioning (`coordinator provision`): devices verify the broker and show it a client certificate.
+    tls: bool = Field(True, description="managed mosquitto: TLS listener, CA and certificates from the kits")
+    plain_port: int | None = Field(None, ge=1, le=65535, description="also a plain TCP listener (only when asked)")
+    hosts: list[str] = Field(
+        default_factory=list, description="names/IPs devices use to reach the broker (server certificate SANs)"
+    )
+    url: str | None = Field(None, description="external broker: mqtt://host:port or mqtts://host:port")
+    ca_file: Path | None = Field(None, description="CA file that signed an external mqtts:// broker's certificate")
+    username: str = Field(COORDINATOR_USER, description="the coordinator's login on an external broker")
+    password: str | None = Field(None, description="the coordinator's password as a reference: env:NAME or file:PATH")
+
+    @field_validator("password")
+    @classmethod
+    def _password_is_a_reference(cls, value: str | None) -> str | None:
+        return check_secret_ref(value)
+
+    @model_validator(mode="after")
+    def _url_matches_mode(self) -> Broker:
+        if self.mode == "external":
+            if not self.url:
+                raise ValueError("mode external needs url: mqtt://host:port or mqtts://host:port")
+            if not re.match(r"^mqtts?://[^/:]+(:\d{1,5})?/?$", self.url):
+                raise ValueError(f"url {self.url!r} must look like mqtt://host:port or mqtts://host:port")
+        elif self.url:
+            raise ValueError(f"url is only for mode external (mode is {self.mode}); set host/port instead")
+        if self.ca_file is not None and not (self.url or "").startswith("mqtts://"):
+            raise ValueError("ca_file only applies to an external mqtts:// broker")
+        if self.port is None:
+            self.port = 8883 if self.tls and self.mode == "managed" else 1883
+        if self.mode != "external" and self.username != COORDINATOR_USER:
+            raise ValueError(
+                f"username {self.username!r} only applies to an external broker; a {self.mode} broker's "
+                f"password file and ACL name the coordinator {COORDINATOR_USER!r}: leave username out"
+            )
+        if self.mode == "amqtt" and self.tls:
+            self.tls = False  # amqtt has no TLS here: the development fallback stays plain
+        return self
+
+
+class ModelConfig(_Strict):
+    arch: str = Field("resnet18", description=f"one of: {', '.join(sorted(MODELS))}")
+    num_classes: PositiveInt = Field(10, description="output classes")
+    in_channels: PositiveInt | None = Field(None, description="input channels; default: the data set's")
+    image_size: int | None = Field(None, ge=8, description="input height and width; default: the data set's")
+
+    @field_validator("arch")
+    @classmethod
+    def _known_arch(cls, arch: str) -> str:
+        if arch not in MODELS:
+            raise ValueError(f"unknown model {arch!r}; choose one of: {', '.join(sorted(MODELS))}")
+        return arch
+
+
+class Dataset(_Strict):
+    name: DatasetName = Field(
+        "cifar10",
+        description="digits and fashion_mnist are built in (scikit-learn; Debian's dataset-fashion-mnist); "
+        "cifar10, cifar100, image_folder and npz read dataset.path",
+    )
+    path: Path | None = Field(
+        None,
+        description="where the data lies; needed by all but digits and fashion_mnist (an idx folder for fashion_mnist)",
+    )
+    partition: Partition = Field(
+        Partition(kind="iid"),
+        description="how emulated devices split the data (agent.yaml's data.partition reads the same)",
+    )
+    seed: int = Field(0, description="seed of the split and of each round's per-device training seed")
+    samples_per_device: PositiveInt | None = Field(
+        None, description="local training samples per device; default: the dataset's size split evenly"
+    )
+
+    @model_validator(mode="after")
+    def _path_and_size(self) -> Dataset:
+        if self.name in {"image_folder", "npz"}:
+            if self.path is None:
+                raise ValueError(f"dataset {self.name} needs a path")
+            if self.samples_per_device is None:
+                raise ValueError(f"dataset {self.name} needs samples_per_device (its size is not known in advance)")
+        return self
+
+
+class Strategy(_Strict):
+    """The strategy by registry name; ``params`` are checked by that strategy's own ``Params`` schema."""
+
+    name: str = Field("fedhm", description=f"one of: {', '.join(STRATEGIES)}")
+    params: dict[str, Any] = Field(default_factory=dict, description="checked by the strategy's own Params schema")
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        if name not in STRATEGIES:
+            raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
+        return name
+
+    @field_validator("params")
+    @classmethod
+    def _params_for_strategy(cls, params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        strategy = STRATEGIES.get(info.data.get("name", ""))
+        return params if strategy is None else strategy.Params.model_validate(params).model_dump()
+
+
+class Training(_Strict):
+    """Local training on every device; each option reaches the device in its assignment's ``train``."""
+
+    batch_size: PositiveInt = Field(32, description="local batch size")
+    local_epochs: PositiveInt = Field(1, description="passes over the local data per round")
+    lr: PositiveFloat = Field(0.05, description="learning rate")
+    optimizer: Literal[tuple(OPTIMIZER_STATES)] = Field("momentum", description="local optimizer")  # type: ignore[valid-type]
+    momentum: float | None = Field(
+        None, ge=0, lt=1, description="heavy-ball momentum of the 'momentum' optimizer (default 0.9)"
+    )
+    weight_decay: float = Field(5e-4, ge=0, description="L2 on dense parameters (FedHM factors: frobenius_decay)")
+    mask_absent_classes: bool = Field(True, description="mask logits of classes a device has no sample of")
+
+    @model_validator(mode="after")
+    def _momentum_needs_its_optimizer(self) -> Training:
+        if self.momentum is not None and self.optimizer != "momentum":
+            raise ValueError(f"momentum only applies to optimizer 'momentum' (optimizer is {self.optimizer!r})")
+        return self
+
+    def for_device(self, device: Device, seed: int) -> TrainConfig:
+        """What ``device`` trains with this round: the fleet's settings, its overrides, the round's seed."""
+        return TrainConfig(
+            optimizer=self.optimizer,
+            lr=self.lr,
+            momentum=(0.9 if self.momentum is None else self.momentum) if self.optimizer == "momentum" else 0.0,
+            weight_decay=self.weight_decay,
+            epochs=device.overrides.local_epochs or self.local_epochs,
+            batch_size=device.overrides.batch_size or self.batch_size,
+            seed=seed,
+            mask_absent_classes=self.mask_absent_classes,
+        )
+
+
+class Planning(_Strict):
+    memory_safety_factor: float = Field(
+        1.25, ge=1, description="predicted peak memory times this must fit in the device's usable memory"
+    )
+
+
+class Security(_Strict):
+    sign_uploads: bool = Field(
+        False,
+        description="every update must carry its device's HMAC-SHA256 signature (keys made by coordinator provision)",
+    )
+
+
+def _partial(model: type[BaseModel]) -> type[BaseModel]:
+    """``model`` with every field optional (constraints kept): a patch over a profile section."""
+    fields: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        optional = copy(info)
+        optional.default = None
+        fields[name] = (info.annotation | None, optional)
+    return create_model(f"{model.__name__}Override", __config__=ConfigDict(extra="forbid"), **fields)
+
+
+MemoryOverride = _partial(MemorySpec)
+ComputeOverride = _partial(ComputeSpec)
+NetworkOverride = _partial(NetworkSpec)
+
+
+class DeviceOverrides(_Strict):
+    """Per-device corrections: a bigger batch for one box, a known-slow link, a smaller local dataset..."""
+
+    batch_size: PositiveInt | None = Field(None, description="this device's batch size")
+    local_epochs: PositiveInt | None = Field(None, description="this device's local epochs")
+    samples: PositiveInt | None = Field(None, description="this device's local samples, for planning")
+    max_ratio: float | None = Field(None, description="the largest level this device may get (e.g. 1/2)")
+    memory: MemoryOverride | None = Field(None, description="patch over the profile's memory")  # type: ignore[valid-type]
+    compute: ComputeOverride | None = Field(None, description="patch over the profile's compute")  # type: ignore[valid-type]
+    network: NetworkOverride | None = Field(None, description="patch over the profile's network")  # type: ignore[valid-type]
+
+    @field_validator("max_ratio", mode="before")
+    @classmethod
+    def _ratio(cls, value: Any) -> float | None:
+        return None if value is None else parse_ratio(value)
+
+
+class Device(_Strict):
+    id: DeviceName = Field(description="device name, also its broker login and topic level")
+    profile: str = Field(
+        description=f"a device class (`coordinator profiles`) or {REPORTED!r}: what the device measures"
+    )
+    credentials: str | None = Field(None, description="env:NAME or file:PATH; generated at provisioning when absent")
+    overrides: DeviceOverrides = Field(DeviceOverrides(), description="per-device corrections")
+
+    @field_validator("credentials")
+    @classmethod
+    def _credentials_are_a_reference(cls, value: str | None) -> str | None:
+        return check_secret_ref(value)
+
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(cls, name: str, info: ValidationInfo) -> str:
+        profiles = (info.context or {}).get("profiles")
+        if name != REPORTED and profiles is not None and name not in profiles:
+            raise ValueError(unknown_profile_message(name, [*profiles, REPORTED]))
+        return name
+
+    @model_validator(mode="after")
+    def _overrides_fit_the_profile(self, info: ValidationInfo) -> Device:
+        profiles = (info.context or {}).get("profiles")
+        if profiles is None or self.profile not in profiles:
+            return self
+        for section in ("memory", "compute", "network"):
+            patch = getattr(self.overrides, section)
+            if patch is not None:
+                base = getattr(profiles[self.profile], section)
+                try:
+                    base.model_validate({**base.model_dump(), **patch.model_dump(exclude_none=True)})
+                except ValidationError as exc:
+                    raise ValueError(describe(exc, prefix=f"overrides.{section}")) from None
+        return self
+
+
+class Fleet(_Strict):
+    """The whole fleet.yaml."""
+
+    fleet: FleetName = Field(description="fleet name (an MQTT topic level)")
+    broker: Broker = Field(description="where devices and coordinator meet")
+    model: ModelConfig = Field(ModelConfig(), description="the global model")
+    dataset: Dataset = Field(Dataset(), description="the data and how emulated devices split it")
+    strategy: Strategy = Field(Strategy(), description="the federated algorithm and its parameters")
+    ratios: list[float] = Field(
+        [1.0, 0.5, 0.25, 0.125],
+        min_length=1,
+        description="levels in (0, 1]: FedHM's rank ratio, HeteroFL's width; [1] for strategies without levels",
+    )
+    rounds: PositiveInt = Field(100, description="rounds to run")
+    participation: float = Field(1.0, gt=0, le=1, description="fraction of planned devices asked per round")
+    round_deadline_s: PositiveFloat = Field(600.0, description="seconds a round waits for its answers")
+    quorum: float = Field(
+        0.8, gt=0, le=1, description="fraction of asked devices whose accepted updates a round needs at its deadline"
+    )
+    on_quorum_miss: Literal["extend", "skip"] = Field(
+        "extend", description="at the deadline below quorum: extend once by round_deadline_s, or skip the round"
+    )
+    training: Training = Field(Training(), description="local training, the same on every device unless overridden")
+    planning: Planning = Field(Planning(), description="how levels are chosen")
+    security: Security = Field(Security(), description="upload signatures")
+    profile_dirs: list[Path] = Field(
+        default_factory=list, description="extra profile directories (relative: to this file)"
+    )
+    devices: list[Device] = Field(min_length=1, description="the fleet's devices, at least one")
+    export: ExportSettings | None = Field(None, description="ONNX exports written when the run finishes")
+    checkpoints: Retention = Field(default_factory=Retention, description="which round states the run keeps")
+    evaluation: EvaluationSettings = Field(
+        default_factory=EvaluationSettings, description="where the global model is evaluated each round"
+    )
+    limits: FleetLimits = Field(
+        default_factory=FleetLimits, description="what the coordinator accepts from each device, how long it waits"
+    )
+
+    @field_validator("ratios", mode="before")
+    @classmethod
+    def _parse_ratios(cls, values: Any) -> Any:
+        if not isinstance(values, list):
+            return values
+        ratios = [parse_ratio(v) for v in values]
+        if len(set(ratios)) != len(ratios):
+            raise ValueError(f"duplicate rank ratios in {values}")
+        return sorted(ratios, reverse=True)
+
+    @field_validator("devices")
+    @classmethod
+    def _unique_ids(cls, devices: list[Device]) -> list[Device]:
+        seen: dict[str, int] = {}
+        for index, device in enumerate(devices):
+            if device.id in seen:
+                raise ValueError(f"duplicate device id {device.id!r} (devices[{seen[device.id]}] and devices[{index}])")
+            seen[device.id] = index
+        return devices
+
+    @model_validator(mode="after")
+    def _ids_are_not_the_coordinators(self) -> Fleet:
+        """A device named like the coordinator's login would get its password and its fleet-wide ACL."""
+        reserved = {COORDINATOR_USER, self.broker.username}
+        for index, device in enumerate(self.devices):
+            if device.id in reserved:
+                raise ValueError(
+                    f"devices[{index}].id: {device.id!r} is the coordinator's broker login "
+                    f"(reserved: {', '.join(sorted(reserved))}); rename the device"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _ratios_fit_the_strategy(self) -> Fleet:
+        """A ratio means what the strategy makes of it; one with no size levels trains the whole model, ratio 1."""
+        strategy = STRATEGIES[self.strategy.name]
+        if strategy.levels == "none" and "ratios" not in self.model_fields_set:
+            self.ratios = [1.0]
+        for ratio in self.ratios:
+            problem = strategy.level_problem(ratio)
+            if problem is not None:
+                hint = "write `ratios: [1]` or leave ratios out" if strategy.levels == "none" else "drop it"
+                raise ValueError(
+                    f"ratios: {ratio:g} does not fit strategy {strategy.name!r}: {problem}; {hint}"
+                    f" (ratios are {', '.join(f'{r:g}' for r in self.ratios)})"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _max_ratios_allowed(self) -> Fleet:
+        for index, device in enumerate(self.devices):
+            cap = device.overrides.max_ratio
+            if cap is not None and cap not in self.ratios:
+                raise ValueError(
+                    f"devices[{index}].overrides.max_ratio {cap} is not one of the allowed ratios {self.ratios}"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _export_fits(self) -> Fleet:
+        if self.export is not None:
+            strategy = STRATEGIES[self.strategy.name]
+            ids = [d.id for d in self.devices]
+            problems = self.export.problems(self.ratios, ids, strategy.personalized, strategy.levels == "rank")
+            if problems:
+                raise ValueError("export." + "; export.".join(problems))
+        return self
+
+    def samples_for(self, device: Device) -> int:
+        if device.overrides.samples is not None:
+            return device.overrides.samples
+        if self.dataset.samples_per_device is not None:
+            return self.dataset.samples_per_device
+        return max(1, DATASET_SIZES[self.dataset.name] // len(self.devices))
+
+
+def parse_fleet(data: Any, catalog: Mapping[str, Any] | None = None, source: str = "fleet.yaml") -> Fleet:
+    """Validate already-loaded YAML; ``catalog`` (profile names) enables the profile checks."""
+    if not isinstance(data, dict):
+        raise FleetError(f"{source}: expected a mapping of settings at the top level, got {type(data).__name__}")
+    try:
+        return Fleet.model_validate(data, context={"profiles": catalog})
+    except ValidationError as exc:
+        raise FleetError(f"{source}:\n" + describe(exc, sep="\n")) from None
+
+
+def anchor_file_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
+    """A copy of a fleet.yaml mapping whose relative paths (data, CA, ``file:`` secrets) point into ``base``."""
+    anchored = dict(data)
+    for key in ("broker", "dataset"):
+        if isinstance(anchored.get(key), dict):
+            anchored[key] = dict(anchored[key])
+    anchor_keys(anchored.get("broker"), ("ca_file",), base, secrets=("password",))
+    anchor_keys(anchored.get("dataset"), ("path",), base)
+    if isinstance(anchored.get("devices"), list):
+        anchored["devices"] = [dict(d) if isinstance(d, dict) else d for d in anchored["devices"]]
+        for device in anchored["devices"]:
+            anchor_keys(device, (), base, secrets=("credentials",))
+    return anchored
+
+
+def load_fleet(path: Path | str) -> tuple[Fleet, Catalog]:
+    """Read and validate a fleet.yaml, with the shipped profiles plus its ``profile_dirs``.
+
+    Relative paths in the file (``dataset.path``, ``broker.ca_file``, ``file:`` secrets, ``profile_dirs``)
+    are relative to the file's folder, so the fleet means the same from any working directory.
+    """
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise FleetError(f"cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise FleetError(f"{path}: not valid YAML: {exc}") from None
+    if isinstance(data, dict):
+        data = anchor_file_paths(data, path.resolve().parent)
+    dirs = data.get("profile_dirs", []) if isinstance(data, dict) else []
+    try:
+        catalog = load_catalog([path.parent / Path(d) for d in dirs] if isinstance(dirs, list) else [])
+    except ProfileError as exc:
+        raise FleetError(f"{path}: profile_dirs: {exc}") from None
+    return parse_fleet(data, catalog, str(path)), catalog

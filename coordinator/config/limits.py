@@ -1,0 +1,101 @@
+"""fleet.yaml ``limits``: what the coordinator accepts from its devices, and how long it waits on them.
+
+The defaults are the transport guard's and the upload gate's own (``InboundLimits``, ``GateSettings``),
+and the engine's assignment timings default to the ones here (``EngineSettings``): a fleet that leaves
+the section out runs exactly as before. An operator tunes them for a fleet whose updates are bigger
+than a ResNet (``max_upload_bytes``), whose devices talk more (``messages_per_s``), or whose honest
+updates move further than ten times what they were sent (``norm_bound_factor``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveFloat, PositiveInt
+
+from device_agent.wire.guard import InboundLimits
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """Bounds on what one device may claim; generous for honest devices, tight enough for absurd values."""
+
+    max_train_seconds: float = 86_400.0
+    """Longer than any round deadline: a day of training for one round is a lie or a broken clock."""
+    max_abs_loss: float = 1e6
+    max_samples_factor: float = 100.0
+    """A device may claim at most this many times the samples the fleet expects of it (samples weight the average)."""
+    max_meta_entries: int = 16
+    max_meta_chars: int = 256
+    max_norm_ratio: float | None = 10.0
+    """Refuse an update whose L2 norm exceeds this many times its reference (see the module doc); None: off."""
+    norm_floor: float = 1.0
+    """References below this count as this: near-zero tensors sent (fresh adapters) make no bound."""
+
+    def __post_init__(self) -> None:
+        if self.max_norm_ratio is not None and self.max_norm_ratio <= 1:
+            raise ValueError(
+                f"max_norm_ratio must be > 1 (or None to turn the norm bound off), got {self.max_norm_ratio}"
+            )
+
+
+class FleetLimits(BaseModel):
+    """Per-device bounds on inbound traffic and updates, and the engine's patience with assignments."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_upload_bytes: ByteSize = Field(
+        ByteSize(InboundLimits.max_transfer_bytes),
+        gt=0,
+        description="bytes one device may have in flight to the coordinator, e.g. '256 MiB' or a number of bytes",
+    )
+    messages_per_s: PositiveFloat = Field(
+        InboundLimits.messages_per_s, description="control messages and manifests per second and device"
+    )
+    message_burst: PositiveInt = Field(
+        InboundLimits.burst, description="messages a device may send at once before messages_per_s applies"
+    )
+    max_open_transfers: PositiveInt = Field(
+        InboundLimits.max_open_transfers,
+        description="unfinished uploads per device; a newer one drops the least recently active",
+    )
+    transfer_idle_s: PositiveFloat = Field(
+        InboundLimits.idle_s,
+        description="an unfinished upload with no chunk for this long is dropped (its memory freed) and its "
+        "device told to send it again",
+    )
+    max_total_pending_bytes: ByteSize = Field(
+        ByteSize(InboundLimits.max_total_pending_bytes),
+        gt=0,
+        description="bytes all devices together may hold in unfinished uploads; past it a new upload waits",
+    )
+    norm_bound_factor: float | None = Field(
+        GateSettings.max_norm_ratio,
+        gt=1,
+        description="refuse an update whose L2 norm exceeds this many times its reference; null: no bound",
+    )
+    rejected_grace_s: float = Field(
+        10.0, ge=0, description="how long a device whose update was refused may still send a valid one"
+    )
+    resend_after_s: PositiveFloat = Field(
+        5.0, description="a participant that says it is idle this long after its assignment gets it again"
+    )
+
+    def inbound(self) -> InboundLimits:
+        """The transport guard's bounds: one upload may use all of a device's pending bytes, as by default."""
+        return InboundLimits(
+            max_transfer_bytes=self.max_upload_bytes,
+            max_pending_bytes=self.max_upload_bytes,
+            max_open_transfers=self.max_open_transfers,
+            messages_per_s=self.messages_per_s,
+            burst=self.message_burst,
+            idle_s=self.transfer_idle_s,
+            max_total_pending_bytes=self.max_total_pending_bytes,
+        )
+
+    def gate(self) -> GateSettings:
+        """The upload gate's bounds: the norm factor from here, the meta bounds the gate's own."""
+        return GateSettings(max_norm_ratio=self.norm_bound_factor)
+
+
+__all__ = ["FleetLimits"]

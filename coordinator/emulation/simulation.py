@@ -1,0 +1,221 @@
+"""Run any strategy for N rounds on in-process clients, through the same round engine as a fleet.
+
+``simulate`` builds a small fleet (one device per client, fixed levels), a throwaway run
+directory and an :class:`~coordinator.transport.local_link.InProcessLink`, and runs
+:class:`~coordinator.rounds.engine.RoundEngine` on them: the same planning hook, upload gate, journal,
+seeding, static BN and evaluation as ``coordinator start`` (see :mod:`coordinator.rounds.evaluation`),
+with every payload encoded and decoded as on the wire. Only the transport and the planner differ:
+clients keep the level they are given.
+
+Per round it reports the global accuracy (None with ``server_evaluation=False``: a coordinator with
+no data), the federated accuracy (the devices' evaluation of the model they received, on their test
+shards), the personalized accuracy (the mean of what each device measures for its trained model on
+its own test shard) and the bytes of each client's upload as it
+travelled (safetensors, header included). This is what the comparison harness and the unit tests
+use.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from torch import Tensor
+
+from coordinator.config.fleet import Fleet, parse_fleet
+from coordinator.planning.planner import DevicePlan
+from coordinator.rounds.engine import EngineSettings, RoundEngine
+from coordinator.run.rundir import RunDir
+from coordinator.strategies.base import ClientSlot, Strategy
+from coordinator.transport.local_link import InProcessLink, LocalDevice
+from device_agent.clients.spec import TrainConfig
+from device_agent.common.profile import DeviceProfile
+from device_agent.data.datasets import LabeledData
+from profiles.schema import DeviceClass
+
+Split = tuple[Tensor, Tensor]
+
+
+@dataclass(frozen=True)
+class SimClient:
+    client_id: str
+    level: float
+    train: Split
+    test: Split
+
+    @property
+    def slot(self) -> ClientSlot:
+        return ClientSlot(self.client_id, self.level, len(self.train[1]))
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    round: int
+    upload_bytes: dict[str, int]
+    seconds: float
+    accuracy: float | None
+    personalized_accuracy: float | None = None
+    federated_accuracy: float | None = None
+
+
+@dataclass
+class SimulationResult:
+    rounds: list[RoundRecord] = field(default_factory=list)
+
+    @property
+    def final(self) -> RoundRecord:
+        return self.rounds[-1]
+
+    @property
+    def upload_bytes_per_round(self) -> float:
+        """Mean bytes one client uploads in one round."""
+        sizes = [b for record in self.rounds for b in record.upload_bytes.values()]
+        return sum(sizes) / len(sizes) if sizes else 0.0
+
+
+def tensor_bytes(tensors: Mapping[str, Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def fixed_levels(levels: Mapping[str, float]):
+    """A planner that gives every device the level it was created with."""
+
+    def plan(
+        fleet: Fleet,
+        _catalog: Mapping[str, DeviceClass],
+        _reports: Mapping[str, DeviceProfile],
+        _ceilings: Mapping[str, float],
+    ) -> list[DevicePlan]:
+        return [
+            DevicePlan(
+                device=d.id,
+                profile="simulated",
+                ratio=levels[d.id],
+                model=None,
+                trainable_params=None,
+                est_memory_bytes=None,
+                memory_budget_bytes=None,
+                est_round_seconds=None,
+                deadline_seconds=fleet.round_deadline_s,
+                reason="fixed by the simulation",
+            )
+            for d in fleet.devices
+        ]
+
+    return plan
+
+
+def simulation_fleet(
+    strategy: Strategy,
+    clients: Sequence[SimClient],
+    rounds: int,
+    train: TrainConfig,
+    server_evaluation: bool = True,
+    participation: float = 1.0,
+) -> dict:
+    """The fleet.yaml of a simulation: one device per client, every training option from ``train``.
+
+    ``participation`` < 1 asks that fraction of the clients each round (a large fleet's partial rounds).
+    """
+    model = strategy.model
+    training = {
+        "optimizer": train.optimizer,
+        "lr": train.lr,
+        "weight_decay": train.weight_decay,
+        "local_epochs": train.epochs,
+        "batch_size": train.batch_size,
+        "mask_absent_classes": train.mask_absent_classes,
+    }
+    if train.optimizer == "momentum":
+        training["momentum"] = train.momentum
+    return {
+        "fleet": "simulation",
+        "broker": {"mode": "managed"},
+        "model": {
+            "arch": model.arch,
+            "num_classes": model.num_classes,
+            "in_channels": model.in_channels,
+            "image_size": model.image_size,
+        },
+        "dataset": {"name": "digits", "seed": train.seed},
+        "strategy": {"name": strategy.name},
+        "ratios": sorted({c.level for c in clients}, reverse=True),
+        "rounds": rounds,
+        "participation": participation,
+        "round_deadline_s": 86400,
+        "quorum": 1.0,
+        "training": training,
+        "evaluation": {"server": server_evaluation},
+        "devices": [
+            {"id": c.client_id, "profile": "simulated", "overrides": {"samples": len(c.train[1])}} for c in clients
+        ],
+    }
+
+
+def simulate(
+    strategy: Strategy,
+    clients: Sequence[SimClient],
+    rounds: int,
+    train: TrainConfig,
+    test: Split,
+    calibration: Tensor,
+    server_evaluation: bool = True,
+    participation: float = 1.0,
+) -> SimulationResult:
+    """Run ``rounds`` rounds of ``strategy`` over ``clients``; ``train.seed`` seeds the run.
+
+    ``server_evaluation=False`` runs as a coordinator without data: ``test`` and ``calibration`` go unused.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if not clients:
+        raise ValueError("a simulation needs at least one client")
+    raw = simulation_fleet(strategy, clients, rounds, train, server_evaluation, participation)
+    fleet = parse_fleet(raw, source="simulation")
+    devices = [LocalDevice(c.client_id, c.train, c.test) for c in clients]
+    data = LabeledData(
+        calibration, calibration.new_zeros(len(calibration)), test[0], test[1], strategy.model.num_classes
+    )
+    with tempfile.TemporaryDirectory(prefix="fedfleet-simulation-") as tmp:
+        fleet_file = Path(tmp) / "fleet.yaml"
+        fleet_file.write_text(yaml.safe_dump(raw))
+        rundir = RunDir.create(Path(tmp) / "run", fleet_file, strategy.state_dict(), seed=train.seed)
+        try:
+            engine = RoundEngine(
+                fleet,
+                {},
+                strategy,
+                rundir,
+                data,
+                InProcessLink(devices),
+                EngineSettings(
+                    min_devices=len(clients),
+                    wait_timeout_s=60,
+                    calibration_samples=len(calibration),
+                    rejected_grace_s=0.0,  # in-process devices never send a second update
+                ),
+                planner=fixed_levels({c.client_id: c.level for c in clients}),
+            )
+            engine.run()
+            metrics = rundir.metrics()
+        finally:
+            rundir.close()
+    return SimulationResult(
+        [
+            RoundRecord(
+                m.round,
+                {d: row.payload_bytes for d, row in m.devices.items() if row.status == "accepted"},
+                m.seconds,
+                m.accuracy,
+                m.personalized_accuracy,
+                m.federated_accuracy,
+            )
+            for m in metrics
+        ]
+    )
+
+
+__all__ = ["RoundRecord", "SimClient", "SimulationResult", "fixed_levels", "simulate", "tensor_bytes"]

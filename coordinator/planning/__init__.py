@@ -1,0 +1,1 @@
+"""Who trains what: device levels from profiles, model costs, steady measured reports."""

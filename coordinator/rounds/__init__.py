@@ -1,0 +1,1 @@
+"""The round core: the engine, the upload gate, signatures, evaluation."""

@@ -1,0 +1,123 @@
+"""Closing a round: aggregate (or skip below quorum), evaluate, and assemble the round's metrics line."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from coordinator.config.fleet import Fleet
+from coordinator.rounds.evaluation import evaluate_global, federated_evaluation, personalized_accuracy
+from coordinator.rounds.roster import Roster
+from coordinator.rounds.state import OpenRound, Participant
+from coordinator.run.metrics import DeviceRoundMetrics, DeviceStatus, RoundMetrics, received_metrics
+from coordinator.strategies import Strategy
+from coordinator.transport.link import Link
+from device_agent.data.datasets import LabeledData
+
+log = logging.getLogger("fedfleet.engine")
+
+
+class RoundCloser:
+    """Turns an open round into its :class:`RoundMetrics`; the caller commits them with the new state."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        fleet: Fleet,
+        data: LabeledData,
+        link: Link,
+        roster: Roster,
+        calibration_samples: int,
+    ) -> None:
+        self.strategy = strategy
+        self.fleet = fleet
+        self.data = data
+        self.link = link
+        self.roster = roster
+        self.calibration_samples = calibration_samples
+
+    def close(self, open_: OpenRound, quorum: int, pushed: float) -> RoundMetrics:
+        closing = time.monotonic()
+        if len(open_.accepted) < quorum and self.fleet.on_quorum_miss == "skip":
+            log.warning(
+                "round %d skipped: %d/%d updates, quorum %d",
+                open_.round,
+                len(open_.accepted),
+                len(open_.participants),
+                quorum,
+            )
+            for participant in open_.participants.values():
+                if participant.status == "accepted":
+                    participant.status, participant.error = "late", "round skipped: quorum not met"
+        else:
+            self.strategy.close_round(open_.aggregate)
+        aggregated = time.monotonic()
+        acc: float | None = None
+        loss: float | None = None
+        if self.fleet.evaluation.server:
+            calibration = self.data.train_x[: self.calibration_samples]
+            acc, loss = evaluate_global(self.strategy, (self.data.test_x, self.data.test_y), calibration)
+        evaluated = time.monotonic()
+        devices = {d: self.device_metrics(d, p) for d, p in open_.participants.items()}
+        federated = federated_evaluation(p.received for p in open_.participants.values() if p.status == "accepted")
+        phases = {
+            **open_.phases,
+            "train": closing - pushed,
+            "aggregate": aggregated - closing,
+            "evaluate": evaluated - aggregated,
+        }
+        return RoundMetrics(
+            round=open_.round,
+            accuracy=acc,
+            loss=loss,
+            federated_accuracy=None if federated is None else federated[0],
+            federated_loss=None if federated is None else federated[1],
+            personalized_accuracy=personalized_accuracy(m.local_accuracy for m in devices.values()),
+            participants=sum(m.status == "accepted" for m in devices.values()),
+            bytes_up=sum(m.bytes_up for m in devices.values()),
+            bytes_down=sum(m.bytes_down for m in devices.values()),
+            seconds=evaluated - open_.started,
+            phases=phases,
+            devices=devices,
+        )
+
+    def device_metrics(self, device: str, participant: Participant) -> DeviceRoundMetrics:
+        state = self.roster.devices[device]
+        status: DeviceStatus
+        if participant.status in ("accepted", "rejected", "failed", "late"):
+            status = participant.status  # type: ignore[assignment]
+        else:
+            status = "late" if state.online else "dropped"
+        return DeviceRoundMetrics(
+            device_class=state.device.profile,
+            ratio=participant.level if participant.trained_level is None else participant.trained_level,
+            bytes_up=self.link.bytes_up(device) - participant.bytes_up_start,
+            bytes_down=self.link.bytes_down(device) - participant.bytes_down_start,
+            payload_bytes=participant.payload_bytes,
+            train_seconds=participant.train_seconds,
+            host_seconds=participant.host_seconds,
+            status=status,
+            error=participant.error,
+            local_accuracy=participant.local_accuracy if status == "accepted" else None,
+            **received_metrics(participant.received if status == "accepted" else None),
+        )
+
+
+def log_closed(metrics: RoundMetrics) -> None:
+    """The one line a closed round leaves in the coordinator's log."""
+    acc, loss = metrics.accuracy, metrics.loss
+    log.info(
+        "round %d closed: %s%s%s, %d/%d updates, %.1f s",
+        metrics.round,
+        "no server evaluation" if acc is None else f"accuracy {acc:.4f}, loss {loss:.4f}",
+        ""
+        if metrics.federated_accuracy is None
+        else f", federated accuracy {metrics.federated_accuracy:.4f} (model received)",
+        "" if metrics.personalized_accuracy is None else f", local accuracy {metrics.personalized_accuracy:.4f}",
+        metrics.participants,
+        len(metrics.devices),
+        metrics.seconds,
+    )
+
+
+__all__ = ["RoundCloser", "log_closed"]

@@ -1,0 +1,124 @@
+"""Sending each participant its assignment, and sending it again when the device says it is idle without one."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from coordinator.config.fleet import Fleet
+from coordinator.rounds.roster import Roster
+from coordinator.rounds.state import OpenRound
+from coordinator.rounds.upload_gate import UploadGate, squared_norms
+from coordinator.run.rundir import RunDir
+from coordinator.strategies import ClientSlot, Strategy
+from coordinator.transport.link import Link
+from device_agent.wire.codec import encode_tensors
+from device_agent.wire.messages import Assignment, Manifest
+from device_agent.wire.protocol import ASSIGNMENT_KIND, round_seed
+
+log = logging.getLogger("fedfleet.engine")
+
+
+class Dispatcher:
+    """Pushes a round's assignments and owns the re-send policy.
+
+    An idle report at least ``resend_after_s`` after the last assignment gets it sent again; one that
+    comes sooner schedules the re-send for when it falls due (a "downloading" or "training" status
+    cancels it), since the device may not say idle again before the round closes.
+    """
+
+    def __init__(
+        self, link: Link, strategy: Strategy, gate: UploadGate, rundir: RunDir, fleet: Fleet, resend_after_s: float
+    ) -> None:
+        self.link = link
+        self.strategy = strategy
+        self.gate = gate
+        self.rundir = rundir
+        self.fleet = fleet
+        self.resend_after_s = resend_after_s
+        # device -> (payload, its manifest, the assignment, when it was last sent), for re-sending it.
+        self._assigned: dict[str, tuple[bytes, Manifest, Assignment, float]] = {}
+        self._due: dict[str, float] = {}
+
+    def clear(self) -> None:
+        self._assigned.clear()
+        self._due.clear()
+
+    def push(self, open_: OpenRound, slots: Sequence[ClientSlot], roster: Roster) -> None:
+        assignments = self.strategy.configure(open_.round, list(slots))
+        # Devices whose payloads are byte-identical (FedHM at one level) share one manifest; personalized
+        # strategies give each device its own payload at the same level, so the level is no key.
+        manifests: dict[bytes, Manifest] = {}
+        norms: dict[bytes, dict[str, float]] = {}
+        shared: dict[bytes, bytes] = {}
+        order = sorted(roster.devices)
+        for slot in slots:
+            participant = open_.participants[slot.client_id]
+            participant.bytes_up_start = self.link.bytes_up(slot.client_id)
+            participant.bytes_down_start = self.link.bytes_down(slot.client_id)
+            participant.trained_level = self.strategy.trained_level(slot)
+            if participant.status == "accepted":
+                continue
+            assignment = assignments[slot.client_id]
+            payload = encode_tensors(assignment.tensors)
+            payload = shared.setdefault(payload, payload)  # one copy per distinct payload is kept for re-sends
+            if payload not in manifests:
+                manifests[payload] = self.link.prepare(
+                    payload, run=self.rundir.run_id, round=open_.round, kind=ASSIGNMENT_KIND
+                )
+                norms[payload] = squared_norms(assignment.tensors)
+            self.gate.sent(slot.client_id, norms[payload])
+            transfer = self.link.send_payload(slot.client_id, payload, manifests[payload])
+            device = roster.devices[slot.client_id].device
+            seed = round_seed(self.rundir.seed, open_.round, order.index(slot.client_id))
+            message = Assignment(
+                run=self.rundir.run_id,
+                round=open_.round,
+                deadline_s=max(1.0, open_.deadline - time.monotonic()),
+                download=transfer,
+                spec=assignment.spec,
+                train=self.fleet.training.for_device(device, seed),
+            )
+            self.link.send_control(slot.client_id, message)
+            self._assigned[slot.client_id] = (payload, manifests[payload], message, time.monotonic())
+
+    def cancel(self, device: str) -> None:
+        """The device is downloading or training: no deferred re-send."""
+        self._due.pop(device, None)
+
+    def resend(self, device: str, open_: OpenRound | None) -> None:
+        """A participant that says it is idle mid-round without an accepted update gets its assignment again.
+
+        It missed it (offline, or another connection with its login took it), or its upload was refused:
+        either way it may still train this round. After a refusal, once.
+        """
+        sent = self._assigned.get(device)
+        participant = open_.participants.get(device) if open_ is not None else None
+        if open_ is None or sent is None or participant is None:
+            return
+        if participant.status != "assigned" and (participant.status != "rejected" or participant.retried):
+            return
+        payload, manifest, assignment, at = sent
+        now = time.monotonic()
+        if now - at < self.resend_after_s:
+            self._due[device] = at + self.resend_after_s
+            return
+        self._due.pop(device, None)
+        if now >= open_.deadline or self.link.payload_in_flight(device):
+            return  # a slow download still under way: the device is idle until its assignment message follows
+        transfer = self.link.send_payload(device, payload, manifest)
+        again = assignment.model_copy(update={"download": transfer, "deadline_s": max(1.0, open_.deadline - now)})
+        self.link.send_control(device, again)
+        self._assigned[device] = (payload, manifest, again, now)
+        if participant.status == "rejected":  # expected to answer again: the refusal grace no longer applies
+            participant.status, participant.retried = "assigned", True
+        log.info("round %d: %s is idle without an update; its assignment was sent again", open_.round, device)
+
+    def resend_due(self, open_: OpenRound | None) -> None:
+        now = time.monotonic()
+        for device in [d for d, due in self._due.items() if due <= now]:
+            self.resend(device, open_)
+
+
+__all__ = ["Dispatcher"]

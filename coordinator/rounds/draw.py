@@ -1,0 +1,74 @@
+"""Who trains in a round, at which level: the plan for every online device, then a seeded draw."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections import Counter
+from collections.abc import Callable, Mapping
+
+from coordinator.config.fleet import Fleet
+from coordinator.planning.planner import DevicePlan, after_out_of_memory, fmt_ratio
+from coordinator.rounds.roster import Roster
+from coordinator.run.rundir import RunDir
+from device_agent.common.profile import DeviceProfile
+from profiles.schema import DeviceClass
+
+log = logging.getLogger("fedfleet.engine")
+
+Planner = Callable[
+    [Fleet, Mapping[str, DeviceClass], Mapping[str, DeviceProfile], Mapping[str, float]], list[DevicePlan]
+]
+"""Who trains at which level: :func:`~coordinator.planning.planner.plan_fleet` for a fleet; fixed in a simulation."""
+
+
+class ParticipantDraw:
+    """Plans every device, draws ``participation`` of the eligible ones, and steps devices down after OOM."""
+
+    def __init__(self, fleet: Fleet, planner: Planner, rundir: RunDir) -> None:
+        self.fleet = fleet
+        self.planner = planner
+        self.rundir = rundir
+        self.plans: dict[str, DevicePlan] = {}
+        self.ceilings: dict[str, float] = {}
+        self.step_downs: Counter[str] = Counter()
+        self._last_plan: tuple[int, str] | None = None
+
+    def draw(self, round_: int, roster: Roster) -> list[tuple[str, float]]:
+        """(device, level) of the round: the saved choice when resuming it, else a fresh plan and draw."""
+        saved = self.rundir.saved_participants(round_)
+        if saved is not None:
+            return [(d, level) for d, level in saved.items() if d in roster.devices]
+        self.plans = {p.device: p for p in self.planner(self.fleet, roster.catalog, roster.profiles(), self.ceilings)}
+        eligible = sorted(d for d in roster.online() if self.plans[d].ratio is not None)
+        count = math.ceil(self.fleet.participation * len(eligible))
+        chosen = random.Random(self.rundir.seed * 1_000_003 + round_).sample(eligible, count)
+        self._log_plan(round_, roster, chosen)
+        return [(d, float(self.plans[d].ratio)) for d in sorted(chosen)]  # type: ignore[arg-type]
+
+    def out_of_memory(self, device: str, level: float) -> None:
+        """The device ran out of memory at ``level``: plan it below that from now on."""
+        self.step_downs[device] += 1
+        self.ceilings = after_out_of_memory(self.ceilings, device, level, self.fleet.ratios)
+
+    def _log_plan(self, round_: int, roster: Roster, chosen: list[str]) -> None:
+        """Why each fleet device is in or out of the round: a device that never takes part must say why."""
+        parts = []
+        for device, state in roster.devices.items():
+            plan = self.plans[device]
+            if device in chosen:
+                parts.append(f"{device} at {fmt_ratio(plan.ratio)}")  # type: ignore[arg-type]
+            elif not state.online:
+                parts.append(f"{device} out (offline)")
+            elif plan.ratio is None:
+                parts.append(f"{device} out ({plan.reason})")
+            else:
+                parts.append(f"{device} out (not drawn)")
+        line = "; ".join(parts)
+        if (round_, line) != self._last_plan:  # re-planned while waiting: say it again only if it changed
+            log.info("round %d: %s", round_, line)
+        self._last_plan = (round_, line)
+
+
+__all__ = ["ParticipantDraw", "Planner"]

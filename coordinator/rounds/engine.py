@@ -1,0 +1,299 @@
+"""The round engine: any strategy's rounds over any :class:`~coordinator.transport.link.Link`, durable across restarts.
+
+One thread owns every piece of round state. The link's threads only enqueue events (hello,
+status, uploads, failures) and the engine's loop applies them in order, so validation, journaling,
+folding and answering an upload happen as one step and need no locks. One round core for MQTT
+(``coordinator start``) and for in-process devices (the simulation, ``benchmarks.compare``).
+
+The loop is here; its parts are one module each: who is online and what they measured
+(:mod:`~coordinator.rounds.roster`), who trains this round (:mod:`~coordinator.rounds.draw`),
+assignments and their re-send policy (:mod:`~coordinator.rounds.dispatch`), the upload gate
+(:mod:`~coordinator.rounds.admission`) and round closing (:mod:`~coordinator.rounds.closing`).
+
+Durability: the round's participants and levels are saved in the run directory before any
+assignment leaves, every accepted upload is journaled before it is folded and before its receipt
+is sent, and closing a round is ``RunDir.complete_round``'s atomic commit. A restart on the same
+run directory reloads the last global state, re-opens the same round with the same participants,
+folds the journal back in and re-sends the assignments; devices that already trained re-send
+their stored update instead of training again.
+
+Personalized strategies: the global model is only a reference; ``personalized_accuracy`` is the
+mean of the ``local_accuracy`` the devices report.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from coordinator.algorithms.aggregation import UpdateRejected
+from coordinator.config.fleet import Fleet
+from coordinator.planning.planner import plan_fleet, why_no_one
+from coordinator.rounds.admission import Admission
+from coordinator.rounds.closing import RoundCloser, log_closed
+from coordinator.rounds.dispatch import Dispatcher
+from coordinator.rounds.draw import ParticipantDraw, Planner
+from coordinator.rounds.failures import round_failed
+from coordinator.rounds.roster import Roster
+from coordinator.rounds.settings import EngineSettings
+from coordinator.rounds.signing import UploadSignatures
+from coordinator.rounds.state import (
+    DeviceState,
+    OpenRound,
+    Participant,
+    Refusal,
+    Refusals,
+    printable,
+    refusal_reason,
+)
+from coordinator.rounds.upload_gate import UploadGate
+from coordinator.run.rundir import RunDir
+from coordinator.strategies import ClientSlot, Strategy
+from coordinator.transport.link import Link
+from device_agent.data.datasets import LabeledData
+from device_agent.wire.codec import CodecError
+from device_agent.wire.messages import INCOMPATIBLE, Error, Hello, Message, Receipt, RoundFailed, Status
+from device_agent.wire.protocol import UploadMetaError
+from device_agent.wire.transfer import Completed
+from profiles.schema import DeviceClass
+
+log = logging.getLogger("fedfleet.engine")
+
+TICK_S = 0.25  # the longest the loop applies events before it looks at the round again
+
+
+class RoundEngine:
+    """Runs ``fleet.rounds`` rounds of ``strategy`` over ``link`` and records them in ``rundir``."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        catalog: dict[str, DeviceClass],
+        strategy: Strategy,
+        rundir: RunDir,
+        data: LabeledData,
+        link: Link,
+        settings: EngineSettings,
+        planner: Planner = plan_fleet,
+        signatures: UploadSignatures | None = None,
+    ) -> None:
+        """``signatures``: the fleet's upload signature check (``security.sign_uploads``), None when off."""
+        self.fleet = fleet
+        self.strategy = strategy
+        self.rundir = rundir
+        self.link = link
+        self.settings = settings
+        self.refused = Refusals()
+        self.roster = Roster(fleet, catalog, self.refused)
+        self.devices = self.roster.devices
+        self.draw = ParticipantDraw(fleet, planner, rundir)
+        gate = UploadGate(settings.gate)
+        self.admission = Admission(gate, rundir, lambda d: fleet.samples_for(self.devices[d].device), signatures)
+        self.dispatch = Dispatcher(link, strategy, gate, rundir, fleet, settings.resend_after_s)
+        self.closer = RoundCloser(strategy, fleet, data, link, self.roster, settings.calibration_samples)
+        self.open: OpenRound | None = None
+        self.last = None
+        self.stopping = threading.Event()
+        self._events: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._deferred: list[tuple[str, Completed]] = []
+        resume = rundir.resume()
+        self.strategy.load_state_dict(resume.state)
+        self.next_round = resume.next_round
+        self._journal = resume.journal
+
+    # What observers (status page, Prometheus, live table) read.
+    refusals = property(lambda self: self.refused.counts)
+    recent_refusals = property(lambda self: self.refused.recent)
+    step_downs = property(lambda self: self.draw.step_downs)
+    plans = property(lambda self: self.draw.plans)
+
+    def run(self, progress: Callable[[RoundEngine], None] = lambda _e: None) -> bool:
+        """Run until every round is done (True) or :meth:`stop` (False). The link is stopped on return."""
+        self.link.start(
+            on_message=lambda device, m: self._events.put(lambda: self._on_message(device, m)),
+            on_payload=lambda device, c: self._events.put(lambda: self._on_payload(device, c)),
+            on_refused=lambda device, reason: self._events.put(lambda: self._on_transport_refusal(device, reason)),
+        )
+        try:
+            if not self._wait_for_devices(progress):
+                return False
+            while self.next_round <= self.fleet.rounds and not self.stopping.is_set():
+                if not self._run_round(self.next_round, progress):
+                    return False
+                self.next_round += 1
+            return True
+        finally:
+            self.link.stop()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _pump(self, until: float, progress: Callable[[RoundEngine], None]) -> None:
+        """Apply events for one tick at most, never past ``until``: no flood holds a round open past its deadline."""
+        until = min(until, time.monotonic() + TICK_S)
+        while not self.stopping.is_set():
+            try:
+                self._events.get(timeout=max(0.0, until - time.monotonic()))()
+            except queue.Empty:
+                break
+            if time.monotonic() >= until:
+                break
+        progress(self)
+
+    def _drain(self) -> None:
+        """Apply every event already queued: a hello during closing counts before the next draw."""
+        while True:
+            try:
+                self._events.get_nowait()()
+            except queue.Empty:
+                return
+
+    def _wait_for_devices(self, progress: Callable[[RoundEngine], None]) -> bool:
+        give_up = time.monotonic() + self.settings.wait_timeout_s
+        while not self.stopping.is_set():
+            online = len(self.roster.online())
+            if online >= self.settings.min_devices or (self._journal and online):
+                return True
+            if time.monotonic() > give_up:
+                offline = ", ".join(d for d, s in self.devices.items() if not s.online)
+                raise TimeoutError(
+                    f"only {online} of the {self.settings.min_devices} devices needed came online "
+                    f"within {self.settings.wait_timeout_s:.0f} s (offline: {offline}; a device that never "
+                    "comes online may have the wrong fleet name, broker URL or password: `device-agent doctor`)"
+                )
+            self._pump(time.monotonic() + 0.5, progress)
+        return False
+
+    def _run_round(self, round_: int, progress: Callable[[RoundEngine], None]) -> bool:
+        started = time.monotonic()
+        self._drain()
+        participants = self.draw.draw(round_, self.roster)
+        if not participants and not self.stopping.is_set():
+            why = why_no_one(self.plans, set(self.roster.online()))
+            wait = self.settings.wait_timeout_s
+            log.warning("round %d: no online device can take part (%s); waiting up to %.0f s", round_, why, wait)
+        while not participants and not self.stopping.is_set():
+            if time.monotonic() - started > self.settings.wait_timeout_s:
+                raise TimeoutError(
+                    f"round {round_}: no device could take part within {self.settings.wait_timeout_s:.0f} s"
+                )
+            self._pump(time.monotonic() + 1.0, progress)
+            participants = self.draw.draw(round_, self.roster)
+        if self.stopping.is_set():
+            return False
+        slots = [ClientSlot(d, level, self.fleet.samples_for(self.devices[d].device)) for d, level in participants]
+        self.rundir.save_participants(round_, dict(participants))
+        aggregate = self.strategy.open_round(round_, slots)
+        self.admission.gate.open_round()
+        self.dispatch.clear()
+        deadline = started + self.fleet.round_deadline_s
+        self.open = OpenRound(
+            round_, {d: Participant(level) for d, level in participants}, aggregate, deadline, started
+        )
+        self.admission.replay(self._journal, self.open)
+        self._journal = []
+        planned = time.monotonic()
+        self.dispatch.push(self.open, slots, self.roster)
+        pushed = time.monotonic()
+        deferred, self._deferred = self._deferred, []
+        for device, completed in deferred:
+            self._on_payload(device, completed)
+        self.open.phases.update(plan=planned - started, push=pushed - planned)
+        self._await_answers(progress)
+        if self.stopping.is_set():
+            return False
+        self.last = self.closer.close(self.open, self._quorum(), pushed)
+        self.rundir.complete_round(round_, self.strategy.state_dict(), self.last)
+        self.open = None
+        log_closed(self.last)
+        progress(self)
+        return True
+
+    def _await_answers(self, progress: Callable[[RoundEngine], None]) -> None:
+        """Until every participant answered, or the deadline (extended once when below the quorum)."""
+        open_ = self.open
+        assert open_ is not None
+        while not self.stopping.is_set():
+            self._pump(open_.deadline, progress)
+            self.dispatch.resend_due(open_)
+            if open_.answered(self.devices, time.monotonic() - self.settings.rejected_grace_s):
+                return
+            if time.monotonic() < open_.deadline:
+                continue
+            if len(open_.accepted) >= self._quorum() or self.fleet.on_quorum_miss == "skip" or open_.extended:
+                return
+            open_.extended = True
+            open_.deadline += self.fleet.round_deadline_s
+            log.warning(
+                "round %d: %d/%d updates at the deadline, below the quorum of %d; extending once by %.0f s",
+                open_.round,
+                len(open_.accepted),
+                len(open_.participants),
+                self._quorum(),
+                self.fleet.round_deadline_s,
+            )
+
+    def _quorum(self) -> int:
+        assert self.open is not None
+        return max(1, math.ceil(self.fleet.quorum * len(self.open.participants)))
+
+    def _on_message(self, device: str, message: Message) -> None:
+        if device not in self.devices:
+            log.warning("message from %r, which is not in the fleet; ignored", device)
+            return
+        if isinstance(message, Hello):
+            self.roster.hello(device, message)
+        elif isinstance(message, Status):
+            if not self.roster.status(device, message):
+                return
+            if message.state in ("idle", "online"):
+                self.dispatch.resend(device, self.open)
+            else:
+                self.dispatch.cancel(device)
+        elif isinstance(message, RoundFailed):
+            round_failed(self.open, device, message, self.rundir.run_id, self.draw, self.strategy)
+        elif isinstance(message, Error) and message.code == INCOMPATIBLE:
+            self.roster.incompatible(device, message.detail)
+        elif isinstance(message, Error):
+            log.warning("%s reports: %s: %s", device, message.code, printable(message.detail))
+
+    def _on_transport_refusal(self, device: str, reason: str) -> None:
+        """A transfer the link refused outright (past ``limits``) is the participant's refused upload.
+
+        As a refusal it is retried once, not retrained and refused again until the deadline.
+        """
+        self.refused.count(device, reason)
+        participant = self.open.participants.get(device) if self.open is not None else None
+        if reason == "transfer_refused" and participant is not None and participant.status == "assigned":
+            participant.reject("its upload was refused by the link (transfer_refused)")
+
+    def _on_payload(self, device: str, completed: Completed) -> None:
+        manifest = completed.manifest
+        if device not in self.devices:
+            log.warning("payload from %r, which is not in the fleet; ignored", device)
+            return
+        if self.open is None and manifest.round == self.next_round and manifest.run == self.rundir.run_id:
+            # An update for the round about to (re)open, e.g. right after a coordinator restart: keep it.
+            self._deferred.append((device, completed))
+            return
+        try:
+            status = self.admission.admit(device, completed, self.open, self.next_round)
+        except (UpdateRejected, UploadMetaError, CodecError) as exc:
+            reason = refusal_reason(exc)
+            log.warning("rejected %s's update for round %d (%s): %s", device, manifest.round, reason, exc)
+            self.refused.upload(device, manifest.round, reason, str(exc))
+            participant = self.open.participants.get(device) if self.open else None
+            if participant is not None and participant.status != "accepted":
+                participant.reject(str(exc)[:500])
+            self.link.send_control(device, Error(code="rejected", detail=str(exc)[:1000], transfer=manifest.transfer))
+            return
+        self.link.send_control(
+            device, Receipt(run=manifest.run, round=manifest.round, transfer=manifest.transfer, status=status)
+        )
+
+
+__all__ = ["DeviceState", "EngineSettings", "OpenRound", "Participant", "Refusal", "RoundEngine", "refusal_reason"]

@@ -1,0 +1,38 @@
+"""How the round engine waits and what it accepts: fleet.yaml's ``limits`` and the run's device count."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coordinator.config.fleet import Fleet
+from coordinator.config.limits import FleetLimits, GateSettings
+
+_FLEET_DEFAULTS = FleetLimits()
+"""fleet.yaml's ``limits`` left out: an engine built without a fleet waits on assignments the same way."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    min_devices: int
+    wait_timeout_s: float = 600.0
+    calibration_samples: int = 1024
+    gate: GateSettings = field(default_factory=GateSettings)
+    resend_after_s: float = _FLEET_DEFAULTS.resend_after_s
+    """An assignment is sent again to a participant that says it is idle at least this long after the last one."""
+    rejected_grace_s: float = _FLEET_DEFAULTS.rejected_grace_s
+    """How long a refused participant may still send a valid update before the round stops waiting for it."""
+
+    @classmethod
+    def of(cls, fleet: Fleet, min_devices: int, wait_timeout_s: float) -> EngineSettings:
+        """A run's settings with what fleet.yaml's ``limits`` says of updates and assignments."""
+        limits = fleet.limits
+        return cls(
+            min_devices,
+            wait_timeout_s,
+            gate=limits.gate(),
+            resend_after_s=limits.resend_after_s,
+            rejected_grace_s=limits.rejected_grace_s,
+        )
+
+
+__all__ = ["EngineSettings"]

@@ -1,0 +1,33 @@
+"""What the coordinator itself holds of a fleet's data: the model spec and its held-out split."""
+
+from __future__ import annotations
+
+import torch
+
+from coordinator.config.fleet import Fleet
+from coordinator.strategies import ModelSpec
+from device_agent.data.datasets import LabeledData, load_dataset, source_of
+
+
+def no_server_data(fleet: Fleet) -> LabeledData | None:
+    """Empty data for a coordinator that needs none, else None (load the data set).
+
+    It needs none when it does not evaluate and fleet.yaml gives the input shape (``model.in_channels``
+    and ``model.image_size``), which it would otherwise read off the data set.
+    """
+    model = fleet.model
+    if fleet.evaluation.server or model.in_channels is None or model.image_size is None:
+        return None
+    images = torch.empty(0, model.in_channels, model.image_size, model.image_size)
+    labels = torch.empty(0, dtype=torch.long)
+    return LabeledData(images, labels, images, labels, model.num_classes)
+
+
+def fleet_data(fleet: Fleet) -> tuple[ModelSpec, LabeledData]:
+    """The model spec and the coordinator's copy of the data (held-out test split + BN calibration)."""
+    source = source_of(fleet.dataset.name, fleet.dataset.path)
+    data = no_server_data(fleet) or load_dataset(source, fleet.model.image_size, fleet.model.in_channels)
+    return ModelSpec(fleet.model.arch, fleet.model.num_classes, data.in_channels, data.image_size), data
+
+
+__all__ = ["fleet_data", "no_server_data"]

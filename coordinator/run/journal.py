@@ -1,0 +1,174 @@
+"""The open round's journal: every accepted upload, persisted before it is acknowledged.
+
+``journal/round-N/`` holds one safetensors file per accepted upload and ``index.jsonl``, one line per
+upload with its digest: the line is the commit point. A crash mid-write leaves a file no line
+commits (removed on repair) or a torn last line (dropped); a file whose digest no longer matches
+is dropped with an error, so a resumed round folds exactly the uploads that were acknowledged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from device_agent.common.atomic import append_line, atomic_write
+from device_agent.wire.codec import decode_tensors
+from device_agent.wire.transfer import transfer_digest
+
+INDEX_FILE = "index.jsonl"
+
+log = logging.getLogger("fedfleet.rundir")
+
+
+class RunDirError(Exception):
+    """A run directory (or its journal) that cannot be used as it is; the message names the file."""
+
+
+def payload_digest(data: bytes, chunk_size: int | None) -> str:
+    """The transfer digest of ``data`` sent in ``chunk_size`` chunks (plain sha256 without a chunk size).
+
+    An accepted upload is journaled with the digest its transfer already verified, so the coordinator
+    hashes each received byte once; only a resume reads the file back and hashes it again.
+    """
+    if chunk_size is None:
+        return hashlib.sha256(data).hexdigest()
+    view = memoryview(data)
+    return transfer_digest(
+        [hashlib.sha256(view[i : i + chunk_size]).hexdigest() for i in range(0, len(data), chunk_size)]
+    )
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """One accepted upload of the open round, as persisted before it was acknowledged."""
+
+    round: int
+    device: str
+    transfer_id: str
+    sha256: str
+    """The payload's digest: its transfer digest when ``chunk_size`` is set, else its plain sha256."""
+    path: Path
+    meta: dict[str, Any]
+    chunk_size: int | None = None
+
+    def intact(self, data: bytes) -> bool:
+        """Whether ``data`` still has the digest it was journaled with (read back on resume only)."""
+        return payload_digest(data, self.chunk_size) == self.sha256
+
+
+class RoundJournal:
+    """One round's journal directory (``path``); the run directory decides which round is open."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def entries(self) -> list[JournalEntry]:
+        """The accepted uploads, first device entry each; a missing committed file is an error."""
+        journal = self.path
+        index = journal / INDEX_FILE
+        if not index.exists():
+            return []
+        entries: list[JournalEntry] = []
+        seen: set[str] = set()
+        for number, line in enumerate(index.read_text().splitlines(keepends=True), start=1):
+            if not line.endswith("\n"):
+                break  # torn append: never committed, so never acknowledged
+            try:
+                raw = json.loads(line)
+                entry = JournalEntry(
+                    round=int(raw["round"]),
+                    device=str(raw["device"]),
+                    transfer_id=str(raw["transfer_id"]),
+                    sha256=str(raw["sha256"]),
+                    path=journal / Path(raw["file"]).name,
+                    meta=dict(raw.get("meta") or {}),
+                    chunk_size=None if raw.get("chunk_size") is None else int(raw["chunk_size"]),
+                )
+            except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+                raise RunDirError(
+                    f"{index} line {number}: not a journal entry ({type(exc).__name__}: {str(exc)[:200]})"
+                ) from None
+            if entry.device in seen:
+                continue
+            if not entry.path.is_file():
+                raise RunDirError(f"{index} line {number}: {entry.path.name} is missing; an accepted upload is lost")
+            seen.add(entry.device)
+            entries.append(entry)
+        return entries
+
+    def accept(
+        self,
+        round_: int,
+        device: str,
+        transfer_id: str,
+        data: bytes,
+        meta: Mapping[str, Any] | None,
+        verified: tuple[str, int] | None,
+    ) -> bool:
+        """Append one accepted upload (its file first, then its index line: the commit point)."""
+        journal = self.path
+        entries = self.entries()
+        if any(entry.device == device for entry in entries):
+            return False
+        journal.mkdir(parents=True, exist_ok=True)
+        # Numbered past the highest entry, not by count: a dropped corrupt entry leaves a gap.
+        name = f"{max((int(entry.path.stem) for entry in entries), default=0) + 1:06d}.safetensors"
+        atomic_write(journal / name, data)
+        line = {
+            "round": round_,
+            "device": device,
+            "transfer_id": transfer_id,
+            "file": name,
+            "sha256": payload_digest(data, None) if verified is None else verified[0],
+            "chunk_size": None if verified is None else verified[1],
+            "bytes": len(data),
+            "meta": dict(meta or {}),
+        }
+        append_line(journal / INDEX_FILE, json.dumps(line, sort_keys=True))
+        return True
+
+    @staticmethod
+    def load(entry: JournalEntry) -> dict[str, torch.Tensor]:
+        """An accepted upload's tensors, refusing a file whose digest no longer matches the journal."""
+        data = entry.path.read_bytes()
+        if not entry.intact(data):
+            index = entry.path.parent / INDEX_FILE
+            raise RunDirError(f"{entry.path}: sha256 does not match {index}; the file is corrupt")
+        return decode_tensors(data)
+
+    def repair(self) -> None:
+        """Drop a torn last index line and payload files no index line commits."""
+        journal, index = self.path, self.path / INDEX_FILE
+        text = index.read_text() if index.exists() else ""
+        if text and not text.endswith("\n"):
+            text = text[: text.rfind("\n") + 1]
+            atomic_write(index, text.encode())
+        entries = self.entries()
+        corrupt = [entry for entry in entries if not entry.intact(entry.path.read_bytes())]
+        if corrupt:
+            for entry in corrupt:
+                log.error(
+                    "%s: sha256 does not match %s; %s's accepted upload for round %d is dropped",
+                    entry.path,
+                    index,
+                    entry.device,
+                    entry.round,
+                )
+            names = {entry.path.name for entry in corrupt}
+            lines = [line for line in text.splitlines(keepends=True) if json.loads(line).get("file") not in names]
+            atomic_write(index, "".join(lines).encode())
+            entries = [entry for entry in entries if entry.path.name not in names]
+        committed = {entry.path.name for entry in entries}
+        for payload in journal.glob("*.safetensors"):
+            if payload.name not in committed:
+                payload.unlink()
+
+
+__all__ = ["INDEX_FILE", "JournalEntry", "RoundJournal", "RunDirError", "payload_digest"]

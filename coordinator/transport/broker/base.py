@@ -1,0 +1,172 @@
+"""What every broker the coordinator manages offers, and the health check they share."""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
+from coordinator.transport.broker.credentials import COORDINATOR_USER, Credentials
+from device_agent.wire.session import BrokerAddress
+
+
+class BrokerError(RuntimeError):
+    """A broker that could not be started or does not answer."""
+
+
+@dataclass(frozen=True)
+class BrokerSettings:
+    """A managed broker for one fleet. ``port=0`` picks a free port.
+
+    ``max_packet_bytes`` must exceed the transfer chunk size plus headers (the senders check it
+    before publishing); ``max_queued_messages`` bounds what the broker keeps for an offline client:
+    the protocol never relies on that queue, it only saves resends.
+    """
+
+    fleet: str
+    workdir: Path
+    credentials: dict[str, Credentials]
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_packet_bytes: int = 8 * 1024 * 1024
+    max_queued_messages: int = 1000
+    max_queued_bytes: int = 256 * 1024 * 1024
+    extra_config: list[str] = field(default_factory=list)
+    # mosquitto acl_file lines appended after the fleet's own (e.g. a benchmark's extra users).
+    extra_acl: list[str] = field(default_factory=list)
+
+    @property
+    def coordinator(self) -> Credentials:
+        return self.credentials[COORDINATOR_USER]
+
+
+class BrokerProcess:
+    """What the brokers fedfleet runs as a child process share: that process, for the supervisor."""
+
+    _process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        """The broker's process while we run it (for the supervisor)."""
+        return self._process
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+
+class ManagedBroker(Protocol):
+    address: BrokerAddress
+    # The MQTT version clients must speak to it ("5" or "3.1.1"): amqtt knows only 3.1.1.
+    protocol: str
+
+    def start(self, timeout: float = 10.0) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def address_for(self, credentials: Credentials) -> BrokerAddress: ...
+
+
+def terminate(process: subprocess.Popen | None, timeout: float) -> None:
+    """SIGTERM (a broker saves its persistence on it), then SIGKILL if the process lingers."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for a managed broker: the kernel sends it SIGTERM when the coordinator dies, even by
+    SIGKILL or SIGHUP, so no orphan broker keeps the port (Linux: prctl PR_SET_PDEATHSIG; elsewhere a no-op).
+
+    The kernel clears this setting when a process changes its user, as mosquitto does when it drops
+    root: see :func:`child_options`, which makes the switch before. The signal follows the thread that
+    started the child: start brokers from the main thread.
+    """
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
+def child_options(owner: tuple[int, int] | None = None) -> dict[str, Any]:
+    """``Popen`` arguments for a broker that must not outlive us: started directly as ``owner`` (uid, gid),
+    if given, so it has no user to drop and keeps its parent-death signal."""
+    options: dict[str, Any] = {"preexec_fn": die_with_parent}
+    if owner is not None:
+        options |= {"user": owner[0], "group": owner[1], "extra_groups": []}
+    return options
+
+
+def check_port_free(host: str, port: int) -> None:
+    """A ``BrokerError`` in one line when something already listens on ``host:port`` (an orphan broker?)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise BrokerError(
+                f"port {port} on {host} is taken ({exc.strerror}): another broker, or one left by an earlier "
+                "coordinator, is listening there; stop it or change broker.port"
+            ) from None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def wait_until_healthy(address: BrokerAddress, timeout: float, alive: Callable[[], bool] = lambda: True) -> None:
+    """Log in as ``address``'s user until the broker accepts (CONNACK success) or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if not alive():
+            raise BrokerError(f"broker at {address.url} exited during start-up")
+        last = probe(address, min(2.0, max(0.1, deadline - time.monotonic())))
+        if last == "ok":
+            return
+        time.sleep(0.05)
+    raise BrokerError(f"broker at {address.url} not healthy within {timeout} s: {last}")
+
+
+def probe(address: BrokerAddress, timeout: float) -> str:
+    """One login attempt: ``"ok"`` or why not."""
+    result: list[str] = []
+    done = threading.Event()
+
+    def on_connect(_c: mqtt.Client, _u: object, _f: object, reason: object, _p: object) -> None:
+        result.append("ok" if not reason.is_failure else f"refused: {reason}")
+        done.set()
+
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"fedfleet-health-{time.monotonic_ns()}")
+    if address.username is not None:
+        client.username_pw_set(address.username, address.password)
+    if address.tls:
+        client.tls_set(ca_certs=address.ca_file, certfile=address.cert_file, keyfile=address.key_file)
+    client.on_connect = on_connect
+    try:
+        client.connect(address.host, address.port, keepalive=5)
+    except OSError as exc:
+        return f"cannot connect: {exc}"
+    client.loop_start()
+    try:
+        done.wait(timeout)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+    return result[0] if result else "no CONNACK"

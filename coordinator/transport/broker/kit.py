@@ -1,0 +1,105 @@
+"""The managed mosquitto of a provisioned fleet: run exactly ``kits/broker/mosquitto.conf``.
+
+``coordinator provision`` wrote the config, password file, ACLs, CA, CRL and server certificate;
+this only starts and stops the process (tied to the coordinator's life) and checks the login.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from coordinator.transport.broker.base import (
+    BrokerError,
+    BrokerProcess,
+    check_port_free,
+    child_options,
+    terminate,
+    wait_until_healthy,
+)
+from coordinator.transport.broker.credentials import Credentials
+from coordinator.transport.broker.mosquitto import _broker_owner, find_mosquitto
+from coordinator.transport.broker.scratch import scratch_dir
+from device_agent.wire.session import BrokerAddress
+
+log = logging.getLogger("fedfleet.broker")
+
+
+class KitBroker(BrokerProcess):
+    """``mosquitto -c CONFIG``; ``address`` is the coordinator's login (TLS files included)."""
+
+    protocol = "5"
+
+    def __init__(self, config_file: Path, address: BrokerAddress) -> None:
+        self.binary = find_mosquitto()
+        if self.binary is None:
+            raise BrokerError("mosquitto is not installed (apt-get install mosquitto); the fleet's kits need it")
+        self.config_file = config_file
+        self.address = address
+        self.log_file = config_file.parent / "mosquitto.log"
+        self._process: subprocess.Popen[bytes] | None = None
+        self._stage: Path | None = None
+
+    def address_for(self, credentials: Credentials) -> BrokerAddress:
+        return self.address.with_login(credentials.username, credentials.password)
+
+    def start(self, timeout: float = 10.0) -> None:
+        for host, port in listeners(self.config_file.read_text()):
+            check_port_free(host, port)
+        config = self._reachable_config()
+        with open(self.log_file, "ab") as log_out:
+            self._process = subprocess.Popen(
+                [self.binary, "-c", str(config)],  # type: ignore[list-item]
+                stdout=log_out,
+                stderr=subprocess.STDOUT,
+                **child_options(_broker_owner()),
+            )
+        try:
+            wait_until_healthy(self.address, timeout, alive=lambda: self.running)
+        except BrokerError as exc:
+            self.stop()
+            tail = "\n".join(self.log_file.read_text(errors="replace").splitlines()[-10:])
+            raise BrokerError(f"{exc}; see {self.log_file}:\n{tail}") from None
+        log.info("mosquitto (pid %d) from %s listening on %s", self._process.pid, self.config_file, self.address.url)
+
+    def _reachable_config(self) -> Path:
+        """The config mosquitto reads: the kit's own, or, when the ``mosquitto`` user cannot enter the kits
+        (a 0700 home or pytest's tmp), a copy in a fresh folder it can (persistence then lives there)."""
+        owner = _broker_owner()
+        folder = self.config_file.parent.resolve()
+        blocked = [d for d in folder.parents if not os.stat(d).st_mode & 0o001]
+        if owner is None or not blocked:
+            return self.config_file
+        stage = self._stage = scratch_dir("fedfleet-broker-")
+        for item in folder.iterdir():
+            if item.is_file() and item.name != self.log_file.name:
+                shutil.copy2(item, stage / item.name)
+                os.chown(stage / item.name, os.stat(item).st_uid, os.stat(item).st_gid)
+        (stage / "data").mkdir(mode=0o700)
+        os.chown(stage / "data", *owner)
+        config = stage / self.config_file.name
+        config.write_text(config.read_text().replace(str(folder), str(stage)))
+        log.warning(
+            "the mosquitto user cannot enter %s (mode %o): running the broker from a copy in %s",
+            blocked[0],
+            os.stat(blocked[0]).st_mode & 0o777,
+            stage,
+        )
+        return config
+
+    def stop(self, timeout: float = 10.0) -> None:
+        terminate(self._process, timeout)
+        self._process = None
+        if self._stage is not None:
+            shutil.rmtree(self._stage, ignore_errors=True)
+            self._stage = None
+
+
+def listeners(config: str) -> list[tuple[str, int]]:
+    """(host, port) of every ``listener PORT [HOST]`` line of a mosquitto config."""
+    found = re.findall(r"^listener\s+(\d+)(?:\s+(\S+))?", config, flags=re.MULTILINE)
+    return [(host or "0.0.0.0", int(port)) for port, host in found]

@@ -1,0 +1,155 @@
+"""The round engine's port to its devices, addressed by device id.
+
+The engine speaks to a :class:`Link`: control messages and payloads out, messages and verified
+payloads in, byte counters per device. It never sees topics, client ids, wills or ACL names:
+those belong to :class:`MqttLink`, the link of a real fleet. ``coordinator.transport.local_link`` is the
+in-process link the simulation and the comparison benchmark use, so both run the same round
+core as ``coordinator start``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from device_agent.wire.guard import InboundGuard, InboundLimits
+from device_agent.wire.messages import Manifest, Message
+from device_agent.wire.session import BrokerAddress, Delivery, Session, coordinator_session
+from device_agent.wire.topics import DeviceTopics, device_of
+from device_agent.wire.transfer import Completed, make_manifest
+
+if TYPE_CHECKING:
+    from coordinator.config.fleet import Fleet
+
+log = logging.getLogger("fedfleet.link")
+
+MessageHandler = Callable[[str, Message], None]
+PayloadHandler = Callable[[str, Completed], None]
+RefusalHandler = Callable[[str, str], None]
+"""Told (device, reason) of every frame the transport refused before the engine saw it (rate, retained, bounds)."""
+
+
+def _ignore_refusal(_device: str, _reason: str) -> None:
+    """The default :data:`RefusalHandler`: the transport still logs each burst of refusals."""
+
+
+class Link(Protocol):
+    """What the engine needs from a transport. Handlers may run on any thread; the engine queues them."""
+
+    def start(
+        self, on_message: MessageHandler, on_payload: PayloadHandler, on_refused: RefusalHandler = _ignore_refusal
+    ) -> None:
+        """Connect; from now on ``on_message(device, message)`` and ``on_payload(device, completed)`` fire."""
+
+    def stop(self) -> None: ...
+
+    def send_control(self, device: str, message: Message) -> None: ...
+
+    def prepare(self, payload: bytes, **fields: Any) -> Manifest:
+        """A sealed manifest for ``payload`` (``run``, ``round``, ``kind``...), reusable for many devices."""
+        ...
+
+    def send_payload(self, device: str, payload: bytes, manifest: Manifest) -> str:
+        """Start delivering ``payload`` to ``device``; returns the transfer id its assignment names."""
+        ...
+
+    def payload_in_flight(self, device: str) -> bool:
+        """Whether the last payload sent to ``device`` is still on its way (neither acked nor failed)."""
+        ...
+
+    def bytes_up(self, device: str) -> int:
+        """Bytes received from ``device`` so far (payloads and control, framing included)."""
+        ...
+
+    def bytes_down(self, device: str) -> int:
+        """Bytes sent to ``device`` so far."""
+        ...
+
+
+def _by_device(handler: Callable[[str, Any], None], what: str) -> Callable[[str, Any], None]:
+    """A topic-keyed session callback that hands ``handler`` the device id; anything else is logged and dropped."""
+
+    def on_topic(topic: str, item: Any) -> None:
+        device = device_of(topic)
+        if device is None:
+            log.warning("%s on %s, outside any device's subtree; ignored", what, topic)
+            return
+        handler(device, item)
+
+    return on_topic
+
+
+class MqttLink:
+    """A fleet over an MQTT broker: one coordinator session, per-device topics under the fleet's name."""
+
+    def __init__(
+        self, fleet: str, broker: BrokerAddress, limits: InboundLimits | None = None, **session_config: Any
+    ) -> None:
+        self.fleet = fleet
+        self.broker = broker
+        self.limits = limits or InboundLimits()
+        self.session_config = session_config
+        self.session: Session | None = None
+        self._topics: dict[str, DeviceTopics] = {}
+        self._deliveries: dict[str, Delivery] = {}
+
+    @classmethod
+    def of(cls, fleet: Fleet, broker: BrokerAddress, **session_config: Any) -> MqttLink:
+        """The link of ``fleet``, its devices held to fleet.yaml's ``limits``."""
+        return cls(fleet.fleet, broker, fleet.limits.inbound(), **session_config)
+
+    def topics(self, device: str) -> DeviceTopics:
+        if device not in self._topics:
+            self._topics[device] = DeviceTopics(self.fleet, device)
+        return self._topics[device]
+
+    def start(
+        self,
+        on_message: MessageHandler,
+        on_payload: PayloadHandler,
+        on_refused: RefusalHandler = _ignore_refusal,
+        timeout: float = 30.0,
+    ) -> None:
+        self.session = coordinator_session(
+            self.fleet,
+            self.broker,
+            on_message=_by_device(on_message, "message"),
+            on_payload=_by_device(on_payload, "payload"),
+            guard=InboundGuard(self.limits, on_refused, f"fleet {self.fleet}"),
+            **self.session_config,
+        )
+        self.session.start(timeout=timeout)
+
+    def _session(self) -> Session:
+        if self.session is None:
+            raise RuntimeError("the MQTT link is not started")
+        return self.session
+
+    def stop(self) -> None:
+        if self.session is not None:
+            self.session.stop()
+
+    def send_control(self, device: str, message: Message) -> None:
+        self._session().publish(self.topics(device).down, message)
+
+    def prepare(self, payload: bytes, **fields: Any) -> Manifest:
+        return make_manifest(payload, self._session().config.chunk_size, **fields)
+
+    def send_payload(self, device: str, payload: bytes, manifest: Manifest) -> str:
+        delivery = self._session().send(self.topics(device).down, payload, manifest=manifest)
+        self._deliveries[device] = delivery
+        return delivery.transfer
+
+    def payload_in_flight(self, device: str) -> bool:
+        delivery = self._deliveries.get(device)
+        return delivery is not None and not delivery.done and delivery.error is None
+
+    def bytes_up(self, device: str) -> int:
+        return self._session().stats.bytes_in.get(self.topics(device).up, 0)
+
+    def bytes_down(self, device: str) -> int:
+        return self._session().stats.bytes_out.get(self.topics(device).down, 0)
+
+
+__all__ = ["Link", "MessageHandler", "MqttLink", "PayloadHandler", "RefusalHandler"]

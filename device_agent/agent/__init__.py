@@ -1,0 +1,1 @@
+"""The agent runtime: config, session use, outbox, probe and signing. Never imports emulation."""

@@ -1,0 +1,384 @@
+"""The device agent: one process that joins a fleet and trains whatever rounds it is assigned.
+
+The MQTT session runs its own threads and hands every message and verified payload to the agent's
+event queue; one main thread does all the work (training included) in order, so the agent's state
+needs no locks. The protocol it speaks is described in :mod:`device_agent.wire.protocol`.
+
+What survives what:
+
+- broker restart or network loss: the session reconnects and resumes unfinished transfers;
+- agent restart (kill -9, reboot): updates still in the outbox are re-sent at start-up;
+- coordinator restart: it re-sends the open round's assignments; an update for that round still
+  in the outbox is re-sent instead of training again;
+- personalized strategies: what the program keeps between rounds is on disk (:mod:`device_agent.agent.kept`);
+  if it is gone anyway (state directory wiped), the agent answers the round with ``RoundFailed(state_lost)``
+  and the coordinator starts it over with a whole model;
+- a payload that does not fit the model the assignment's spec builds (names, shapes, dtypes, finite values):
+  the agent answers ``RoundFailed(bad_assignment)`` naming the offending tensors, and takes the next round.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from torch import Tensor
+
+from device_agent import __version__
+from device_agent.agent.config import AgentConfig
+from device_agent.agent.hooks import HooksFor, RuntimeHooks
+from device_agent.agent.kept import KeptStore
+from device_agent.agent.outbox import Outbox, OutboxCorrupt, OutboxItem
+from device_agent.agent.probe import resolve_device
+from device_agent.agent.signing import UploadIdentity, signed_meta
+from device_agent.agent.speed import measured_profile
+from device_agent.agent.stopping import stop_on_signals
+from device_agent.clients.assignment_check import BadAssignment
+from device_agent.clients.base import KeptStateMissing
+from device_agent.common.profile import DeviceProfile
+from device_agent.data.datasets import DatasetError, check_source, load_dataset
+from device_agent.data.partition import client_shard
+from device_agent.training.local_round import train_assignment
+from device_agent.training.oom import free_memory, is_out_of_memory
+from device_agent.wire.codec import CodecError, decode_tensors
+from device_agent.wire.messages import INCOMPATIBLE, Assignment, Error, Hello, Message, Receipt, RoundFailed, Status
+from device_agent.wire.protocol import UPDATE_KIND, upload_meta
+from device_agent.wire.reachability import wait_for_broker
+from device_agent.wire.session import BrokerAddress, Delivery, Session, device_session
+from device_agent.wire.topics import DeviceTopics
+from device_agent.wire.transfer import Completed, make_manifest, new_transfer_id
+
+log = logging.getLogger("fedfleet.agent")
+
+RECEIPT_TIMEOUT_S = 30.0
+
+
+class AgentError(RuntimeError):
+    """The agent cannot start (bad credentials, unreachable broker, unreadable data)."""
+
+
+@dataclass
+class _Sent:
+    """An outbox update on the wire, waiting for the coordinator's receipt."""
+
+    item: OutboxItem
+    delivery: Delivery
+    since: float
+
+
+Split = tuple[Tensor, Tensor]
+
+
+class LocalData:
+    """This device's (train, test) data, loaded once per model input shape.
+
+    The test shard is the same share of the test split (same partition and label permutation), so it
+    follows the training shard's distribution: what a personalized model is measured on.
+    """
+
+    def __init__(self, config: AgentConfig) -> None:
+        self._config = config.data
+        self._cache: dict[tuple[int, int, int], tuple[Split, Split]] = {}
+
+    def for_model(self, image_size: int, in_channels: int, num_classes: int) -> tuple[Split, Split]:
+        key = (image_size, in_channels, num_classes)
+        if key not in self._cache:
+            data = load_dataset(self._config.source, image_size, in_channels)
+            spec = self._config.partition_spec()
+            if spec is None:
+                train, test = (data.train_x, data.train_y), (data.test_x, data.test_y)
+            else:
+                index = self._config.index or 0
+                train = client_shard(data.train_x, data.train_y, spec, index, data.num_classes)
+                test = client_shard(data.test_x, data.test_y, spec, index, data.num_classes)
+            if len(train[1]) == 0:
+                raise DatasetError(f"data share {self._config.index} of {self._config.count} is empty")
+            self._cache[key] = (train, test)
+        return self._cache[key]
+
+
+class Agent:
+    """One device in one fleet. ``run`` blocks until :meth:`stop` (or SIGINT/SIGTERM in ``run_agent``)."""
+
+    def __init__(
+        self, config: AgentConfig, profile: DeviceProfile | None = None, hooks: RuntimeHooks | HooksFor | None = None
+    ) -> None:
+        """``hooks`` (or a function of the torch device that makes them) shape this device; none on real hardware.
+
+        The runtime never imports emulation: ``device-agent run`` and the worker inject the emulated
+        device's hooks, a test its own.
+        """
+        self.config = config
+        self.device = resolve_device(config.device_type)
+        self.hooks = hooks(self.device) if callable(hooks) else (hooks or RuntimeHooks())
+        state = Path(config.state_dir)
+        state.mkdir(parents=True, exist_ok=True)
+        self.profile = self.hooks.profile(profile or measured_profile(config.device_type, state))
+        self.outbox = Outbox(state / "outbox")
+        self.signing_key = config.resolve_signing_key()
+        self.kept = KeptStore(state / "kept")
+        self.data = LocalData(config)
+        self._events: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._stopping = threading.Event()
+        self._assignments: dict[str, Assignment] = {}
+        self._payloads: dict[str, Completed] = {}
+        self._done: set[tuple[str, int]] = set()
+        self._sent: dict[tuple[str, int], _Sent] = {}
+        self._state = "idle"
+        self._connects = 0
+        self.session, self.topics = self._make_session()
+
+    def _make_session(self) -> tuple[Session, DeviceTopics]:
+        broker = self.config.broker
+        address = replace(
+            BrokerAddress.from_url(
+                broker.url, username=self.config.device, password=broker.resolve_password(), ca_file=broker.ca_file
+            ),
+            cert_file=broker.cert_file,
+            key_file=broker.key_file,
+        )
+        return device_session(
+            self.config.fleet,
+            self.config.device,
+            address,
+            on_message=lambda _topic, message: self._events.put(lambda: self._on_message(message)),
+            on_payload=lambda _topic, completed: self._events.put(lambda: self._on_payload(completed)),
+            before_chunk_out=self.hooks.before_chunk_out,
+            after_chunk_in=self.hooks.after_chunk_in,
+            protocol=broker.protocol,
+        )
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def run(self, connect_timeout: float | None = None) -> None:
+        """Connect and serve until stopped; the session keeps reconnecting on its own.
+
+        Raises :class:`AgentError` when the broker refuses the login, at start-up or on a later
+        reconnect: retrying with credentials the broker refused cannot succeed.
+        """
+        try:
+            self.session.start(timeout=connect_timeout)
+        except ConnectionError as exc:
+            raise AgentError(str(exc)) from None
+        log.info(
+            "%s: connecting to fleet %s at %s", self.config.device, self.config.fleet, self.session.config.broker.url
+        )
+        last_beat = 0.0
+        try:
+            while not self._stopping.is_set():
+                if self.session.refused:
+                    raise AgentError(f"{self.session.refused}; check the device's broker.password (--password)")
+                if self.session.stats.publish_denied and not self.session.stats.published:
+                    raise AgentError(
+                        f"the broker refuses every message this device sends on {self.topics.up}: is fleet "
+                        f"{self.config.fleet!r} the coordinator's fleet name? (a device may publish only there)"
+                    )
+                try:
+                    event = self._events.get(timeout=0.2)
+                except queue.Empty:
+                    event = None
+                if event is not None:
+                    event()
+                now = time.monotonic()
+                if self.session.stats.connects != self._connects:
+                    self._connects = self.session.stats.connects
+                    self._on_connected()
+                    last_beat = now
+                elif now - last_beat >= self.config.heartbeat_s:
+                    self._set_state(self._state)
+                    last_beat = now
+                self._check_receipts(now)
+        finally:
+            self.session.stop()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def _on_connected(self) -> None:
+        # Retained: a coordinator that (re)subscribes later still learns who is in the fleet.
+        self.session.publish(
+            self.topics.up, Hello(device=self.config.device, agent_version=__version__, profile=self.profile), True
+        )
+        self._set_state(self._state)
+        for item in self.outbox.pending():
+            if (item.run, item.round) not in self._sent:
+                self._send(item)
+
+    def _set_state(self, state: str, detail: str = "") -> None:
+        self._state = state
+        self.session.publish(
+            self.topics.status, Status(device=self.config.device, state=state, detail=detail), retain=True
+        )
+
+    # ---- messages ------------------------------------------------------------------------------
+
+    def _on_message(self, message: Message) -> None:
+        if isinstance(message, Assignment):
+            self._on_assignment(message)
+        elif isinstance(message, Receipt):
+            self._forget(message.run, message.round, f"receipt: {message.status}")
+        elif isinstance(message, Error) and message.code == INCOMPATIBLE:
+            raise AgentError(f"the coordinator cannot work with this agent: {message.detail}")
+        elif isinstance(message, Error):
+            log.warning("%s: coordinator refused something: %s: %s", self.config.device, message.code, message.detail)
+            for key, sent in list(self._sent.items()):
+                if sent.delivery.transfer == message.transfer:
+                    self._forget(*key, f"rejected: {message.detail}")
+
+    def _on_assignment(self, assignment: Assignment) -> None:
+        key = (assignment.run, assignment.round)
+        stored = [item for item in self.outbox.pending() if (item.run, item.round) == key]
+        if stored:
+            # A restarted coordinator re-assigns the open round: send what was trained, do not retrain.
+            self._send(stored[0])
+            return
+        if key in self._done:
+            return
+        self._assignments[assignment.download] = assignment
+        self._try_train(assignment.download)
+
+    def _on_payload(self, completed: Completed) -> None:
+        self._payloads[completed.manifest.transfer] = completed
+        self._try_train(completed.manifest.transfer)
+
+    # ---- one round -----------------------------------------------------------------------------
+
+    def _try_train(self, transfer: str) -> None:
+        assignment = self._assignments.get(transfer)
+        completed = self._payloads.get(transfer)
+        if assignment is None or completed is None:
+            if assignment is not None:
+                self._set_state("downloading", f"round {assignment.round}")
+            return
+        del self._assignments[transfer], self._payloads[transfer]
+        key = (assignment.run, assignment.round)
+        self._done.add(key)
+        # Drop payloads of assignments that never came (superseded rounds) so memory stays bounded.
+        self._payloads.clear()
+        self._set_state("training", f"round {assignment.round} at level {assignment.spec.level:g}")
+        try:
+            item = self._train(assignment, completed.data)
+        except KeptStateMissing as exc:
+            self._fail(assignment, "state_lost", str(exc))
+            return
+        except (BadAssignment, CodecError) as exc:
+            self._fail(assignment, "bad_assignment", str(exc))
+            return
+        except (MemoryError, ValueError, DatasetError, RuntimeError) as exc:
+            reason = "out_of_memory" if is_out_of_memory(exc) else "error"
+            if reason == "error":
+                log.exception("%s: round %d failed", self.config.device, assignment.round)
+            detail = f"{type(exc).__name__}: {exc}"
+        else:
+            self._send(item)
+            return
+        # Out of the except block the exception is gone, and with its traceback the round's tensors.
+        if reason == "out_of_memory":
+            free_memory()
+        self._fail(assignment, reason, detail)
+
+    def _train(self, assignment: Assignment, payload: bytes) -> OutboxItem:
+        spec, train = assignment.spec, assignment.train
+        tensors = decode_tensors(payload)
+        shard, test = self.data.for_model(spec.model.image_size, spec.model.in_channels, spec.model.num_classes)
+        self.hooks.before_training(spec.level)
+        with self.hooks.memory_guard():
+            trained = train_assignment(
+                spec, train, tensors, self.kept.load(assignment.run), shard, test, self.device, step=self.hooks.step
+            )
+            self.kept.save(assignment.run, trained.keep)
+        result, local_accuracy, upload = trained.result, trained.local_accuracy, trained.upload
+        seconds = result.seconds + self.hooks.after_training()
+        held = self.hooks.held_seconds()
+        host = max(0.0, seconds - held) if self.config.emulation is not None else None
+        meta = upload_meta(result.samples, seconds, result.mean_loss, local_accuracy, host, trained.received)
+        item = self.outbox.put(assignment.run, assignment.round, new_transfer_id(), upload, meta)
+        log.info(
+            "%s: round %d trained in %.1f s (loss %.3f, local accuracy %s), update of %d bytes",
+            self.config.device,
+            assignment.round,
+            seconds,
+            result.mean_loss,
+            "n/a" if local_accuracy is None else f"{local_accuracy:.3f}",
+            item.size,
+        )
+        return item
+
+    def _fail(self, assignment: Assignment, reason: str, detail: str) -> None:
+        log.warning("%s: round %d failed: %s", self.config.device, assignment.round, detail)
+        failure = RoundFailed(run=assignment.run, round=assignment.round, reason=reason, detail=detail[:2000])
+        self.session.publish(self.topics.up, failure)
+        self._set_state("idle", f"round {assignment.round} failed: {reason}")
+
+    def _send(self, item: OutboxItem) -> None:
+        try:
+            payload = self.outbox.payload(item)
+        except OutboxCorrupt as exc:
+            log.error("%s: dropping a corrupt stored update: %s", self.config.device, exc)
+            self.outbox.discard(item)
+            return
+        self.hooks.before_upload()
+        self._set_state("uploading", f"round {item.round}")
+        transfer = new_transfer_id()
+        fields = {"run": item.run, "round": item.round, "kind": UPDATE_KIND, "meta": dict(item.meta)}
+        if self.signing_key is None:  # hashed chunk by chunk as it is published
+            delivery = self.session.send(self.topics.up, payload, transfer=transfer, **fields)
+        else:  # the signature binds the transfer digest: hash first (once), then send the sealed manifest
+            cfg = self.session.config
+            manifest = make_manifest(payload, cfg.chunk_size, limits=cfg.limits, transfer=transfer, **fields)
+            identity = UploadIdentity(
+                self.config.fleet, item.run, item.round, self.config.device, transfer, manifest.digest
+            )  # type: ignore[arg-type]
+            manifest = manifest.model_copy(update={"meta": signed_meta(manifest.meta, self.signing_key, identity)})
+            delivery = self.session.send(self.topics.up, payload, manifest=manifest, transfer=transfer)
+        self._sent[(item.run, item.round)] = _Sent(item, delivery, time.monotonic())
+
+    def _forget(self, run: str, round_: int, why: str) -> None:
+        sent = self._sent.pop((run, round_), None)
+        for item in self.outbox.pending():
+            if (item.run, item.round) == (run, round_):
+                self.outbox.discard(item)
+                log.info("%s: round %d update settled (%s)", self.config.device, round_, why)
+        if sent is not None and not self._sent:
+            self._set_state("idle")
+
+    def _check_receipts(self, now: float) -> None:
+        """Resend an update whose transfer failed, or that got no receipt in time (a coordinator restart)."""
+        for key, sent in list(self._sent.items()):
+            failed = sent.delivery.error is not None
+            if failed or now - sent.since > RECEIPT_TIMEOUT_S:
+                if key not in {(i.run, i.round) for i in self.outbox.pending()}:
+                    del self._sent[key]
+                    continue
+                log.info(
+                    "%s: re-sending the round %d update (%s)",
+                    self.config.device,
+                    key[1],
+                    sent.delivery.error or "no receipt",
+                )
+                self._send(sent.item)
+
+
+def run_agent(config: AgentConfig, profile: DeviceProfile | None = None, hooks: HooksFor | None = None) -> int:
+    """Run until SIGINT/SIGTERM; the exit code of ``device-agent run``."""
+    try:
+        check_source(config.data.source)
+    except DatasetError as exc:
+        raise AgentError(str(exc)) from None
+    agent = Agent(config, profile, hooks)  # first: a setting of this device (no CUDA...) fails before any waiting
+    broker = BrokerAddress.from_url(config.broker.url)
+    try:
+        wait_for_broker(broker.host, broker.port, config.connect_timeout_s)
+    except ConnectionError as exc:
+        raise AgentError(str(exc)) from None
+    stop_on_signals(agent.stop)
+    agent.run()
+    return 0
+
+
+__all__ = ["Agent", "AgentError", "run_agent"]

@@ -1,0 +1,1 @@
+"""The ``device-agent`` command line: run, doctor, probe, emulate, worker, infer."""

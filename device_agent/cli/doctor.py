@@ -1,0 +1,264 @@
+"""``device-agent doctor``: is this device ready to join its fleet? One line per check, and a hint on failure.
+
+Checks what a person at the device can fix, in the order they depend on each other: the config
+and its secret files, the broker's address (TCP), the broker's certificate against the kit's CA
+(and this clock against the certificate's validity: a Pi without a battery-backed clock often
+boots in 1970), the login, the device's own topics, torch and the accelerator, the data, and the
+free disk and memory. A failed network check skips the ones that need it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import shutil
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import psutil
+from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
+
+from device_agent.agent.config import AgentConfig, ConfigError, load_config
+from device_agent.data.datasets import DatasetError, check_source
+from device_agent.wire.session import BrokerAddress
+from device_agent.wire.topics import ROOT, DeviceTopics
+
+_MIB = 1024**2
+MIN_DISK_BYTES = 1024 * _MIB
+MIN_MEMORY_BYTES = 512 * _MIB
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool | None  # None: skipped
+    detail: str
+    hint: str = ""
+
+    def line(self) -> str:
+        mark = {True: "PASS", False: "FAIL", None: "SKIP"}[self.ok]
+        text = f"{mark}  {self.name:<22} {self.detail}"
+        return text + (f"\n      hint: {self.hint}" if self.hint and self.ok is False else "")
+
+
+def _tls_context(address: BrokerAddress) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=address.ca_file)
+    if address.cert_file:
+        context.load_cert_chain(address.cert_file, address.key_file)
+    return context
+
+
+def check_network(address: BrokerAddress, timeout: float) -> list[Check]:
+    """TCP, TLS and clock: each needs the one before."""
+    start = time.monotonic()
+    try:
+        raw = socket.create_connection((address.host, address.port), timeout=timeout)
+    except OSError as exc:
+        return [
+            Check(
+                "broker reachable",
+                False,
+                f"{address.host}:{address.port}: {exc.strerror or exc}",
+                "is the broker running and the address in broker.url right? firewall? try: ping " + address.host,
+            )
+        ]
+    checks = [
+        Check("broker reachable", True, f"{address.host}:{address.port} ({(time.monotonic() - start) * 1e3:.0f} ms)")
+    ]
+    if not address.tls:
+        raw.close()
+        return [
+            *checks,
+            Check("TLS", None, "plain mqtt:// (no TLS)"),
+            Check("clock", None, "no certificate to compare"),
+        ]
+    try:
+        with _tls_context(address).wrap_socket(raw, server_hostname=address.host) as tls:
+            peer = tls.getpeercert() or {}
+    except ssl.SSLCertVerificationError as exc:
+        raw.close()
+        reason = exc.verify_message or str(exc)
+        hint = "broker.ca_file is not the CA of this fleet's broker (a kit of another fleet, or a re-created CA?)"
+        if "not yet valid" in reason or "expired" in reason:
+            hint = f"this device's clock says {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: set it (NTP)"
+        elif "mismatch" in reason or "hostname" in reason:
+            hint = f"the broker's certificate does not name {address.host}: add it to broker.hosts and re-provision"
+        return [*checks, Check("TLS verifies", False, reason, hint)]
+    except (ssl.SSLError, OSError) as exc:
+        raw.close()
+        return [*checks, Check("TLS verifies", False, str(exc), "check broker.ca_file, cert_file and key_file")]
+    checks.append(Check("TLS verifies", True, f"broker certificate for {address.host} signed by {address.ca_file}"))
+    not_before = dt.datetime.fromtimestamp(ssl.cert_time_to_seconds(peer["notBefore"]), dt.timezone.utc)
+    now = dt.datetime.now(dt.timezone.utc)
+    checks.append(
+        Check("clock", True, f"{now:%Y-%m-%d %H:%M:%S} UTC, after the broker certificate's {not_before:%Y-%m-%d}")
+    )
+    return checks
+
+
+def check_login(config: AgentConfig, address: BrokerAddress, timeout: float) -> list[Check]:
+    """Log in as the device (MQTT 5), subscribe to its ``down`` and publish once on its ``up``: the ACLs' answer."""
+    down = DeviceTopics(config.fleet, config.device).down
+    up = f"{ROOT}/{config.fleet}/dev/{config.device}/up/doctor"  # inside the device's own up subtree
+    events: dict[str, object] = {}
+    done = {name: threading.Event() for name in ("connect", "subscribe", "publish")}
+
+    def on_connect(_c: object, _u: object, _f: object, reason: object, _p: object) -> None:
+        events["connect"] = reason
+        done["connect"].set()
+
+    def on_subscribe(_c: object, _u: object, _m: int, reasons: list, _p: object) -> None:
+        events["subscribe"] = reasons[0]
+        done["subscribe"].set()
+
+    def on_publish(_c: object, _u: object, _m: int, reason: object, _p: object) -> None:
+        events["publish"] = reason
+        done["publish"].set()
+
+    client = mqtt.Client(
+        CallbackAPIVersion.VERSION2,
+        client_id=f"fedfleet-doctor-{config.device}-{time.monotonic_ns()}",
+        protocol=MQTTProtocolVersion.MQTTv5,
+    )
+    client.username_pw_set(address.username, address.password)
+    if address.tls:
+        client.tls_set_context(_tls_context(address))
+    client.on_connect, client.on_subscribe, client.on_publish = on_connect, on_subscribe, on_publish
+    try:
+        client.connect(address.host, address.port, keepalive=10)
+    except (OSError, ssl.SSLError) as exc:
+        return [Check("login accepted", False, str(exc), "see the TLS check above")]
+    client.loop_start()
+    try:
+        if not done["connect"].wait(timeout):
+            return [Check("login accepted", False, "no answer from the broker", "is it an MQTT broker?")]
+        reason = events["connect"]
+        if getattr(reason, "is_failure", True):
+            return [
+                Check(
+                    "login accepted",
+                    False,
+                    f"refused as {address.username}: {reason}",
+                    "broker.password is not this device's current secret (rotated? copied from another kit?)",
+                )
+            ]
+        checks = [Check("login accepted", True, f"as {address.username}")]
+        client.subscribe(down, qos=1)
+        client.publish(up, b"", qos=1)
+        for name, topic in (("subscribe", down), ("publish", up)):
+            granted = done[name].wait(timeout) and not getattr(events[name], "is_failure", True)
+            verb = "read" if name == "subscribe" else "write"
+            checks.append(
+                Check(
+                    f"may {verb} own topics",
+                    bool(granted),
+                    f"{topic}: {events.get(name, 'no answer')}",
+                    "the broker's ACL does not confine users to fedfleet/<fleet>/dev/<user>: wrong fleet name?",
+                )
+            )
+        return checks
+    finally:
+        client.disconnect()
+        client.loop_stop()
+
+
+def check_torch(config: AgentConfig) -> Check:
+    try:
+        import torch
+    except ImportError as exc:
+        return Check("torch", False, str(exc), "install torch into this venv (see the kit's install.sh)")
+    cuda = torch.cuda.is_available()
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    found = f"cuda ({torch.cuda.get_device_name(0)})" if cuda else "mps" if mps else "cpu only"
+    want = config.device_type
+    ok = want in ("auto", "cpu") or (want.startswith("cuda") and cuda) or (want == "mps" and mps)
+    hint = "on a Jetson, install NVIDIA's JetPack torch wheel; PyPI's aarch64 torch is CPU-only"
+    return Check("torch and accelerator", ok, f"torch {torch.__version__}, {found}, device_type {want}", hint)
+
+
+def check_data(config: AgentConfig) -> Check:
+    data = config.data
+    if data.dataset == "digits":
+        try:
+            check_source("digits")
+        except DatasetError as exc:
+            return Check("data", False, "built-in digits need scikit-learn, which is not installed", str(exc))
+        return Check("data", True, "built-in digits (scikit-learn)")
+    if data.dataset == "fashion_mnist" and data.path is None:
+        try:
+            check_source("fashion_mnist")
+        except DatasetError as exc:
+            return Check("data", False, "built-in fashion_mnist: Debian's dataset-fashion-mnist is missing", str(exc))
+        return Check("data", True, "built-in fashion_mnist (Debian's dataset-fashion-mnist)")
+    path = Path(str(data.path)).expanduser()
+    hint = f"copy this device's {data.dataset} data to {path} (readable by the agent's user) or fix data.path"
+    if not path.exists():
+        return Check("data", False, f"{path}: does not exist", hint)
+    try:
+        entries = list(path.iterdir()) if path.is_dir() else [path] if path.stat().st_size > 0 else []
+    except OSError as exc:
+        return Check("data", False, f"{path}: {exc.strerror}", hint)
+    if not entries:
+        return Check("data", False, f"{path}: empty", hint)
+    return Check("data", True, f"{path} ({len(entries)} entries)" if path.is_dir() else f"{path}")
+
+
+def check_resources(config: AgentConfig) -> list[Check]:
+    target = Path(config.state_dir).expanduser().resolve()
+    while not target.exists():
+        target = target.parent
+    free = shutil.disk_usage(target).free
+    memory = psutil.virtual_memory().available
+    return [
+        Check(
+            "free disk",
+            free >= MIN_DISK_BYTES,
+            f"{free / _MIB:.0f} MiB free at {target}",
+            f"the agent keeps updates and logs in {config.state_dir}: free at least {MIN_DISK_BYTES // _MIB} MiB",
+        ),
+        Check(
+            "free memory",
+            memory >= MIN_MEMORY_BYTES,
+            f"{memory / _MIB:.0f} MiB available",
+            f"training needs at least {MIN_MEMORY_BYTES // _MIB} MiB; stop other services or add swap",
+        ),
+    ]
+
+
+def diagnose(config_path: Path, timeout: float = 5.0) -> list[Check]:
+    """Every check, in order; stops early only when the config itself cannot be read."""
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        return [Check("config", False, str(exc), "fix agent.yaml (the message names the key)")]
+    checks = [Check("config", True, f"{config_path}: device {config.device}, fleet {config.fleet}")]
+    broker = config.broker
+    try:
+        password = broker.resolve_password()
+        address = replace(
+            BrokerAddress.from_url(broker.url, config.device, password, broker.ca_file),
+            cert_file=broker.cert_file,
+            key_file=broker.key_file,
+        )
+        for name in filter(None, (broker.ca_file, broker.cert_file, broker.key_file)):
+            Path(name).read_bytes()
+        config.resolve_signing_key()
+    except (ConfigError, ValueError, OSError) as exc:
+        detail = f"{exc.filename}: {exc.strerror}" if isinstance(exc, OSError) else str(exc)
+        checks.append(Check("secrets readable", False, detail, "run doctor as the agent's user (sudo) or fix the path"))
+        address = None
+    else:
+        read = "password" + (", CA, client certificate" if address.tls else "")
+        checks.append(Check("secrets readable", True, read + (", signing key" if config.signing_key else "")))
+    network = check_network(address, timeout) if address else [Check("broker", None, "no usable broker settings")]
+    checks += network
+    if address is not None and all(c.ok is not False for c in network):
+        checks += check_login(config, address, timeout)
+    else:
+        checks.append(Check("login accepted", None, "skipped: no verified connection to the broker"))
+    checks += [check_torch(config), check_data(config), *check_resources(config)]
+    return checks

@@ -1,0 +1,1 @@
+"""The bottom layer shared by agent and coordinator: schemas, atomic files, paths."""

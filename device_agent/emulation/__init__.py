@@ -1,0 +1,1 @@
+"""Holding agents to device profiles: limits, shaping, packing, launcher, workers."""

@@ -1,0 +1,134 @@
+"""One worker process hosting many emulated devices: the real agent runtime, once per virtual device.
+
+A process per device costs a Python + torch runtime each (~300-370 MB), so a host runs a few dozen.
+A worker imports torch once and runs one :class:`device_agent.agent.runtime.Agent` per device, each in
+its own thread with everything a device has of its own: MQTT session and client id, login, state
+directory, data shard, outbox, link shaping and step pacing. The code path is the agent's own:
+only the hooks differ (:class:`device_agent.emulation.limits.EmulatedDevice` with a compute slot). Devices
+take turns computing in the worker's compute slots and sleep off their device time outside them,
+so while device A waits to hold its step time, device B trains. Memory is held per device by
+accounting (:mod:`device_agent.emulation.accounting`), since no OS cap exists per thread.
+
+A worker reads a list of agent.yaml files (``device-agent worker --agents LIST``), which is what
+``coordinator emulate`` and ``device-agent emulate`` write when they pack devices
+(:mod:`device_agent.emulation.packing`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+from device_agent.agent.config import AgentConfig, ConfigError, EmulationConfig, load_config
+from device_agent.agent.probe import probe_device, resolve_device
+from device_agent.agent.runtime import Agent, AgentError
+from device_agent.agent.stopping import stop_on_signals
+from device_agent.common.profile import DeviceProfile
+from device_agent.data.datasets import DatasetError, check_source
+from device_agent.emulation.limits import EmulatedDevice, limit_threads
+
+log = logging.getLogger("fedfleet.worker")
+
+STAGGER_S = 0.02
+"""Pause between two devices' first connects: hundreds at once make the broker refuse some (backlog)."""
+
+
+def read_agent_list(path: Path) -> list[AgentConfig]:
+    """The agent.yaml files a worker hosts: a YAML list of paths, relative ones to the list's folder."""
+    try:
+        entries = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(entries, list) or not entries or not all(isinstance(e, str) for e in entries):
+        raise ConfigError(f"{path}: expected a non-empty list of agent.yaml paths")
+    configs = [load_config(Path(path).parent / entry) for entry in entries]
+    devices = [config.device for config in configs]
+    repeated = sorted({d for d in devices if devices.count(d) > 1})
+    if repeated:
+        raise ConfigError(f"{path}: device(s) listed twice: {', '.join(repeated)}")
+    types = {config.device_type for config in configs}
+    if len(types) > 1:
+        raise ConfigError(f"{path}: one worker trains on one device type, got {', '.join(sorted(types))}")
+    return configs
+
+
+class Worker:
+    """Many virtual devices in this process; :meth:`run` serves them until :meth:`stop`.
+
+    ``slots``: how many devices compute at once (each with the process's ``threads``); one keeps a
+    device's step timing and its measured CUDA peak its own.
+    """
+
+    def __init__(
+        self, configs: list[AgentConfig], *, slots: int = 1, threads: int = 1, profile: DeviceProfile | None = None
+    ) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be >= 1, got {slots}")
+        if not configs:
+            raise ValueError("a worker needs at least one device")
+        limit_threads(threads)
+        self.slot = threading.BoundedSemaphore(slots)
+        device = resolve_device(configs[0].device_type)
+        # Measured once: every device's hooks replace what emulation holds them to (compute, memory, link).
+        measured = profile or probe_device(0.2, configs[0].device_type)
+        self.agents = [
+            Agent(config, measured, hooks=EmulatedDevice(config.emulation or EmulationConfig(), device, self.slot))
+            for config in configs
+        ]
+        self.errors: dict[str, str] = {}
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def run(self, stagger_s: float = STAGGER_S) -> None:
+        """Start every device (connects staggered), serve until :meth:`stop` or a device fails, stop them all."""
+        for agent in self.agents:
+            if self._stopping.is_set():
+                break
+            thread = threading.Thread(target=self._serve, args=(agent,), name=f"agent-{agent.config.device}")
+            thread.start()
+            self._threads.append(thread)
+            time.sleep(stagger_s)
+        while not self._stopping.wait(0.5):
+            pass
+        for agent in self.agents:
+            agent.stop()
+        for thread in self._threads:
+            thread.join()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def _serve(self, agent: Agent) -> None:
+        try:
+            agent.run()
+        except AgentError as exc:
+            self.errors[agent.config.device] = str(exc)
+            log.error("%s: %s; stopping this worker", agent.config.device, exc)
+        except Exception as exc:
+            self.errors[agent.config.device] = f"{type(exc).__name__}: {exc}"
+            log.exception("%s: crashed; stopping this worker", agent.config.device)
+        if not self._stopping.is_set() and agent.config.device in self.errors:
+            self.stop()
+
+
+def run_worker(agent_list: Path, slots: int = 1, threads: int = 1) -> int:
+    """``device-agent worker``: serve the listed devices until SIGINT/SIGTERM; 1 if one of them failed."""
+    configs = read_agent_list(agent_list)
+    for config in configs:
+        try:
+            check_source(config.data.source)
+        except DatasetError as exc:
+            raise AgentError(f"{config.device}: {exc}") from None
+    worker = Worker(configs, slots=slots, threads=threads)
+    stop_on_signals(worker.stop)
+    log.info("worker: %d devices (%s .. %s)", len(configs), configs[0].device, configs[-1].device)
+    worker.run()
+    for device, error in worker.errors.items():
+        log.error("%s failed: %s", device, error)
+    return 1 if worker.errors else 0

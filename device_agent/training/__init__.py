@@ -1,0 +1,1 @@
+"""Local work for one round: the optimizer, the local round, federated evaluation, OOM handling."""

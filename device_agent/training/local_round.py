@@ -1,0 +1,59 @@
+"""One round of local work, from a decoded assignment to the tensors that go back.
+
+The agent runtime (over MQTT) and the coordinator's in-process devices both call
+:func:`train_assignment`, so an in-process simulation trains exactly what a device trains: the
+program of the assignment's spec, federated evaluation of the received model, ``train_local``, the
+device's own accuracy measure, the upload packed with its extras.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from device_agent.clients import build_program
+from device_agent.clients.spec import ClientSpec, TrainConfig
+from device_agent.training.federated_evaluation import evaluate_received
+from device_agent.training.optimizer import TrainResult, evaluate_local, train_local
+from device_agent.wire.protocol import ReceivedEvaluation, pack_upload
+
+Split = tuple[Tensor, Tensor]
+
+
+@dataclass(frozen=True)
+class TrainedRound:
+    """What one round produced: the packed upload, what the device keeps, and how training went."""
+
+    upload: dict[str, Tensor]
+    keep: dict[str, Tensor]
+    result: TrainResult
+    local_accuracy: float | None
+    """The trained model on the device's own test shard (None without one): a personalized model's only measure."""
+    received: ReceivedEvaluation | None = None
+    """The model as received, before training, on the same test shard: federated evaluation (None without one)."""
+
+
+def train_assignment(
+    spec: ClientSpec,
+    train: TrainConfig,
+    tensors: Mapping[str, Tensor],
+    local: Mapping[str, Tensor] | None,
+    shard: Split,
+    test: Split,
+    device: torch.device | str = "cpu",
+    step: Callable[[], AbstractContextManager[object]] | None = None,
+) -> TrainedRound:
+    """Build the spec's program from the assignment (and what the device kept), evaluate it, train, evaluate, pack."""
+    program = build_program(spec, tensors, local)
+    received = evaluate_received(program, test, shard[0], device)
+    result = train_local(program, shard, train, device, step=step)
+    local_accuracy = evaluate_local(program, test, device, calibration=shard[0]) if len(test[1]) else None
+    upload = pack_upload(program.upload(), program.extras())
+    return TrainedRound(upload, program.keep(), result, local_accuracy, received)
+
+
+__all__ = ["TrainedRound", "train_assignment"]

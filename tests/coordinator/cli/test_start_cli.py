@@ -1,0 +1,74 @@
+"""``coordinator start`` on a run that cannot or need not go on: finished, or out of disk space."""
+
+from __future__ import annotations
+
+import errno
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from coordinator.cli.app import main
+from coordinator.run.metrics import RoundMetrics
+from coordinator.run.rundir import RunDir
+from coordinator.run.storage import out_of_space_message
+from tests.paths import REPO_ROOT
+
+DEMO = REPO_ROOT / "examples" / "demo.yaml"
+
+
+def test_resuming_a_finished_run_says_so_and_exits_0(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fleet_file = tmp_path / "demo.yaml"
+    fleet_file.write_text(DEMO.read_text().replace("rounds: 10", "rounds: 1"))
+    metrics = RoundMetrics(round=1, accuracy=0.9, loss=0.3, participants=0, bytes_up=0, bytes_down=0, seconds=1.0)
+    with RunDir.create(tmp_path / "run", fleet_file, {"w": torch.zeros(2)}, seed=0) as rundir:
+        rundir.complete_round(1, {"w": torch.ones(2)}, metrics)
+
+    assert main(["start", "--fleet", str(fleet_file), "--run-dir", str(tmp_path / "run"), "--wait-timeout", "1"]) == 0
+    assert f"{tmp_path / 'run'} is complete: all 1 rounds are done" in capsys.readouterr().out
+
+
+def test_a_full_disk_is_a_clear_stop_message_and_other_os_errors_pass_through(tmp_path: Path) -> None:
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "run" / "state" / "x"))
+
+    message = out_of_space_message(full, tmp_path / "run")
+
+    assert message.startswith(f"no space left to write the run directory ({full.filename}): No space left on device")
+    assert f"run the same command to resume {tmp_path / 'run'}" in message
+    with pytest.raises(PermissionError):
+        out_of_space_message(PermissionError(errno.EACCES, "Permission denied"), tmp_path)
+
+
+def test_uploads_accepted_before_the_disk_filled_survive_it(tmp_path: Path) -> None:
+    """A real process with a file-size limit accepts uploads until a write fails, as on a full disk."""
+    fleet_file = tmp_path / "fleet.yaml"
+    fleet_file.write_text("fleet: lab\n")
+    RunDir.create(tmp_path / "run", fleet_file, {"w": torch.zeros(4)}, seed=0).close()
+    child = textwrap.dedent(
+        f"""
+        import json, resource, torch
+        from coordinator.run.rundir import RunDir
+        resource.setrlimit(resource.RLIMIT_FSIZE, (3000, 3000))
+        accepted = []
+        with RunDir.open({str(tmp_path / "run")!r}) as rundir:
+            try:
+                for i in range(100):
+                    rundir.accept_upload(1, f"d{{i}}", f"t{{i}}", {{"u": torch.full((40 + 20 * i,), float(i))}})
+                    accepted.append(f"d{{i}}")
+            except OSError as exc:
+                print(json.dumps({{"accepted": accepted, "errno": exc.errno}}))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True)
+    result = json.loads(done.stdout)
+
+    assert result["errno"] == errno.EFBIG and len(result["accepted"]) >= 2
+    with RunDir.open(tmp_path / "run") as rundir:
+        journal = rundir.resume().journal
+        assert [entry.device for entry in journal] == result["accepted"]
+        for number, entry in enumerate(journal):
+            assert torch.equal(rundir.load_upload(entry)["u"], torch.full((40 + 20 * number,), float(number)))

@@ -1,0 +1,45 @@
+"""fleet.yaml ``limits``: today's bounds by default, and what an operator sets reaches the guard, gate and engine."""
+
+from __future__ import annotations
+
+from coordinator.config.fleet import parse_fleet
+from coordinator.config.limits import GateSettings
+from coordinator.rounds.engine import EngineSettings
+from device_agent.wire.guard import InboundLimits
+from tests.coordinator.config.test_fleet import CATALOG, MINIMAL
+
+TUNED = {
+    "max_upload_bytes": "256 MiB",
+    "messages_per_s": 20,
+    "message_burst": 50,
+    "max_open_transfers": 2,
+    "norm_bound_factor": 25,
+    "rejected_grace_s": 30,
+    "resend_after_s": 12.5,
+}
+
+
+def test_a_fleet_without_limits_runs_with_the_bounds_the_code_always_had() -> None:
+    fleet = parse_fleet(MINIMAL, CATALOG)
+
+    assert fleet.limits.inbound() == InboundLimits()
+    assert EngineSettings.of(fleet, min_devices=2, wait_timeout_s=60) == EngineSettings(
+        min_devices=2, wait_timeout_s=60, gate=GateSettings()
+    )
+
+
+def test_tuned_limits_reach_the_transport_guard_the_upload_gate_and_the_engine() -> None:
+    fleet = parse_fleet({**MINIMAL, "limits": TUNED}, CATALOG)
+
+    inbound = fleet.limits.inbound()
+    assert (inbound.max_transfer_bytes, inbound.max_pending_bytes) == (256 << 20, 256 << 20)
+    assert (inbound.messages_per_s, inbound.burst, inbound.max_open_transfers) == (20, 50, 2)
+    settings = EngineSettings.of(fleet, min_devices=1, wait_timeout_s=60)
+    assert settings.gate.max_norm_ratio == 25
+    assert (settings.rejected_grace_s, settings.resend_after_s) == (30, 12.5)
+
+
+def test_the_norm_bound_can_be_turned_off() -> None:
+    fleet = parse_fleet({**MINIMAL, "limits": {"norm_bound_factor": None}}, CATALOG)
+
+    assert fleet.limits.gate().max_norm_ratio is None

@@ -1,0 +1,58 @@
+"""A device kit's text files as rendered from the templates: the device's values in, the shell's ``$`` kept."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from coordinator.config.fleet import Fleet, load_fleet
+from coordinator.provision.agent_kit import agent_yaml, install_text, unit_text
+from coordinator.provision.layout import DeviceLayout
+
+LAYOUT = DeviceLayout(Path("/srv/ff"), Path("/var/ff"))
+
+
+def _fleet(tmp_path: Path, extra: str = "") -> Fleet:
+    path = tmp_path / "fleet.yaml"
+    path.write_text(
+        "fleet: lab\nbroker: {mode: managed, host: 127.0.0.1, port: 8883}\n"
+        f"{extra}devices:\n  - {{id: pi, profile: raspberry-pi-4}}\n  - {{id: orin, profile: jetson-orin-nano-8gb}}\n"
+    )
+    return load_fleet(path)[0]
+
+
+def test_install_sh_gets_the_device_values_and_keeps_its_shell_variables(tmp_path: Path) -> None:
+    fleet = _fleet(tmp_path, "dataset: {name: digits}\n")
+    script = install_text(fleet, fleet.devices[0], LAYOUT)
+    lines = script.splitlines()
+    assert lines[1] == "# Install the fedfleet agent of device pi (fleet lab) under /srv/ff."
+    assert "PREFIX=/srv/ff" in lines and "PYTHON=${PYTHON:-python3}" in lines and "    case cpu in" in lines
+    assert '$PIP install $OFFLINE "$KIT/fedfleet_agent-0.1.0-py3-none-any.whl[demo]"' in lines
+    assert "        useradd --system --home-dir /var/ff --shell /usr/sbin/nologin fedfleet" in lines
+    assert '    echo "then start:        systemctl enable --now fedfleet-agent"' in lines
+    assert "@" not in script
+
+
+def test_a_jetson_unit_joins_group_video_with_every_line_at_the_start(tmp_path: Path) -> None:
+    fleet = _fleet(tmp_path)
+    unit = unit_text(fleet, fleet.devices[1], LAYOUT).splitlines()
+    assert "SupplementaryGroups=video" in unit
+    assert "ExecStart=/srv/ff/venv/bin/device-agent run --config /srv/ff/etc/agent.yaml" in unit
+    assert not any(line[:1].isspace() for line in unit)
+    assert "SupplementaryGroups=video" not in unit_text(fleet, fleet.devices[0], LAYOUT)
+
+
+def test_agent_yaml_says_where_the_data_goes_right_above_the_data_section(tmp_path: Path) -> None:
+    extra = "dataset: {name: cifar10, path: /data/cifar}\nsecurity: {sign_uploads: true}\n"
+    fleet = _fleet(tmp_path, extra)
+    text = agent_yaml(fleet, 0, LAYOUT, tls=True)
+    lines = text.splitlines()
+    note = lines.index("data:") - 1
+    assert lines[note] == "# PUT THIS DEVICE'S cifar10 DATA AT data.path (readable by user fedfleet) and edit the path"
+    config = yaml.safe_load(text)
+    assert list(config) == ["device", "fleet", "broker", "device_type", "state_dir", "data", "signing_key"]
+    assert config["data"] == {"dataset": "cifar10", "path": "/data/cifar", "partition": "iid"}
+    assert (
+        config["broker"]["ca_file"] == "/srv/ff/etc/ca.pem" and config["signing_key"] == "file:/srv/ff/etc/signing.key"
+    )

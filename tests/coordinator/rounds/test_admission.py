@@ -1,0 +1,115 @@
+"""The upload gate as one object: a signed upload received chunk by chunk, admitted, journaled, folded.
+
+Each received byte is hashed once on the coordinator: when its chunk is verified against the seal.
+The signature and the journal reuse the transfer digest that verification established.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from coordinator.rounds.admission import Admission
+from coordinator.rounds.signing import UploadSignatures
+from coordinator.rounds.state import OpenRound, Participant
+from coordinator.rounds.upload_gate import UploadGate
+from coordinator.run.rundir import RunDir
+from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
+from device_agent.agent.signing import UploadIdentity, signed_meta
+from device_agent.clients.base import is_norm_statistic
+from device_agent.wire.codec import encode_tensors
+from device_agent.wire.protocol import UPDATE_KIND
+from device_agent.wire.transfer import Completed, IncomingTransfers, make_manifest
+
+CNN = ModelSpec("cnn", 10, 1, 8)
+KEY = bytes(range(32))
+CHUNK = 4096
+
+
+class CountingSha256:
+    """``hashlib.sha256`` that adds up how many bytes everything in the process hashed."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._real = hashlib.sha256
+
+    def __call__(self, data: bytes | memoryview = b"", **kwargs: object):
+        counter = self
+        inner = self._real(**kwargs)  # type: ignore[arg-type]
+
+        class _Hash:
+            def update(self, more: bytes | memoryview) -> None:
+                counter.bytes += len(more)
+                inner.update(more)
+
+            def __getattr__(self, name: str):
+                return getattr(inner, name)
+
+        wrapped = _Hash()
+        if data:
+            wrapped.update(data)
+        return wrapped
+
+
+def _signed_upload(tmp_path: Path) -> tuple[RunDir, OpenRound, bytes, object]:
+    strategy = build_strategy("fedhm", CNN, {}, seed=0)
+    (tmp_path / "fleet.yaml").write_text("fleet: lab\n")
+    rundir = RunDir.create(tmp_path / "run", tmp_path / "fleet.yaml", strategy.state_dict(), seed=0)
+    slots = [ClientSlot("pi-1", 0.5, 100)]
+    open_ = OpenRound(1, {"pi-1": Participant(0.5)}, strategy.open_round(1, slots), 1e12, 0.0)
+    sent = strategy.configure(1, slots)["pi-1"].tensors
+    data = encode_tensors({k: v for k, v in sent.items() if not is_norm_statistic(k)})
+    manifest = make_manifest(
+        data,
+        CHUNK,
+        run=rundir.run_id,
+        round=1,
+        kind=UPDATE_KIND,
+        meta={"samples": "100", "train_seconds": "2.0", "loss": "0.5"},
+    )
+    identity = UploadIdentity("lab", rundir.run_id, 1, "pi-1", manifest.transfer, manifest.digest)  # type: ignore[arg-type]
+    manifest = manifest.model_copy(update={"meta": signed_meta(manifest.meta, KEY, identity)})
+    return rundir, open_, data, manifest
+
+
+def test_each_received_byte_is_hashed_once_from_chunk_to_journal(tmp_path: Path, monkeypatch) -> None:
+    rundir, open_, data, manifest = _signed_upload(tmp_path)
+    admission = Admission(UploadGate(), rundir, lambda _d: 100, UploadSignatures("lab", {"pi-1": KEY}))
+    counting = CountingSha256()
+    monkeypatch.setattr(hashlib, "sha256", counting)
+
+    receiver = IncomingTransfers()
+    receiver.on_manifest(manifest, now=0.0)
+    completed = None
+    for index in range(manifest.chunk_count):
+        chunk = data[index * CHUNK : (index + 1) * CHUNK]
+        _, completed = receiver.on_chunk(manifest.transfer, index, chunk, bytes.fromhex(manifest.chunks[index]), 0.0)
+    assert completed is not None
+    verified = counting.bytes
+    assert admission.admit("pi-1", completed, open_, next_round=1) == "accepted"
+    after = counting.bytes - verified
+
+    assert len(data) <= verified < len(data) + 64 * (manifest.chunk_count + 2)  # chunks, then the digest list
+    assert after < 1024, f"admission hashed {after} more bytes of a {len(data)}-byte upload"
+    assert open_.participants["pi-1"].status == "accepted"
+
+    monkeypatch.setattr(hashlib, "sha256", counting._real)
+    (entry,) = rundir.resume().journal
+    assert entry.sha256 == manifest.digest and entry.chunk_size == CHUNK
+    assert entry.intact(entry.path.read_bytes()) and not entry.intact(entry.path.read_bytes() + b"!")
+    rundir.close()
+
+
+def test_an_unsealed_or_foreign_digest_is_refused_before_the_journal(tmp_path: Path) -> None:
+    rundir, open_, data, manifest = _signed_upload(tmp_path)
+    admission = Admission(UploadGate(), rundir, lambda _d: 100, UploadSignatures("lab", {"pi-1": KEY}))
+    other = make_manifest(data + b"x", CHUNK, run=rundir.run_id, round=1, kind=UPDATE_KIND, transfer=manifest.transfer)
+    forged = other.model_copy(update={"meta": manifest.meta})
+
+    with pytest.raises(Exception, match="does not verify") as refused:
+        admission.admit("pi-1", Completed(forged, [data + b"x"]), open_, next_round=1)
+    assert getattr(refused.value, "reason", None) == "bad_signature"
+    assert rundir.resume().journal == []
+    rundir.close()

@@ -1,0 +1,49 @@
+"""The MQTT link of a fleet holds its devices to fleet.yaml's ``limits``, on a real broker."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from coordinator.config.fleet import parse_fleet
+from coordinator.transport.link import MqttLink
+from device_agent.wire.session import device_session
+from device_agent.wire.transfer import Completed, TransferError
+from tests.transport_fixtures import TestBroker
+
+
+def test_an_upload_over_the_fleets_max_upload_bytes_is_refused_and_a_smaller_one_arrives(
+    mosquitto: TestBroker,
+) -> None:
+    fleet = parse_fleet(
+        {
+            "fleet": mosquitto.fleet,
+            "broker": {"mode": "managed"},
+            "devices": [{"id": "dev-a", "profile": "reported"}],
+            "limits": {"max_upload_bytes": "64 KiB"},
+        }
+    )
+    refused: list[tuple[str, str]] = []
+    arrived: list[tuple[str, int]] = []
+    done = threading.Event()
+
+    def on_payload(device: str, completed: Completed) -> None:
+        arrived.append((device, completed.manifest.size))
+        done.set()
+
+    link = MqttLink.of(fleet, mosquitto.address())
+    link.start(lambda _device, _message: None, on_payload, lambda device, reason: refused.append((device, reason)))
+    device, topics = device_session(mosquitto.fleet, "dev-a", mosquitto.address("dev-a"))
+    device.start()
+    try:
+        with pytest.raises(TransferError, match="too_large: 131072 bytes exceed the 65536-byte transfer limit"):
+            device.send(topics.up, os.urandom(128 << 10), kind="update").wait(10)
+        device.send(topics.up, os.urandom(32 << 10), kind="update").wait(10)
+        assert done.wait(10)
+    finally:
+        device.stop()
+        link.stop()
+    assert set(refused) == {("dev-a", "transfer_refused")}  # its announcement and its seal
+    assert arrived == [("dev-a", 32 << 10)]

@@ -1,0 +1,102 @@
+"""An agent that cannot take part says why and stops: wrong fleet name, another protocol version, no broker."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from device_agent.agent.config import AgentConfig, parse_config
+from device_agent.agent.runtime import Agent, AgentError, run_agent
+from device_agent.wire.topics import DeviceTopics
+from tests.device_profiles import reported_profile
+from tests.transport_fixtures import TestBroker
+
+PROFILE = reported_profile()
+
+
+def _config(broker: TestBroker, fleet: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AgentConfig:
+    monkeypatch.setenv("FEDFLEET_TEST_DEV_A", broker.credentials["dev-a"].password)
+    return parse_config(
+        {
+            "device": "dev-a",
+            "fleet": fleet,
+            "broker": {"url": broker.address("dev-a").url, "password": "env:FEDFLEET_TEST_DEV_A"},
+            "device_type": "cpu",
+            "state_dir": str(tmp_path / "agent"),
+        }
+    )
+
+
+def test_a_wrong_fleet_name_stops_the_agent_with_the_likely_cause(
+    mosquitto: TestBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agent = Agent(_config(mosquitto, "not-the-fleet", tmp_path, monkeypatch), PROFILE)
+
+    with pytest.raises(AgentError, match="is fleet 'not-the-fleet' the coordinator's fleet name"):
+        agent.run(connect_timeout=10)
+
+
+def test_a_coordinator_of_another_protocol_version_is_answered_and_stops_the_agent(
+    mosquitto: TestBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agent = Agent(_config(mosquitto, mosquitto.fleet, tmp_path, monkeypatch), PROFILE)
+    topics = DeviceTopics(mosquitto.fleet, "dev-a")
+    answers: list[dict] = []
+    coordinator = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+    login = mosquitto.address()
+    coordinator.username_pw_set(login.username, login.password)
+    coordinator.on_message = lambda _c, _u, msg: answers.append(json.loads(msg.payload))
+    coordinator.connect(login.host, login.port)
+    coordinator.subscribe(topics.up, qos=1)
+    coordinator.loop_start()
+    failure: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            agent.run(connect_timeout=10)
+        except AgentError as exc:
+            failure.append(exc)
+
+    serving = threading.Thread(target=serve)
+    serving.start()
+    try:
+        for _ in range(200):  # the agent's hello: it is connected and subscribed
+            if any(a.get("type") == "hello" for a in answers):
+                break
+            serving.join(0.05)
+        coordinator.publish(topics.down, json.dumps({"v": 99, "type": "assignment"}), qos=1).wait_for_publish(5)
+        serving.join(10)
+    finally:
+        agent.stop()
+        serving.join(10)
+        coordinator.loop_stop()
+        coordinator.disconnect()
+
+    assert "protocol version 99 is not spoken here (this side speaks 3)" in str(failure[0])
+    assert {"type": "error", "code": "incompatible"}.items() <= answers[-1].items()
+
+
+def test_nothing_listening_on_the_broker_port_is_named_and_given_up_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = parse_config(
+        {
+            "device": "dev-a",
+            "fleet": "test",
+            "broker": {"url": f"mqtt://127.0.0.1:{port}"},
+            "connect_timeout_s": 2,
+            "state_dir": str(tmp_path / "agent"),
+        }
+    )
+
+    with pytest.raises(AgentError, match=rf"nothing is listening on 127.0.0.1:{port} .* gave up after 1 s"):
+        run_agent(config, PROFILE)

@@ -1,0 +1,87 @@
+"""An agent over a real broker: a round it cannot do is answered round_failed, and the agent takes the next one."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+import torch
+
+from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
+from device_agent.agent.config import parse_config
+from device_agent.agent.runtime import Agent
+from device_agent.clients.spec import TrainConfig
+from device_agent.wire.codec import encode_tensors
+from device_agent.wire.messages import Assignment, Hello, Message, RoundFailed
+from device_agent.wire.session import coordinator_session
+from device_agent.wire.topics import DeviceTopics
+from device_agent.wire.transfer import Completed
+from tests.device_profiles import reported_profile
+from tests.transport_fixtures import TestBroker
+
+DEVICE = "dev-a"
+CNN = ModelSpec("cnn", 10, 1, 8)
+Heard = TypeVar("Heard")
+
+
+def test_a_bad_assignment_fails_its_round_named_and_the_next_round_trains(
+    fresh_mosquitto: TestBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broker = fresh_mosquitto
+    monkeypatch.setenv("FEDFLEET_TEST_DEV_A", broker.credentials[DEVICE].password)
+    config = parse_config(
+        {
+            "device": DEVICE,
+            "fleet": broker.fleet,
+            "broker": {"url": broker.address(DEVICE).url, "password": "env:FEDFLEET_TEST_DEV_A"},
+            "device_type": "cpu",
+            "state_dir": str(tmp_path / "agent"),
+        }
+    )
+    heard: queue.Queue[Message | Completed] = queue.Queue()
+    coordinator = coordinator_session(
+        broker.fleet,
+        broker.address(),
+        on_message=lambda _topic, message: heard.put(message),
+        on_payload=lambda _topic, completed: heard.put(completed),
+    ).start()
+    topics = DeviceTopics(broker.fleet, DEVICE)
+    sent = build_strategy("fedavg", CNN, {}, seed=0).configure(1, [ClientSlot(DEVICE, 1.0, 100)])[DEVICE]
+    bad = {**sent.tensors, "conv1.weight": sent.tensors["conv1.weight"].to(torch.complex64)}
+    agent = Agent(config, reported_profile())
+    serving = threading.Thread(target=agent.run, kwargs={"connect_timeout": 10}, daemon=True)
+    serving.start()
+
+    def next_heard(kind: type[Heard]) -> Heard:
+        """The next message or payload of ``kind`` within a minute; heartbeats and the like in between are skipped."""
+        deadline = time.monotonic() + 60
+        while True:
+            got = heard.get(timeout=max(0.0, deadline - time.monotonic()))
+            if isinstance(got, kind):
+                return got
+
+    def assign(round_: int, tensors: dict[str, torch.Tensor]) -> None:
+        delivery = coordinator.send(topics.down, encode_tensors(tensors), run="r1", round=round_, kind="assignment")
+        assignment = Assignment(
+            run="r1", round=round_, deadline_s=60, download=delivery.transfer, spec=sent.spec, train=TrainConfig()
+        )
+        coordinator.publish(topics.down, assignment)
+
+    try:
+        next_heard(Hello)
+        assign(1, bad)
+        failed = next_heard(RoundFailed)
+        assign(2, sent.tensors)
+        update = next_heard(Completed)
+    finally:
+        agent.stop()
+        serving.join(30)
+        coordinator.stop()
+
+    assert (failed.round, failed.reason) == (1, "bad_assignment")
+    assert "'conv1.weight' is torch.complex64, expected torch.float32" in failed.detail
+    assert (update.manifest.round, update.manifest.kind) == (2, "update")

@@ -1,0 +1,70 @@
+"""A worker's list of devices, and how emulate turns per-device agents into workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from device_agent.agent.config import ConfigError
+from device_agent.emulation.launcher import AgentSpec, pack_specs, worker_command, write_agent_list
+from device_agent.emulation.profile_config import DataShare, agent_config, password_env, write_agent_config
+from device_agent.emulation.worker import read_agent_list
+
+
+def _agent(tmp_path: Path, index: int, device_type: str = "cpu") -> AgentSpec:
+    device = f"dev-{index:02d}"
+    folder = tmp_path / device
+    config = agent_config(
+        device,
+        "lab",
+        "mqtt://127.0.0.1:1883",
+        DataShare("digits", "iid", 0, index, 4),
+        folder / "state",
+        None,
+        password=f"env:{password_env(index)}",
+        device_type=device_type,
+    )
+    return AgentSpec(
+        device, write_agent_config(folder / "agent.yaml", config), folder / "agent.log", 1, {password_env(index): "pw"}
+    )
+
+
+def test_devices_are_packed_into_workers_that_list_their_agent_files(tmp_path: Path) -> None:
+    specs = [_agent(tmp_path, i) for i in range(4)]
+    workers = pack_specs(specs, [range(0, 3), range(3, 4)], tmp_path / "workers")
+    assert [w.device for w in workers] == ["worker-00", "worker-01"]
+    assert [c.device for c in read_agent_list(workers[0].config)] == ["dev-00", "dev-01", "dev-02"]
+    assert workers[0].log == tmp_path / "workers" / "worker-00.log"
+    # each device keeps its own password variable; the worker's environment carries all of its devices'
+    assert set(workers[0].env) == {"FEDFLEET_PASSWORD_0", "FEDFLEET_PASSWORD_1", "FEDFLEET_PASSWORD_2"}
+    assert worker_command(workers[1].config, threads=2)[-5:] == [
+        "worker",
+        "--agents",
+        str(workers[1].config),
+        "--threads",
+        "2",
+    ]
+
+
+def test_devices_sharing_a_password_variable_cannot_share_a_worker(tmp_path: Path) -> None:
+    first, second = _agent(tmp_path, 0), _agent(tmp_path, 1)
+    clashing = AgentSpec(second.device, second.config, second.log, 1, dict(first.env))
+    with pytest.raises(ValueError, match=r"share environment variable.*FEDFLEET_PASSWORD_0"):
+        pack_specs([first, clashing], [range(2)], tmp_path / "workers")
+
+
+def test_bad_agent_lists_are_named(tmp_path: Path) -> None:
+    one, gpu = _agent(tmp_path, 0), _agent(tmp_path, 1, device_type="cuda")
+    twice = write_agent_list(tmp_path / "twice.yaml", [one.config, one.config])
+    with pytest.raises(ConfigError, match="listed twice: dev-00"):
+        read_agent_list(twice)
+    mixed = write_agent_list(tmp_path / "mixed.yaml", [one.config, gpu.config])
+    with pytest.raises(ConfigError, match="one worker trains on one device type, got cpu, cuda"):
+        read_agent_list(mixed)
+    (tmp_path / "empty.yaml").write_text(yaml.safe_dump({"agents": []}))
+    with pytest.raises(ConfigError, match=r"expected a non-empty list of agent\.yaml paths"):
+        read_agent_list(tmp_path / "empty.yaml")
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_agent_list(tmp_path / "missing.yaml")
