@@ -147,6 +147,12 @@ def run_setting(name: str, setting: Setting, data: LabeledData, rounds: int, tra
         )
         for i in range(spec.num_clients)
     ]
+    empty = [c.client_id for c in clients if len(c.train[1]) == 0]
+    if empty:
+        raise ValueError(
+            f"{setting.label} (seed {spec.seed}) leaves {', '.join(empty)} without training data; "
+            "use more --train-samples or fewer clients"
+        )
     model = ModelSpec(ARCH, data.num_classes, data.in_channels, data.image_size)
     strategy = build_strategy(name, model, {}, spec.seed)
     torch.manual_seed(spec.seed)

@@ -84,3 +84,11 @@ def test_fashion_mnist_without_the_package_names_it(monkeypatch, capsys, tmp_pat
     monkeypatch.setattr(datasets, "FASHION_MNIST_DIR", tmp_path / "absent")
     assert compare.main(["--scenario", "domains", "--dataset", "fashion_mnist", "--strategies", "fedavg"]) == 2
     assert "apt-get install dataset-fashion-mnist" in capsys.readouterr().err
+
+
+def test_a_split_that_leaves_a_client_empty_says_so() -> None:
+    data = load_dataset("digits", 8, 1)
+    tiny = compare.LabeledData(data.train_x[:10], data.train_y[:10], data.test_x, data.test_y, 10)
+    setting = compare.scenarios(8, seed=1)["hetero-devices"][1]
+    with pytest.raises(ValueError, match=r"dirichlet-0.1 \(seed 1\) leaves client-\d+.* without training data"):
+        compare.run_setting("fedavg", setting, tiny, rounds=1, train=TrainConfig(batch_size=32))
