@@ -3,7 +3,8 @@
 The reference (CGCL-codes/FedHM) runs one full SVD per layer per rank level. fedfleet runs one
 decomposition per layer (a symmetric eigendecomposition of the smaller Gram matrix) and serves
 every level by truncation. Both are timed alternately in the same process, medians compared;
-fedfleet's factors are checked against the exact truncated SVD (computed in float64, untimed).
+fedfleet's factors are checked against the exact truncated SVD (computed in float64, untimed), also
+on ill-conditioned matrices whose kept spectrum spans up to six decades (docs/factorization.md).
 
     python -m benchmarks.refactorize --json
 """
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor
 
 from coordinator.algorithms.lowrank import align, factorize
-from device_agent.layers.factorized import matrices_to_factors, weight_to_matrix
+from device_agent.layers.factorized import matrices_to_factors, spectral_factors, weight_to_matrix
 from device_agent.layers.hybrid import LayerSpec, factorization_plan, hybrid
 
 
@@ -67,6 +68,25 @@ def optimal_errors(
     return errors
 
 
+def ill_conditioned_gaps(rows: int = 768, cols: int = 384, spans: Sequence[int] = (1, 2, 3, 4, 6)) -> dict[str, float]:
+    """Error above the optimum of float32 factors at half rank, for kept spectra spanning 10^d.
+
+    The singular values fall evenly over 2d decades, so the kept half spans d of them.
+    """
+    generator = torch.Generator().manual_seed(0)
+    k = min(rows, cols)
+    left, _ = torch.linalg.qr(torch.randn(rows, k, dtype=torch.float64, generator=generator))
+    right, _ = torch.linalg.qr(torch.randn(cols, k, dtype=torch.float64, generator=generator))
+    gaps = {}
+    for decades in spans:
+        singular_values = torch.logspace(0, -2 * decades, k, dtype=torch.float64)
+        exact = (left * singular_values) @ right.T
+        a, b = spectral_factors(exact.float(), k // 2)
+        error = float((exact - a.double() @ b.double()).norm() / exact.norm())
+        gaps[f"1e{decades}"] = error - float(singular_values[k // 2 :].norm() / singular_values.norm())
+    return gaps
+
+
 def run(arch: str, gammas: Sequence[float], repeats: int, num_classes: int = 10) -> dict:
     torch.manual_seed(0)
     state = hybrid(arch, 1.0, num_classes).state_dict()
@@ -99,6 +119,7 @@ def run(arch: str, gammas: Sequence[float], repeats: int, num_classes: int = 10)
         "max_rel_error_gap": max(mine[key] - optimal[key] for key in optimal),
         "reference_max_rel_error_gap": max(theirs[key] - optimal[key] for key in optimal),
         "mean_rel_error": {str(g): statistics.mean(mine[(n, g)] for n in plan) for g in gammas},
+        "ill_conditioned_error_gap_by_kept_span": ill_conditioned_gaps(),
     }
 
 

@@ -55,6 +55,7 @@ SUITE: tuple[Benchmark, ...] = (
     Benchmark("faults", ("--repeats", "1")),  # runs benchmarks.bad_inputs too (key bad_inputs)
     Benchmark("json_bounds"),
     Benchmark("probe_stability"),
+    Benchmark("poisoning"),  # 54 short simulations: about 8 minutes on 2 idle cores
 )
 
 

@@ -29,6 +29,7 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "amqtt_ratio",
     ),
     "costmodel": ("memory_rel_error_max", "time_ratio_rel_error_max"),
+    "poisoning": ("worst_drop_one_in_ten", "worst_drop_two_in_ten"),
 }
 
 

@@ -34,6 +34,24 @@ class Weighting(str, Enum):
     """Every client counts the same."""
 
 
+class ClassifierRule(str, Enum):
+    """How the classifier rows of clients at gamma < 1 are averaged (FedHM's label-masked classifier).
+
+    Full-rank clients count for every row under every rule, as in the reference code.
+    """
+
+    OFF = "off"
+    """Every client's rows count for every class: the plain Eq. 2 average."""
+    REFERENCE = "reference"
+    """CGCL-codes/FedHM: a gamma < 1 client adds alpha_p * W_p[c] only for the classes c it holds,
+    with alpha_p normalized over all of the round's clients and not renormalised per row, so a row
+    held by few clients shrinks. The reference starts from zeros, so a row no client contributed to
+    becomes zero; here it keeps the previous global row instead (an element nobody trained keeps
+    its value, as everywhere else in the aggregator)."""
+    RENORMALISED = "renormalised"
+    """As ``reference``, but each row divides by the weights of the clients that contributed to it."""
+
+
 class UpdateRejected(ValueError):
     """A client update that cannot be aggregated; the message names the offending key.
 
@@ -66,6 +84,37 @@ def check_values(key: str, value: Tensor, dtype: torch.dtype = torch.float32) ->
         raise UpdateRejected(
             f"{key!r}: a value of magnitude {largest:.3g} exceeds the bound {MAX_ABS_VALUE:g}", "out_of_bounds"
         )
+
+
+def parse_classes(extras: Mapping[str, Tensor] | None, num_classes: int) -> Tensor:
+    """Boolean row mask of the classes a client reports in ``extras['classes']``; ``UpdateRejected`` if malformed.
+
+    A client may only name classes of the model, each once: the list is bounded by ``num_classes``.
+    """
+    classes = (extras or {}).get("classes")
+    if classes is None:
+        raise UpdateRejected(
+            "'classes': label-masked aggregation needs the client's classes in its extras", "missing_tensor"
+        )
+    if not isinstance(classes, Tensor) or classes.dtype not in (torch.int32, torch.int64) or classes.dim() != 1:
+        raise UpdateRejected("'classes': expected a 1-D integer tensor of class indices", "bad_dtype")
+    if len(classes) > num_classes:
+        raise UpdateRejected(f"'classes': {len(classes)} entries for a model of {num_classes} classes", "out_of_bounds")
+    if len(classes) and (int(classes.min()) < 0 or int(classes.max()) >= num_classes):
+        raise UpdateRejected(f"'classes': indices must lie in [0, {num_classes})", "out_of_bounds")
+    if len(classes.unique()) != len(classes):
+        raise UpdateRejected("'classes': a class index is listed twice", "out_of_bounds")
+    rows = torch.zeros(num_classes, dtype=torch.bool)
+    rows[classes] = True
+    return rows
+
+
+def parse_classifier_rule(value: ClassifierRule | str) -> ClassifierRule:
+    try:
+        return ClassifierRule(value)
+    except ValueError:
+        choices = ", ".join(r.value for r in ClassifierRule)
+        raise ValueError(f"unknown label_masked_classifier {value!r}; choose one of: {choices}") from None
 
 
 def parse_weighting(value: Weighting | str) -> Weighting:
@@ -119,6 +168,10 @@ class StreamingAggregator:
 
     ``global_as_pseudo_client`` adds the previous global model as one more client with gamma = 1
     when no full-rank client took part, as the reference code does (off by default).
+
+    ``classifier_keys`` (the last linear layer's weight and bias) are averaged row by row under
+    ``classifier_rule`` (:class:`ClassifierRule`); a gamma < 1 client then passes the boolean row
+    mask of its classes to :meth:`add`.
     """
 
     def __init__(
@@ -128,8 +181,14 @@ class StreamingAggregator:
         weighting: Weighting | str = Weighting.PAPER,
         temperature: float = 1.0,
         global_as_pseudo_client: bool = False,
+        classifier_rule: ClassifierRule | str = ClassifierRule.OFF,
+        classifier_keys: frozenset[str] = frozenset(),
     ) -> None:
         self.global_state = dict(global_state)
+        self.classifier_rule = parse_classifier_rule(classifier_rule)
+        self.classifier_keys = classifier_keys if self.classifier_rule is not ClassifierRule.OFF else frozenset()
+        self._row_totals: dict[str, Tensor] = {}
+        self._weight_total = 0.0
         self.plan = dict(plan)
         self.weighting = parse_weighting(weighting)
         self.temperature = temperature
@@ -146,11 +205,20 @@ class StreamingAggregator:
         """Raise ``UpdateRejected`` if :meth:`add` would refuse ``update``; changes nothing."""
         self._validated(update, gamma)
 
-    def add(self, update: Mapping[str, Tensor], gamma: float, num_samples: int = 1) -> None:
-        """Validate the whole update, then fold it in; a rejected update changes nothing."""
+    def add(self, update: Mapping[str, Tensor], gamma: float, num_samples: int = 1, rows: Tensor | None = None) -> None:
+        """Validate the whole update, then fold it in; a rejected update changes nothing.
+
+        ``rows`` (a boolean mask over classes, from :func:`parse_classes`) limits a gamma < 1
+        client's classifier rows under a label-masked rule; full-rank clients count for every row.
+        """
         score = log_score(self.weighting, gamma, num_samples, self.temperature)
         dense = self._validated(update, gamma)
-        self._fold(dense, score)
+        if self.classifier_keys and gamma < 1 and rows is None:
+            raise UpdateRejected("'classes': label-masked aggregation needs the client's classes", "missing_tensor")
+        for key in self.classifier_keys:
+            if rows is not None and len(rows) != self.global_state[key].shape[0]:
+                raise UpdateRejected(f"'classes': a mask over {len(rows)} classes for {key!r}", "bad_shape")
+        self._fold(dense, score, rows if gamma < 1 else None)
         self.num_clients += 1
         self._sample_total += num_samples
         self.saw_full_rank |= gamma == 1
@@ -165,8 +233,24 @@ class StreamingAggregator:
             self.saw_full_rank = True
         out = dict(self.global_state)
         for key, total in self._sums.items():
-            out[key] = (total / self._totals[key]).to(self.global_state[key].dtype)
+            if key in self._row_totals:
+                out[key] = self._masked_rows(key, total)
+            else:
+                out[key] = (total / self._totals[key]).to(self.global_state[key].dtype)
         return out
+
+    def _masked_rows(self, key: str, total: Tensor) -> Tensor:
+        """Classifier rows under the label-masked rule; a row nobody contributed to keeps its global value."""
+        row_totals = self._row_totals[key]
+        held = row_totals > 0
+        shape = (-1,) + (1,) * (total.dim() - 1)
+        if self.classifier_rule is ClassifierRule.REFERENCE:
+            divisor = torch.full_like(row_totals, self._weight_total)
+        else:
+            divisor = torch.where(held, row_totals, torch.ones_like(row_totals))
+        previous = self.global_state[key]
+        rows = total / divisor.view(shape)
+        return torch.where(held.view(shape), rows, previous.to(torch.float64)).to(previous.dtype)
 
     def _validated(self, update: Mapping[str, Tensor], gamma: float) -> dict[str, Callable[[], Tensor]]:
         """Key -> callable producing the dense float64 tensor: lazy, so folding holds one layer at a time."""
@@ -215,16 +299,24 @@ class StreamingAggregator:
             raise UpdateRejected("update holds no parameters of this model")
         return dense
 
-    def _fold(self, dense: Mapping[str, Callable[[], Tensor]], score: float) -> None:
+    def _fold(self, dense: Mapping[str, Callable[[], Tensor]], score: float, rows: Tensor | None = None) -> None:
         if score > self._shift:
             rescale = math.exp(self._shift - score) if self._shift > -math.inf else 0.0
             for key in self._sums:
                 self._sums[key].mul_(rescale)
                 self._totals[key] *= rescale
+            for totals in self._row_totals.values():
+                totals.mul_(rescale)
+            self._weight_total *= rescale
             self._shift = score
         weight = math.exp(score - self._shift)
+        self._weight_total += weight
         for key, make in dense.items():
             tensor = make()
+            if key in self.classifier_keys:
+                mask = torch.ones(tensor.shape[0], dtype=torch.float64) if rows is None else rows.to(torch.float64)
+                tensor = tensor * mask.view((-1,) + (1,) * (tensor.dim() - 1))
+                self._row_totals.setdefault(key, torch.zeros_like(mask)).add_(mask, alpha=weight)
             if key in self._sums:
                 self._sums[key].add_(tensor, alpha=weight)
                 self._totals[key] += weight

@@ -8,7 +8,8 @@ depend on the order uploads arrived in (the reference overwrote u in place insid
 
 "Set to zero" in seed 000's Eq. 4 is read as the reference code reads it: a dropped peer gets
 weight 0, not exp(0). ``min_peers`` keeps at least that many of the most similar peers even below
-tau (the reference's ``minimum_aggr``).
+tau: the reference's ``minimum_aggr`` minus one, since the reference counts the client itself
+among the ``minimum_aggr`` it keeps (its multi-domain 4 is ``min_peers: 3``).
 """
 
 from __future__ import annotations

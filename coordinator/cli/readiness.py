@@ -19,7 +19,16 @@ from device_agent.data.datasets import BUILT_IN, DatasetError, check_source
 
 def start_problems(fleet: Fleet) -> list[str]:
     """One line per reason ``start`` would fail here, each starting with the fleet.yaml key to fix."""
-    return [*_data_problems(fleet), *_broker_problems(fleet)]
+    return [*_transport_problems(fleet), *_data_problems(fleet), *_broker_problems(fleet)]
+
+
+def _transport_problems(fleet: Fleet) -> list[str]:
+    if fleet.transport.kind == "mqtt":
+        return []
+    return [
+        f"transport.kind: {fleet.transport.kind} runs the devices inside the coordinator with their data in "
+        "memory, which only simulate() sets up; start reaches real agents: use kind: mqtt (the default)"
+    ]
 
 
 def _data_problems(fleet: Fleet) -> list[str]:

@@ -19,6 +19,7 @@ from coordinator.provision.broker_files import CONFIG
 from coordinator.rounds.engine import EngineSettings, RoundEngine
 from coordinator.rounds.signing import upload_signatures
 from coordinator.run.fleet_data import fleet_data
+from coordinator.run.metrics import RoundMetrics, failed_rounds
 from coordinator.run.report import write_report
 from coordinator.run.rundir import RunDir, RunDirError
 from coordinator.run.storage import out_of_space_message
@@ -31,7 +32,7 @@ from coordinator.transport.broker.kit import KitBroker
 from coordinator.transport.broker.mosquitto import find_mosquitto
 from coordinator.transport.broker.scratch import scratch_dir, sweep_stale
 from coordinator.transport.broker.supervisor import PID_FILE, BrokerSupervisor
-from coordinator.transport.link import MqttLink
+from coordinator.transport.fleet_link import fleet_link
 from device_agent.agent.config import ConfigError
 from device_agent.data.datasets import DatasetError
 from device_agent.wire.session import BrokerAddress
@@ -209,7 +210,7 @@ def run_start(
             strategy,
             rundir,
             data,
-            MqttLink.of(fleet, address, protocol=broker.protocol),
+            fleet_link(fleet, address, protocol=broker.protocol),
             EngineSettings.of(fleet, min_devices, args.wait_timeout),
             signatures=signatures,
         )
@@ -240,8 +241,25 @@ def run_start(
         export_finished_run(fleet, run_dir)
     if rundir.metrics():
         print(f"report: {write_report(run_dir)}")
-    print("all rounds done" if finished else f"stopped; run the same command to resume {run_dir}")
-    return 0
+    if not finished:
+        print(f"stopped; run the same command to resume {run_dir}")
+        return 0
+    return finished_run_status(rundir.metrics(), fleet.quorum)
+
+
+def finished_run_status(rounds: list[RoundMetrics], quorum: float) -> int:
+    """0 when every round aggregated its quorum; else say which rounds failed and return 1."""
+    failed = failed_rounds(rounds, quorum)
+    if not failed:
+        print("all rounds done")
+        return 0
+    listed = ", ".join(map(str, failed[:20])) + (f" and {len(failed) - 20} more" if len(failed) > 20 else "")
+    print(
+        f"coordinator: {len(failed)} of {len(rounds)} rounds failed (no update, or fewer than the quorum of "
+        f"{quorum:g} of the devices asked): round {listed}; see the refusals and failures in the log",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _run(engine: RoundEngine, live: bool, watch: Watch) -> bool:

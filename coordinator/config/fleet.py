@@ -33,6 +33,7 @@ from coordinator.config.evaluation import EvaluationSettings
 from coordinator.config.limits import FleetLimits
 from coordinator.config.logins import COORDINATOR_USER
 from coordinator.strategies import STRATEGIES
+from coordinator.strategies.presets import apply_preset, preset_for
 from device_agent.clients.spec import TrainConfig
 from device_agent.common.paths import anchor_keys
 from device_agent.common.profile import ComputeSpec, MemorySpec, NetworkSpec
@@ -165,6 +166,9 @@ class Strategy(_Strict):
     """The strategy by registry name; ``params`` are checked by that strategy's own ``Params`` schema."""
 
     name: str = Field("fedhm", description=f"one of: {', '.join(STRATEGIES)}")
+    preset: str | None = Field(
+        None, description="'paper': the paper's training recipe as defaults (docs/presets.md); explicit keys win"
+    )
     params: dict[str, Any] = Field(default_factory=dict, description="checked by the strategy's own Params schema")
 
     @field_validator("name")
@@ -173,6 +177,13 @@ class Strategy(_Strict):
         if name not in STRATEGIES:
             raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
         return name
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, preset: str | None, info: ValidationInfo) -> str | None:
+        if preset is not None and "name" in info.data:
+            preset_for(preset, info.data["name"])
+        return preset
 
     @field_validator("params")
     @classmethod
@@ -212,6 +223,16 @@ class Training(_Strict):
             seed=seed,
             mask_absent_classes=self.mask_absent_classes,
         )
+
+
+class Transport(_Strict):
+    """How the coordinator reaches its devices: the engine's Link (``coordinator.transport.link``)."""
+
+    kind: Literal["mqtt", "in_process"] = Field(
+        "mqtt",
+        description="mqtt: devices are agents on the broker (coordinator start); in_process: devices are "
+        "threads of this process with their data in memory, which only simulate() sets up",
+    )
 
 
 class Planning(_Strict):
@@ -320,6 +341,7 @@ class Fleet(_Strict):
     )
     training: Training = Field(Training(), description="local training, the same on every device unless overridden")
     planning: Planning = Field(Planning(), description="how levels are chosen")
+    transport: Transport = Field(default_factory=Transport, description="how the coordinator reaches its devices")
     security: Security = Field(Security(), description="upload signatures")
     profile_dirs: list[Path] = Field(
         default_factory=list, description="extra profile directories (relative: to this file)"
@@ -333,6 +355,23 @@ class Fleet(_Strict):
     limits: FleetLimits = Field(
         default_factory=FleetLimits, description="what the coordinator accepts from each device, how long it waits"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        """Fill ``training`` and ``strategy.params`` from ``strategy.preset``; a bad preset is reported at its key."""
+        strategy = data.get("strategy") if isinstance(data, dict) else None
+        if not isinstance(strategy, dict) or strategy.get("preset") is None:
+            return data
+        try:
+            preset = preset_for(strategy["preset"], strategy.get("name", "fedhm"))
+        except (TypeError, ValueError):
+            return data
+        training, params = data.get("training", {}), strategy.get("params", {})
+        if not isinstance(training, dict) or not isinstance(params, dict):
+            return data
+        training, params = apply_preset(preset, training, params)
+        return {**data, "training": training, "strategy": {**strategy, "params": params}}
 
     @field_validator("ratios", mode="before")
     @classmethod
@@ -370,12 +409,12 @@ class Fleet(_Strict):
     def _ratios_fit_the_strategy(self) -> Fleet:
         """A ratio means what the strategy makes of it; one with no size levels trains the whole model, ratio 1."""
         strategy = STRATEGIES[self.strategy.name]
-        if strategy.levels == "none" and "ratios" not in self.model_fields_set:
+        if not strategy.levels.sized and "ratios" not in self.model_fields_set:
             self.ratios = [1.0]
         for ratio in self.ratios:
             problem = strategy.level_problem(ratio)
             if problem is not None:
-                hint = "write `ratios: [1]` or leave ratios out" if strategy.levels == "none" else "drop it"
+                hint = "write `ratios: [1]` or leave ratios out" if not strategy.levels.sized else "drop it"
                 raise ValueError(
                     f"ratios: {ratio:g} does not fit strategy {strategy.name!r}: {problem}; {hint}"
                     f" (ratios are {', '.join(f'{r:g}' for r in self.ratios)})"
@@ -397,7 +436,7 @@ class Fleet(_Strict):
         if self.export is not None:
             strategy = STRATEGIES[self.strategy.name]
             ids = [d.id for d in self.devices]
-            problems = self.export.problems(self.ratios, ids, strategy.personalized, strategy.levels == "rank")
+            problems = self.export.problems(self.ratios, ids, strategy.personalized, strategy.levels.factorized)
             if problems:
                 raise ValueError("export." + "; export.".join(problems))
         return self

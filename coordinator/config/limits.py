@@ -4,12 +4,14 @@ The defaults are the transport guard's and the upload gate's own (``InboundLimit
 and the engine's assignment timings default to the ones here (``EngineSettings``): a fleet that leaves
 the section out runs exactly as before. An operator tunes them for a fleet whose updates are bigger
 than a ResNet (``max_upload_bytes``), whose devices talk more (``messages_per_s``), or whose honest
-updates move further than ten times what they were sent (``norm_bound_factor``).
+updates move further than ten times what they were sent (``norm_bound_factor``), or whose honest
+updates differ more than 1.5-fold between devices (``update_bound_factor``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveFloat, PositiveInt
 
@@ -20,23 +22,43 @@ from device_agent.wire.guard import InboundLimits
 class GateSettings:
     """Bounds on what one device may claim; generous for honest devices, tight enough for absurd values."""
 
-    max_train_seconds: float = 86_400.0
-    """Longer than any round deadline: a day of training for one round is a lie or a broken clock."""
-    max_abs_loss: float = 1e6
     max_samples_factor: float = 100.0
-    """A device may claim at most this many times the samples the fleet expects of it (samples weight the average)."""
+    """A device may claim at most this many times the samples the fleet expects of it, for training (samples weight
+    the average) and for evaluation (test samples weight the federated accuracy). Every other number of the meta
+    has its one range in :data:`device_agent.wire.bounds.UPLOAD_META`."""
     max_meta_entries: int = 16
     max_meta_chars: int = 256
     max_norm_ratio: float | None = 10.0
     """Refuse an update whose L2 norm exceeds this many times its reference (see the module doc); None: off."""
     norm_floor: float = 1.0
     """References below this count as this: near-zero tensors sent (fresh adapters) make no bound."""
+    update_bound_factor: float | None = 1.5
+    """Bound each layer's update (upload minus sent, full rank) at this many times the fleet's recent
+    median update norm of that layer; None: off (docs/robust-aggregation.md)."""
+    update_bound_action: Literal["clip", "refuse"] = "clip"
+    """clip: scale an update beyond the bound down to it; refuse: refuse the whole upload."""
+    update_history_rounds: int = 3
+    """Rounds of accepted update norms the median is taken over."""
+    update_history_min: int = 3
+    """Accepted norms a layer needs before its median counts; until then the warm-up bound applies."""
+    update_warmup_factor: float = 1.0
+    """Warm-up: the layers without a median move by at most this many times the norm of what was sent."""
+    sample_weight_factor: float | None = 2.0
+    """An upload weighs at most this many times the samples the fleet expects of its device; None: no cap."""
 
     def __post_init__(self) -> None:
         if self.max_norm_ratio is not None and self.max_norm_ratio <= 1:
             raise ValueError(
                 f"max_norm_ratio must be > 1 (or None to turn the norm bound off), got {self.max_norm_ratio}"
             )
+        if self.update_bound_factor is not None and self.update_bound_factor < 1:
+            raise ValueError(f"update_bound_factor must be >= 1 (or None), got {self.update_bound_factor}")
+        if self.update_history_rounds < 1 or self.update_history_min < 1:
+            raise ValueError("update_history_rounds and update_history_min must be >= 1")
+        if self.update_warmup_factor <= 0:
+            raise ValueError(f"update_warmup_factor must be > 0, got {self.update_warmup_factor}")
+        if self.sample_weight_factor is not None and self.sample_weight_factor < 1:
+            raise ValueError(f"sample_weight_factor must be >= 1 (or None), got {self.sample_weight_factor}")
 
 
 class FleetLimits(BaseModel):
@@ -74,6 +96,26 @@ class FleetLimits(BaseModel):
         gt=1,
         description="refuse an update whose L2 norm exceeds this many times its reference; null: no bound",
     )
+    update_bound_factor: float | None = Field(
+        GateSettings.update_bound_factor,
+        ge=1,
+        description="bound each layer's update at this many times the fleet's recent median update norm; null: off",
+    )
+    update_bound_action: Literal["clip", "refuse"] = Field(
+        GateSettings.update_bound_action, description="clip an update beyond the bound down to it, or refuse it"
+    )
+    update_history_rounds: PositiveInt = Field(
+        GateSettings.update_history_rounds, description="rounds of accepted update norms the median is taken over"
+    )
+    update_warmup_factor: PositiveFloat = Field(
+        GateSettings.update_warmup_factor,
+        description="until a layer has a median: its update may be this many times the norm of what was sent",
+    )
+    sample_weight_factor: float | None = Field(
+        GateSettings.sample_weight_factor,
+        ge=1,
+        description="an upload weighs at most this many times its device's expected samples; null: no cap",
+    )
     rejected_grace_s: float = Field(
         10.0, ge=0, description="how long a device whose update was refused may still send a valid one"
     )
@@ -94,8 +136,15 @@ class FleetLimits(BaseModel):
         )
 
     def gate(self) -> GateSettings:
-        """The upload gate's bounds: the norm factor from here, the meta bounds the gate's own."""
-        return GateSettings(max_norm_ratio=self.norm_bound_factor)
+        """The upload gate's bounds: the norm factors from here, the meta bounds the gate's own."""
+        return GateSettings(
+            max_norm_ratio=self.norm_bound_factor,
+            update_bound_factor=self.update_bound_factor,
+            update_bound_action=self.update_bound_action,
+            update_history_rounds=self.update_history_rounds,
+            update_warmup_factor=self.update_warmup_factor,
+            sample_weight_factor=self.sample_weight_factor,
+        )
 
 
 __all__ = ["FleetLimits"]

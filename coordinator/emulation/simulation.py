@@ -17,6 +17,7 @@ use.
 
 from __future__ import annotations
 
+import logging
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,13 +29,18 @@ from torch import Tensor
 from coordinator.config.fleet import Fleet, parse_fleet
 from coordinator.planning.planner import DevicePlan
 from coordinator.rounds.engine import EngineSettings, RoundEngine
+from coordinator.run.metrics import failed_rounds
 from coordinator.run.rundir import RunDir
 from coordinator.strategies.base import ClientSlot, Strategy
-from coordinator.transport.local_link import InProcessLink, LocalDevice
+from coordinator.transport.fleet_link import fleet_link
+from coordinator.transport.link import Link
+from coordinator.transport.local_link import LocalDevice
 from device_agent.clients.spec import TrainConfig
 from device_agent.common.profile import DeviceProfile
 from device_agent.data.datasets import LabeledData
 from profiles.schema import DeviceClass
+
+log = logging.getLogger("fedfleet.simulation")
 
 Split = tuple[Tensor, Tensor]
 
@@ -64,6 +70,8 @@ class RoundRecord:
 @dataclass
 class SimulationResult:
     rounds: list[RoundRecord] = field(default_factory=list)
+    failed_rounds: list[int] = field(default_factory=list)
+    """Rounds that aggregated no update or fewer than the quorum (:func:`coordinator.run.metrics.failed_rounds`)."""
 
     @property
     def final(self) -> RoundRecord:
@@ -114,12 +122,12 @@ def simulation_fleet(
     rounds: int,
     train: TrainConfig,
     server_evaluation: bool = True,
+    limits: Mapping[str, object] | None = None,
     participation: float = 1.0,
 ) -> dict:
-    """The fleet.yaml of a simulation: one device per client, every training option from ``train``.
-
-    ``participation`` < 1 asks that fraction of the clients each round (a large fleet's partial rounds).
-    """
+    """The fleet.yaml of a simulation: one device per client, every training option from ``train``,
+    fleet.yaml's ``limits`` from ``limits`` (the upload gate's bounds); ``participation`` < 1 asks that
+    fraction of the clients each round (a large fleet's partial rounds)."""
     model = strategy.model
     training = {
         "optimizer": train.optimizer,
@@ -134,6 +142,7 @@ def simulation_fleet(
     return {
         "fleet": "simulation",
         "broker": {"mode": "managed"},
+        "transport": {"kind": "in_process"},
         "model": {
             "arch": model.arch,
             "num_classes": model.num_classes,
@@ -152,6 +161,7 @@ def simulation_fleet(
         "devices": [
             {"id": c.client_id, "profile": "simulated", "overrides": {"samples": len(c.train[1])}} for c in clients
         ],
+        **({"limits": dict(limits)} if limits else {}),
     }
 
 
@@ -163,19 +173,25 @@ def simulate(
     test: Split,
     calibration: Tensor,
     server_evaluation: bool = True,
+    link: Link | None = None,
+    limits: Mapping[str, object] | None = None,
     participation: float = 1.0,
 ) -> SimulationResult:
     """Run ``rounds`` rounds of ``strategy`` over ``clients``; ``train.seed`` seeds the run.
 
     ``server_evaluation=False`` runs as a coordinator without data: ``test`` and ``calibration`` go unused.
+    ``link`` replaces the in-process devices (transport ``in_process``) with another transport whose
+    devices are named by the clients' ids. ``limits`` is fleet.yaml's section of that name (validated
+    the same way), e.g. the update bound.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     if not clients:
         raise ValueError("a simulation needs at least one client")
-    raw = simulation_fleet(strategy, clients, rounds, train, server_evaluation, participation)
+    raw = simulation_fleet(strategy, clients, rounds, train, server_evaluation, limits, participation)
     fleet = parse_fleet(raw, source="simulation")
-    devices = [LocalDevice(c.client_id, c.train, c.test) for c in clients]
+    if link is None:
+        link = fleet_link(fleet, devices=[LocalDevice(c.client_id, c.train, c.test) for c in clients])
     data = LabeledData(
         calibration, calibration.new_zeros(len(calibration)), test[0], test[1], strategy.model.num_classes
     )
@@ -190,17 +206,21 @@ def simulate(
                 strategy,
                 rundir,
                 data,
-                InProcessLink(devices),
+                link,
                 EngineSettings(
                     min_devices=len(clients),
                     wait_timeout_s=60,
                     calibration_samples=len(calibration),
+                    gate=fleet.limits.gate(),
                     rejected_grace_s=0.0,  # in-process devices never send a second update
                 ),
                 planner=fixed_levels({c.client_id: c.level for c in clients}),
             )
             engine.run()
             metrics = rundir.metrics()
+            failed = failed_rounds(metrics, fleet.quorum)
+            if failed:
+                log.warning("simulation: rounds %s failed (no update, or below the quorum)", failed)
         finally:
             rundir.close()
     return SimulationResult(
@@ -214,7 +234,8 @@ def simulate(
                 m.federated_accuracy,
             )
             for m in metrics
-        ]
+        ],
+        failed,
     )
 
 

@@ -1,29 +1,50 @@
 """The upload gate as one object: it admits an upload into the open round, or refuses it with a reason.
 
-In order: envelope (kind, run, round, participant, duplicate) -> signature -> the update's meta
-(samples, finite seconds and loss, accuracies in [0, 1]) -> decode -> the strategy's checks for that
-slot (names, shapes, dtypes, finite values, magnitude) -> journal -> fold. Nothing touches the
-aggregate before the journal has the upload, so a refused or late upload never counts.
+In order: kind -> signature (before any receipt, so a forgery is never answered ``duplicate``) ->
+envelope (run, round, participant, duplicate) -> the update's meta (every number within its range of
+:data:`device_agent.wire.bounds.UPLOAD_META`) -> decode -> only the extras the strategy declares -> the
+strategy's checks for that slot (names, shapes, dtypes, finite values, magnitude) -> journal -> fold.
+Nothing touches the aggregate before the journal has the upload, so a refused or late upload never counts.
+
+A resume replays the journal through the same bounds (:func:`journaled_meta`): an upload journaled by a
+release that checked less, which fails them or whose fold fails, is quarantined with its reason
+(:meth:`~coordinator.run.rundir.RunDir.quarantine`) instead of stopping the run on every resume.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
+from typing import Any
 
 from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.rounds.signing import UploadSignatures
-from coordinator.rounds.state import OpenRound
-from coordinator.rounds.upload_gate import UploadGate, UploadRefused, check_dtypes, squared_norms
+from coordinator.rounds.state import OpenRound, printable, refusal_reason
+from coordinator.rounds.upload_gate import (
+    Screened,
+    UploadGate,
+    UploadRefused,
+    check_dtypes,
+    check_extras,
+    squared_norms,
+)
 from coordinator.run.journal import JournalEntry
 from coordinator.run.rundir import RoundNotOpen, RunDir
-from device_agent.wire.codec import CodecError, decode_tensors
-from device_agent.wire.protocol import UPDATE_KIND, ReceivedEvaluation, split_upload
+from coordinator.strategies import RoundAggregate
+from device_agent.wire.codec import CodecError, decode_tensors, encode_tensors
+from device_agent.wire.protocol import UPDATE_KIND, UploadMeta, UploadMetaError, parse_upload_meta, split_upload
 from device_agent.wire.transfer import Completed
 
 log = logging.getLogger("fedfleet.engine")
+
+
+def describe_steps(steps: Mapping[str, float]) -> str:
+    """The clipped layers, worst first, for a log line."""
+    worst = sorted(steps.items(), key=lambda item: item[1])
+    shown = ", ".join(f"{name} x{step:.3g}" for name, step in worst[:3])
+    return shown + (f" and {len(worst) - 3} more layers" if len(worst) > 3 else "")
 
 
 class Admission:
@@ -35,17 +56,22 @@ class Admission:
         rundir: RunDir,
         expected_samples: Callable[[str], int],
         signatures: UploadSignatures | None = None,
+        declared_extras: frozenset[str] = frozenset(),
     ) -> None:
+        """``declared_extras``: the side information the strategy takes (``Strategy.declared_extras``)."""
         self.gate = gate
         self.rundir = rundir
         self.expected_samples = expected_samples
         self.signatures = signatures
+        self.declared_extras = declared_extras
 
     def admit(self, device: str, completed: Completed, open_: OpenRound | None, next_round: int) -> str:
         """The receipt status (accepted, duplicate, late), or raises why the update is refused."""
         manifest = completed.manifest
         if manifest.kind != UPDATE_KIND:
             raise UploadRefused("wrong_kind", f"expected a transfer of kind {UPDATE_KIND!r}, got {manifest.kind!r}")
+        if self.signatures is not None:
+            self.signatures.check(device, manifest)
         if manifest.run != self.rundir.run_id:
             raise UploadRefused("wrong_run", f"update for run {manifest.run!r}, but this run is {self.rundir.run_id!r}")
         if open_ is None or manifest.round < open_.round:
@@ -60,21 +86,21 @@ class Admission:
         if participant.status == "accepted":
             return "duplicate"
         data = completed.data
-        if self.signatures is not None:
-            self.signatures.check(device, manifest)
         parsed = self.gate.meta(manifest.meta, self.expected_samples(device))
         try:
             tensors = decode_tensors(data)
             check_dtypes(tensors)
             upload, extras = split_upload(tensors)
+            check_extras(extras, self.declared_extras)
             open_.aggregate.check(device, upload, parsed.samples, extras)
-            norm = self.gate.norm(device, participant.level, upload)
+            screened = self.gate.norm(device, participant.level, upload)
         except (UpdateRejected, CodecError):
             raise
         except Exception as exc:  # one device's bytes must never stop the engine, whatever they trip over
             raise UploadRefused("other", f"the update could not be checked: {type(exc).__name__}: {exc}") from exc
+        weight = self.gate.sample_weight(parsed.samples, self.expected_samples(device))
         meta = {
-            "samples": parsed.samples,
+            "samples": weight,
             "train_seconds": parsed.train_seconds,
             "host_seconds": parsed.host_seconds,
             "loss": parsed.loss,
@@ -82,37 +108,97 @@ class Admission:
             "payload_bytes": len(data),
             "local_accuracy": parsed.local_accuracy,
             "received": None if parsed.received is None else asdict(parsed.received),
+            "update_norms": screened.update_norms,
         }
+        if weight != parsed.samples:
+            meta["claimed_samples"] = parsed.samples
+        if screened.steps:  # the journal keeps what is folded, so a replay folds the same
+            meta["clipped"] = screened.steps
+            data = encode_tensors({**tensors, **screened.upload})
+            level = logging.WARNING if min(screened.steps.values()) < 0.5 else logging.INFO  # honest ones by a bit
+            log.log(level, "round %d: clipped %s's update (%s)", open_.round, device, describe_steps(screened.steps))
         try:
-            verified = None if manifest.digest is None else (manifest.digest, manifest.chunk_size)
+            # A clipped upload is journaled as folded, so its digest is not the transfer's: hashed again.
+            unchanged = manifest.digest is not None and not screened.steps
+            verified = (manifest.digest, manifest.chunk_size) if unchanged else None
             self.rundir.accept_upload(open_.round, device, manifest.transfer, data, meta, verified)
         except RoundNotOpen:
             return "late"
-        open_.aggregate.fold(device, upload, parsed.samples, extras)
-        self.gate.accepted(participant.level, norm)
-        participant.status, participant.payload_bytes = "accepted", len(data)
+        open_.aggregate.fold(device, screened.upload, weight, extras)
+        self.gate.accepted(participant.level, screened)
+        participant.status, participant.payload_bytes = "accepted", len(completed.data)
         participant.train_seconds, participant.local_accuracy = parsed.train_seconds, parsed.local_accuracy
         participant.host_seconds, participant.received = parsed.host_seconds, parsed.received
         return "accepted"
 
-    def replay(self, journal: Sequence[JournalEntry], open_: OpenRound) -> None:
-        """Fold the uploads accepted before a restart back into the re-opened round."""
+    def replay(self, journal: Sequence[JournalEntry], open_: OpenRound, reopen: Callable[[], RoundAggregate]) -> None:
+        """Fold the uploads accepted before a restart back into the re-opened round (module doc).
+
+        ``reopen`` gives a fresh aggregate of the round: a fold that failed part-way leaves the
+        aggregate unknown, so it starts over with the uploads folded before.
+        """
+        folded: list[tuple[str, dict, int, dict]] = []
         for entry in journal:
             if entry.round != open_.round or entry.device not in open_.participants:
                 continue
-            upload, extras = split_upload(self.rundir.load_upload(entry))
-            open_.aggregate.check(entry.device, upload, int(entry.meta["samples"]), extras)
-            open_.aggregate.fold(entry.device, upload, int(entry.meta["samples"]), extras)
+            try:
+                parsed = journaled_meta(entry.meta)
+                payload_bytes = int(entry.meta.get("payload_bytes", 0))
+                upload, extras = split_upload(self.rundir.load_upload(entry))
+                check_extras(extras, self.declared_extras)
+                open_.aggregate.check(entry.device, upload, parsed.samples, extras)
+            except Exception as exc:  # a journal of an older release: whatever it trips over, the run goes on
+                self._quarantine(entry, exc)
+                continue
+            try:
+                open_.aggregate.fold(entry.device, upload, parsed.samples, extras)
+            except Exception as exc:
+                self._quarantine(entry, exc)
+                open_.aggregate = reopen()
+                for device, kept, samples, kept_extras in folded:
+                    open_.aggregate.fold(device, kept, samples, kept_extras)
+                continue
+            folded.append((entry.device, upload, parsed.samples, extras))
             participant = open_.participants[entry.device]
-            self.gate.accepted(participant.level, math.sqrt(sum(squared_norms(upload).values())))
-            participant.status = "accepted"
-            participant.train_seconds = float(entry.meta.get("train_seconds", 0.0))
-            participant.host_seconds = entry.meta.get("host_seconds")
-            participant.payload_bytes = int(entry.meta.get("payload_bytes", 0))
-            participant.local_accuracy = entry.meta.get("local_accuracy")
-            received = entry.meta.get("received")
-            participant.received = ReceivedEvaluation(**received) if received else None
+            norm = math.sqrt(sum(squared_norms(upload).values()))
+            self.gate.accepted(participant.level, Screened(upload, norm, dict(entry.meta.get("update_norms") or {})))
+            participant.status, participant.payload_bytes = "accepted", payload_bytes
+            participant.train_seconds, participant.host_seconds = parsed.train_seconds, parsed.host_seconds
+            participant.local_accuracy, participant.received = parsed.local_accuracy, parsed.received
             log.info("round %d: replayed %s's journaled update", open_.round, entry.device)
 
+    def _quarantine(self, entry: JournalEntry, exc: Exception) -> None:
+        reason = f"{refusal_reason(exc)}: {type(exc).__name__}: {printable(str(exc), 480)}"
+        where = self.rundir.quarantine(entry, reason)
+        log.error(
+            "round %d: %s's journaled update cannot be folded or closed (%s); quarantined in %s, the round goes on "
+            "without it",
+            entry.round,
+            entry.device,
+            reason,
+            where,
+        )
 
-__all__ = ["Admission"]
+
+_RECEIVED_AS = {"accuracy": "global_accuracy", "loss": "global_loss", "samples": "eval_samples"}
+
+
+def journaled_meta(journaled: Mapping[str, Any]) -> UploadMeta:
+    """A journal entry's meta read through today's bounds; ``UploadMetaError`` names what it no longer passes.
+
+    The journal keeps the parsed numbers (``received`` as a mapping); they go back to the text a device
+    sends, so one parser bounds both. Journals of releases that kept no seconds or loss count them as 0.
+    """
+    wire = {"train_seconds": "0", "loss": "0"}
+    for key in ("samples", "train_seconds", "loss", "local_accuracy", "host_seconds"):
+        if journaled.get(key) is not None:
+            wire[key] = str(journaled[key])
+    received = journaled.get("received")
+    if received is not None:
+        if not isinstance(received, Mapping):
+            raise UploadMetaError(f"journaled received evaluation is a {type(received).__name__}, not a mapping")
+        wire.update({name: str(received.get(key)) for key, name in _RECEIVED_AS.items()})
+    return parse_upload_meta(wire)
+
+
+__all__ = ["Admission", "journaled_meta"]

@@ -68,7 +68,7 @@ class Dispatcher:
                     payload, run=self.rundir.run_id, round=open_.round, kind=ASSIGNMENT_KIND
                 )
                 norms[payload] = squared_norms(assignment.tensors)
-            self.gate.sent(slot.client_id, norms[payload])
+            self.gate.sent(slot.client_id, norms[payload], assignment.tensors)
             transfer = self.link.send_payload(slot.client_id, payload, manifests[payload])
             device = roster.devices[slot.client_id].device
             seed = round_seed(self.rundir.seed, open_.round, order.index(slot.client_id))

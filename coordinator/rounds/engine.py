@@ -17,8 +17,7 @@ run directory reloads the last global state, re-opens the same round with the sa
 folds the journal back in and re-sends the assignments; devices that already trained re-send
 their stored update instead of training again.
 
-Personalized strategies: the global model is only a reference; ``personalized_accuracy`` is the
-mean of the ``local_accuracy`` the devices report.
+Personalized strategies: the global model is only a reference; see ``personalized_accuracy``.
 """
 
 from __future__ import annotations
@@ -92,7 +91,8 @@ class RoundEngine:
         self.devices = self.roster.devices
         self.draw = ParticipantDraw(fleet, planner, rundir)
         gate = UploadGate(settings.gate)
-        self.admission = Admission(gate, rundir, lambda d: fleet.samples_for(self.devices[d].device), signatures)
+        expected = lambda d: fleet.samples_for(self.devices[d].device)  # noqa: E731
+        self.admission = Admission(gate, rundir, expected, signatures, strategy.declared_extras())
         self.dispatch = Dispatcher(link, strategy, gate, rundir, fleet, settings.resend_after_s)
         self.closer = RoundCloser(strategy, fleet, data, link, self.roster, settings.calibration_samples)
         self.open: OpenRound | None = None
@@ -194,7 +194,7 @@ class RoundEngine:
         self.open = OpenRound(
             round_, {d: Participant(level) for d, level in participants}, aggregate, deadline, started
         )
-        self.admission.replay(self._journal, self.open)
+        self.admission.replay(self._journal, self.open, lambda: self.strategy.open_round(round_, slots))
         self._journal = []
         planned = time.monotonic()
         self.dispatch.push(self.open, slots, self.roster)

@@ -17,7 +17,10 @@ from device_agent.wire.messages import Manifest
 
 
 class SignatureRefused(UpdateRejected):
-    """An update refused by its signature; ``reason`` is ``unsigned``, ``bad_signature`` or ``replayed``."""
+    """An update refused by its signature.
+
+    ``reason``: ``unsigned``, ``bad_signature``, ``outdated_signature`` or ``replayed``.
+    """
 
     def __init__(self, error: SignatureError) -> None:
         super().__init__(str(error))

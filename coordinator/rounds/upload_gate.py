@@ -1,13 +1,22 @@
 """What the upload gate checks on top of the envelope and the strategy: meta bounds, dtypes and norms.
 
 Everything in an upload comes from one device and is checked before the journal, so a round
-close can never fail because of one device's values. Every refusal is an :class:`UploadRefused`
+close can never fail because of one device's values: every number of the meta within its range of
+:data:`device_agent.wire.bounds.UPLOAD_META` (``parse_upload_meta``), the sample counts also within a
+multiple of the device's share. Every refusal is an :class:`UploadRefused`
 with a short snake_case ``reason`` from :data:`REASONS` (a bounded label set for metrics).
 
 The norm bound compares an update's L2 norm with a reference: the norm of what the device was
 sent for the same tensors (known from the first upload of a round on), else the median norm of
 the updates already accepted at the same level; with neither (e.g. a personalized strategy whose
 device keeps what it uploads) the first upload of a level passes.
+
+That bound compares the upload with the weights, so it cannot tell -9.5x the weights sent (an
+update of 10.5x) from an honest upload. The update bound does: each layer's update (upload minus
+sent, full rank) is held to ``update_bound_factor`` x the median norm of that layer's recent
+accepted updates (:class:`~coordinator.algorithms.robust.NormHistory`), and clipped to it or
+refused. Until a layer has a median (the first uploads of a run), the layers without one may
+move by ``update_warmup_factor`` x the norm of what was sent, together.
 """
 
 from __future__ import annotations
@@ -15,14 +24,16 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from coordinator.algorithms.aggregation import UpdateRejected
+from coordinator.algorithms.robust import NormHistory, apply_steps, clip_layer, layers_of, update_norms
 from coordinator.config.limits import GateSettings
 from device_agent.common.profile import DeviceProfile
-from device_agent.wire.protocol import UploadMeta, parse_upload_meta
+from device_agent.wire.protocol import EXTRA_PREFIX, UploadMeta, parse_upload_meta
 
 REASONS = frozenset(
     {
@@ -77,19 +88,16 @@ def check_meta_size(meta: Mapping[str, str], settings: GateSettings) -> None:
 
 
 def check_meta_values(meta: UploadMeta, expected_samples: int, settings: GateSettings) -> None:
-    """Bounds ``parse_upload_meta`` leaves open: seconds, loss and samples a device cannot plausibly report."""
-    if meta.train_seconds > settings.max_train_seconds:
-        raise UploadRefused(
-            "bad_meta", f"train_seconds={meta.train_seconds:.6g} exceeds the bound of {settings.max_train_seconds:g} s"
-        )
-    if abs(meta.loss) > settings.max_abs_loss:
-        raise UploadRefused("bad_meta", f"loss={meta.loss:.6g} exceeds the bound of {settings.max_abs_loss:g}")
+    """Sample counts relative to this device's share: the schema's absolute ranges allow any device a billion."""
     most = max(1, math.ceil(expected_samples * settings.max_samples_factor))
-    if meta.samples > most:
-        raise UploadRefused(
-            "bad_meta",
-            f"samples={meta.samples} is over {settings.max_samples_factor:g}x the {expected_samples} expected",
-        )
+    claims = [("samples", meta.samples)]
+    if meta.received is not None:
+        claims.append(("eval_samples", meta.received.samples))
+    for name, value in claims:
+        if value > most:
+            raise UploadRefused(
+                "bad_meta", f"{name}={value} is over {settings.max_samples_factor:g}x the {expected_samples} expected"
+            )
 
 
 def profile_problem(profile: DeviceProfile) -> str | None:
@@ -117,6 +125,17 @@ def check_dtypes(tensors: Mapping[str, Tensor]) -> None:
             raise UploadRefused("bad_dtype", f"{key!r}: dtype {value.dtype}, expected {FLOAT_DTYPE}")
         if not value.is_floating_point() and value.dtype not in INTEGER_DTYPES:
             raise UploadRefused("bad_dtype", f"{key!r}: dtype {value.dtype} is neither {FLOAT_DTYPE} nor an integer")
+
+
+def check_extras(extras: Mapping[str, Tensor], declared: frozenset[str]) -> None:
+    """Side information only under the names the strategy declares: anything else would be journaled unchecked."""
+    unknown = sorted(set(extras) - declared)
+    if unknown:
+        takes = ", ".join(sorted(declared)) or "none"
+        raise UploadRefused(
+            "unknown_tensor",
+            f"{EXTRA_PREFIX}{unknown[0][:80]!r}: side information this strategy does not take ({takes})",
+        )
 
 
 def squared_norms(tensors: Mapping[str, Tensor]) -> dict[str, float]:
@@ -149,21 +168,58 @@ def check_norm(norm: float, reference: float | None, settings: GateSettings) -> 
         )
 
 
+@dataclass(frozen=True)
+class Screened:
+    """An upload past the norm checks: what to fold (clipped where ``steps`` says) and its norms."""
+
+    upload: dict[str, Tensor]
+    norm: float
+    """L2 norm of the upload as sent (the reference of :func:`norm_reference`)."""
+    update_norms: dict[str, float] = field(default_factory=dict)
+    """Per layer, the norm of the update as folded (after clipping)."""
+    steps: dict[str, float] = field(default_factory=dict)
+    """Layers clipped, with the fraction of their update kept."""
+
+
+def update_bounds(
+    norms: Mapping[str, float], sent: Mapping[str, Tensor], history: NormHistory, settings: GateSettings
+) -> dict[str, float]:
+    """Per layer, how far its update may go: k x the fleet median, else a share of the warm-up bound."""
+    factor = settings.update_bound_factor or math.inf
+    bounds = {name: factor * median for name in norms if (median := history.median(name)) is not None}
+    warm = [name for name in norms if name not in bounds]
+    if warm:
+        layers = layers_of(sent)
+        sent_norm = math.sqrt(sum(float(sent[k].to(torch.float64).square().sum()) for n in warm for k in layers[n]))
+        update_norm = math.sqrt(sum(norms[name] ** 2 for name in warm))
+        scale = min(1.0, settings.update_warmup_factor * max(sent_norm, settings.norm_floor) / max(update_norm, 1e-30))
+        bounds.update({name: scale * norms[name] for name in warm})
+    return bounds
+
+
 class UploadGate:
-    """The round-scoped part of the gate: what each device was sent and the norms accepted so far."""
+    """The round-scoped part of the gate (what each device was sent, the norms accepted so far) and
+    the fleet's recent update norms per layer, kept across rounds."""
 
     def __init__(self, settings: GateSettings | None = None) -> None:
         self.settings = settings or GateSettings()
         self._sent: dict[str, dict[str, float]] = {}
+        self._sent_tensors: dict[str, Mapping[str, Tensor]] = {}
         self._accepted: dict[float, list[float]] = {}
+        self.history = NormHistory(self.settings.update_history_rounds, self.settings.update_history_min)
 
     def open_round(self) -> None:
         self._sent.clear()
+        self._sent_tensors.clear()
         self._accepted.clear()
+        self.history.next_round()
 
-    def sent(self, device: str, norms: Mapping[str, float]) -> None:
-        """Record the squared norms of what ``device`` was assigned (:func:`squared_norms`, shared per payload)."""
+    def sent(self, device: str, norms: Mapping[str, float], tensors: Mapping[str, Tensor] | None = None) -> None:
+        """Record what ``device`` was assigned: squared norms (:func:`squared_norms`) and the tensors (both shared
+        per payload); without the tensors its update cannot be bounded."""
         self._sent[device] = dict(norms)
+        if tensors is not None:
+            self._sent_tensors[device] = tensors
 
     def meta(self, meta: Mapping[str, str], expected_samples: int) -> UploadMeta:
         """The parsed, bounded meta of an upload."""
@@ -172,12 +228,38 @@ class UploadGate:
         check_meta_values(parsed, expected_samples, self.settings)
         return parsed
 
-    def norm(self, device: str, level: float, upload: Mapping[str, Tensor]) -> float:
-        """The update's norm, refused when beyond the bound; call after the strategy found it finite."""
+    def norm(self, device: str, level: float, upload: Mapping[str, Tensor]) -> Screened:
+        """The upload refused when beyond a bound, or as it may be folded (clipped); call after the strategy
+        found it finite."""
         norms = squared_norms(upload)
         value = math.sqrt(sum(norms.values()))
         check_norm(value, norm_reference(norms, self._sent.get(device), self._accepted.get(level, [])), self.settings)
-        return value
+        sent = self._sent_tensors.get(device)
+        if sent is None or self.settings.update_bound_factor is None:
+            return Screened(dict(upload), value)
+        updates = update_norms(upload, sent)
+        bounds = update_bounds(updates, sent, self.history, self.settings)
+        over = {name: bounds[name] for name in updates if updates[name] > bounds[name] * (1 + 1e-6)}
+        if not over:
+            return Screened(dict(upload), value, updates)
+        if self.settings.update_bound_action == "refuse":
+            name = max(over, key=lambda n: updates[n] / max(over[n], 1e-30))
+            raise UploadRefused(
+                "norm_too_large",
+                f"{name!r}: update norm {updates[name]:.4g} is over its bound {over[name]:.4g} "
+                f"({self.settings.update_bound_factor:g}x the fleet's recent median, or the warm-up bound)",
+            )
+        layers = layers_of(upload)
+        steps = {name: clip_layer(upload, sent, layers[name], bound) for name, bound in over.items()}
+        clipped = apply_steps(upload, sent, steps)
+        return Screened(clipped, value, update_norms(clipped, sent), steps)
 
-    def accepted(self, level: float, norm: float) -> None:
-        self._accepted.setdefault(level, []).append(norm)
+    def accepted(self, level: float, screened: Screened) -> None:
+        self._accepted.setdefault(level, []).append(screened.norm)
+        self.history.add(screened.update_norms)
+
+    def sample_weight(self, claimed: int, expected_samples: int) -> int:
+        """The samples an upload is weighted by: what it claims, capped at ``sample_weight_factor`` x expected."""
+        if self.settings.sample_weight_factor is None:
+            return claimed
+        return min(claimed, max(1, math.ceil(expected_samples * self.settings.sample_weight_factor)))

@@ -55,7 +55,7 @@ def open_trained_run(run_dir: Path, round_: int | None = None) -> TrainedRun:
         round=round_,
         strategy=strategy.name,
         personalized=strategy.personalized,
-        rank_levels=strategy.levels == "rank",
+        rank_levels=strategy.levels.factorized,
         ratios=tuple(fleet.ratios),
         arch=spec.arch,
         num_classes=spec.num_classes,

@@ -143,6 +143,27 @@ class RoundJournal:
             raise RunDirError(f"{entry.path}: sha256 does not match {index}; the file is corrupt")
         return decode_tensors(data)
 
+    def quarantine(self, entry: JournalEntry, folder: Path, reason: str, when: str) -> Path:
+        """Move ``entry`` out of the journal into ``folder`` with a note of ``reason``; returns the note's path.
+
+        The note is written first and the index line dropped second (the commit point), so a crash
+        leaves the upload either journaled as before or quarantined, never lost without its reason.
+        """
+        folder.mkdir(exist_ok=True)
+        stem = f"round-{entry.round:06d}-{entry.device}-{entry.transfer_id}"
+        note = {"round": entry.round, "device": entry.device, "transfer_id": entry.transfer_id}
+        note |= {"sha256": entry.sha256, "meta": entry.meta, "reason": reason, "quarantined_at": when}
+        atomic_write(folder / f"{stem}.json", json.dumps(note, sort_keys=True, default=str).encode())
+        index = self.path / INDEX_FILE
+        kept = [
+            line
+            for line in index.read_text().splitlines(keepends=True)
+            if not (line.endswith("\n") and _names_file(line, entry.path.name))
+        ]
+        atomic_write(index, "".join(kept).encode())
+        entry.path.replace(folder / f"{stem}.safetensors")
+        return folder / f"{stem}.json"
+
     def repair(self) -> None:
         """Drop a torn last index line and payload files no index line commits."""
         journal, index = self.path, self.path / INDEX_FILE
@@ -169,6 +190,14 @@ class RoundJournal:
         for payload in journal.glob("*.safetensors"):
             if payload.name not in committed:
                 payload.unlink()
+
+
+def _names_file(line: str, name: str) -> bool:
+    """Whether a journal index line is the entry of payload file ``name``."""
+    try:
+        return Path(json.loads(line)["file"]).name == name
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 __all__ = ["INDEX_FILE", "JournalEntry", "RoundJournal", "RunDirError", "payload_digest"]

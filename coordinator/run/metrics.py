@@ -111,6 +111,17 @@ def round_scores(rounds: Iterable[RoundMetrics]) -> dict[int, float]:
     return scores
 
 
+def failed_rounds(rounds: Iterable[RoundMetrics], quorum: float) -> list[int]:
+    """Rounds that aggregated no update, or fewer than ``quorum`` (fleet.yaml) of the devices they asked.
+
+    Such a round still closes (its global model is the round before's, or barely trained): a run that
+    ends with one must say so, not "all rounds done".
+    """
+    return [
+        row.round for row in rounds if row.participants == 0 or row.participants < math.ceil(quorum * len(row.devices))
+    ]
+
+
 def received_metrics(received: ReceivedEvaluation | None) -> dict[str, float | int | None]:
     """A device's federated evaluation as :class:`DeviceRoundMetrics` fields (all None without one)."""
     if received is None:

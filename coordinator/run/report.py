@@ -16,13 +16,15 @@ from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
+import yaml
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from coordinator.run.metrics import RoundMetrics
+from coordinator.config.fleet import Fleet
+from coordinator.run.metrics import RoundMetrics, failed_rounds
 from coordinator.run.rundir import FLEET_FILE, METRICS_FILE, RUN_FILE, RunDirError, read_metrics, read_run_file
 from device_agent.common.atomic import atomic_write
 from export.records import TABLE_HEADER, read_exports, table_rows
@@ -318,7 +320,7 @@ def _accuracy_rows(rounds: list[RoundMetrics]) -> list[tuple[str, str]]:
     return rows or [("accuracy", "not evaluated (no server evaluation, no device reported one)")]
 
 
-def _summary(run: dict, rounds: list[RoundMetrics]) -> str:
+def _summary(run: dict, rounds: list[RoundMetrics], quorum: float) -> str:
     devices = _device_order(rounds)
     up = sum(row.bytes_up for row in rounds)
     payload = sum(d.payload_bytes for row in rounds for d in row.devices.values() if d.status == "accepted")
@@ -327,6 +329,7 @@ def _summary(run: dict, rounds: list[RoundMetrics]) -> str:
         ("run", run["run_id"]),
         ("seed", run["seed"]),
         ("rounds completed", len(rounds)),
+        ("failed rounds (below quorum)", ", ".join(map(str, failed_rounds(rounds, quorum))) or "none"),
         *_accuracy_rows(rounds),
         *(
             [("final local accuracy (mean of devices)", f"{rounds[-1].personalized_accuracy:.4f}")]
@@ -411,6 +414,18 @@ def _exports(run_dir: Path) -> str:
     return f"<h2>Exported models</h2>{_table(TABLE_HEADER, table_rows(records))}" if records else ""
 
 
+DEFAULT_QUORUM: float = Fleet.model_fields["quorum"].default
+
+
+def _quorum(fleet_file: Path) -> float:
+    """The run's quorum from its fleet.yaml snapshot; the default when the snapshot is gone or unreadable."""
+    try:
+        raw = yaml.safe_load(fleet_file.read_text()) if fleet_file.exists() else None
+        return float(raw.get("quorum", DEFAULT_QUORUM)) if isinstance(raw, dict) else DEFAULT_QUORUM
+    except (OSError, yaml.YAMLError, TypeError, ValueError):
+        return DEFAULT_QUORUM
+
+
 def write_report(run_dir: Path) -> Path:
     """(Re)write ``report.html`` and ``plots/*.png`` in ``run_dir``; returns the report's path."""
     run_dir = Path(run_dir)
@@ -426,7 +441,7 @@ def write_report(run_dir: Path) -> Path:
 <html lang="en"><head><meta charset="utf-8"><title>fedfleet run {html.escape(run["run_id"])}</title>
 <style>{_STYLE}</style></head><body>
 <h1>fedfleet run {html.escape(run["run_id"])}</h1>
-<h2>Summary</h2>{_summary(run, rounds)}
+<h2>Summary</h2>{_summary(run, rounds, _quorum(fleet))}
 {"".join(figures)}
 <h2>Devices</h2>{_per_device(rounds)}
 <h2>Rounds</h2>{_per_round(rounds)}

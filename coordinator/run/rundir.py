@@ -11,6 +11,7 @@ Layout::
         index.jsonl                  one line per accepted upload, with its sha256 (the commit point of an upload)
         000001.safetensors ...
       metrics.jsonl                  one validated RoundMetrics object per closed round
+      quarantine/round-000008-dev3.* journaled uploads the run could not fold or close, each with its reason
 
 Closing round r writes the state, then appends its metrics line, then rewrites run.json; only the last
 step commits. Opening the directory repairs whatever a crash left between those steps (metrics lines or
@@ -58,6 +59,7 @@ FLEET_FILE = "fleet.yaml"
 METRICS_FILE = "metrics.jsonl"
 STATE_DIR = "state"
 JOURNAL_DIR = "journal"
+QUARANTINE_DIR = "quarantine"
 LOCK_FILE = ".lock"
 # The engine's record of the open round's participants; stale once the run rolls back past it.
 OPEN_ROUND_FILE = "open-round.json"
@@ -420,6 +422,15 @@ class RunDir:
     def load_upload(self, entry: JournalEntry) -> dict[str, torch.Tensor]:
         """An accepted upload's tensors, refusing a file whose digest no longer matches the journal."""
         return RoundJournal.load(entry)
+
+    def quarantine(self, entry: JournalEntry, reason: str) -> Path:
+        """Take an accepted upload out of the open round's journal, keeping it and ``reason`` in ``quarantine/``.
+
+        For an upload that a resume cannot fold or close (a journal of a release that checked less): the
+        run goes on without it, and the evidence stays for a person. Returns the reason file's path.
+        """
+        with self._writing:
+            return RoundJournal(entry.path.parent).quarantine(entry, self.path / QUARANTINE_DIR, reason, _now())
 
     def save_participants(self, round_: int, participants: Mapping[str, float]) -> None:
         """Who takes part in ``round_`` at which level, written before any assignment leaves.

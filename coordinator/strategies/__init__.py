@@ -1,4 +1,10 @@
-"""Strategies by name, as ``fleet.yaml`` selects them, with their parameters validated."""
+"""Strategies by name, as ``fleet.yaml`` selects them, with their parameters validated.
+
+Every strategy registers itself when its module is imported (:class:`~coordinator.strategies.base.Strategy`
+subclasses that set ``name``); the registry imports this package's modules and the ``fedfleet.strategies``
+entry points of installed packages on first use. A strategy is one module here plus its client
+program's module in ``device_agent/clients/``; nothing else is edited.
+"""
 
 from __future__ import annotations
 
@@ -7,40 +13,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from coordinator.strategies.base import Assignment, ClientSlot, ModelSpec, RoundAggregate, Strategy
-from coordinator.strategies.factorized_fl import FactorizedFL, FactorizedFLBeta
-from coordinator.strategies.fedfac import FedFac
-from coordinator.strategies.fedhm import FedHM
-from coordinator.strategies.fedlora import FedLoRA, FineTune, HomogeneousLoRA
-from coordinator.strategies.simfed import SimFed
-from coordinator.strategies.width import FedAvg, FedAvgSmall, FedRolex, HeteroFL
+from coordinator.strategies.base import STRATEGIES, Assignment, ClientSlot, ModelSpec, RoundAggregate, Strategy
 from device_agent.common.validation import describe
-
-STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls
-    for cls in (
-        FedHM,
-        FedAvg,
-        FedAvgSmall,
-        HeteroFL,
-        FedRolex,
-        FactorizedFL,
-        FactorizedFLBeta,
-        SimFed,
-        FedFac,
-        FedLoRA,
-        HomogeneousLoRA,
-        FineTune,
-    )
-}
 
 
 def build_strategy(name: str, model: ModelSpec, params: Mapping[str, Any] | None = None, seed: int = 0) -> Strategy:
     """A strategy with validated parameters; errors name the strategy and the parameter."""
-    try:
-        cls = STRATEGIES[name]
-    except KeyError:
-        raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(sorted(STRATEGIES))}") from None
+    cls = STRATEGIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
     try:
         validated = cls.Params.model_validate(dict(params or {}))
     except ValidationError as error:

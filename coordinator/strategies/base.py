@@ -11,7 +11,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import ClassVar
 
 import torch
@@ -19,9 +18,15 @@ from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from coordinator.algorithms.aggregation import UpdateRejected, check_values
+from coordinator.strategies.levels import NONE, LevelScale
 from device_agent.clients.base import ClientProgram
 from device_agent.clients.spec import ClientSpec, ModelSpec
+from device_agent.common.registry import Registry
 from device_agent.models import build_model
+
+ENTRY_POINT_GROUP = "fedfleet.strategies"
+STRATEGIES: Registry[type[Strategy]] = Registry("strategy", "coordinator.strategies", ENTRY_POINT_GROUP)
+"""Server strategies by name: this package's modules, and other packages' ``fedfleet.strategies`` entry points."""
 
 
 @dataclass(frozen=True)
@@ -145,8 +150,17 @@ class Strategy(ABC):
     program: ClassVar[type[ClientProgram]]
     """The device side of this strategy; ``configure`` builds ``program.Spec`` specs."""
     personalized: ClassVar[bool]
-    levels: ClassVar[str] = "none"
-    """How ``ClientSlot.level`` is read: "rank" (FedHM gamma), "width" (channel rate) or "none" (full model)."""
+    levels: ClassVar[LevelScale] = NONE
+    """How ``ClientSlot.level`` is read: a rank ratio (FedHM gamma), a channel width, or none (full model)."""
+
+    def __init_subclass__(cls, register: bool = True, **kwargs: object) -> None:
+        """A strategy that names itself is registered under that name: no list anywhere to edit.
+
+        ``class Variant(FedAvg, register=False)`` keeps a test double or an experiment out of the registry.
+        """
+        super().__init_subclass__(**kwargs)
+        if register and "name" in cls.__dict__:
+            STRATEGIES.register(cls.name, cls)
 
     def __init__(self, model: ModelSpec, params: BaseModel, seed: int = 0) -> None:
         if not isinstance(params, self.Params):
@@ -154,6 +168,10 @@ class Strategy(ABC):
         self.model = model
         self.params = params
         self.seed = seed
+
+    def declared_extras(self) -> frozenset[str]:
+        """Names of the side information (``extras``) its clients upload; the upload gate refuses any other."""
+        return frozenset()
 
     @classmethod
     def client_model(cls, model: ModelSpec, params: BaseModel, level: float) -> nn.Module:
@@ -183,20 +201,12 @@ class Strategy(ABC):
     @classmethod
     def level_label(cls, params: BaseModel, level: float) -> str:
         """What ``level`` means for this strategy's client model, for plan tables: "gamma 1/4", "width 0.5"..."""
-        if cls.levels == "rank":
-            return f"gamma {Fraction(level).limit_denominator(1000)}"
-        if cls.levels == "width":
-            return f"width {level:g}"
-        return "full model"
+        return cls.levels.label(level)
 
     @classmethod
     def level_problem(cls, level: float) -> str | None:
         """Why no client of this strategy can be assigned ``level`` (None: it can)."""
-        if cls.levels == "none":
-            return None if level == 1 else "it trains the whole model on every device (it has no size levels)"
-        if not 0 < level <= 1:
-            return f"a {cls.levels} level must be in (0, 1]"
-        return None
+        return cls.levels.problem(level)
 
     def trained_level(self, slot: ClientSlot) -> float:
         """The level the client of ``slot`` actually trains (what metrics should record): by default its own."""

@@ -39,7 +39,12 @@ from device_agent.layers import dense_state, rank_one_layers, similarity_layer
 class FactorizedFLParams(StrategyParams):
     tau: float = Field(0.0, ge=-1.0, le=1.0, description="peers with cosine(v) below tau get weight 0")
     eps: float = Field(1.0, gt=0, description="softmax scale on similarities (seed 000: 1 single-domain, 20 multi)")
-    min_peers: int = Field(0, ge=0, description="keep at least this many most-similar peers even below tau")
+    min_peers: int = Field(
+        0,
+        ge=0,
+        description="keep at least this many most-similar peers even below tau: the reference's minimum_aggr"
+        " minus one (it counts the client itself)",
+    )
     lambda_sparsity: float = Field(1e-3, ge=0, description="L1 strength on mu (seed 000: 5e-4 to 1e-3)")
     prune_below: float = Field(0.0, ge=0, description="zero |mu| below this at evaluation (0 = no pruning)")
     share_head: bool = Field(False, description="also share the classifier's factors (never under permuted labels)")

@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel, Field
 from torch import nn
 
-from coordinator.algorithms.aggregation import StreamingAggregator, UpdateRejected
+from coordinator.algorithms.aggregation import ClassifierRule, StreamingAggregator, UpdateRejected, parse_classes
 from coordinator.algorithms.lowrank import factorize
 from coordinator.strategies.base import (
     Assignment,
@@ -33,6 +33,7 @@ from coordinator.strategies.base import (
     StrategyParams,
     seeded_model,
 )
+from coordinator.strategies.levels import RANK, LevelScale
 from device_agent.clients.base import ClientProgram, is_norm_statistic
 from device_agent.clients.fedhm import FedHMProgram
 from device_agent.clients.spec import FedHMSpec
@@ -47,6 +48,9 @@ class FedHMParams(StrategyParams):
     """Add the previous global model as a gamma = 1 client when none took part (the reference does)."""
     frobenius_decay: float = Field(5e-4, ge=0)
     """Frobenius decay strength on factors; factors get no plain L2."""
+    label_masked_classifier: ClassifierRule = ClassifierRule.OFF
+    """off: every row averaged; reference: a gamma < 1 client adds alpha_p * W_p[c] only for its
+    classes, alpha not renormalised (the FedHM code); renormalised: per row over its holders."""
 
 
 UploadShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -82,10 +86,12 @@ class FedHMRound(RosterRound):
         clients: Sequence[ClientSlot],
         aggregator: StreamingAggregator,
         expected: Mapping[float, UploadShapes] | None = None,
+        num_classes: int = 0,
     ) -> None:
         super().__init__(round, clients)
         self.aggregator = aggregator
         self.expected = dict(expected or {})
+        self.num_classes = num_classes
 
     def check(
         self,
@@ -98,6 +104,7 @@ class FedHMRound(RosterRound):
         if slot.level in self.expected:
             check_exact(tensors, self.expected[slot.level])
         self.aggregator.check(tensors, slot.level)
+        self._rows(slot.level, extras)
 
     def fold(
         self,
@@ -106,8 +113,15 @@ class FedHMRound(RosterRound):
         num_samples: int,
         extras: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        self.aggregator.add(tensors, self.slots[client_id].level, num_samples)
+        level = self.slots[client_id].level
+        self.aggregator.add(tensors, level, num_samples, self._rows(level, extras))
         self.received.append(client_id)
+
+    def _rows(self, level: float, extras: Mapping[str, torch.Tensor] | None) -> torch.Tensor | None:
+        """The classifier rows a gamma < 1 client trained, when the round masks them."""
+        if not self.aggregator.classifier_keys or level == 1:
+            return None
+        return parse_classes(extras, self.num_classes)
 
 
 class FedHM(Strategy):
@@ -115,18 +129,23 @@ class FedHM(Strategy):
     Params: ClassVar[type[FedHMParams]] = FedHMParams
     program: ClassVar[type[ClientProgram]] = FedHMProgram
     personalized: ClassVar[bool] = False
-    levels: ClassVar[str] = "rank"
+    levels: ClassVar[LevelScale] = RANK
     params: FedHMParams
 
     def __init__(self, model: ModelSpec, params: FedHMParams, seed: int = 0) -> None:
         super().__init__(model, params, seed)
         self.plan = factorization_plan(model.arch, model.num_classes, model.in_channels)
-        self._global = {k: v.detach().clone() for k, v in seeded_model(model, seed).state_dict().items()}
+        net = seeded_model(model, seed)
+        self._global = {k: v.detach().clone() for k, v in net.state_dict().items()}
+        linears = [name for name, m in net.named_modules() if isinstance(m, nn.Linear)]
+        self.classifier_keys = frozenset({f"{linears[-1]}.weight", f"{linears[-1]}.bias"} & self._global.keys())
 
     @classmethod
     def client_model(cls, model: ModelSpec, params: BaseModel, level: float) -> nn.Module:
         """The hybrid at rank ratio gamma = ``level``, as ``FedHMProgram`` builds it."""
-        spec = FedHMSpec(strategy="fedhm", model=model, level=level, frobenius_decay=params.frobenius_decay)  # type: ignore[attr-defined]
+        spec = FedHMSpec(
+            strategy="fedhm", model=model, level=level, frobenius_decay=params.frobenius_decay, send_classes=False
+        )  # type: ignore[attr-defined]
         with torch.device("meta"):
             return cls.program.build_model(spec)
 
@@ -139,6 +158,7 @@ class FedHM(Strategy):
                     model=self.model,
                     level=slot.level,
                     frobenius_decay=self.params.frobenius_decay,
+                    send_classes=self.params.label_masked_classifier is not ClassifierRule.OFF and slot.level < 1,
                 ),
                 dict(levels[slot.level]),
             )
@@ -152,12 +172,14 @@ class FedHM(Strategy):
             self.params.weighting,
             self.params.temperature,
             self.params.global_as_pseudo_client,
+            self.params.label_masked_classifier,
+            self.classifier_keys,
         )
         expected = {
             level: expected_upload(self.client_model(self.model, self.params, level))
             for level in {slot.level for slot in clients}
         }
-        return FedHMRound(round, clients, aggregator, expected)
+        return FedHMRound(round, clients, aggregator, expected, self.model.num_classes)
 
     def close_round(self, aggregate: RoundAggregate) -> None:
         if not isinstance(aggregate, FedHMRound):

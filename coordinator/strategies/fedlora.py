@@ -42,6 +42,7 @@ from coordinator.strategies.base import (
     check_finite_float,
     seeded_model,
 )
+from coordinator.strategies.levels import RANK, LevelScale
 from device_agent.clients.base import ClientProgram
 from device_agent.clients.lora import TARGETS, LoRAProgram
 from device_agent.clients.spec import LoRASpec
@@ -330,7 +331,7 @@ class FedLoRA(LoRAStrategy):
 
     name: ClassVar[str] = "fedlora"
     Params: ClassVar[type[FedLoRAParams]] = FedLoRAParams
-    levels: ClassVar[str] = "rank"
+    levels: ClassVar[LevelScale] = RANK
     params: FedLoRAParams
 
     def __init__(self, model: ModelSpec, params: FedLoRAParams, seed: int = 0) -> None:

@@ -52,6 +52,9 @@ class SimFed(Strategy):
     personalized: ClassVar[bool] = True
     layout: ClassVar[str] = "channel"
 
+    def declared_extras(self) -> frozenset[str]:
+        return frozenset({"embedding"})
+
     def __init__(self, model: ModelSpec, params: SimFedParams, seed: int = 0) -> None:
         super().__init__(model, params, seed)
         self.params: SimFedParams = params

@@ -23,7 +23,8 @@ import torch
 from pydantic import BaseModel, Field
 from torch import Tensor, nn
 
-from coordinator.algorithms.aggregation import UpdateRejected
+from coordinator.algorithms.aggregation import UpdateRejected, parse_classes
+from coordinator.algorithms.robust import buffered_aggregate
 from coordinator.strategies.base import (
     Assignment,
     ClientSlot,
@@ -35,8 +36,8 @@ from coordinator.strategies.base import (
     check_finite_float,
     seeded_model,
 )
+from coordinator.strategies.levels import NONE, WIDTH, LevelScale
 from device_agent.clients.base import ClientProgram, is_norm_statistic
-from device_agent.clients.spec import WidthSpec
 from device_agent.clients.width import WidthProgram
 from device_agent.models import build_model
 
@@ -92,7 +93,13 @@ class WidthParams(StrategyParams):
 
 
 class FedAvgParams(StrategyParams):
-    pass
+    rule: Literal["mean", "median", "trimmed_mean", "multi_krum"] = "mean"
+    """mean streams (memory O(model)); the robust rules buffer the round's uploads (O(clients x model)),
+    see docs/robust-aggregation.md."""
+    trim: float = Field(0.1, ge=0, lt=0.5)
+    """trimmed_mean: the fraction of values dropped at each end, per coordinate."""
+    byzantine: int = Field(1, ge=0)
+    """multi_krum: the malicious devices f it assumes; it keeps the n - f best-scored uploads."""
 
 
 class FedAvgSmallParams(StrategyParams):
@@ -153,17 +160,7 @@ class WidthRound(RosterRound):
     def _classifier_rows(self, extras: Mapping[str, Tensor] | None) -> Tensor | None:
         if not self.strategy.label_masked:
             return None
-        classes = (extras or {}).get("classes")
-        if classes is None:
-            raise UpdateRejected("'classes': label-masked aggregation needs the client's classes in its extras")
-        num_classes = self.strategy.model.num_classes
-        if classes.dtype not in (torch.int32, torch.int64) or classes.dim() != 1:
-            raise UpdateRejected("'classes': expected a 1-D integer tensor of class indices")
-        if len(classes) and (int(classes.min()) < 0 or int(classes.max()) >= num_classes):
-            raise UpdateRejected(f"'classes': indices must lie in [0, {num_classes})")
-        rows = torch.zeros(num_classes, dtype=torch.bool)
-        rows[classes] = True
-        return rows
+        return parse_classes(extras, self.strategy.model.num_classes)
 
 
 class WidthStrategy(Strategy):
@@ -175,6 +172,10 @@ class WidthStrategy(Strategy):
     weighting: str = "samples"
     label_masked: bool = False
     scaler: bool = False
+
+    def declared_extras(self) -> frozenset[str]:
+        """A label-masked classifier needs each client's classes; nothing else is sent."""
+        return frozenset({"classes"}) if self.label_masked else frozenset()
 
     def __init__(self, model: ModelSpec, params: StrategyParams, seed: int = 0, width: float = 1.0) -> None:
         super().__init__(model, params, seed)
@@ -194,12 +195,16 @@ class WidthStrategy(Strategy):
     def client_model(cls, model: ModelSpec, params: BaseModel, level: float) -> nn.Module:
         """The dense model at the client's width, as ``WidthProgram`` builds it."""
         width = cls.client_width(params, level)
-        spec = WidthSpec(strategy=cls.name, model=model, level=width, scaler=False, send_classes=False)  # type: ignore[arg-type]
+        spec = cls.program.Spec.model_construct(strategy=cls.name, model=model, level=width)  # shapes only
         with torch.device("meta"):
             return cls.program.build_model(spec)
 
     def client_level(self, slot: ClientSlot) -> float:
         return slot.level
+
+    def spec_fields(self) -> dict[str, object]:
+        """What a subclass's client spec adds to ``WidthSpec``'s fields (a FedProx-style ``mu``, say)."""
+        return {}
 
     def trained_level(self, slot: ClientSlot) -> float:
         return self.client_level(slot)
@@ -224,12 +229,13 @@ class WidthStrategy(Strategy):
         for slot in clients:
             level = self.client_level(slot)
             index = self.index_for(round, level)
-            spec = WidthSpec(
-                strategy=self.name,  # type: ignore[arg-type]
+            spec = self.program.Spec(
+                strategy=self.name,
                 model=self.model,
                 level=level,
                 scaler=self.scaler,
                 send_classes=self.label_masked,
+                **self.spec_fields(),
             )
             out[slot.client_id] = Assignment(spec, {k: extract(v, index[k]) for k, v in self._global.items()})
         return out
@@ -277,7 +283,7 @@ class WidthStrategy(Strategy):
 class HeteroFL(WidthStrategy):
     name: ClassVar[str] = "heterofl"
     Params: ClassVar[type[WidthParams]] = WidthParams
-    levels: ClassVar[str] = "width"
+    levels: ClassVar[LevelScale] = WIDTH
 
     def __init__(self, model: ModelSpec, params: WidthParams, seed: int = 0) -> None:
         super().__init__(model, params, seed)
@@ -296,7 +302,8 @@ class FedAvg(WidthStrategy):
 
     name: ClassVar[str] = "fedavg"
     Params: ClassVar[type[FedAvgParams]] = FedAvgParams
-    levels: ClassVar[str] = "none"
+    levels: ClassVar[LevelScale] = NONE
+    params: FedAvgParams
 
     @classmethod
     def client_width(cls, params: BaseModel, level: float) -> float:
@@ -305,13 +312,47 @@ class FedAvg(WidthStrategy):
     def client_level(self, slot: ClientSlot) -> float:
         return 1.0
 
+    def open_round(self, round: int, clients: Sequence[ClientSlot]) -> RoundAggregate:
+        if self.params.rule == "mean":
+            return super().open_round(round, clients)
+        return BufferedRound(self, round, clients)
+
+    def close_round(self, aggregate: RoundAggregate) -> None:
+        if not isinstance(aggregate, BufferedRound) or aggregate.strategy is not self or not aggregate.uploads:
+            super().close_round(aggregate)
+            return
+        params = self.params
+        combined = buffered_aggregate(params.rule, aggregate.uploads, aggregate.weights, params.trim, params.byzantine)
+        for key, value in combined.items():
+            self._global[key] = value.to(self._global[key].dtype)
+
+
+class BufferedRound(WidthRound):
+    """A FedAvg round that also keeps every upload, for a robust rule at close."""
+
+    def __init__(self, strategy: WidthStrategy, round: int, clients: Sequence[ClientSlot]) -> None:
+        super().__init__(strategy, round, clients)
+        self.uploads: list[dict[str, Tensor]] = []
+        self.weights: list[float] = []
+
+    def fold(
+        self,
+        client_id: str,
+        tensors: dict[str, torch.Tensor],
+        num_samples: int,
+        extras: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        super().fold(client_id, tensors, num_samples, extras)
+        self.uploads.append({k: tensors[k] for k in self.sums})
+        self.weights.append(float(num_samples))
+
 
 class FedAvgSmall(WidthStrategy):
     """FedAvg of the smallest model: what a fleet does when every device must fit one model."""
 
     name: ClassVar[str] = "fedavg_small"
     Params: ClassVar[type[FedAvgSmallParams]] = FedAvgSmallParams
-    levels: ClassVar[str] = "width"
+    levels: ClassVar[LevelScale] = WIDTH
     params: FedAvgSmallParams
 
     def __init__(self, model: ModelSpec, params: FedAvgSmallParams, seed: int = 0) -> None:

@@ -4,7 +4,8 @@ What the simulation and ``benchmarks.compare`` run on: the real round engine (pl
 gate, journal, evaluation) with in-process devices instead of MQTT agents. Nothing is passed by
 reference: assignments are encoded to safetensors and decoded on the device side, uploads are
 encoded, hashed into a sealed manifest and decoded by the engine, exactly as over the broker; the
-device side is :func:`device_agent.training.local_round.train_assignment`, the agent's own round. Devices
+device side is :func:`device_agent.training.driver.run_assignment`, the agent's own round, so a
+failing round (a program's bug, out of memory) is answered and cleaned up as on a device. Devices
 train one at a time on one worker thread, in the order their assignments arrive.
 """
 
@@ -14,7 +15,7 @@ import logging
 import queue
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,12 +23,9 @@ import torch
 from torch import Tensor
 
 from coordinator.transport.link import MessageHandler, PayloadHandler, RefusalHandler
-from device_agent.clients.assignment_check import BadAssignment
-from device_agent.clients.base import KeptStateMissing
-from device_agent.training.local_round import train_assignment
-from device_agent.training.oom import is_out_of_memory
-from device_agent.wire.codec import CodecError, decode_tensors, encode_tensors
-from device_agent.wire.messages import Assignment, Manifest, Message, RoundFailed, Status, encode
+from device_agent.training.driver import RoundFailure, run_assignment
+from device_agent.wire.codec import encode_tensors
+from device_agent.wire.messages import Assignment, Manifest, Message, Status, encode
 from device_agent.wire.protocol import UPDATE_KIND, upload_meta
 from device_agent.wire.transfer import DEFAULT_CHUNK_SIZE, Completed, make_manifest, new_transfer_id
 
@@ -44,6 +42,17 @@ class LocalDevice:
     train: Split
     test: Split
     kept: dict[str, Tensor] | None = field(default=None, repr=False)
+
+    def shards(self, assignment: Assignment) -> tuple[Split, Split]:
+        """Its (train, test) data, already shaped for the fleet's model."""
+        return self.train, self.test
+
+    def load(self, run: str) -> Mapping[str, Tensor] | None:
+        """What this device kept from its last round (in memory: one run per link)."""
+        return self.kept
+
+    def save(self, run: str, tensors: Mapping[str, Tensor]) -> None:
+        self.kept = dict(tensors) or None
 
 
 class InProcessLink:
@@ -109,45 +118,29 @@ class InProcessLink:
 
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
-            device, assignment = job
-            try:
-                self._train(self.devices[device], assignment)
-            except KeptStateMissing as exc:
-                self._fail(device, assignment, "state_lost", str(exc))
-            except (BadAssignment, CodecError) as exc:
-                self._fail(device, assignment, "bad_assignment", str(exc))
-            except Exception as exc:  # one device's failure must not stop the others
-                reason = "out_of_memory" if is_out_of_memory(exc) else "error"
-                if reason == "error":
-                    log.exception("%s: round %d failed", device, assignment.round)
-                self._fail(device, assignment, reason, f"{type(exc).__name__}: {exc}")
-
-    def _train(self, device: LocalDevice, assignment: Assignment) -> None:
-        tensors = decode_tensors(self._payloads.pop(assignment.download))
-        trained = train_assignment(
-            assignment.spec,
-            assignment.train,
-            tensors,
-            device.kept,
-            device.train,
-            device.test,
-            torch.device(self.torch_device),
-        )
-        device.kept = trained.keep or None
-        data = encode_tensors(trained.upload)
-        result = trained.result
-        meta = upload_meta(
-            result.samples, result.seconds, result.mean_loss, trained.local_accuracy, received=trained.received
-        )
-        manifest = make_manifest(
-            data, self.chunk_size, run=assignment.run, round=assignment.round, kind=UPDATE_KIND, meta=meta
-        )
-        self._up[device.device_id] += len(data)
-        self._on_payload(device.device_id, Completed(manifest, [data]))
-
-    def _fail(self, device: str, assignment: Assignment, reason: str, detail: str) -> None:
-        failure = RoundFailed(run=assignment.run, round=assignment.round, reason=reason, detail=detail[:2000])  # type: ignore[arg-type]
-        self._to_engine(device, failure)
+            device_id, assignment = job
+            device = self.devices[device_id]
+            outcome = run_assignment(
+                assignment,
+                self._payloads.pop(assignment.download),
+                device.shards,
+                device,
+                torch.device(self.torch_device),
+            )
+            if isinstance(outcome, RoundFailure):
+                log.warning("%s: round %d failed: %s: %s", device_id, assignment.round, outcome.reason, outcome.detail)
+                self._to_engine(device_id, outcome.to_message(assignment))
+                continue
+            data = encode_tensors(outcome.upload)
+            result = outcome.result
+            meta = upload_meta(
+                result.samples, result.seconds, result.mean_loss, outcome.local_accuracy, received=outcome.received
+            )
+            manifest = make_manifest(
+                data, self.chunk_size, run=assignment.run, round=assignment.round, kind=UPDATE_KIND, meta=meta
+            )
+            self._up[device_id] += len(data)
+            self._on_payload(device_id, Completed(manifest, [data]))
 
 
 __all__ = ["InProcessLink", "LocalDevice"]

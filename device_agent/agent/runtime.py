@@ -1,8 +1,9 @@
 """The device agent: one process that joins a fleet and trains whatever rounds it is assigned.
 
-The MQTT session runs its own threads and hands every message and verified payload to the agent's
-event queue; one main thread does all the work (training included) in order, so the agent's state
-needs no locks. The protocol it speaks is described in :mod:`device_agent.wire.protocol`.
+Its port to the coordinator (:mod:`device_agent.agent.port`, the MQTT session on a real device)
+runs its own threads and hands every message and verified payload to the agent's event queue; one
+main thread does all the work (training included) in order, so the agent's state needs no locks.
+The protocol it speaks is described in :mod:`device_agent.wire.protocol`.
 
 What survives what:
 
@@ -14,7 +15,9 @@ What survives what:
   if it is gone anyway (state directory wiped), the agent answers the round with ``RoundFailed(state_lost)``
   and the coordinator starts it over with a whole model;
 - a payload that does not fit the model the assignment's spec builds (names, shapes, dtypes, finite values):
-  the agent answers ``RoundFailed(bad_assignment)`` naming the offending tensors, and takes the next round.
+  the agent answers ``RoundFailed(bad_assignment)`` naming the offending tensors, and takes the next round;
+- anything else a round raises (a program's bug, out of memory, unreadable data): ``RoundFailed`` with
+  the exception's type and message (:func:`device_agent.training.driver.run_assignment`), and the next round.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from torch import Tensor
@@ -34,24 +38,21 @@ from device_agent.agent.config import AgentConfig
 from device_agent.agent.hooks import HooksFor, RuntimeHooks
 from device_agent.agent.kept import KeptStore
 from device_agent.agent.outbox import Outbox, OutboxCorrupt, OutboxItem
+from device_agent.agent.port import CoordinatorPort, MqttPort, Signer, Upload
 from device_agent.agent.probe import resolve_device
 from device_agent.agent.signing import UploadIdentity, signed_meta
 from device_agent.agent.speed import measured_profile
 from device_agent.agent.stopping import stop_on_signals
-from device_agent.clients.assignment_check import BadAssignment
-from device_agent.clients.base import KeptStateMissing
 from device_agent.common.profile import DeviceProfile
 from device_agent.data.datasets import DatasetError, check_source, load_dataset
 from device_agent.data.partition import client_shard
-from device_agent.training.local_round import train_assignment
-from device_agent.training.oom import free_memory, is_out_of_memory
-from device_agent.wire.codec import CodecError, decode_tensors
-from device_agent.wire.messages import INCOMPATIBLE, Assignment, Error, Hello, Message, Receipt, RoundFailed, Status
+from device_agent.training.driver import RoundFailure, run_assignment
+from device_agent.training.local_round import TrainedRound
+from device_agent.wire.messages import INCOMPATIBLE, Assignment, Error, Hello, Message, Receipt, Status
 from device_agent.wire.protocol import UPDATE_KIND, upload_meta
 from device_agent.wire.reachability import wait_for_broker
-from device_agent.wire.session import BrokerAddress, Delivery, Session, device_session
-from device_agent.wire.topics import DeviceTopics
-from device_agent.wire.transfer import Completed, make_manifest, new_transfer_id
+from device_agent.wire.session import BrokerAddress
+from device_agent.wire.transfer import new_transfer_id
 
 log = logging.getLogger("fedfleet.agent")
 
@@ -67,7 +68,8 @@ class _Sent:
     """An outbox update on the wire, waiting for the coordinator's receipt."""
 
     item: OutboxItem
-    delivery: Delivery
+    transfer: str
+    upload: Upload
     since: float
 
 
@@ -106,12 +108,16 @@ class Agent:
     """One device in one fleet. ``run`` blocks until :meth:`stop` (or SIGINT/SIGTERM in ``run_agent``)."""
 
     def __init__(
-        self, config: AgentConfig, profile: DeviceProfile | None = None, hooks: RuntimeHooks | HooksFor | None = None
+        self,
+        config: AgentConfig,
+        profile: DeviceProfile | None = None,
+        hooks: RuntimeHooks | HooksFor | None = None,
+        port: CoordinatorPort | None = None,
     ) -> None:
         """``hooks`` (or a function of the torch device that makes them) shape this device; none on real hardware.
 
         The runtime never imports emulation: ``device-agent run`` and the worker inject the emulated
-        device's hooks, a test its own.
+        device's hooks, a test its own. ``port`` defaults to the MQTT session ``config`` describes.
         """
         self.config = config
         self.device = resolve_device(config.device_type)
@@ -126,32 +132,12 @@ class Agent:
         self._events: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._stopping = threading.Event()
         self._assignments: dict[str, Assignment] = {}
-        self._payloads: dict[str, Completed] = {}
+        self._payloads: dict[str, bytes] = {}
         self._done: set[tuple[str, int]] = set()
         self._sent: dict[tuple[str, int], _Sent] = {}
         self._state = "idle"
         self._connects = 0
-        self.session, self.topics = self._make_session()
-
-    def _make_session(self) -> tuple[Session, DeviceTopics]:
-        broker = self.config.broker
-        address = replace(
-            BrokerAddress.from_url(
-                broker.url, username=self.config.device, password=broker.resolve_password(), ca_file=broker.ca_file
-            ),
-            cert_file=broker.cert_file,
-            key_file=broker.key_file,
-        )
-        return device_session(
-            self.config.fleet,
-            self.config.device,
-            address,
-            on_message=lambda _topic, message: self._events.put(lambda: self._on_message(message)),
-            on_payload=lambda _topic, completed: self._events.put(lambda: self._on_payload(completed)),
-            before_chunk_out=self.hooks.before_chunk_out,
-            after_chunk_in=self.hooks.after_chunk_in,
-            protocol=broker.protocol,
-        )
+        self.port = port or MqttPort(config, self.hooks.before_chunk_out, self.hooks.after_chunk_in)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -162,22 +148,20 @@ class Agent:
         reconnect: retrying with credentials the broker refused cannot succeed.
         """
         try:
-            self.session.start(timeout=connect_timeout)
+            self.port.start(
+                on_message=lambda message: self._events.put(lambda: self._on_message(message)),
+                on_payload=lambda transfer, payload: self._events.put(lambda: self._on_payload(transfer, payload)),
+                timeout=connect_timeout,
+            )
         except ConnectionError as exc:
             raise AgentError(str(exc)) from None
-        log.info(
-            "%s: connecting to fleet %s at %s", self.config.device, self.config.fleet, self.session.config.broker.url
-        )
+        log.info("%s: connecting to fleet %s at %s", self.config.device, self.config.fleet, self.config.broker.url)
         last_beat = 0.0
         try:
             while not self._stopping.is_set():
-                if self.session.refused:
-                    raise AgentError(f"{self.session.refused}; check the device's broker.password (--password)")
-                if self.session.stats.publish_denied and not self.session.stats.published:
-                    raise AgentError(
-                        f"the broker refuses every message this device sends on {self.topics.up}: is fleet "
-                        f"{self.config.fleet!r} the coordinator's fleet name? (a device may publish only there)"
-                    )
+                fatal = self.port.fatal()
+                if fatal is not None:
+                    raise AgentError(fatal)
                 try:
                     event = self._events.get(timeout=0.2)
                 except queue.Empty:
@@ -185,8 +169,8 @@ class Agent:
                 if event is not None:
                     event()
                 now = time.monotonic()
-                if self.session.stats.connects != self._connects:
-                    self._connects = self.session.stats.connects
+                if self.port.connects != self._connects:
+                    self._connects = self.port.connects
                     self._on_connected()
                     last_beat = now
                 elif now - last_beat >= self.config.heartbeat_s:
@@ -194,16 +178,14 @@ class Agent:
                     last_beat = now
                 self._check_receipts(now)
         finally:
-            self.session.stop()
+            self.port.stop()
 
     def stop(self) -> None:
         self._stopping.set()
 
     def _on_connected(self) -> None:
         # Retained: a coordinator that (re)subscribes later still learns who is in the fleet.
-        self.session.publish(
-            self.topics.up, Hello(device=self.config.device, agent_version=__version__, profile=self.profile), True
-        )
+        self.port.publish(Hello(device=self.config.device, agent_version=__version__, profile=self.profile), True)
         self._set_state(self._state)
         for item in self.outbox.pending():
             if (item.run, item.round) not in self._sent:
@@ -211,9 +193,7 @@ class Agent:
 
     def _set_state(self, state: str, detail: str = "") -> None:
         self._state = state
-        self.session.publish(
-            self.topics.status, Status(device=self.config.device, state=state, detail=detail), retain=True
-        )
+        self.port.publish(Status(device=self.config.device, state=state, detail=detail), retain=True)
 
     # ---- messages ------------------------------------------------------------------------------
 
@@ -227,7 +207,7 @@ class Agent:
         elif isinstance(message, Error):
             log.warning("%s: coordinator refused something: %s: %s", self.config.device, message.code, message.detail)
             for key, sent in list(self._sent.items()):
-                if sent.delivery.transfer == message.transfer:
+                if sent.transfer == message.transfer:
                     self._forget(*key, f"rejected: {message.detail}")
 
     def _on_assignment(self, assignment: Assignment) -> None:
@@ -242,62 +222,42 @@ class Agent:
         self._assignments[assignment.download] = assignment
         self._try_train(assignment.download)
 
-    def _on_payload(self, completed: Completed) -> None:
-        self._payloads[completed.manifest.transfer] = completed
-        self._try_train(completed.manifest.transfer)
+    def _on_payload(self, transfer: str, payload: bytes) -> None:
+        self._payloads[transfer] = payload
+        self._try_train(transfer)
 
     # ---- one round -----------------------------------------------------------------------------
 
     def _try_train(self, transfer: str) -> None:
         assignment = self._assignments.get(transfer)
-        completed = self._payloads.get(transfer)
-        if assignment is None or completed is None:
+        payload = self._payloads.get(transfer)
+        if assignment is None or payload is None:
             if assignment is not None:
                 self._set_state("downloading", f"round {assignment.round}")
             return
         del self._assignments[transfer], self._payloads[transfer]
-        key = (assignment.run, assignment.round)
-        self._done.add(key)
+        self._done.add((assignment.run, assignment.round))
         # Drop payloads of assignments that never came (superseded rounds) so memory stays bounded.
         self._payloads.clear()
         self._set_state("training", f"round {assignment.round} at level {assignment.spec.level:g}")
-        try:
-            item = self._train(assignment, completed.data)
-        except KeptStateMissing as exc:
-            self._fail(assignment, "state_lost", str(exc))
-            return
-        except (BadAssignment, CodecError) as exc:
-            self._fail(assignment, "bad_assignment", str(exc))
-            return
-        except (MemoryError, ValueError, DatasetError, RuntimeError) as exc:
-            reason = "out_of_memory" if is_out_of_memory(exc) else "error"
-            if reason == "error":
-                log.exception("%s: round %d failed", self.config.device, assignment.round)
-            detail = f"{type(exc).__name__}: {exc}"
+        outcome = run_assignment(assignment, payload, self._shards, self.kept, self.device, self.hooks)
+        if isinstance(outcome, RoundFailure):
+            self._fail(assignment, outcome)
         else:
-            self._send(item)
-            return
-        # Out of the except block the exception is gone, and with its traceback the round's tensors.
-        if reason == "out_of_memory":
-            free_memory()
-        self._fail(assignment, reason, detail)
+            self._send(self._store(assignment, outcome))
 
-    def _train(self, assignment: Assignment, payload: bytes) -> OutboxItem:
-        spec, train = assignment.spec, assignment.train
-        tensors = decode_tensors(payload)
-        shard, test = self.data.for_model(spec.model.image_size, spec.model.in_channels, spec.model.num_classes)
-        self.hooks.before_training(spec.level)
-        with self.hooks.memory_guard():
-            trained = train_assignment(
-                spec, train, tensors, self.kept.load(assignment.run), shard, test, self.device, step=self.hooks.step
-            )
-            self.kept.save(assignment.run, trained.keep)
-        result, local_accuracy, upload = trained.result, trained.local_accuracy, trained.upload
+    def _shards(self, assignment: Assignment) -> tuple[Split, Split]:
+        model = assignment.spec.model
+        return self.data.for_model(model.image_size, model.in_channels, model.num_classes)
+
+    def _store(self, assignment: Assignment, trained: TrainedRound) -> OutboxItem:
+        """Put the trained update in the outbox, where it survives until the coordinator's receipt."""
+        result, local_accuracy = trained.result, trained.local_accuracy
         seconds = result.seconds + self.hooks.after_training()
         held = self.hooks.held_seconds()
         host = max(0.0, seconds - held) if self.config.emulation is not None else None
         meta = upload_meta(result.samples, seconds, result.mean_loss, local_accuracy, host, trained.received)
-        item = self.outbox.put(assignment.run, assignment.round, new_transfer_id(), upload, meta)
+        item = self.outbox.put(assignment.run, assignment.round, new_transfer_id(), trained.upload, meta)
         log.info(
             "%s: round %d trained in %.1f s (loss %.3f, local accuracy %s), update of %d bytes",
             self.config.device,
@@ -309,11 +269,10 @@ class Agent:
         )
         return item
 
-    def _fail(self, assignment: Assignment, reason: str, detail: str) -> None:
-        log.warning("%s: round %d failed: %s", self.config.device, assignment.round, detail)
-        failure = RoundFailed(run=assignment.run, round=assignment.round, reason=reason, detail=detail[:2000])
-        self.session.publish(self.topics.up, failure)
-        self._set_state("idle", f"round {assignment.round} failed: {reason}")
+    def _fail(self, assignment: Assignment, failure: RoundFailure) -> None:
+        log.warning("%s: round %d failed: %s: %s", self.config.device, assignment.round, failure.reason, failure.detail)
+        self.port.publish(failure.to_message(assignment))
+        self._set_state("idle", f"round {assignment.round} failed: {failure.reason}")
 
     def _send(self, item: OutboxItem) -> None:
         try:
@@ -325,18 +284,24 @@ class Agent:
         self.hooks.before_upload()
         self._set_state("uploading", f"round {item.round}")
         transfer = new_transfer_id()
-        fields = {"run": item.run, "round": item.round, "kind": UPDATE_KIND, "meta": dict(item.meta)}
-        if self.signing_key is None:  # hashed chunk by chunk as it is published
-            delivery = self.session.send(self.topics.up, payload, transfer=transfer, **fields)
-        else:  # the signature binds the transfer digest: hash first (once), then send the sealed manifest
-            cfg = self.session.config
-            manifest = make_manifest(payload, cfg.chunk_size, limits=cfg.limits, transfer=transfer, **fields)
-            identity = UploadIdentity(
-                self.config.fleet, item.run, item.round, self.config.device, transfer, manifest.digest
-            )  # type: ignore[arg-type]
-            manifest = manifest.model_copy(update={"meta": signed_meta(manifest.meta, self.signing_key, identity)})
-            delivery = self.session.send(self.topics.up, payload, manifest=manifest, transfer=transfer)
-        self._sent[(item.run, item.round)] = _Sent(item, delivery, time.monotonic())
+        upload = self.port.send(
+            payload,
+            self._signer(item, transfer),
+            run=item.run,
+            round=item.round,
+            kind=UPDATE_KIND,
+            meta=dict(item.meta),
+            transfer=transfer,
+        )
+        self._sent[(item.run, item.round)] = _Sent(item, transfer, upload, time.monotonic())
+
+    def _signer(self, item: OutboxItem, transfer: str) -> Signer | None:
+        """Signs an upload's meta over the digest of the transfer as sent; None when this device does not sign."""
+        key = self.signing_key
+        if key is None:
+            return None
+        identity = partial(UploadIdentity, self.config.fleet, item.run, item.round, self.config.device, transfer)
+        return lambda digest, meta: signed_meta(meta, key, identity(digest))
 
     def _forget(self, run: str, round_: int, why: str) -> None:
         sent = self._sent.pop((run, round_), None)
@@ -350,7 +315,7 @@ class Agent:
     def _check_receipts(self, now: float) -> None:
         """Resend an update whose transfer failed, or that got no receipt in time (a coordinator restart)."""
         for key, sent in list(self._sent.items()):
-            failed = sent.delivery.error is not None
+            failed = sent.upload.error is not None
             if failed or now - sent.since > RECEIPT_TIMEOUT_S:
                 if key not in {(i.run, i.round) for i in self.outbox.pending()}:
                     del self._sent[key]
@@ -359,7 +324,7 @@ class Agent:
                     "%s: re-sending the round %d update (%s)",
                     self.config.device,
                     key[1],
-                    sent.delivery.error or "no receipt",
+                    sent.upload.error or "no receipt",
                 )
                 self._send(sent.item)
 

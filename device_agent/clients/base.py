@@ -3,8 +3,8 @@
 A ``ClientProgram`` is built from its strategy's typed spec (``device_agent.clients.spec``) and
 the tensors the coordinator sent (plus what the device kept from its previous round, for
 personalized strategies), is trained by ``device_agent.training.optimizer.train_local``, and says what goes
-back. Each program names the one spec class it consumes (``Spec``); the server strategy names
-the program (``Strategy.program``), so the pairing is by class, never by string.
+back. Each program names the one spec class it consumes (``Spec``) and is registered under that
+spec's strategy names when it is defined; the server strategy names the program (``Strategy.program``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from device_agent.clients.assignment_check import check_assignment
+from device_agent.clients.registry import PROGRAMS, literal_names
 from device_agent.clients.spec import SpecBase
 
 
@@ -50,6 +51,16 @@ class ClientProgram(ABC):
 
     Spec: ClassVar[type[SpecBase]]
     model: nn.Module
+
+    def __init_subclass__(cls, register: bool = True, **kwargs: object) -> None:
+        """A program whose spec names its strategies is registered under each name: nothing else to edit.
+
+        ``class Double(ClientProgram, register=False)`` keeps a test double or a variant out of the registry.
+        """
+        super().__init_subclass__(**kwargs)
+        if register and "Spec" in cls.__dict__:
+            for name in literal_names(cls.Spec):
+                PROGRAMS.register(name, cls)
 
     def __init__(
         self,

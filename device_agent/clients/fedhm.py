@@ -2,7 +2,8 @@
 
 The assignment holds the factors of the device's rank level (one server decomposition serves
 every level), the full-rank layers and the norm parameters; the upload is the same set after
-training, never a dense copy of a factorized layer. Factors get Frobenius decay only (the spec's
+training, never a dense copy of a factorized layer, plus the local classes when the server's
+label-masked classifier asks for them (spec ``send_classes``). Factors get Frobenius decay only (the spec's
 ``frobenius_decay``), dense parameters plain L2: the reference's double decay is not copied.
 """
 
@@ -47,3 +48,8 @@ class FedHMProgram(ClientProgram):
 
     def upload(self) -> dict[str, torch.Tensor]:
         return trainable_state(self.model)
+
+    def extras(self) -> dict[str, torch.Tensor]:
+        if self.spec.send_classes and self.local_classes is not None:
+            return {"classes": self.local_classes.to(torch.int64)}
+        return {}

@@ -1,7 +1,8 @@
 """What a coordinator tells a device to train: one typed spec per strategy, plus the training config.
 
-The spec travels in the ``Assignment`` message as JSON; the union is keyed on ``strategy``, so a
-device parses it into exactly the class its client program was written against. Every field is
+The spec travels in the ``Assignment`` message as JSON and is parsed by its ``strategy`` into the
+class the registered client program consumes (:mod:`device_agent.clients.registry`), so a device
+gets exactly the class its program was written against, and a new strategy edits no union here. Every field is
 required and unknown keys are errors: a typo or a newer coordinator's option fails loudly instead
 of being silently replaced by a default on the device. Pure pydantic, no torch: the wire messages
 import it.
@@ -9,20 +10,24 @@ import it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PositiveFloat,
     PositiveInt,
+    SerializeAsAny,
     TypeAdapter,
     ValidationError,
     model_validator,
 )
 from pydantic.dataclasses import dataclass
 
+from device_agent.clients.registry import PROGRAMS, literal_names
 from device_agent.common.validation import describe
 
 Optimizer = Literal["sgd", "momentum", "adam"]
@@ -86,6 +91,8 @@ class FedHMSpec(SpecBase):
 
     strategy: Literal["fedhm"]
     frobenius_decay: Annotated[float, Field(ge=0)]
+    send_classes: bool
+    """Report the local classes: the server's label-masked classifier counts only their rows."""
 
 
 class WidthSpec(SpecBase):
@@ -159,38 +166,40 @@ class LoRASpec(SpecBase):
         return self
 
 
-ClientSpec = Annotated[
-    FedHMSpec | WidthSpec | FactorizedFLSpec | FactorizedFLBetaSpec | SimFedSpec | FedFacSpec | LoRASpec,
-    Field(discriminator="strategy"),
-]
-CLIENT_SPEC: TypeAdapter[ClientSpec] = TypeAdapter(ClientSpec)
-SPEC_TYPES: tuple[type[SpecBase], ...] = (
-    FedHMSpec,
-    WidthSpec,
-    FactorizedFLSpec,
-    FactorizedFLBetaSpec,
-    SimFedSpec,
-    FedFacSpec,
-    LoRASpec,
-)
-
-
-def parse_spec(raw: object) -> ClientSpec:
-    """A spec from JSON-like data; ``ValueError`` naming each offending field (``spec.model.arch: ...``)."""
+def parse_spec(raw: object) -> SpecBase:
+    """A spec from JSON-like data, as the class registered for its ``strategy``; ``ValueError`` naming each field."""
+    if isinstance(raw, SpecBase):
+        return raw
+    name = raw.get("strategy") if isinstance(raw, Mapping) else None
+    if not isinstance(name, str):
+        raise ValueError("invalid client spec: spec.strategy: a strategy name is required")
+    program = PROGRAMS.get(name)
+    if program is None:
+        known = ", ".join(PROGRAMS) or "none"
+        raise ValueError(f"invalid client spec: spec.strategy: unknown strategy {name!r} (this agent trains: {known})")
     try:
-        return CLIENT_SPEC.validate_python(raw)
+        return program.Spec.model_validate(raw)
     except ValidationError as exc:
         raise ValueError(f"invalid client spec: {describe(exc, prefix='spec')}") from None
 
 
+def spec_types() -> list[type[SpecBase]]:
+    """Every registered spec class, once each (several strategies may share one)."""
+    return list(dict.fromkeys(program.Spec for program in PROGRAMS.values()))
+
+
+ClientSpec = Annotated[SpecBase, SerializeAsAny(), BeforeValidator(parse_spec)]
+"""The spec field of a wire message: validated as its strategy's registered class, serialized whole."""
+CLIENT_SPEC: TypeAdapter[SpecBase] = TypeAdapter(ClientSpec)
+
+
 def strategies_of(spec_type: type[SpecBase]) -> tuple[str, ...]:
     """The strategy names a spec class serves (the values of its ``strategy`` literal)."""
-    return spec_type.model_fields["strategy"].annotation.__args__  # type: ignore[union-attr]
+    return literal_names(spec_type)
 
 
 __all__ = [
     "CLIENT_SPEC",
-    "SPEC_TYPES",
     "ClientSpec",
     "FactorizedFLBetaSpec",
     "FactorizedFLSpec",
@@ -205,5 +214,6 @@ __all__ = [
     "TrainConfig",
     "WidthSpec",
     "parse_spec",
+    "spec_types",
     "strategies_of",
 ]

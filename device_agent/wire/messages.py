@@ -19,6 +19,7 @@ from device_agent.clients.spec import ClientSpec, TrainConfig
 from device_agent.common.profile import DeviceProfile
 from device_agent.common.schema import NAME_PATTERN as _NAME
 from device_agent.common.validation import describe
+from device_agent.wire.bounds import MESSAGE_CLOCK
 from device_agent.wire.json_bounds import nesting_depth
 
 # 3: the assignment carries a typed client spec and training config (2 carried an untyped options dict).
@@ -58,7 +59,9 @@ class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     v: Literal[3] = PROTOCOL_VERSION
-    sent_at: float = Field(default_factory=time.time)
+    sent_at: Annotated[
+        float, Field(ge=MESSAGE_CLOCK.low, le=MESSAGE_CLOCK.high, allow_inf_nan=False, default_factory=time.time)
+    ]
 
 
 class Hello(_Message):
@@ -181,6 +184,10 @@ class Receipt(_Message):
     status: Literal["accepted", "duplicate", "late"]
 
 
+FailureReason = Literal["out_of_memory", "state_lost", "bad_assignment", "error"]
+"""Why a device could not do its round; ``error`` is any other exception (a program's bug, unreadable data)."""
+
+
 class RoundFailed(_Message):
     """A device could not do its round (out of memory, bad data, ...): the coordinator stops waiting for it.
 
@@ -190,7 +197,7 @@ class RoundFailed(_Message):
     type: Literal["round_failed"] = "round_failed"
     run: Annotated[str, Field(pattern=_NAME)]
     round: Annotated[int, Field(ge=0)]
-    reason: Literal["out_of_memory", "state_lost", "bad_assignment", "error"]
+    reason: FailureReason
     detail: str = ""
 
 

@@ -37,16 +37,15 @@ Topics are per device (``device_agent.wire.topics``); payloads are verified chun
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from device_agent.wire.bounds import MAX_COUNT, UPLOAD_META
+
 EXTRA_PREFIX = "__extra__."
-# Sample counts become float64 aggregation weights: beyond 2**53 they are not exact, and past ~1e308 they
-# raise OverflowError at the round's close, after the update was journaled (and again on every resume).
-MAX_SAMPLES = 2**53
+MAX_SAMPLES = MAX_COUNT
 ASSIGNMENT_KIND = "assignment"
 UPDATE_KIND = "update"
 
@@ -135,6 +134,19 @@ def upload_meta(
 RECEIVED_KEYS = ("global_accuracy", "global_loss", "eval_samples")
 
 
+def _number(meta: Mapping[str, str], key: str) -> float:
+    """``meta[key]`` read as its kind of number and checked against its range in :data:`UPLOAD_META`."""
+    bound = UPLOAD_META[key]
+    try:
+        value: float = int(meta[key]) if bound.integer else float(meta[key])
+    except ValueError as exc:
+        raise UploadMetaError(f"update manifest meta: {key}: {exc}") from None
+    problem = bound.problem(key, value)
+    if problem is not None:
+        raise UploadMetaError(f"update manifest meta: {problem}")
+    return value
+
+
 def _parse_received(meta: Mapping[str, str]) -> ReceivedEvaluation | None:
     """The federated evaluation figures of an update's meta: all three keys or none."""
     present = [key for key in RECEIVED_KEYS if key in meta]
@@ -143,41 +155,21 @@ def _parse_received(meta: Mapping[str, str]) -> ReceivedEvaluation | None:
     if len(present) != len(RECEIVED_KEYS):
         missing = ", ".join(key for key in RECEIVED_KEYS if key not in meta)
         raise UploadMetaError(f"update manifest meta has {', '.join(present)} but lacks {missing}")
-    try:
-        accuracy, loss, samples = float(meta["global_accuracy"]), float(meta["global_loss"]), int(meta["eval_samples"])
-    except ValueError as exc:
-        raise UploadMetaError(f"update manifest meta: {exc}") from None
-    if not 0 <= accuracy <= 1:
-        raise UploadMetaError(f"update manifest meta: global_accuracy={accuracy} is not in [0, 1]")
-    if not (loss >= 0 and math.isfinite(loss)):
-        raise UploadMetaError(f"update manifest meta: global_loss={loss} is not a finite number >= 0")
-    if not 1 <= samples <= MAX_SAMPLES:
-        raise UploadMetaError(f"update manifest meta: eval_samples={str(samples)[:30]} out of range [1, 2**53]")
-    return ReceivedEvaluation(accuracy, loss, samples)
+    accuracy, loss, samples = (_number(meta, key) for key in RECEIVED_KEYS)
+    return ReceivedEvaluation(accuracy, loss, int(samples))
 
 
 def parse_upload_meta(meta: Mapping[str, str]) -> UploadMeta:
-    """An update's meta, checked; else ``UploadMetaError`` naming the problem.
+    """An update's meta, every number within its range (:data:`UPLOAD_META`); else ``UploadMetaError`` naming it.
 
     The payload's integrity is the transfer's business (its sealed manifest): one digest per upload.
     """
     missing = [key for key in ("samples", "train_seconds", "loss") if key not in meta]
     if missing:
         raise UploadMetaError(f"update manifest meta lacks {', '.join(missing)}")
-    try:
-        samples, seconds, loss = int(meta["samples"]), float(meta["train_seconds"]), float(meta["loss"])
-        accuracy = float(meta["local_accuracy"]) if "local_accuracy" in meta else None
-        host = float(meta["host_seconds"]) if "host_seconds" in meta else None
-    except ValueError as exc:
-        raise UploadMetaError(f"update manifest meta: {exc}") from None
-    if not 1 <= samples <= MAX_SAMPLES:
-        raise UploadMetaError(f"update manifest meta: samples={str(samples)[:30]} out of range [1, 2**53]")
-    if not (seconds >= 0 and math.isfinite(seconds)):
-        raise UploadMetaError(f"update manifest meta: samples={samples}, train_seconds={seconds} out of range")
-    if not math.isfinite(loss):
-        raise UploadMetaError(f"update manifest meta: loss={loss} is not a finite number")
-    if accuracy is not None and not 0 <= accuracy <= 1:
-        raise UploadMetaError(f"update manifest meta: local_accuracy={accuracy} is not in [0, 1]")
-    if host is not None and not 0 <= host <= seconds * 1.01 + 1e-3:
+    samples, seconds, loss = int(_number(meta, "samples")), _number(meta, "train_seconds"), _number(meta, "loss")
+    accuracy = _number(meta, "local_accuracy") if "local_accuracy" in meta else None
+    host = _number(meta, "host_seconds") if "host_seconds" in meta else None
+    if host is not None and host > seconds * 1.01 + 1e-3:
         raise UploadMetaError(f"update manifest meta: host_seconds={host} is not in [0, train_seconds={seconds}]")
     return UploadMeta(samples, seconds, loss, accuracy, host, _parse_received(meta))

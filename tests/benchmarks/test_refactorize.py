@@ -10,6 +10,7 @@ def test_benchmark_times_both_schemes_and_matches_the_exact_truncated_svd():
     assert result["speedup"] > 0
     assert result["max_rel_error_gap"] < 1e-4
     assert result["reference_max_rel_error_gap"] < 1e-4
+    assert max(result["ill_conditioned_error_gap_by_kept_span"].values()) < 1e-6
 
 
 def test_json_output_is_one_object(capsys):

@@ -54,7 +54,7 @@ def make_run(
     fl = build_strategy(fleet.strategy.name, spec, fleet.strategy.params, seed=0)
     run_dir = root / "run"
     rundir = RunDir.create(run_dir, fleet_file, fl.state_dict(), seed=0)
-    levels = [min(fleet.ratios), 1.0] if fl.levels == "rank" else [1.0, 1.0]
+    levels = [min(fleet.ratios), 1.0] if fl.levels.factorized else [1.0, 1.0]
     slots = [ClientSlot(d, level, samples) for d, level in zip(DEVICES, levels, strict=True)]
     assignments = fl.configure(1, slots)
     aggregate = fl.open_round(1, slots)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.algorithms.aggregation import StreamingAggregator, UpdateRejected, aggregation_weights
+from coordinator.algorithms.aggregation import StreamingAggregator, UpdateRejected, aggregation_weights, parse_classes
 from coordinator.algorithms.lowrank import align, factorize
 from device_agent.layers.hybrid import factorization_plan, hybrid
 
@@ -189,3 +189,111 @@ def test_streaming_aggregation_of_50_clients_peaks_no_higher_than_2():
     # Allocator noise reaches ~13 MiB under load; keeping the 50 updates would cost ~900 MiB, and
     # keeping any one full-rank update 42.6 MiB.
     assert fifty <= two + 0.5 * model_bytes
+
+
+def masked_classifier_round(rule):
+    """Three clients, three classes, one input feature; "samples" weighting with 1, 1 and 2 samples
+    gives alpha = 0.25, 0.25, 0.5. The previous global classifier is 9 in every row.
+
+    client  gamma  alpha  classes    classifier rows (weight = bias)
+    A       1      0.25   all        [4, 8, 12]
+    B       1/2    0.25   {0, 1}     [8, 4, 100]
+    C       1/4    0.5    {1}        [100, 2, 100]
+    """
+    global_state = {"classifier.weight": torch.full((3, 1), 9.0), "classifier.bias": torch.full((3,), 9.0)}
+    global_state["body.weight"] = torch.zeros(1)
+    aggregator = StreamingAggregator(
+        global_state,
+        {},
+        "samples",
+        classifier_rule=rule,
+        classifier_keys=frozenset({"classifier.weight", "classifier.bias"}),
+    )
+    clients = [
+        (1.0, 1, [4.0, 8.0, 12.0], None, 1.0),
+        (0.5, 1, [8.0, 4.0, 100.0], torch.tensor([True, True, False]), 2.0),
+        (0.25, 2, [100.0, 2.0, 100.0], torch.tensor([False, True, False]), 3.0),
+    ]
+    for gamma, samples, rows, held, body in clients:
+        update = {
+            "classifier.weight": torch.tensor(rows)[:, None],
+            "classifier.bias": torch.tensor(rows),
+            "body.weight": torch.tensor([body]),
+        }
+        aggregator.add(update, gamma, samples, held)
+    return aggregator.result()
+
+
+@pytest.mark.parametrize(
+    ("rule", "expected"),
+    [
+        # off: every row from every client. row 0: .25*4 + .25*8 + .5*100 = 1 + 2 + 50 = 53;
+        # row 1: .25*8 + .25*4 + .5*2 = 2 + 1 + 1 = 4; row 2: .25*12 + .25*100 + .5*100 = 3 + 25 + 50 = 78.
+        ("off", [53.0, 4.0, 78.0]),
+        # reference: B and C add only their classes' rows, alpha not renormalised (A, full rank, adds all).
+        # row 0: .25*4 + .25*8 = 3 (C lacks class 0); row 1: 2 + 1 + 1 = 4 (all hold it);
+        # row 2: .25*12 = 3 (only A): rows held by few clients shrink.
+        ("reference", [3.0, 4.0, 3.0]),
+        # renormalised: the same sums divided by the holders' alpha. row 0: 3 / (.25 + .25) = 6;
+        # row 1: 4 / 1 = 4; row 2: 3 / .25 = 12 (A's row itself).
+        ("renormalised", [6.0, 4.0, 12.0]),
+    ],
+)
+def test_label_masked_classifier_against_a_hand_computed_three_client_round(rule, expected):
+    result = masked_classifier_round(rule)
+    assert result["classifier.weight"][:, 0].tolist() == pytest.approx(expected)
+    assert result["classifier.bias"].tolist() == pytest.approx(expected)
+    # Other layers are the plain Eq. 2 average under every rule: .25*1 + .25*2 + .5*3 = 2.25.
+    assert result["body.weight"].tolist() == pytest.approx([2.25])
+
+
+@pytest.mark.parametrize("rule", ["reference", "renormalised"])
+def test_a_classifier_row_nobody_trained_keeps_its_global_value(rule):
+    """The reference code would zero row 2 here (it sums into zeros); fedfleet keeps the global row."""
+    global_state = {"classifier.weight": torch.tensor([[9.0], [9.0], [9.0]])}
+    aggregator = StreamingAggregator(
+        global_state, {}, "uniform", classifier_rule=rule, classifier_keys=frozenset({"classifier.weight"})
+    )
+    aggregator.add(
+        {"classifier.weight": torch.tensor([[2.0], [4.0], [6.0]])}, 0.5, 1, torch.tensor([True, False, False])
+    )
+    aggregator.add(
+        {"classifier.weight": torch.tensor([[4.0], [8.0], [6.0]])}, 0.5, 1, torch.tensor([True, True, False])
+    )
+    # uniform alpha = .5 each. row 0: reference .5*2 + .5*4 = 3, renormalised 3 / 1 = 3;
+    # row 1: reference .5*8 = 4, renormalised 4 / .5 = 8; row 2: nobody holds it -> 9.
+    want = {"reference": [3.0, 4.0, 9.0], "renormalised": [3.0, 8.0, 9.0]}[rule]
+    assert aggregator.result()["classifier.weight"][:, 0].tolist() == pytest.approx(want)
+
+
+def test_a_masked_classifier_refuses_a_low_rank_client_without_classes():
+    global_state = {"classifier.weight": torch.zeros(3, 1)}
+    aggregator = StreamingAggregator(
+        global_state, {}, classifier_rule="reference", classifier_keys=frozenset({"classifier.weight"})
+    )
+    with pytest.raises(UpdateRejected, match="'classes'"):
+        aggregator.add({"classifier.weight": torch.ones(3, 1)}, 0.5)
+    with pytest.raises(ValueError, match=r"unknown label_masked_classifier 'sometimes'.*renormalised"):
+        StreamingAggregator(global_state, {}, classifier_rule="sometimes")
+
+
+@pytest.mark.parametrize(
+    ("classes", "problem"),
+    [
+        (None, "needs the client's classes"),
+        (torch.tensor([0.0, 1.0]), "1-D integer"),
+        (torch.tensor([[0, 1]]), "1-D integer"),
+        (torch.tensor([0, 3]), r"in \[0, 3\)"),
+        (torch.tensor([-1]), r"in \[0, 3\)"),
+        (torch.tensor([1, 1]), "listed twice"),
+        (torch.tensor([0, 1, 2, 0]), "4 entries for a model of 3 classes"),
+    ],
+)
+def test_reported_classes_are_validated(classes, problem):
+    extras = None if classes is None else {"classes": classes}
+    with pytest.raises(UpdateRejected, match=problem):
+        parse_classes(extras, 3)
+
+
+def test_reported_classes_become_a_row_mask():
+    assert parse_classes({"classes": torch.tensor([2, 0])}, 4).tolist() == [True, False, True, False]

@@ -47,6 +47,16 @@ def test_a_missing_path_and_an_unset_password_variable_are_named(monkeypatch: py
     ]
 
 
+def test_devices_in_process_are_for_simulate_not_for_start() -> None:
+    assert _fleet(dataset={"name": "digits"}).transport.kind == "mqtt"  # the default: agents on the broker
+    in_process = _fleet(dataset={"name": "digits"}, transport={"kind": "in_process"})
+
+    assert start_problems(in_process) == [
+        "transport.kind: in_process runs the devices inside the coordinator with their data in memory, which "
+        "only simulate() sets up; start reaches real agents: use kind: mqtt (the default)"
+    ]
+
+
 def test_start_refuses_before_it_creates_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(yaml.safe_dump({"fleet": "lab", "broker": {"mode": "amqtt"}, "devices": DEVICES}))

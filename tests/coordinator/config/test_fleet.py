@@ -88,7 +88,11 @@ MISTAKES = [
     ("broker.password", "hunter2", "broker.password: must be a reference like env:NAME or file:PATH"),
     ("broker.port", 70000, "broker.port: Input should be less than or equal to 65535"),
     ("model.arch", "resnet50", "model.arch: unknown model 'resnet50'"),
-    ("strategy.name", "fedprox", "strategy.name: unknown strategy 'fedprox'; choose one of: fedhm, fedavg"),
+    (
+        "strategy.name",
+        "fedprox",
+        "strategy.name: unknown strategy 'fedprox'; choose one of: factorized_fl, factorized_fl_beta, fedavg",
+    ),
     ("dataset.partition", "dirichlet(lots)", "dataset.partition: dirichlet alpha 'lots' is not a number"),
     ("dataset.partition", "shards", "dataset.partition: 'shards' is not a partition"),
     ("dataset.partition", "dirichlet(0)", "dataset.partition: dirichlet alpha must be > 0"),
@@ -117,6 +121,8 @@ MISTAKES = [
     ("limits.norm_bound_factor", 1, "limits.norm_bound_factor: Input should be greater than 1"),
     ("limits.rejected_grace_s", -1, "limits.rejected_grace_s: Input should be greater than or equal to 0"),
     ("limits.resend_after_s", 0, "limits.resend_after_s: Input should be greater than 0"),
+    ("transport.kind", "grpc", "transport.kind: Input should be 'mqtt' or 'in_process'"),
+    ("transport.knd", "mqtt", "transport.knd: Extra inputs are not permitted"),
 ]
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from coordinator.config.fleet import parse_fleet
+import pytest
+
+from coordinator.config.fleet import FleetError, parse_fleet
 from coordinator.config.limits import GateSettings
 from coordinator.rounds.engine import EngineSettings
 from device_agent.wire.guard import InboundLimits
@@ -43,3 +45,16 @@ def test_the_norm_bound_can_be_turned_off() -> None:
     fleet = parse_fleet({**MINIMAL, "limits": {"norm_bound_factor": None}}, CATALOG)
 
     assert fleet.limits.gate().max_norm_ratio is None
+
+
+def test_the_update_bound_is_on_by_default_and_each_setting_is_checked_by_name() -> None:
+    gate = parse_fleet(MINIMAL, CATALOG).limits.gate()
+    assert (gate.update_bound_factor, gate.update_bound_action, gate.sample_weight_factor) == (1.5, "clip", 2.0)
+
+    tuned = {"update_bound_factor": 5, "update_bound_action": "refuse", "sample_weight_factor": None}
+    gate = parse_fleet({**MINIMAL, "limits": tuned}, CATALOG).limits.gate()
+    assert (gate.update_bound_factor, gate.update_bound_action, gate.sample_weight_factor) == (5, "refuse", None)
+
+    for key, value in (("update_bound_action", "drop"), ("update_bound_factor", 0.5), ("sample_weight_factor", 0)):
+        with pytest.raises(FleetError, match=f"limits.{key}"):
+            parse_fleet({**MINIMAL, "limits": {key: value}}, CATALOG)

@@ -18,12 +18,14 @@ from coordinator.rounds.engine import EngineSettings, RoundEngine
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ModelSpec, build_strategy
 from coordinator.transport.local_link import InProcessLink, LocalDevice
-from device_agent.clients.spec import TrainConfig
+from device_agent.clients import PROGRAMS
+from device_agent.clients.spec import TrainConfig, WidthSpec
 from device_agent.data.datasets import LabeledData, load_dataset
 from device_agent.wire.codec import decode_tensors, encode_tensors
 from device_agent.wire.messages import Assignment, Manifest, Message, Status
 from device_agent.wire.transfer import Completed, make_manifest
 from tests.digit_clients import digit_clients
+from tests.program_bugs import BUG, with_first_upload_bug
 
 CNN = ModelSpec("cnn", 10, 1, 8)
 
@@ -184,7 +186,21 @@ def test_a_device_refusing_a_bad_assignment_fails_that_round_only(
     first, second = (json.loads(line)["devices"] for line in metrics)
     assert (first["a"]["status"], first["b"]["status"]) == ("accepted", "failed")
     assert first["b"]["error"] == (
-        "bad_assignment: assignment does not fit the model: 'fc.weight' is torch.float64, expected torch.float32"
+        "bad_assignment: BadAssignment: assignment does not fit the model: 'fc.weight' is torch.float64, "
+        "expected torch.float32"
     )
     assert "b refused its assignment as not fitting the model its spec builds" in caplog.text
     assert (second["a"]["status"], second["b"]["status"]) == ("accepted", "accepted")
+
+
+def test_a_program_raising_type_error_in_process_fails_that_round_with_the_reason_and_the_next_round_trains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(PROGRAMS, WidthSpec, with_first_upload_bug(PROGRAMS[WidthSpec]))  # fedavg's program
+    run_round(tmp_path, InProcessLink, rounds=2)
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    first, second = (json.loads(line)["devices"] for line in metrics)
+    failed = [row for row in first.values() if row["status"] == "failed"]
+    assert sorted(row["status"] for row in first.values()) == ["accepted", "failed"]
+    assert failed[0]["error"] == f"error: TypeError: {BUG}"
+    assert {d: row["status"] for d, row in second.items()} == {"a": "accepted", "b": "accepted"}

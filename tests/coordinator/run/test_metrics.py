@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from coordinator.run.metrics import DeviceRoundMetrics, RoundMetrics, received_metrics, round_scores
+from coordinator.cli.start import finished_run_status
+from coordinator.run.metrics import DeviceRoundMetrics, RoundMetrics, failed_rounds, received_metrics, round_scores
 from device_agent.wire.protocol import ReceivedEvaluation
 
 
@@ -50,3 +51,29 @@ def test_best_round_scores_prefer_the_devices_own_accuracy_then_the_servers() ->
         row(3, {"pi": device(ReceivedEvaluation(0.9, 0.3, 50))}, federated_accuracy=0.9, federated_loss=0.3),
     ]
     assert round_scores(rounds) == {1: 0.7, 2: 0.6}
+
+
+def test_a_round_with_no_update_or_fewer_than_the_quorum_is_a_failed_round() -> None:
+    refused = device(None).model_copy(update={"status": "rejected"})
+    rounds = [
+        row(1, {"a": device(None), "b": device(None)}),
+        RoundMetrics(round=2, participants=0, bytes_up=0, bytes_down=0, seconds=1.0, devices={"a": refused}),
+        RoundMetrics(
+            round=3,
+            participants=1,
+            bytes_up=0,
+            bytes_down=0,
+            seconds=1.0,
+            devices={"a": device(None), "b": refused, "c": refused},
+        ),
+    ]
+    assert failed_rounds(rounds, quorum=0.5) == [2, 3]  # 1 of 3 is below a quorum of 2
+    assert failed_rounds(rounds, quorum=0.3) == [2]
+
+
+def test_a_finished_run_with_failed_rounds_says_which_and_returns_1(capsys: pytest.CaptureFixture[str]) -> None:
+    empty = RoundMetrics(round=2, participants=0, bytes_up=0, bytes_down=0, seconds=1.0)
+    assert finished_run_status([row(1, {"a": device(None)}), empty], quorum=0.8) == 1
+    assert "coordinator: 1 of 2 rounds failed" in capsys.readouterr().err
+    assert finished_run_status([row(1, {"a": device(None)})], quorum=0.8) == 0
+    assert capsys.readouterr().out == "all rounds done\n"

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from coordinator.strategies import STRATEGIES, ClientSlot, ModelSpec, build_strategy
-from device_agent.clients import KNOWN_STRATEGIES, PROGRAMS, build_program
-from device_agent.clients.spec import SPEC_TYPES, TrainConfig, strategies_of
+from device_agent.clients import PROGRAMS, build_program
+from device_agent.clients.spec import TrainConfig, spec_types, strategies_of
 from device_agent.training.optimizer import train_local
 from device_agent.wire.codec import decode_tensors, encode_tensors
 from device_agent.wire.messages import Assignment, encode, parse_message
@@ -26,18 +26,23 @@ FINE_TUNING = {"fedlora", "lora_homogeneous", "ft"}
 LEVELS = {"rank": (1.0, 0.25), "width": (1.0, 0.5), "none": (1.0, 1.0)}
 
 
-def test_every_spec_has_one_program_and_every_strategy_a_program_for_its_name() -> None:
-    assert set(PROGRAMS) == set(SPEC_TYPES)
+def test_every_strategy_has_the_program_registered_for_its_name_and_every_program_a_strategy() -> None:
     for name, strategy in STRATEGIES.items():
-        assert PROGRAMS[strategy.program.Spec] is strategy.program, name
+        assert PROGRAMS[name] is strategy.program, name
         assert name in strategies_of(strategy.program.Spec), f"{name}: its program's spec does not accept the name"
-    assert set(KNOWN_STRATEGIES) == set(STRATEGIES)
+    assert set(PROGRAMS) == set(STRATEGIES)
+    assert len(spec_types()) == len({program.Spec for program in PROGRAMS.values()})
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_assignment_over_the_wire_trains_and_folds_back(name: str) -> None:
-    strategy = build_strategy(name, VIT if name in FINE_TUNING else CNN, {}, seed=1)
-    slots = [ClientSlot(f"dev-{i}", level, 12) for i, level in enumerate(LEVELS[strategy.levels])]
+    check_contract(name, VIT if name in FINE_TUNING else CNN)
+
+
+def check_contract(name: str, model: ModelSpec = CNN) -> None:
+    """A strategy's assignments parsed as the wire does, trained by its program, folded back, finite."""
+    strategy = build_strategy(name, model, {}, seed=1)
+    slots = [ClientSlot(f"dev-{i}", level, 12) for i, level in enumerate(LEVELS[strategy.levels.name])]
     assignments = strategy.configure(1, slots)
     aggregate = strategy.open_round(1, slots)
     for index, slot in enumerate(slots):

@@ -1,5 +1,7 @@
+import pytest
 import torch
 
+from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
 from device_agent.clients import build_program
 from device_agent.layers.hybrid import factorization_plan
@@ -34,3 +36,32 @@ def test_fedhm_state_dict_round_trips():
     other.load_state_dict(strategy.state_dict())
     for key, value in strategy.global_state().items():
         assert torch.equal(other.global_state()[key], value)
+
+
+def test_label_masked_fedhm_asks_low_rank_clients_for_their_classes_and_masks_their_rows():
+    strategy = build_strategy("fedhm", SPEC, {"weighting": "uniform", "label_masked_classifier": "renormalised"}, 0)
+    before = strategy.global_state()["fc.weight"].clone()
+    clients = [ClientSlot("full", 1.0, 20), ClientSlot("low", 0.25, 20)]
+    sent = strategy.configure(1, clients)
+    assert not sent["full"].spec.send_classes and sent["low"].spec.send_classes
+    aggregate = strategy.open_round(1, clients)
+    programs = {cid: build_program(a.spec, a.tensors) for cid, a in sent.items()}
+    programs["low"].note_local_classes(torch.tensor([3, 7]))
+    low_upload = {k: v + 1.0 for k, v in programs["low"].upload().items()}
+    with pytest.raises(UpdateRejected, match="'classes'"):
+        aggregate.add("low", low_upload, 20, {})
+    aggregate.add("full", programs["full"].upload(), 20, programs["full"].extras())
+    aggregate.add("low", low_upload, 20, programs["low"].extras())
+    strategy.close_round(aggregate)
+    after = strategy.global_state()["fc.weight"]
+    # Rows 3 and 7: the mean of the unchanged full-rank row and the shifted low-rank one (+0.5);
+    # every other row is the full-rank client's alone (unchanged), not pulled toward the +1 shift.
+    shift = (after - before).mean(dim=1)
+    assert shift[[3, 7]].tolist() == pytest.approx([0.5, 0.5], abs=1e-5)
+    assert shift[[0, 1, 2, 4, 5, 6, 8, 9]].abs().max() < 1e-6
+
+
+def test_label_masked_classifier_is_a_validated_strategy_option():
+    assert build_strategy("fedhm", SPEC, {}, 0).params.label_masked_classifier.value == "off"
+    with pytest.raises(ValueError, match="label_masked_classifier"):
+        build_strategy("fedhm", SPEC, {"label_masked_classifier": "sometimes"}, 0)

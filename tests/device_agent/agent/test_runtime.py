@@ -1,4 +1,5 @@
-"""An agent over a real broker: a round it cannot do is answered round_failed, and the agent takes the next one."""
+"""An agent, over a real broker or a fake coordinator port: a round it cannot do is answered round_failed, and the
+agent takes the next one."""
 
 from __future__ import annotations
 
@@ -6,21 +7,25 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import TypeVar
+from types import SimpleNamespace
+from typing import Any, TypeVar
 
 import pytest
 import torch
 
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
 from device_agent.agent.config import parse_config
+from device_agent.agent.port import Signer
 from device_agent.agent.runtime import Agent
-from device_agent.clients.spec import TrainConfig
+from device_agent.clients import PROGRAMS
+from device_agent.clients.spec import TrainConfig, WidthSpec
 from device_agent.wire.codec import encode_tensors
 from device_agent.wire.messages import Assignment, Hello, Message, RoundFailed
 from device_agent.wire.session import coordinator_session
 from device_agent.wire.topics import DeviceTopics
 from device_agent.wire.transfer import Completed
 from tests.device_profiles import reported_profile
+from tests.program_bugs import BUG, with_first_upload_bug
 from tests.transport_fixtures import TestBroker
 
 DEVICE = "dev-a"
@@ -85,3 +90,70 @@ def test_a_bad_assignment_fails_its_round_named_and_the_next_round_trains(
     assert (failed.round, failed.reason) == (1, "bad_assignment")
     assert "'conv1.weight' is torch.complex64, expected torch.float32" in failed.detail
     assert (update.manifest.round, update.manifest.kind) == (2, "update")
+
+
+class FakeCoordinator:
+    """A :class:`~device_agent.agent.port.CoordinatorPort` in memory: what a test coordinator sends and hears."""
+
+    def __init__(self) -> None:
+        self.heard: queue.Queue[Message | dict] = queue.Queue()
+        self.connects = 0
+
+    def start(self, on_message, on_payload, timeout: float | None = None) -> None:
+        self.assign, self.deliver = on_message, on_payload
+        self.connects = 1
+
+    def stop(self) -> None:
+        pass
+
+    def publish(self, message: Message, retain: bool = False) -> None:
+        self.heard.put(message)
+
+    def send(self, payload: bytes, sign: Signer | None = None, **fields: Any) -> Any:
+        self.heard.put(fields)
+        return SimpleNamespace(error=None)
+
+    def fatal(self) -> str | None:
+        return None
+
+    def next(self, kind: type[Heard]) -> Heard:
+        deadline = time.monotonic() + 60
+        while not isinstance(got := self.heard.get(timeout=max(0.0, deadline - time.monotonic())), kind):
+            pass
+        return got
+
+
+def test_a_program_raising_type_error_fails_its_round_and_the_same_agent_trains_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = parse_config(
+        {"device": DEVICE, "fleet": "test", "broker": {"url": "mqtt://127.0.0.1:1"}, "state_dir": str(tmp_path)}
+    )
+    sent = build_strategy("fedavg", CNN, {}, seed=0).configure(1, [ClientSlot(DEVICE, 1.0, 100)])[DEVICE]
+    monkeypatch.setitem(PROGRAMS, WidthSpec, with_first_upload_bug(PROGRAMS[WidthSpec]))
+    coordinator = FakeCoordinator()
+    agent = Agent(config, reported_profile(), port=coordinator)
+    serving = threading.Thread(target=agent.run, daemon=True)
+    serving.start()
+
+    def assign(round_: int) -> None:
+        transfer = f"{round_:032x}"
+        coordinator.deliver(transfer, encode_tensors(sent.tensors))
+        coordinator.assign(
+            Assignment(run="r1", round=round_, deadline_s=60, download=transfer, spec=sent.spec, train=TrainConfig())
+        )
+
+    try:
+        coordinator.next(Hello)
+        assign(1)
+        failed = coordinator.next(RoundFailed)
+        assign(2)
+        update = coordinator.next(dict)
+        alive = serving.is_alive()
+    finally:
+        agent.stop()
+        serving.join(30)
+
+    assert (failed.round, failed.reason, failed.detail) == (1, "error", f"TypeError: {BUG}")
+    assert (update["round"], update["kind"]) == (2, "update")
+    assert alive

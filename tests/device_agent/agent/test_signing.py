@@ -1,5 +1,8 @@
 """Upload signatures: what the agent signs and how the coordinator tells a forgery from a replay."""
 
+import hashlib
+import hmac
+
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -34,6 +37,22 @@ def test_another_key_or_altered_fields_are_a_bad_signature():
     assert _refused(KEY, {**meta, "signed_round": "three"}) == "bad_signature"
 
 
+@pytest.mark.parametrize("change", [{"samples": "1000"}, {"loss": "0.01"}, {"global_loss": "1"}, {"samples": "10 "}])
+def test_the_signature_covers_the_meta_so_a_login_cannot_reweight_an_update(change):
+    meta = signed_meta(META, KEY, IDENTITY)
+    assert _refused(KEY, {**meta, **change}) == "bad_signature"
+    assert _refused(KEY, {k: v for k, v in meta.items() if k != "loss"}) == "bad_signature"
+
+
+def test_an_upload_signed_as_earlier_releases_did_is_refused_as_outdated():
+    """Releases before the meta was covered signed the identity alone: refused by name, not as a forgery."""
+    meta = {**META, "signed_round": "3", "signed_transfer": "a" * 32}
+    meta["signature"] = hmac.new(KEY, IDENTITY.identity_only_bytes(), hashlib.sha256).hexdigest()
+    with pytest.raises(SignatureError, match="install the agent kit of the coordinator's release") as caught:
+        verify(KEY, meta, IDENTITY)
+    assert caught.value.reason == "outdated_signature"
+
+
 def test_a_genuine_signature_for_another_round_or_transfer_is_a_replay():
     meta = signed_meta(META, KEY, IDENTITY)
     for round_, transfer in ((4, IDENTITY.transfer), (3, "d" * 32)):
@@ -63,4 +82,4 @@ def test_any_meta_verifies_or_raises_signature_error(meta):
     try:
         verify(KEY, {**META, **meta}, IDENTITY)
     except SignatureError as exc:
-        assert exc.reason in {"unsigned", "bad_signature", "replayed"}
+        assert exc.reason in {"unsigned", "bad_signature", "outdated_signature", "replayed"}

@@ -24,7 +24,7 @@ FUZZ = settings(max_examples=15, suppress_health_check=[HealthCheck.too_slow])
 MODEL = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 8}
 CASES = {
     "fedavg": ({"level": 1.0, "scaler": False, "send_classes": False}, lambda: build_model("cnn").state_dict()),
-    "fedhm": ({"level": 0.5, "frobenius_decay": 1e-3}, lambda: hybrid("cnn", 0.5).state_dict()),
+    "fedhm": ({"level": 0.5, "frobenius_decay": 1e-3, "send_classes": False}, lambda: hybrid("cnn", 0.5).state_dict()),
     "heterofl": (
         {"level": 0.5, "scaler": True, "send_classes": True},
         lambda: build_model("cnn", width=0.5).state_dict(),

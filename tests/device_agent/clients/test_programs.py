@@ -12,13 +12,24 @@ MODEL = {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 8}
 
 def test_fedhm_program_uploads_factors_never_dense_copies():
     tensors = hybrid("cnn", 0.5).state_dict()
-    spec = parse_spec({"strategy": "fedhm", "model": MODEL, "level": 0.5, "frobenius_decay": 1e-3})
+    spec = parse_spec(
+        {"strategy": "fedhm", "model": MODEL, "level": 0.5, "frobenius_decay": 1e-3, "send_classes": False}
+    )
     program = build_program(spec, tensors)
     upload = program.upload()
     assert "conv2.reduce" in upload and "conv2.weight" not in upload
     assert not any("running" in key for key in upload)
     groups = program.param_groups(5e-4)
     assert [g["weight_decay"] for g in groups] == [5e-4, 0.0]
+    program.note_local_classes(torch.tensor([1, 4]))
+    assert program.extras() == {}
+
+
+def test_fedhm_program_reports_its_classes_when_the_server_masks_classifier_rows():
+    spec = parse_spec({"strategy": "fedhm", "model": MODEL, "level": 0.5, "frobenius_decay": 0.0, "send_classes": True})
+    program = build_program(spec, hybrid("cnn", 0.5).state_dict())
+    program.note_local_classes(torch.tensor([0, 6, 9]))
+    assert program.extras()["classes"].tolist() == [0, 6, 9]
 
 
 def test_width_program_builds_the_sub_model_and_its_scaler():
@@ -31,14 +42,23 @@ def test_width_program_builds_the_sub_model_and_its_scaler():
 
 
 def test_specs_that_do_not_fit_are_named():
-    with pytest.raises(ValueError, match="spec: Input tag 'nope'"):
+    with pytest.raises(ValueError, match=r"spec\.strategy: unknown strategy 'nope' \(this agent trains: .*fedhm"):
         parse_spec({"strategy": "nope", "model": MODEL, "level": 1.0})
-    with pytest.raises(ValueError, match=r"spec\.fedavg\.level: Field required"):
+    with pytest.raises(ValueError, match=r"spec\.level: Field required"):
         parse_spec({"strategy": "fedavg", "model": MODEL, "scaler": False, "send_classes": False})
-    with pytest.raises(ValueError, match=r"spec\.fedhm\.frobenius_decay: Field required"):
+    with pytest.raises(ValueError, match=r"spec\.frobenius_decay: Field required"):
         parse_spec({"strategy": "fedhm", "model": MODEL, "level": 0.5})
-    with pytest.raises(ValueError, match=r"spec\.fedhm\.momentum: Extra inputs are not permitted"):
-        parse_spec({"strategy": "fedhm", "model": MODEL, "level": 0.5, "frobenius_decay": 0.0, "momentum": 0.9})
+    with pytest.raises(ValueError, match=r"spec\.momentum: Extra inputs are not permitted"):
+        parse_spec(
+            {
+                "strategy": "fedhm",
+                "model": MODEL,
+                "level": 0.5,
+                "frobenius_decay": 0.0,
+                "send_classes": False,
+                "momentum": 0.9,
+            }
+        )
     spec = parse_spec({"strategy": "fedavg", "model": MODEL, "level": 1.0, "scaler": False, "send_classes": False})
     with pytest.raises(BadAssignment, match=r"missing 'bn1.bias', 'bn1.weight', .* and 6 more"):
         build_program(spec, {})

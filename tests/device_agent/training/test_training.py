@@ -23,7 +23,7 @@ def test_masked_cross_entropy_ignores_absent_classes_and_has_finite_gradients():
 SPEC = FedFacSpec(strategy="fedfac", model=ModelSpec("linear", 3, 1, 2), level=1.0)
 
 
-class Linear(ClientProgram):
+class Linear(ClientProgram, register=False):
     Spec = FedFacSpec
 
     def __init__(self, spec, tensors, local=None):

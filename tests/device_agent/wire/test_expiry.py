@@ -11,8 +11,7 @@ import gc
 import hashlib
 import os
 import time
-
-import psutil
+import tracemalloc
 
 from device_agent.wire.guard import InboundGuard, InboundLimits
 from device_agent.wire.messages import Error, Message
@@ -34,18 +33,19 @@ def _fill_unsealed(receiver: IncomingTransfers, now: float) -> str:
 
 def test_unsealed_transfers_expire_free_their_memory_and_tell_the_sender() -> None:
     receiver = IncomingTransfers(abandon_after=1.0)
-    process = psutil.Process()
     gc.collect()
-    before = process.memory_info().rss
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
     transfers = [_fill_unsealed(receiver, now=0.0) for _ in range(5)]
-    held = process.memory_info().rss - before
+    held = tracemalloc.get_traced_memory()[0] - before
     assert held > 0.8 * 5 * SIZE, f"only {held} bytes held for 5 x {SIZE}"
     assert sorted(receiver.pending()) == sorted(transfers)
 
     assert receiver.poll(now=0.5) == [] and len(receiver.pending()) == 5  # not idle long enough yet: kept
     replies = receiver.poll(now=2.0)
     gc.collect()
-    freed = held - (process.memory_info().rss - before)
+    freed = held - (tracemalloc.get_traced_memory()[0] - before)
+    tracemalloc.stop()
 
     assert receiver.pending() == [] and receiver.pending_bytes() == 0
     expired = {r.transfer: r for r in replies if isinstance(r, Error)}

@@ -109,6 +109,7 @@ ASSIGNMENT = {
         "model": {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 8},
         "level": 0.5,
         "frobenius_decay": 1e-3,
+        "send_classes": False,
     },
     "train": {"optimizer": "momentum", "lr": 0.05, "epochs": 1, "batch_size": 32, "seed": 0},
 }

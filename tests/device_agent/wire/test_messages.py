@@ -36,6 +36,9 @@ def test_messages_round_trip_through_json():
         (b'{"v": 3, "type": "teleport"}', "type"),
         (b'{"v": 3, "type": "ack", "transfer": "xyz", "digest": "00"}', "transfer"),
         (b'{"v": 3, "type": "status", "device": "a", "state": "online", "colour": "red"}', "colour"),
+        (b'{"v": 3, "type": "status", "device": "a", "state": "online", "sent_at": Infinity}', "sent_at"),
+        (b'{"v": 3, "type": "status", "device": "a", "state": "online", "sent_at": 1e300}', "sent_at"),
+        (b'{"v": 3, "type": "status", "device": "a", "state": "online", "sent_at": -1}', "sent_at"),
     ],
 )
 def test_bad_messages_are_refused_with_the_problem_named(raw, problem):

@@ -1,0 +1,173 @@
+"""Robust aggregation: bound each device's update, per layer, in the full-rank space.
+
+An update is what a device uploads minus what it was sent. A layer a client sends as low-rank
+factors (``<layer>.reduce`` / ``<layer>.expand``, FedHM) is compared as its product A @ B, the
+dense weight the strategy aggregates, so scaling one factor by -9.5 counts as the dense change it
+makes. Norm clipping (Sun et al. 2019, "Can you really backdoor federated learning?") streams: it
+needs one update at a time and the fleet's recent update norms, so it fits every strategy's fold.
+
+The buffered rules at the end (coordinate-wise median, trimmed mean, multi-Krum) need every
+update of a round at once; see docs/robust-aggregation.md for what each defends against.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from device_agent.layers.factorized import factors_to_matrices
+
+REDUCE, EXPAND = ".reduce", ".expand"
+
+
+def layers_of(tensors: Mapping[str, Tensor]) -> dict[str, tuple[str, ...]]:
+    """Layer name -> the upload keys that make it: a factor pair, or one float tensor (its own name)."""
+    layers: dict[str, tuple[str, ...]] = {}
+    for key, value in tensors.items():
+        if not value.is_floating_point():
+            continue
+        if key.endswith(REDUCE) and key.removesuffix(REDUCE) + EXPAND in tensors:
+            name = key.removesuffix(REDUCE)
+            layers[name] = (key, name + EXPAND)
+        elif not (key.endswith(EXPAND) and key.removesuffix(EXPAND) + REDUCE in tensors):
+            layers[key] = (key,)
+    return layers
+
+
+def dense(tensors: Mapping[str, Tensor], keys: tuple[str, ...]) -> Tensor:
+    """One layer in float64 as the strategy aggregates it: A @ B for a factor pair, else the tensor."""
+    if len(keys) == 2:
+        a, b = factors_to_matrices(tensors[keys[0]].to(torch.float64), tensors[keys[1]].to(torch.float64))
+        return a @ b
+    return tensors[keys[0]].to(torch.float64)
+
+
+def update_norms(upload: Mapping[str, Tensor], sent: Mapping[str, Tensor]) -> dict[str, float]:
+    """Per layer, the L2 norm of upload minus sent in the full-rank space.
+
+    Layers the device was not sent in the same form (shapes differ, keys missing: a personalized
+    part it keeps) have no update to measure and are left out.
+    """
+    norms: dict[str, float] = {}
+    for name, keys in layers_of(upload).items():
+        if any(k not in sent or sent[k].shape != upload[k].shape for k in keys):
+            continue
+        norms[name] = float(torch.linalg.vector_norm(dense(upload, keys) - dense(sent, keys)))
+    return norms
+
+
+def clip_layer(upload: Mapping[str, Tensor], sent: Mapping[str, Tensor], keys: tuple[str, ...], bound: float) -> float:
+    """The step t in [0, 1] so that sent + t * (upload - sent) moves this layer by at most ``bound``.
+
+    Exact for a dense tensor (t = bound / norm). For a factor pair both factors move by t, so the
+    dense change t * X + t^2 * Y is not linear in t: bisection finds the largest t within the bound.
+    """
+    base = dense(sent, keys)
+    full = float(torch.linalg.vector_norm(dense(upload, keys) - base))
+    if full <= bound:
+        return 1.0
+    if len(keys) == 1:
+        return bound / full
+    low, high = 0.0, 1.0
+    for _ in range(30):
+        mid = (low + high) / 2
+        moved = {k: sent[k].to(torch.float64) + mid * (upload[k].to(torch.float64) - sent[k]) for k in keys}
+        if float(torch.linalg.vector_norm(dense(moved, keys) - base)) <= bound:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def apply_steps(
+    upload: Mapping[str, Tensor], sent: Mapping[str, Tensor], steps: Mapping[str, float]
+) -> dict[str, Tensor]:
+    """``upload`` with each layer in ``steps`` moved only that fraction of the way from what was sent."""
+    out = dict(upload)
+    layers = layers_of(upload)
+    for name, step in steps.items():
+        for key in layers[name]:
+            out[key] = (sent[key] + step * (upload[key] - sent[key])).to(upload[key].dtype)
+    return out
+
+
+class NormHistory:
+    """Per layer, the update norms accepted over the last ``rounds`` rounds: the fleet's reference.
+
+    The median is what an honest update of this layer looks like lately; a minority of devices
+    cannot move it, whatever they send (its breakdown point is one half).
+    """
+
+    def __init__(self, rounds: int, min_updates: int) -> None:
+        if rounds < 1 or min_updates < 1:
+            raise ValueError(f"rounds and min_updates must be >= 1, got {rounds} and {min_updates}")
+        self.min_updates = min_updates
+        self._rounds: deque[dict[str, list[float]]] = deque([{}], maxlen=rounds)
+
+    def next_round(self) -> None:
+        self._rounds.append({})
+
+    def add(self, norms: Mapping[str, float]) -> None:
+        for name, value in norms.items():
+            self._rounds[-1].setdefault(name, []).append(value)
+
+    def median(self, name: str) -> float | None:
+        """The median recent norm of layer ``name``, or None while fewer than ``min_updates`` are known."""
+        values = [v for round_ in self._rounds for v in round_.get(name, [])]
+        return statistics.median(values) if len(values) >= self.min_updates else None
+
+
+def coordinate_median(updates: Sequence[Tensor]) -> Tensor:
+    """Coordinate-wise median (Yin et al. 2018): every coordinate survives up to half the inputs bad."""
+    return torch.stack(list(updates)).median(dim=0).values
+
+
+def trimmed_mean(updates: Sequence[Tensor], beta: float) -> Tensor:
+    """Coordinate-wise mean after dropping the ``beta`` fraction highest and lowest (Yin et al. 2018)."""
+    if not 0 <= beta < 0.5:
+        raise ValueError(f"trim fraction beta must be in [0, 0.5), got {beta}")
+    stacked = torch.stack(list(updates)).sort(dim=0).values
+    cut = math.floor(beta * len(updates))
+    return stacked[cut : len(updates) - cut].mean(dim=0)
+
+
+def multi_krum(updates: Sequence[Tensor], byzantine: int, keep: int) -> list[int]:
+    """Indices of the ``keep`` updates with the lowest Krum score (Blanchard et al. 2017).
+
+    A score is the sum of squared distances to the n - f - 2 nearest other updates, so an update
+    far from the honest cluster scores high; it needs n > 2f + 2.
+    """
+    n = len(updates)
+    if n <= 2 * byzantine + 2:
+        raise ValueError(f"Krum needs more than 2f + 2 = {2 * byzantine + 2} updates, got {n}")
+    flat = torch.stack([u.reshape(-1).to(torch.float64) for u in updates])
+    distances = torch.cdist(flat, flat).square()
+    nearest = n - byzantine - 2
+    scores = [float(row[torch.arange(n) != i].sort().values[:nearest].sum()) for i, row in enumerate(distances)]
+    return sorted(range(n), key=scores.__getitem__)[: max(1, keep)]
+
+
+def buffered_aggregate(
+    rule: str, uploads: Sequence[Mapping[str, Tensor]], weights: Sequence[float], trim: float, byzantine: int
+) -> dict[str, Tensor]:
+    """Per key, the round's uploads combined by ``rule`` (median, trimmed_mean or multi_krum), in float64.
+
+    multi_krum averages, weighted, the n - f uploads Krum scores best; with too few uploads for
+    Krum (n <= 2f + 2) it takes the coordinate median instead, so a round can always close.
+    """
+    keys = list(uploads[0])
+    if rule == "multi_krum" and len(uploads) > 2 * byzantine + 2:
+        flat = [torch.cat([u[k].reshape(-1).to(torch.float64) for k in keys]) for u in uploads]
+        chosen = multi_krum(flat, byzantine, keep=len(uploads) - byzantine)
+        total = sum(weights[i] for i in chosen)
+        return {k: sum(uploads[i][k].to(torch.float64) * (weights[i] / total) for i in chosen) for k in keys}  # type: ignore[misc]
+    if rule == "trimmed_mean":
+        return {k: trimmed_mean([u[k].to(torch.float64) for u in uploads], trim) for k in keys}
+    if rule in ("median", "multi_krum"):
+        return {k: coordinate_median([u[k].to(torch.float64) for u in uploads]) for k in keys}
+    raise ValueError(f"unknown robust rule {rule!r}; choose median, trimmed_mean or multi_krum")

@@ -1,0 +1,81 @@
+"""Update norms in the full-rank space, clipping that keeps a factor pair's shapes, and the buffered rules."""
+
+import pytest
+import torch
+
+from coordinator.algorithms.robust import (
+    NormHistory,
+    apply_steps,
+    clip_layer,
+    coordinate_median,
+    layers_of,
+    multi_krum,
+    trimmed_mean,
+    update_norms,
+)
+from device_agent.layers.factorized import factors_to_matrices
+
+
+def factor_pair(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "fc.reduce": scale * torch.randn(4, 16, generator=generator),
+        "fc.expand": scale * torch.randn(10, 4, generator=generator),
+        "fc.bias": scale * torch.randn(10, generator=generator),
+    }
+
+
+def test_a_factor_pair_is_one_layer_measured_as_its_product() -> None:
+    sent, upload = factor_pair(0), factor_pair(1)
+    assert layers_of(upload) == {"fc": ("fc.reduce", "fc.expand"), "fc.bias": ("fc.bias",)}
+    a, b = factors_to_matrices(upload["fc.reduce"], upload["fc.expand"])
+    a0, b0 = factors_to_matrices(sent["fc.reduce"], sent["fc.expand"])
+    norms = update_norms(upload, sent)
+    assert norms["fc"] == pytest.approx(float((a @ b - a0 @ b0).norm()), rel=1e-5)
+    assert norms["fc.bias"] == pytest.approx(float((upload["fc.bias"] - sent["fc.bias"]).norm()), rel=1e-5)
+
+
+def test_minus_nine_and_a_half_times_both_factors_is_a_large_dense_update() -> None:
+    sent = factor_pair(0)
+    attack = {k: -9.5 * v for k, v in sent.items()}
+    a0, b0 = factors_to_matrices(sent["fc.reduce"], sent["fc.expand"])
+    # The factors' signs cancel in A @ B: the dense weight becomes 90.25 x what was sent, an update of 89.25 x.
+    assert update_norms(attack, sent)["fc"] == pytest.approx(89.25 * float((a0 @ b0).norm()), rel=1e-4)
+
+
+def test_clipping_brings_each_layer_to_its_bound_and_keeps_the_shapes() -> None:
+    sent, upload = factor_pair(0), factor_pair(1, scale=5.0)
+    layers = layers_of(upload)
+    steps = {name: clip_layer(upload, sent, keys, bound=0.5) for name, keys in layers.items()}
+    clipped = apply_steps(upload, sent, steps)
+    assert {k: v.shape for k, v in clipped.items()} == {k: v.shape for k, v in upload.items()}
+    for norm in update_norms(clipped, sent).values():
+        assert 0.49 < norm <= 0.5 + 1e-6
+    assert clip_layer(upload, sent, layers["fc.bias"], bound=1e9) == 1.0  # within the bound: untouched
+
+
+def test_the_history_median_needs_enough_updates_and_forgets_old_rounds() -> None:
+    history = NormHistory(rounds=2, min_updates=3)
+    history.add({"w": 1.0})
+    history.add({"w": 2.0})
+    assert history.median("w") is None  # warm-up
+    history.next_round()
+    history.add({"w": 100.0})
+    assert history.median("w") == 2.0  # one outlier does not move the median
+    history.next_round()
+    history.add({"w": 5.0})
+    assert history.median("w") is None  # round 1 fell out of the window: only 2 norms left
+
+
+def test_buffered_rules_ignore_a_minority_far_away() -> None:
+    honest = [torch.tensor([1.0, 2.0]) + 0.01 * i for i in range(7)]
+    bad = [torch.tensor([1e3, -1e3])] * 2
+    updates = honest + bad
+    assert torch.allclose(coordinate_median(updates), torch.tensor([1.04, 2.02]), atol=1e-4)  # the bad sit at both ends
+    assert torch.allclose(trimmed_mean(updates, 0.25), torch.tensor([1.04, 2.02]), atol=1e-4)
+    chosen = multi_krum(updates, byzantine=2, keep=5)
+    assert len(chosen) == 5 and not set(chosen) & {7, 8}
+    with pytest.raises(ValueError, match="Krum needs more than 2f"):
+        multi_krum(updates[:5], byzantine=2, keep=1)
+    with pytest.raises(ValueError, match="beta must be in"):
+        trimmed_mean(updates, 0.5)

@@ -1,0 +1,106 @@
+"""The upload gate's update bound: -9.5x the weights sent passes the old 10x bound, not this one."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from coordinator.config.limits import GateSettings
+from coordinator.rounds.admission import Admission
+from coordinator.rounds.state import OpenRound, Participant
+from coordinator.rounds.upload_gate import UploadGate, UploadRefused, squared_norms
+from coordinator.run.rundir import RunDir
+from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
+from device_agent.clients.base import is_norm_statistic
+from device_agent.wire.codec import encode_tensors
+from device_agent.wire.protocol import UPDATE_KIND
+from device_agent.wire.transfer import Completed, make_manifest
+
+CNN = ModelSpec("cnn", 10, 1, 8)
+
+SENT = {"w": torch.ones(100), "b": torch.zeros(10)}
+
+
+def honest(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {k: v + 0.01 * torch.randn(v.shape, generator=generator) for k, v in SENT.items()}
+
+
+def warmed_gate(settings: GateSettings) -> UploadGate:
+    """A gate that has accepted three honest updates (layer update norms ~0.1 and ~0.03)."""
+    gate = UploadGate(settings)
+    for i in range(3):
+        gate.sent(f"h{i}", squared_norms(SENT), SENT)
+        gate.accepted(1.0, gate.norm(f"h{i}", 1.0, honest(i)))
+    gate.sent("bad", squared_norms(SENT), SENT)
+    return gate
+
+
+def test_minus_nine_and_a_half_times_the_weights_is_clipped_to_one_and_a_half_times_the_median_update() -> None:
+    gate = warmed_gate(GateSettings())
+    median = gate.history.median("w")
+    screened = gate.norm("bad", 1.0, {k: -9.5 * v for k, v in SENT.items()})
+    assert screened.steps["w"] < 0.1  # its update of 10.5 x the weights kept only a fraction
+    assert screened.update_norms["w"] == pytest.approx(1.5 * median, rel=1e-4)
+    assert screened.upload["w"].shape == SENT["w"].shape
+    assert "b" not in screened.steps  # -9.5 x zeros is no update at all
+    assert gate.norm("bad", 1.0, honest(7)).steps == {}  # an honest update passes untouched
+
+
+def test_with_refuse_the_same_upload_is_refused_naming_the_layer() -> None:
+    gate = warmed_gate(GateSettings(update_bound_action="refuse"))
+    with pytest.raises(UploadRefused, match="'w': update norm 105 is over its bound") as refused:
+        gate.norm("bad", 1.0, {k: -9.5 * v for k, v in SENT.items()})
+    assert refused.value.reason == "norm_too_large"
+
+
+def test_before_any_median_the_update_may_move_as_far_as_the_weights_sent() -> None:
+    gate = UploadGate(GateSettings())
+    gate.sent("bad", squared_norms(SENT), SENT)
+    screened = gate.norm("bad", 1.0, {k: -9.5 * v for k, v in SENT.items()})
+    assert screened.update_norms["w"] == pytest.approx(float(SENT["w"].norm()), rel=1e-4)  # warm-up factor 1
+
+
+def test_the_bound_can_be_turned_off_and_the_sample_weight_is_capped() -> None:
+    gate = warmed_gate(GateSettings(update_bound_factor=None))
+    assert gate.norm("bad", 1.0, {k: -9.5 * v for k, v in SENT.items()}).steps == {}
+    assert gate.sample_weight(claimed=9_700, expected_samples=100) == 200
+    assert gate.sample_weight(claimed=90, expected_samples=100) == 90
+    assert UploadGate(GateSettings(sample_weight_factor=None)).sample_weight(9_700, 100) == 9_700
+
+
+def test_a_clipped_fedhm_upload_is_journaled_as_folded_so_a_resume_folds_the_same(tmp_path: Path) -> None:
+    strategy = build_strategy("fedhm", CNN, {}, seed=0)
+    (tmp_path / "fleet.yaml").write_text("fleet: lab\n")
+    rundir = RunDir.create(tmp_path / "run", tmp_path / "fleet.yaml", strategy.state_dict(), seed=0)
+    slots = [ClientSlot("pi-1", 0.5, 100)]
+    sent = strategy.configure(1, slots)["pi-1"].tensors
+    attack = encode_tensors({k: -9.5 * v for k, v in sent.items() if not is_norm_statistic(k)})
+    manifest = make_manifest(
+        attack,
+        run=rundir.run_id,
+        round=1,
+        kind=UPDATE_KIND,
+        meta={"samples": "9700", "train_seconds": "2", "loss": "1"},
+    )
+
+    def fresh_round() -> tuple[Admission, OpenRound]:
+        gate = UploadGate()
+        gate.sent("pi-1", squared_norms(sent), sent)
+        open_ = OpenRound(1, {"pi-1": Participant(0.5)}, strategy.open_round(1, slots), 1e12, 0.0)
+        return Admission(gate, rundir, lambda _d: 100), open_
+
+    admission, open_ = fresh_round()
+    assert admission.admit("pi-1", Completed(manifest, [attack]), open_, next_round=1) == "accepted"
+    folded = open_.aggregate.aggregator.result()  # type: ignore[attr-defined]
+    (entry,) = rundir.resume().journal
+    assert entry.meta["clipped"] and entry.meta["samples"] == 200 and entry.meta["claimed_samples"] == 9700
+    admission, replayed = fresh_round()
+    admission.replay([entry], replayed)
+    again = replayed.aggregate.aggregator.result()  # type: ignore[attr-defined]
+    assert all(torch.equal(folded[k], again[k]) for k in folded)
+    # The warm-up bound held: the model moved by about its own norm (SVD truncation included), not 90x it.
+    before = strategy.global_state()
+    keys = [k for k, v in before.items() if v.is_floating_point() and not is_norm_statistic(k)]
+    moved = sum(float((folded[k] - before[k]).square().sum()) for k in keys) ** 0.5
+    assert moved < 2 * sum(float(before[k].square().sum()) for k in keys) ** 0.5
