@@ -32,7 +32,7 @@ import torch
 import yaml
 
 from device_agent.agent.config import load_config
-from device_agent.data.datasets import load_dataset
+from device_agent.data.datasets import FASHION_MNIST, DatasetError, check_source, load_dataset
 from device_agent.data.partition import partition
 from device_agent.emulation.limits import Throttle, step_seconds_at
 from device_agent.emulation.shaping import TokenBucket
@@ -208,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="100,200,300,400", help="--scale: fleet sizes (default: 100,200,300,400)")
     parser.add_argument("--devices", type=int, metavar="N", help="--scale: run this one fleet size")
     parser.add_argument(
+        "--scale-dataset",
+        choices=["digits", FASHION_MNIST],
+        default="digits",
+        help="--scale: shards from digits (default) or Fashion-MNIST's 60,000 (apt-get install dataset-fashion-mnist)",
+    )
+    parser.add_argument(
         "--memory",
         action="store_true",
         help="only predicted vs measured agent process peak (benchmarks/process_peak.py): process_peak",
@@ -228,7 +234,12 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import emulation_scale
 
         sizes = [args.devices] if args.devices else [int(x) for x in args.sizes.split(",")]
-        outcome = emulation_scale.scale(sizes)
+        try:
+            check_source(args.scale_dataset)
+        except DatasetError as error:
+            print(f"--scale-dataset {args.scale_dataset}: {error}", file=sys.stderr)
+            return 2
+        outcome = emulation_scale.scale(sizes, args.scale_dataset)
         print(
             json.dumps({"benchmark": "emulation", **outcome})
             if args.json

@@ -10,8 +10,13 @@ each round next to the slowest device's predicted round time (the planner's esti
 per device. The ladder stops at the first size that does not complete; ``max_devices`` is the
 largest that did.
 
+``--scale-dataset fashion_mnist`` draws the shards from Fashion-MNIST's 60,000 training images
+instead (Debian's dataset-fashion-mnist; 60 per device at 1,000 devices), so the accuracy after each
+round (reported beside the timings) says something about learning at that scale.
+
     python -m benchmarks.emulation --scale --json               the ladder (--sizes)
     python -m benchmarks.emulation --scale --devices 300        one size
+    python -m benchmarks.emulation --scale --devices 1000 --scale-dataset fashion_mnist --json
 """
 
 from __future__ import annotations
@@ -32,9 +37,16 @@ ROUNDS = 3
 _MIB = 2**20
 
 
-def scale_fleet(devices: int, port: int) -> dict:
+DATASETS = ("digits", "fashion_mnist")
+TRAIN_IMAGES = {"digits": 1437, "fashion_mnist": 60_000}
+
+
+def scale_fleet(devices: int, port: int, dataset: str = "digits") -> dict:
     """The demo fleet with ``devices`` devices (its classes in turn, its overrides), iid data, 3 rounds."""
     fleet = yaml.safe_load(_DEMO.read_text())
+    if dataset != "digits":
+        fleet["dataset"]["name"] = dataset
+        fleet["model"] |= {"in_channels": 1, "image_size": 28}
     classes = [fleet["devices"][i] for i in (0, 3, 6)]  # orin, pi5 (max 1/2), pi4 (max 1/4)
     fleet["broker"]["port"] = port
     fleet["rounds"] = ROUNDS
@@ -71,11 +83,11 @@ def _sample(process: psutil.Process, peaks: dict[str, dict[int, int]]) -> None:
             continue
 
 
-def run_size(devices: int, timeout: float = 1200) -> dict:
+def run_size(devices: int, timeout: float = 1200, dataset: str = "digits") -> dict:
     """One emulated fleet of ``devices``; what it took and whether every round completed."""
     from coordinator.transport.broker.base import free_port
 
-    fleet = scale_fleet(devices, free_port())
+    fleet = scale_fleet(devices, free_port(), dataset)
     with tempfile.TemporaryDirectory(prefix="fedfleet-bench-scale-") as folder:
         path, run_dir = Path(folder) / "fleet.yaml", Path(folder) / "run"
         path.write_text(yaml.safe_dump(fleet, sort_keys=False))
@@ -114,6 +126,8 @@ def run_size(devices: int, timeout: float = 1200) -> dict:
     workers_rss = sum(peaks["workers"].values())
     result = {
         "devices": devices,
+        "dataset": dataset,
+        "train_images_per_device": TRAIN_IMAGES[dataset] // devices,
         "completed": completed,
         "exit_code": emulate.returncode,
         "rounds_closed": len(records),
@@ -135,11 +149,11 @@ def run_size(devices: int, timeout: float = 1200) -> dict:
     return result
 
 
-def scale(sizes: list[int]) -> dict:
+def scale(sizes: list[int], dataset: str = "digits") -> dict:
     """Sizes in increasing order until one does not complete; ``max_devices``: the largest that did."""
     runs = []
     for devices in sorted(sizes):
-        runs.append(run_size(devices))
+        runs.append(run_size(devices, dataset=dataset))
         if not runs[-1]["completed"]:
             break
     done = [r["devices"] for r in runs if r["completed"]]
@@ -150,7 +164,8 @@ def describe(result: dict) -> list[str]:
     lines = [f"largest fleet completing {ROUNDS} rounds: {result['max_devices']} devices"]
     for run in result["runs"]:
         lines.append(
-            f"{run['devices']} devices: {'completed' if run['completed'] else 'FAILED'}; rounds "
+            f"{run['devices']} devices ({run['train_images_per_device']} {run['dataset']} images each): "
+            f"{'completed' if run['completed'] else 'FAILED'}; accuracy per round {run['accuracy']}; rounds "
             f"{run['round_seconds']} s (slowest device predicted {run['slowest_predicted_round_seconds']} s, "
             f"deadline {run['deadline_seconds']:g} s); coordinator peak {run['coordinator_peak_rss_mib']} MiB "
             f"({run['coordinator_rss_per_device_mib']} MiB/device); {run['agent_processes']} agent processes "

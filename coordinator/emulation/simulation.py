@@ -123,9 +123,11 @@ def simulation_fleet(
     train: TrainConfig,
     server_evaluation: bool = True,
     limits: Mapping[str, object] | None = None,
+    participation: float = 1.0,
 ) -> dict:
     """The fleet.yaml of a simulation: one device per client, every training option from ``train``,
-    fleet.yaml's ``limits`` from ``limits`` (the upload gate's bounds)."""
+    fleet.yaml's ``limits`` from ``limits`` (the upload gate's bounds); ``participation`` < 1 asks that
+    fraction of the clients each round (a large fleet's partial rounds)."""
     model = strategy.model
     training = {
         "optimizer": train.optimizer,
@@ -151,7 +153,7 @@ def simulation_fleet(
         "strategy": {"name": strategy.name},
         "ratios": sorted({c.level for c in clients}, reverse=True),
         "rounds": rounds,
-        "participation": 1.0,
+        "participation": participation,
         "round_deadline_s": 86400,
         "quorum": 1.0,
         "training": training,
@@ -173,6 +175,7 @@ def simulate(
     server_evaluation: bool = True,
     link: Link | None = None,
     limits: Mapping[str, object] | None = None,
+    participation: float = 1.0,
 ) -> SimulationResult:
     """Run ``rounds`` rounds of ``strategy`` over ``clients``; ``train.seed`` seeds the run.
 
@@ -185,7 +188,7 @@ def simulate(
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     if not clients:
         raise ValueError("a simulation needs at least one client")
-    raw = simulation_fleet(strategy, clients, rounds, train, server_evaluation, limits)
+    raw = simulation_fleet(strategy, clients, rounds, train, server_evaluation, limits, participation)
     fleet = parse_fleet(raw, source="simulation")
     if link is None:
         link = fleet_link(fleet, devices=[LocalDevice(c.client_id, c.train, c.test) for c in clients])

@@ -80,7 +80,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--total", type=_at_least(1), metavar="N", help="devices in the whole fleet (default: first-index + count)"
     )
     ids.add_argument(
-        "--dataset", default="digits", metavar="NAME", help="digits | cifar10 | cifar100 | image_folder | npz"
+        "--dataset",
+        default="digits",
+        metavar="NAME",
+        help="digits | fashion_mnist | cifar10 | cifar100 | image_folder | npz",
     )
     ids.add_argument("--data-path", metavar="PATH", help="folder or file for the non built-in datasets")
     ids.add_argument(

@@ -45,10 +45,52 @@ def test_all_scenarios_skip_the_fine_tuning_strategies_with_a_note(monkeypatch, 
     assert ran == set(STRATEGIES) - fine_tuning
     out = capsys.readouterr()
     assert set(json.loads(out.out)["domains/2-domains"]) == ran
-    assert out.err.startswith("skipped fedlora, ft, lora_homogeneous: fine-tuning strategies start from a pre-trained")
+    skipped, why = out.err.split(": ", 1)
+    assert set(skipped.removeprefix("skipped ").split(", ")) == fine_tuning
+    assert why.startswith("fine-tuning strategies start from a pre-trained")
     assert len(out.err.splitlines()) == 1
 
 
 def test_asking_for_a_fine_tuning_strategy_outside_its_scenario_is_refused(capsys) -> None:
     assert compare.main(["--scenario", "domains", "--strategies", "fedavg,fedlora"]) == 2
     assert "--strategies fedlora: fine-tuning strategies start from a pre-trained ViT" in capsys.readouterr().err
+
+
+def _row(accuracy: float, personalized: float, upload: float) -> dict:
+    return {
+        "accuracy": {"mean": accuracy, "std": 0.0},
+        "personalized_accuracy": {"mean": personalized, "std": 0.0},
+        "upload_bytes_per_round": upload,
+    }
+
+
+def test_claims_read_each_papers_metric_and_the_upload_ratio() -> None:
+    results = {
+        "hetero-devices/dirichlet-0.5": {
+            "fedhm": _row(0.80, 0.7, 100),
+            "heterofl": _row(0.75, 0.9, 100),
+            "fedrolex": _row(0.85, 0.6, 100),
+        },
+        "permuted-labels/iid": {"fedavg": _row(0.1, 0.70, 1000), "factorized_fl": _row(0.1, 0.72, 200)},
+    }
+    lines = compare.claim_lines(compare.claims(results)).splitlines()
+    assert lines[0].startswith("PASS hetero-devices/dirichlet-0.5: FedHM >= HeteroFL, global")
+    assert lines[1].startswith("FAIL hetero-devices/dirichlet-0.5: FedHM >= FedRolex, global")
+    assert lines[2].startswith("FAIL permuted-labels/iid: Factorized-FL >= FedAvg, personalized with <= 1/10")
+    assert lines[2].endswith("upload ratio 0.200)") and len(lines) == 3
+
+
+def test_fashion_mnist_without_the_package_names_it(monkeypatch, capsys, tmp_path) -> None:
+    from device_agent.data import datasets
+
+    monkeypatch.setattr(datasets, "FASHION_MNIST_DIR", tmp_path / "absent")
+    assert compare.main(["--scenario", "domains", "--dataset", "fashion_mnist", "--strategies", "fedavg"]) == 2
+    assert "apt-get install dataset-fashion-mnist" in capsys.readouterr().err
+
+
+def test_a_split_that_leaves_a_client_empty_says_so() -> None:
+    data = load_dataset("digits", 8, 1)
+    tiny = compare.LabeledData(data.train_x[:10], data.train_y[:10], data.test_x, data.test_y, 10)
+    setting = compare.scenarios(8, seed=1)["hetero-devices"][1]
+    with pytest.raises(ValueError, match=r"dirichlet-0.1 \(seed 1\) leaves client-\d+.* without training data"):
+        compare.run_setting("fedavg", setting, tiny, rounds=1, train=TrainConfig(batch_size=32))

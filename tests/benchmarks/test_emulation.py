@@ -30,3 +30,12 @@ def test_emulated_devices_take_the_predicted_training_time_unless_the_host_is_sl
             assert row["emulated_vs_predicted"] <= 1.25, row
         else:
             assert row["emulated_seconds"] == pytest.approx(row["host_seconds"], rel=0.25), row
+
+
+def test_the_scale_fleet_draws_fashion_mnist_shards_at_28x28() -> None:
+    from benchmarks.emulation_scale import scale_fleet
+    from coordinator.config.fleet import parse_fleet
+
+    fleet = parse_fleet(scale_fleet(1000, 18999, "fashion_mnist"), source="scale")
+    assert fleet.dataset.name == "fashion_mnist" and (fleet.model.in_channels, fleet.model.image_size) == (1, 28)
+    assert fleet.samples_for(fleet.devices[-1]) == 60  # the planner's share of the 60,000 at 1,000 devices
