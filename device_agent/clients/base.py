@@ -72,6 +72,16 @@ class ClientProgram(ABC):
             raise TypeError(f"{type(self).__name__} consumes {self.Spec.__name__}, got {type(spec).__name__}")
         self.spec = spec
         self.local_classes: torch.Tensor | None = None
+        self.model = self.build_model(spec)
+        self.load(tensors, local)
+
+    def load(self, tensors: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor] | None) -> None:
+        """Put the assignment (and what the device kept) into ``self.model``, refusing what does not fit.
+
+        By default every parameter must come and BN statistics may be absent; programs that keep
+        state or a frozen base override this, never the set-up around it.
+        """
+        load_tensors(self.model, tensors)
 
     @classmethod
     @abstractmethod

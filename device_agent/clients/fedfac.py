@@ -23,14 +23,8 @@ class FedFacProgram(ClientProgram):
     Spec: ClassVar[type[FedFacSpec]] = FedFacSpec
     spec: FedFacSpec
 
-    def __init__(
-        self,
-        spec: FedFacSpec,
-        tensors: Mapping[str, torch.Tensor],
-        local: Mapping[str, torch.Tensor] | None = None,
-    ) -> None:
-        super().__init__(spec, tensors, local)
-        self.model = self.build_model(spec)
+    def load(self, tensors: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor] | None) -> None:
+        """Every tensor of the dense model, BN statistics included (they are averaged for shared elements)."""
         check_assignment(tensors, self.model.state_dict())
         self.model.load_state_dict(dict(tensors))
 

@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from device_agent.clients.base import ClientProgram, load_tensors, trainable_state
+from device_agent.clients.base import ClientProgram, trainable_state
 from device_agent.clients.spec import FedHMSpec
 from device_agent.layers.hybrid import hybrid
 from device_agent.layers.regularizers import apply_frobenius_decay_, parameter_groups
@@ -33,8 +33,6 @@ class FedHMProgram(ClientProgram):
     ) -> None:
         super().__init__(spec, tensors, local)
         self.decay = spec.frobenius_decay
-        self.model = self.build_model(spec)
-        load_tensors(self.model, tensors)
 
     @classmethod
     def build_model(cls, spec: FedHMSpec) -> nn.Module:  # type: ignore[override]

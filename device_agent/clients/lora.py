@@ -35,14 +35,9 @@ class LoRAProgram(ClientProgram):
     Spec: ClassVar[type[LoRASpec]] = LoRASpec
     spec: LoRASpec
 
-    def __init__(
-        self,
-        spec: LoRASpec,
-        tensors: Mapping[str, torch.Tensor],
-        local: Mapping[str, torch.Tensor] | None = None,
-    ) -> None:
-        super().__init__(spec, tensors, local)
-        self.model = self.build_model(spec)
+    def load(self, tensors: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor] | None) -> None:
+        """Adapters from the assignment; the frozen base from it (first round) or from the kept state."""
+        spec = self.spec
         if spec.rank is None:
             load_tensors(self.model, tensors)
             return

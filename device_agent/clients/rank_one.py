@@ -46,7 +46,10 @@ class RankOneProgram(ClientProgram):
     ) -> None:
         super().__init__(spec, tensors, local)
         self.lambda_sparsity = spec.lambda_sparsity
-        self.model = self.build_model(spec)
+
+    def load(self, tensors: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor] | None) -> None:
+        """The shared part from the assignment over the private part the device kept."""
+        spec = self.spec
         own = self.model.state_dict()
         check_assignment(tensors, own, optional=own.keys(), inputs=self.inputs(spec))
         state = {**(local or {}), **{k: v for k, v in tensors.items() if k in own}}

@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from device_agent.clients.base import ClientProgram, load_tensors, trainable_state
+from device_agent.clients.base import ClientProgram, trainable_state
 from device_agent.clients.spec import WidthSpec
 from device_agent.models import build_model
 
@@ -32,8 +32,6 @@ class WidthProgram(ClientProgram):
     ) -> None:
         super().__init__(spec, tensors, local)
         self.rate = spec.level
-        self.model = self.build_model(spec)
-        load_tensors(self.model, tensors)
 
     @classmethod
     def build_model(cls, spec: WidthSpec) -> nn.Module:  # type: ignore[override]

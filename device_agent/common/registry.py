@@ -43,6 +43,14 @@ class Registry(Mapping[str, T], Generic[T]):
     def unregister(self, name: str) -> None:
         self._items.pop(name, None)
 
+    def __setitem__(self, name: str, item: T) -> None:
+        """Replace what ``name`` stands for (a test's double); registering a new name goes through :meth:`register`."""
+        self.load()
+        self._items[name] = item
+
+    def __delitem__(self, name: str) -> None:
+        del self._items[name]
+
     def load(self) -> None:
         """Import the package's modules, then the entry points' (once; registering is their side effect)."""
         if self._loaded:

@@ -19,8 +19,8 @@ from tests.program_bugs import with_first_upload_bug
 
 def main(agent_yaml: Path) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for spec, program in list(PROGRAMS.items()):
-        PROGRAMS[spec] = with_first_upload_bug(program)
+    for name, program in list(PROGRAMS.items()):
+        PROGRAMS[name] = with_first_upload_bug(program)
     return run_agent(load_config(agent_yaml))
 
 

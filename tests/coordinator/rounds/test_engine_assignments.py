@@ -19,7 +19,7 @@ from coordinator.run.rundir import RunDir
 from coordinator.strategies import ModelSpec, build_strategy
 from coordinator.transport.local_link import InProcessLink, LocalDevice
 from device_agent.clients import PROGRAMS
-from device_agent.clients.spec import TrainConfig, WidthSpec
+from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData, load_dataset
 from device_agent.wire.codec import decode_tensors, encode_tensors
 from device_agent.wire.messages import Assignment, Manifest, Message, Status
@@ -196,7 +196,7 @@ def test_a_device_refusing_a_bad_assignment_fails_that_round_only(
 def test_a_program_raising_type_error_in_process_fails_that_round_with_the_reason_and_the_next_round_trains(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(PROGRAMS, WidthSpec, with_first_upload_bug(PROGRAMS[WidthSpec]))  # fedavg's program
+    monkeypatch.setitem(PROGRAMS, "fedavg", with_first_upload_bug(PROGRAMS["fedavg"]))
     run_round(tmp_path, InProcessLink, rounds=2)
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     first, second = (json.loads(line)["devices"] for line in metrics)

@@ -18,7 +18,7 @@ from device_agent.agent.config import parse_config
 from device_agent.agent.port import Signer
 from device_agent.agent.runtime import Agent
 from device_agent.clients import PROGRAMS
-from device_agent.clients.spec import TrainConfig, WidthSpec
+from device_agent.clients.spec import TrainConfig
 from device_agent.wire.codec import encode_tensors
 from device_agent.wire.messages import Assignment, Hello, Message, RoundFailed
 from device_agent.wire.session import coordinator_session
@@ -130,7 +130,7 @@ def test_a_program_raising_type_error_fails_its_round_and_the_same_agent_trains_
         {"device": DEVICE, "fleet": "test", "broker": {"url": "mqtt://127.0.0.1:1"}, "state_dir": str(tmp_path)}
     )
     sent = build_strategy("fedavg", CNN, {}, seed=0).configure(1, [ClientSlot(DEVICE, 1.0, 100)])[DEVICE]
-    monkeypatch.setitem(PROGRAMS, WidthSpec, with_first_upload_bug(PROGRAMS[WidthSpec]))
+    monkeypatch.setitem(PROGRAMS, "fedavg", with_first_upload_bug(PROGRAMS["fedavg"]))
     coordinator = FakeCoordinator()
     agent = Agent(config, reported_profile(), port=coordinator)
     serving = threading.Thread(target=agent.run, daemon=True)

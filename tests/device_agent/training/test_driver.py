@@ -54,8 +54,8 @@ def test_a_program_raising_type_error_fails_its_round_with_type_and_message_and_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assignment, payload = fedavg_round(1)
-    spec_type = type(assignment.spec)
-    monkeypatch.setitem(PROGRAMS, spec_type, with_first_upload_bug(PROGRAMS[spec_type]))
+    name = assignment.spec.strategy
+    monkeypatch.setitem(PROGRAMS, name, with_first_upload_bug(PROGRAMS[name]))
 
     failed = run_assignment(assignment, payload, digits, NothingKept())
     trained = run_assignment(*fedavg_round(2), digits, NothingKept())

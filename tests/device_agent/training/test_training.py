@@ -28,8 +28,10 @@ class Linear(ClientProgram, register=False):
 
     def __init__(self, spec, tensors, local=None):
         super().__init__(spec, tensors, local)
-        self.model = self.build_model(spec)
         self.penalty_calls = 0
+
+    def load(self, tensors, local):
+        """A freshly initialized model: nothing is sent to it."""
 
     @classmethod
     def build_model(cls, spec):
