@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Any
 
 from coordinator.transport.broker.credentials import COORDINATOR_USER
 from tests.transport_fixtures import TestBroker
@@ -30,3 +32,20 @@ def one_device_fleet(tmp: Path, broker: TestBroker, device: str, device_password
         f"devices:\n  - {{id: {device}, profile: x86-laptop-cpu{credentials}}}\n"
     )
     return path
+
+
+def coordinator_command(fleet: Path, run_dir: Path) -> list[str]:
+    """``coordinator start`` on that fleet: no live view, waiting up to 60 s for its one device."""
+    command = [sys.executable, "-m", "coordinator", "start", "--fleet", str(fleet), "--run-dir", str(run_dir)]
+    return [*command, "--no-live", "--min-devices", "1", "--wait-timeout", "60"]
+
+
+def device_settings(tmp: Path, broker: TestBroker, device: str) -> dict[str, Any]:
+    """The agent.yaml of the fleet's device: the suite's broker, its login file, the CPU, state under ``tmp``."""
+    return {
+        "device": device,
+        "fleet": broker.fleet,
+        "broker": {"url": f"mqtt://127.0.0.1:{broker.address().port}", "password": f"file:{tmp / 'secrets' / device}"},
+        "device_type": "cpu",
+        "state_dir": str(tmp / "agent"),
+    }

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +20,7 @@ import torch
 from device_agent.agent.config import parse_config
 from device_agent.agent.hooks import RuntimeHooks
 from device_agent.agent.runtime import Agent
-from tests.coordinator.one_device_fleet import one_device_fleet
+from tests.coordinator.one_device_fleet import coordinator_command, device_settings, one_device_fleet
 from tests.transport_fixtures import TestBroker
 
 pytestmark = pytest.mark.slow
@@ -42,21 +41,9 @@ class AlwaysOutOfMemory(RuntimeHooks):
 def test_a_run_whose_rounds_aggregate_nothing_exits_non_zero(fresh_mosquitto: TestBroker, tmp_path: Path) -> None:
     fleet = one_device_fleet(tmp_path, fresh_mosquitto, DEVICE)
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "coordinator", "start", "--fleet", str(fleet), "--run-dir", str(run_dir)]
-    command += ["--no-live", "--min-devices", "1", "--wait-timeout", "60"]
+    command = coordinator_command(fleet, run_dir)
     coordinator = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    config = parse_config(
-        {
-            "device": DEVICE,
-            "fleet": fresh_mosquitto.fleet,
-            "broker": {
-                "url": f"mqtt://127.0.0.1:{fresh_mosquitto.address().port}",
-                "password": f"file:{tmp_path / 'secrets' / DEVICE}",
-            },
-            "device_type": "cpu",
-            "state_dir": str(tmp_path / "agent"),
-        }
-    )
+    config = parse_config(device_settings(tmp_path, fresh_mosquitto, DEVICE))
     agent = Agent(config, hooks=AlwaysOutOfMemory())
     serving = threading.Thread(target=agent.run, daemon=True)
     serving.start()

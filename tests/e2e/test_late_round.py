@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 from device_agent.agent.config import parse_config
 from device_agent.agent.hooks import RuntimeHooks
 from device_agent.agent.runtime import Agent
-from tests.coordinator.one_device_fleet import one_device_fleet
+from tests.coordinator.one_device_fleet import coordinator_command, device_settings, one_device_fleet
 from tests.paths import REPO_ROOT
 from tests.transport_fixtures import TestBroker
 
@@ -47,21 +46,9 @@ def test_a_late_upload_does_not_block_the_next_rounds_assignment(fresh_mosquitto
     fleet.write_text(fleet.read_text().replace("round_deadline_s: 60", f"round_deadline_s: {DEADLINE_S}"))
     run_dir = tmp_path / "run"
     log = tmp_path / "coordinator.log"
-    command = [sys.executable, "-m", "coordinator", "start", "--fleet", str(fleet), "--run-dir", str(run_dir)]
-    command += ["--no-live", "--min-devices", "1", "--wait-timeout", "60"]
+    command = coordinator_command(fleet, run_dir)
     coordinator = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    config = parse_config(
-        {
-            "device": DEVICE,
-            "fleet": fresh_mosquitto.fleet,
-            "broker": {
-                "url": f"mqtt://127.0.0.1:{fresh_mosquitto.address().port}",
-                "password": f"file:{tmp_path / 'secrets' / DEVICE}",
-            },
-            "device_type": "cpu",
-            "state_dir": str(tmp_path / "agent"),
-        }
-    )
+    config = parse_config(device_settings(tmp_path, fresh_mosquitto, DEVICE))
     hooks = LateOnce()
     agent = Agent(config, hooks=hooks)
     serving = threading.Thread(target=agent.run, daemon=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,7 +24,7 @@ import torch
 from device_agent.agent.config import parse_config
 from device_agent.agent.hooks import RuntimeHooks
 from device_agent.agent.runtime import Agent
-from tests.coordinator.one_device_fleet import one_device_fleet
+from tests.coordinator.one_device_fleet import coordinator_command, device_settings, one_device_fleet
 from tests.paths import REPO_ROOT
 from tests.transport_fixtures import TestBroker
 
@@ -55,22 +54,10 @@ def test_a_device_out_of_memory_in_round_1_trains_one_level_lower_in_round_2(
     fleet = one_device_fleet(tmp_path, fresh_mosquitto, DEVICE)
     run_dir = tmp_path / "run"
     log = tmp_path / "coordinator.log"
-    command = [sys.executable, "-m", "coordinator", "start", "--fleet", str(fleet), "--run-dir", str(run_dir)]
-    command += ["--no-live", "--min-devices", "1", "--wait-timeout", "60"]
+    command = coordinator_command(fleet, run_dir)
     coordinator = subprocess.Popen(command, cwd=ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
 
-    config = parse_config(
-        {
-            "device": DEVICE,
-            "fleet": fresh_mosquitto.fleet,
-            "broker": {
-                "url": f"mqtt://127.0.0.1:{fresh_mosquitto.address().port}",
-                "password": f"file:{tmp_path / 'secrets' / DEVICE}",
-            },
-            "device_type": "cpu",
-            "state_dir": str(tmp_path / "agent"),
-        }
-    )
+    config = parse_config(device_settings(tmp_path, fresh_mosquitto, DEVICE))
     assert config.emulation is None  # a real device: no emulated memory cap, nothing held to a profile
     agent = Agent(config, hooks=OutOfMemoryOnce())
     serving = threading.Thread(target=agent.run, daemon=True)

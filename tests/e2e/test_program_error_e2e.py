@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.coordinator.one_device_fleet import one_device_fleet
+from tests.coordinator.one_device_fleet import coordinator_command, device_settings, one_device_fleet
 from tests.paths import REPO_ROOT
 from tests.program_bugs import BUG
 from tests.transport_fixtures import TestBroker
@@ -35,23 +35,9 @@ def test_a_program_raising_type_error_fails_its_round_and_the_agent_trains_the_n
     fleet = one_device_fleet(tmp_path, fresh_mosquitto, DEVICE)
     run_dir = tmp_path / "run"
     agent_yaml = tmp_path / "agent.yaml"
-    agent_yaml.write_text(
-        yaml.safe_dump(
-            {
-                "device": DEVICE,
-                "fleet": fresh_mosquitto.fleet,
-                "broker": {
-                    "url": f"mqtt://127.0.0.1:{fresh_mosquitto.address().port}",
-                    "password": f"file:{tmp_path / 'secrets' / DEVICE}",
-                },
-                "device_type": "cpu",
-                "state_dir": str(tmp_path / "agent"),
-            }
-        )
-    )
+    agent_yaml.write_text(yaml.safe_dump(device_settings(tmp_path, fresh_mosquitto, DEVICE)))
     coordinator_log, agent_log = tmp_path / "coordinator.log", tmp_path / "agent.log"
-    command = [sys.executable, "-m", "coordinator", "start", "--fleet", str(fleet), "--run-dir", str(run_dir)]
-    command += ["--no-live", "--min-devices", "1", "--wait-timeout", "60"]
+    command = coordinator_command(fleet, run_dir)
     coordinator = subprocess.Popen(command, cwd=REPO_ROOT, stdout=coordinator_log.open("wb"), stderr=subprocess.STDOUT)
     agent = subprocess.Popen(
         [sys.executable, "-m", "tests.e2e.agent_with_program_bug", str(agent_yaml)],
