@@ -96,7 +96,7 @@ def test_a_clipped_fedhm_upload_is_journaled_as_folded_so_a_resume_folds_the_sam
     (entry,) = rundir.resume().journal
     assert entry.meta["clipped"] and entry.meta["samples"] == 200 and entry.meta["claimed_samples"] == 9700
     admission, replayed = fresh_round()
-    admission.replay([entry], replayed)
+    admission.replay([entry], replayed, lambda: strategy.open_round(1, slots))
     again = replayed.aggregate.aggregator.result()  # type: ignore[attr-defined]
     assert all(torch.equal(folded[k], again[k]) for k in folded)
     # The warm-up bound held: the model moved by about its own norm (SVD truncation included), not 90x it.
