@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from coordinator.transport.broker.credentials import COORDINATOR_USER
+from device_agent.agent.runtime import Agent
 from tests.transport_fixtures import TestBroker
 
 
@@ -49,3 +54,17 @@ def device_settings(tmp: Path, broker: TestBroker, device: str) -> dict[str, Any
         "device_type": "cpu",
         "state_dir": str(tmp / "agent"),
     }
+
+
+@contextmanager
+def serving(agent: Agent, coordinator: subprocess.Popen) -> Iterator[None]:
+    """``agent`` runs in a thread beside the ``coordinator`` process for the block; both are gone after it."""
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        agent.stop()
+        thread.join(timeout=30)
+        if coordinator.poll() is None:
+            coordinator.kill()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 from device_agent.agent.config import parse_config
 from device_agent.agent.hooks import RuntimeHooks
 from device_agent.agent.runtime import Agent
-from tests.coordinator.one_device_fleet import coordinator_command, device_settings, one_device_fleet
+from tests.coordinator.one_device_fleet import coordinator_command, device_settings, one_device_fleet, serving
 from tests.transport_fixtures import TestBroker
 
 pytestmark = pytest.mark.slow
@@ -44,16 +43,8 @@ def test_a_run_whose_rounds_aggregate_nothing_exits_non_zero(fresh_mosquitto: Te
     command = coordinator_command(fleet, run_dir)
     coordinator = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     config = parse_config(device_settings(tmp_path, fresh_mosquitto, DEVICE))
-    agent = Agent(config, hooks=AlwaysOutOfMemory())
-    serving = threading.Thread(target=agent.run, daemon=True)
-    serving.start()
-    try:
+    with serving(Agent(config, hooks=AlwaysOutOfMemory()), coordinator):
         out, err = coordinator.communicate(timeout=240)
-    finally:
-        agent.stop()
-        serving.join(timeout=30)
-        if coordinator.poll() is None:
-            coordinator.kill()
     assert coordinator.returncode == 1, out[-3000:] + err[-3000:]
     assert "all rounds done" not in out
     assert "coordinator: 2 of 2 rounds failed" in err and "round 1, 2;" in err, err[-3000:]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 from device_agent.agent.config import parse_config
 from device_agent.agent.hooks import RuntimeHooks
 from device_agent.agent.runtime import Agent
-from tests.coordinator.one_device_fleet import coordinator_command, device_settings, one_device_fleet
+from tests.coordinator.one_device_fleet import coordinator_command, device_settings, one_device_fleet, serving
 from tests.paths import REPO_ROOT
 from tests.transport_fixtures import TestBroker
 
@@ -49,17 +48,8 @@ def test_a_late_upload_does_not_block_the_next_rounds_assignment(fresh_mosquitto
     command = coordinator_command(fleet, run_dir)
     coordinator = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     config = parse_config(device_settings(tmp_path, fresh_mosquitto, DEVICE))
-    hooks = LateOnce()
-    agent = Agent(config, hooks=hooks)
-    serving = threading.Thread(target=agent.run, daemon=True)
-    serving.start()
-    try:
+    with serving(Agent(config, hooks=LateOnce()), coordinator):
         coordinator.wait(timeout=120)
-    finally:
-        agent.stop()
-        serving.join(timeout=30)
-        if coordinator.poll() is None:
-            coordinator.kill()
     output = log.read_text()
     rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first, second = (r["devices"][DEVICE]["status"] for r in rounds)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 from device_agent.agent.config import parse_config
 from device_agent.agent.hooks import RuntimeHooks
 from device_agent.agent.runtime import Agent
-from tests.coordinator.one_device_fleet import coordinator_command, device_settings, one_device_fleet
+from tests.coordinator.one_device_fleet import coordinator_command, device_settings, one_device_fleet, serving
 from tests.paths import REPO_ROOT
 from tests.transport_fixtures import TestBroker
 
@@ -59,16 +58,8 @@ def test_a_device_out_of_memory_in_round_1_trains_one_level_lower_in_round_2(
 
     config = parse_config(device_settings(tmp_path, fresh_mosquitto, DEVICE))
     assert config.emulation is None  # a real device: no emulated memory cap, nothing held to a profile
-    agent = Agent(config, hooks=OutOfMemoryOnce())
-    serving = threading.Thread(target=agent.run, daemon=True)
-    serving.start()
-    try:
+    with serving(Agent(config, hooks=OutOfMemoryOnce()), coordinator):
         coordinator.wait(timeout=240)
-    finally:
-        agent.stop()
-        serving.join(timeout=30)
-        if coordinator.poll() is None:
-            coordinator.kill()
     assert coordinator.returncode == 1, log.read_text()[-3000:]  # round 1 aggregated nothing
     assert "1 of 2 rounds failed" in log.read_text() and "round 1;" in log.read_text()
 
