@@ -42,6 +42,7 @@ from benchmarks import fedlora
 from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.strategies import STRATEGIES, ModelSpec, build_strategy
 from coordinator.strategies.fedlora import FineTune
+from coordinator.strategies.levels import RANK, LevelScale
 from device_agent.data.datasets import FASHION_MNIST, DatasetError, LabeledData, load_dataset
 from device_agent.data.partition import PartitionSpec, client_shard
 from device_agent.layers.hybrid import hybrid
@@ -127,10 +128,10 @@ def matched_width(gamma: float, num_classes: int, in_channels: int) -> float:
     return round(high, 3)
 
 
-def levels_for(kind: str, num_clients: int, tiered: bool, data: LabeledData) -> list[float]:
-    if not tiered or kind == "none":
+def levels_for(scale: LevelScale, num_clients: int, tiered: bool, data: LabeledData) -> list[float]:
+    if not tiered or not scale.sized:
         return [1.0] * num_clients
-    tiers = list(RANKS) if kind == "rank" else [matched_width(g, data.num_classes, data.in_channels) for g in RANKS]
+    tiers = list(RANKS) if scale == RANK else [matched_width(g, data.num_classes, data.in_channels) for g in RANKS]
     return [tiers[i * len(tiers) // num_clients] for i in range(num_clients)]
 
 

@@ -17,6 +17,7 @@ round (reported beside the timings) says something about learning at that scale.
     python -m benchmarks.emulation --scale --json               the ladder (--sizes)
     python -m benchmarks.emulation --scale --devices 300        one size
     python -m benchmarks.emulation --scale --devices 1000 --scale-dataset fashion_mnist --json
+    python -m benchmarks.emulation --scale --devices 1000 --device-type cuda --json   (CUDA workers)
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def _sample(process: psutil.Process, peaks: dict[str, dict[int, int]]) -> None:
             continue
 
 
-def run_size(devices: int, timeout: float = 1200, dataset: str = "digits") -> dict:
+def run_size(devices: int, timeout: float = 1200, dataset: str = "digits", device_type: str = "cpu") -> dict:
     """One emulated fleet of ``devices``; what it took and whether every round completed."""
     from coordinator.transport.broker.base import free_port
 
@@ -93,6 +94,7 @@ def run_size(devices: int, timeout: float = 1200, dataset: str = "digits") -> di
         path.write_text(yaml.safe_dump(fleet, sort_keys=False))
         predicted = _slowest_predicted_seconds(path)
         command = [sys.executable, "-m", "coordinator", "emulate", "--fleet", str(path), "--run-dir", str(run_dir)]
+        command += ["--device-type", device_type]
         log = Path(folder) / "emulate.log"
         start = time.monotonic()
         with log.open("wb") as out:
@@ -127,6 +129,7 @@ def run_size(devices: int, timeout: float = 1200, dataset: str = "digits") -> di
     result = {
         "devices": devices,
         "dataset": dataset,
+        "device_type": device_type,
         "train_images_per_device": TRAIN_IMAGES[dataset] // devices,
         "completed": completed,
         "exit_code": emulate.returncode,
@@ -149,11 +152,11 @@ def run_size(devices: int, timeout: float = 1200, dataset: str = "digits") -> di
     return result
 
 
-def scale(sizes: list[int], dataset: str = "digits") -> dict:
+def scale(sizes: list[int], dataset: str = "digits", device_type: str = "cpu") -> dict:
     """Sizes in increasing order until one does not complete; ``max_devices``: the largest that did."""
     runs = []
     for devices in sorted(sizes):
-        runs.append(run_size(devices, dataset=dataset))
+        runs.append(run_size(devices, dataset=dataset, device_type=device_type))
         if not runs[-1]["completed"]:
             break
     done = [r["devices"] for r in runs if r["completed"]]
@@ -164,7 +167,8 @@ def describe(result: dict) -> list[str]:
     lines = [f"largest fleet completing {ROUNDS} rounds: {result['max_devices']} devices"]
     for run in result["runs"]:
         lines.append(
-            f"{run['devices']} devices ({run['train_images_per_device']} {run['dataset']} images each): "
+            f"{run['devices']} devices on {run['device_type']} "
+            f"({run['train_images_per_device']} {run['dataset']} images each): "
             f"{'completed' if run['completed'] else 'FAILED'}; accuracy per round {run['accuracy']}; rounds "
             f"{run['round_seconds']} s (slowest device predicted {run['slowest_predicted_round_seconds']} s, "
             f"deadline {run['deadline_seconds']:g} s); coordinator peak {run['coordinator_peak_rss_mib']} MiB "

@@ -77,7 +77,6 @@ def _device(
     """One device process: waits for an order (one of ``VARIANTS``), uploads, reports back."""
     payload = os.urandom(size)
     view = memoryview(payload)
-    parts = [bytes(view[i : i + chunk_size]) for i in range(0, size, chunk_size)]
     session, topics = device_session(_FLEET, device, address, chunk_size=chunk_size, max_inflight=_MAX_INFLIGHT)
     session.start()
     sealed = make_manifest(payload, chunk_size, run="fan-in", kind="update")
@@ -86,6 +85,8 @@ def _device(
         orders.send("ready")
         while (order := orders.recv()) is not None:
             if order.startswith("raw"):
+                # Each chunk cut out of the payload as it is sent (one copy), as fedfleet frames it (one copy).
+                parts = (bytes(view[i : i + chunk_size]) for i in range(0, size, chunk_size))
                 infos = [raw.publish(_raw_topic(device), part, qos=1) for part in parts]
                 for info in infos:
                     info.wait_for_publish(_TIMEOUT_S)

@@ -45,6 +45,10 @@ class RuntimeHooks:
         """A context around one training step."""
         return nullcontext()
 
+    def compute(self) -> AbstractContextManager[object]:
+        """A context around the round's other compute (evaluating the received and the trained model)."""
+        return nullcontext()
+
     def after_training(self) -> float:
         """Called when local training ends; returns extra seconds it spent that count as training time."""
         return 0.0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import pkgutil
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Generic, TypeVar
 
@@ -33,6 +34,9 @@ class Registry(Mapping[str, T], Generic[T]):
         self.what, self.package, self.group = what, package, group
         self._items: dict[str, T] = {}
         self._loaded = False
+        self._loading = False
+        # A worker's devices look up their programs from many threads at once: none may see a half-filled registry.
+        self._lock = threading.RLock()
 
     def register(self, name: str, item: T) -> None:
         current = self._items.get(name)
@@ -52,10 +56,24 @@ class Registry(Mapping[str, T], Generic[T]):
         del self._items[name]
 
     def load(self) -> None:
-        """Import the package's modules, then the entry points' (once; registering is their side effect)."""
+        """Import the package's modules, then the entry points' (once; registering is their side effect).
+
+        Other threads wait until it is done; a lookup made by a module being imported sees what is
+        registered so far. A plugin that fails is reported once.
+        """
         if self._loaded:
             return
-        self._loaded = True
+        with self._lock:
+            if self._loaded or self._loading:
+                return
+            self._loading = True
+            try:
+                self._import_all()
+            finally:
+                self._loading = False
+                self._loaded = True
+
+    def _import_all(self) -> None:
         package = importlib.import_module(self.package)
         for module in pkgutil.iter_modules(package.__path__, f"{self.package}."):
             importlib.import_module(module.name)
@@ -70,8 +88,9 @@ class Registry(Mapping[str, T], Generic[T]):
 
     def reload(self) -> None:
         """Look at the entry points again (a package installed since the first lookup)."""
-        self._loaded = False
-        self.load()
+        with self._lock:
+            self._loaded = False
+            self.load()
 
     def __getitem__(self, name: str) -> T:
         self.load()

@@ -119,10 +119,12 @@ def cap_cuda_memory(limit_bytes: int, device: torch.device | str | int = "cuda")
     if limit_bytes <= 0:
         raise ValueError(f"memory limit must be positive, got {limit_bytes}")
     device = torch.device(device)
-    total = torch.cuda.get_device_properties(device).total_memory
+    # set_per_process_memory_fraction wants an index: a bare "cuda" is a ValueError (torch 2.11).
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
     if limit_bytes > total:
         raise ValueError(f"memory limit {limit_bytes} bytes exceeds the {total} bytes of {device}")
-    torch.cuda.set_per_process_memory_fraction(limit_bytes / total, device)
+    torch.cuda.set_per_process_memory_fraction(limit_bytes / total, index)
     return MemoryCap(f"CUDA memory fraction {limit_bytes / total:.4f} of {device}", int(limit_bytes))
 
 
@@ -311,6 +313,10 @@ class EmulatedDevice(RuntimeHooks):
         measured = self.account.measure() if self.account is not None else nullcontext()
         with paced, measured:
             yield
+
+    def compute(self) -> AbstractContextManager[object]:
+        # Unpaced (evaluation is not in the cost model's step time), but in turn with the worker's other devices.
+        return self._slot or nullcontext()
 
     def after_training(self) -> float:
         """Sleep off the slowdown still owed; the sleep is training time, as on the slow device."""

@@ -49,6 +49,8 @@ class RoundHooks(Protocol):
 
     def step(self) -> AbstractContextManager[object]: ...
 
+    def compute(self) -> AbstractContextManager[object]: ...
+
 
 class NoHooks:
     """A round as it runs on real hardware: nothing paced, nothing capped."""
@@ -60,6 +62,9 @@ class NoHooks:
         return nullcontext()
 
     def step(self) -> AbstractContextManager[object]:
+        return nullcontext()
+
+    def compute(self) -> AbstractContextManager[object]:
         return nullcontext()
 
 
@@ -122,7 +127,15 @@ def run_assignment(
         hooks.before_training(spec.level)
         with hooks.memory_guard():
             trained = train_assignment(
-                spec, assignment.train, tensors, kept.load(assignment.run), shard, test, device, step=hooks.step
+                spec,
+                assignment.train,
+                tensors,
+                kept.load(assignment.run),
+                shard,
+                test,
+                device,
+                step=hooks.step,
+                compute=hooks.compute,
             )
         kept.save(assignment.run, trained.keep)
         return trained

@@ -9,7 +9,7 @@ device's own accuracy measure, the upload packed with its extras.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -46,12 +46,19 @@ def train_assignment(
     test: Split,
     device: torch.device | str = "cpu",
     step: Callable[[], AbstractContextManager[object]] | None = None,
+    compute: Callable[[], AbstractContextManager[object]] = nullcontext,
 ) -> TrainedRound:
-    """Build the spec's program from the assignment (and what the device kept), evaluate it, train, evaluate, pack."""
+    """Build the spec's program from the assignment (and what the device kept), evaluate it, train, evaluate, pack.
+
+    ``step`` wraps each training step and ``compute`` each evaluation: devices packed into one worker
+    take turns there, so their evaluations do not all hold activations at once.
+    """
     program = build_program(spec, tensors, local)
-    received = evaluate_received(program, test, shard[0], device)
+    with compute():
+        received = evaluate_received(program, test, shard[0], device)
     result = train_local(program, shard, train, device, step=step)
-    local_accuracy = evaluate_local(program, test, device, calibration=shard[0]) if len(test[1]) else None
+    with compute():
+        local_accuracy = evaluate_local(program, test, device, calibration=shard[0]) if len(test[1]) else None
     upload = pack_upload(program.upload(), program.extras())
     return TrainedRound(upload, program.keep(), result, local_accuracy, received)
 

@@ -31,6 +31,16 @@ def test_a_setting_runs_through_the_round_engine(monkeypatch) -> None:
     assert row["upload_bytes_per_round"] > 0
 
 
+def test_device_tiers_follow_what_the_strategy_level_means() -> None:
+    data = load_dataset("digits", 8, 1)
+    ranks = compare.levels_for(STRATEGIES["fedhm"].levels, 4, tiered=True, data=data)
+    widths = compare.levels_for(STRATEGIES["heterofl"].levels, 4, tiered=True, data=data)
+    assert ranks == [1.0, 0.5, 0.25, 0.125]
+    assert widths[0] <= 1 and widths == sorted(widths, reverse=True) and widths[1:] != ranks[1:]
+    assert compare.levels_for(STRATEGIES["factorized_fl"].levels, 4, tiered=True, data=data) == [1.0] * 4
+    assert compare.levels_for(STRATEGIES["fedhm"].levels, 4, tiered=False, data=data) == [1.0] * 4
+
+
 def test_all_scenarios_skip_the_fine_tuning_strategies_with_a_note(monkeypatch, capsys) -> None:
     ran: set[str] = set()
 

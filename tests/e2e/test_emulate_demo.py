@@ -114,7 +114,7 @@ from device_agent.emulation.limits import runtime_hooks
 config = load_config({config!r})
 hooks = runtime_hooks(config.emulation, torch.device("cuda"))
 cap = config.emulation.memory_bytes
-torch.empty(cap // 2, dtype=torch.uint8, device="cuda")
+held = torch.empty(cap // 2, dtype=torch.uint8, device="cuda")  # kept: a freed block would be reused
 try:
     torch.empty(cap, dtype=torch.uint8, device="cuda")
 except torch.OutOfMemoryError:

@@ -48,6 +48,16 @@ def test_a_shared_device_takes_turns_in_the_compute_slot() -> None:
     slot.release()
 
 
+def test_a_shared_device_evaluates_in_its_turn_too() -> None:
+    """Evaluations hold activations as steps do: 64 devices evaluating at once once filled an 80 GB GPU."""
+    slot = threading.BoundedSemaphore(1)
+    hooks = EmulatedDevice(EmulationConfig(step_seconds={1.0: 0.001}), CPU, compute_slot=slot)
+    with hooks.compute():
+        assert not slot.acquire(blocking=False)
+    assert slot.acquire(blocking=False)
+    slot.release()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_measured_step_peak_counts_against_the_budget() -> None:
     cuda = torch.device("cuda")

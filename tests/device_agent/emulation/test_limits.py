@@ -42,6 +42,9 @@ def test_thread_limit_applies_in_the_agent_process() -> None:
 AGENT_WITH_A_CAP = """
 import sys, torch
 from device_agent.emulation.limits import cap_cpu_memory, MemoryCapExceeded
+# One compute thread, as an emulated agent has: on a many-core host every OpenMP thread's malloc arena
+# reserves address space of its own, which RLIMIT_AS counts.
+torch.set_num_threads(1)
 cap = cap_cpu_memory(300 * 2**20)
 with cap.guard():
     fits = torch.ones(64 * 2**20 // 4)  # a 64 MiB model fits in a 300 MiB device

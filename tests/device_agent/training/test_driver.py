@@ -65,6 +65,32 @@ def test_a_program_raising_type_error_fails_its_round_with_type_and_message_and_
     assert isinstance(trained, TrainedRound) and trained.result.samples == 64
 
 
+class Turns(NoHooks):
+    """Records what a round computes inside each hook (a packed device takes its turn there)."""
+
+    def __init__(self) -> None:
+        self.turns: list[str] = []
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        self.turns.append("step")
+        yield
+
+    @contextmanager
+    def compute(self) -> Iterator[None]:
+        self.turns.append("compute")
+        yield
+
+
+def test_a_rounds_evaluations_run_inside_the_compute_hook_around_its_training_steps() -> None:
+    hooks = Turns()
+    trained = run_assignment(*fedavg_round(1), digits, NothingKept(), hooks=hooks)
+    assert isinstance(trained, TrainedRound)
+    assert trained.received is not None and trained.local_accuracy is not None
+    assert hooks.turns[0] == hooks.turns[-1] == "compute" and hooks.turns.count("compute") == 2
+    assert hooks.turns[1:-1] == ["step"] * trained.result.steps
+
+
 class OutOfMemoryOnce(NoHooks):
     """The first training step builds garbage in a reference cycle (as autograd graphs do), then runs out of memory."""
 
