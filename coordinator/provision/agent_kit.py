@@ -1,7 +1,7 @@
 """Builder 4: one device's kit, ``kits/<device>/``: everything a person copies onto the device.
 
 agent.yaml (references only), the password and client key (0600), its certificate and the CA,
-the agent wheel, ``install.sh``, the systemd unit, cloud-init user-data and a README. The paths
+the agent wheel, ``install.sh`` and ``uninstall.sh``, the systemd unit, cloud-init user-data and a README. The paths
 inside agent.yaml and the unit are those the device will have after ``install.sh``: ``PREFIX``
 (default /opt/fedfleet) for the venv and ``PREFIX/etc``, the state directory for outbox and logs.
 The text files are the templates of :mod:`coordinator.provision.templates`; this module only
@@ -10,6 +10,9 @@ works out the values that differ per device.
 
 from __future__ import annotations
 
+import importlib.metadata
+import re
+import shlex
 import shutil
 import socket
 from pathlib import Path
@@ -26,9 +29,14 @@ from device_agent.emulation.profile_config import DataShare
 
 UNIT = "fedfleet-agent.service"
 INSTALL = "install.sh"
+UNINSTALL = "uninstall.sh"
 USER_DATA = "user-data"
 SERVICE_USER = "fedfleet"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+# NVIDIA's torch wheels for JetPack 6 (CUDA 12.6), named in the Jetson kit's instructions.
+JETSON_INDEX = "https://pypi.jetson-ai-lab.io/jp6/cu126"
+# torch's Linux wheels on PyPI require these (CUDA runtime, cuDNN, NCCL, triton...): never on a CPU device.
+CUDA_PACKAGES = re.compile(r"^(nvidia-|cuda-|triton|pytorch-triton)", re.IGNORECASE)
 # On a Jetson the GPU's device nodes belong to group video: the unit's user joins it.
 JETSON_GROUPS = "SupplementaryGroups=video\n"
 
@@ -52,6 +60,17 @@ def device_class(device: Device) -> str:
     if device.profile.startswith("apple"):
         return "mac"
     return "cpu"
+
+
+def torch_version() -> str:
+    """The fleet's torch: this coordinator's, without a local suffix (2.13.0+cpu -> 2.13.0) so any build matches."""
+    return importlib.metadata.version("torch").split("+", 1)[0]
+
+
+def torch_cpu_requirements() -> list[str]:
+    """torch's own dependencies minus the CUDA ones: what a CPU device installs beside a ``--no-deps`` torch."""
+    requires = importlib.metadata.requires("torch") or []
+    return [r for r in requires if "extra ==" not in r and not CUDA_PACKAGES.match(r)]
 
 
 def _yaml(mapping: dict[str, object]) -> str:
@@ -105,7 +124,10 @@ def install_text(fleet: Fleet, device: Device, layout: DeviceLayout) -> str:
         state_dir=layout.state_dir,
         command=layout.command(),
         kind=device_class(device),
+        torch_version=torch_version(),
+        torch_deps=" ".join(shlex.quote(r) for r in torch_cpu_requirements()),
         torch_cpu_index=TORCH_CPU_INDEX,
+        jetson_index=JETSON_INDEX,
         wheel=wheel_name(),
         extra="[demo]" if fleet.dataset.name in BUILT_IN else "",
         ca_cert=CA_CERT,
@@ -113,6 +135,19 @@ def install_text(fleet: Fleet, device: Device, layout: DeviceLayout) -> str:
         password=PASSWORD,
         client_key=CLIENT_KEY,
         signing_key=SIGNING_KEY,
+        user=SERVICE_USER,
+        unit=UNIT,
+        service=UNIT.removesuffix(".service"),
+    )
+
+
+def uninstall_text(fleet: Fleet, device: Device, layout: DeviceLayout) -> str:
+    return render(
+        UNINSTALL,
+        device=device.id,
+        fleet=fleet.fleet,
+        prefix=layout.prefix,
+        state_dir=layout.state_dir,
         user=SERVICE_USER,
         unit=UNIT,
         service=UNIT.removesuffix(".service"),
@@ -153,6 +188,7 @@ def build_agent_kit(
             (folder / name).unlink(missing_ok=True)
     write_file(folder / "agent.yaml", agent_yaml(fleet, index, layout, tls, password_ref), 0o644)
     write_file(folder / INSTALL, install_text(fleet, device, layout), 0o755)
+    write_file(folder / UNINSTALL, uninstall_text(fleet, device, layout), 0o755)
     write_file(folder / UNIT, unit_text(fleet, device, layout), 0o644)
     write_file(folder / "README.md", readme_text(fleet, device, layout), 0o644)
     write_file(folder / USER_DATA, user_data_text(device), 0o644)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
 
 from coordinator.config.fleet import Fleet, load_fleet
-from coordinator.provision.agent_kit import agent_yaml, install_text, unit_text
+from coordinator.provision.agent_kit import agent_yaml, install_text, torch_version, unit_text
 from coordinator.provision.layout import DeviceLayout
 
 LAYOUT = DeviceLayout(Path("/srv/ff"), Path("/var/ff"))
@@ -27,11 +28,15 @@ def test_install_sh_gets_the_device_values_and_keeps_its_shell_variables(tmp_pat
     script = install_text(fleet, fleet.devices[0], LAYOUT)
     lines = script.splitlines()
     assert lines[1] == "# Install the fedfleet agent of device pi (fleet lab) under /srv/ff."
-    assert "PREFIX=/srv/ff" in lines and "PYTHON=${PYTHON:-python3}" in lines and "    case cpu in" in lines
-    assert '$PIP install $OFFLINE "$KIT/fedfleet_agent-0.1.0-py3-none-any.whl[demo]"' in lines
-    assert "        useradd --system --home-dir /var/ff --shell /usr/sbin/nologin fedfleet" in lines
+    assert "PREFIX=$ROOT/srv/ff" in lines and "STATE_DIR=$ROOT/var/ff" in lines and "KIND=cpu" in lines
+    assert f"TORCH_VERSION={torch_version()}" in lines and "TORCH_SPEC=${TORCH_SPEC:-torch==$TORCH_VERSION}" in lines
+    pip = '    if [ -n "${FEDFLEET_PIP:-}" ]; then $FEDFLEET_PIP "$@"; else "$VENV/bin/python" -m pip "$@"; fi'
+    assert pip in lines
+    assert 'pip_install "$KIT/fedfleet_agent-0.1.0-py3-none-any.whl[demo]"' in lines
+    assert "    useradd --system --home-dir /var/ff --shell /usr/sbin/nologin fedfleet" in lines
+    assert not any("nvidia" in line or "triton" in line for line in lines if "pip_install" in line)
     assert '    echo "then start:        systemctl enable --now fedfleet-agent"' in lines
-    assert "@" not in script
+    assert re.search(r"@[{\w]", script) is None  # no placeholder left; the shell's "$@" stays
 
 
 def test_a_jetson_unit_joins_group_video_with_every_line_at_the_start(tmp_path: Path) -> None:
