@@ -176,7 +176,7 @@ def check_torch(config: AgentConfig) -> Check:
     found = f"cuda ({torch.cuda.get_device_name(0)})" if cuda else "mps" if mps else "cpu only"
     want = config.device_type
     ok = want in ("auto", "cpu") or (want.startswith("cuda") and cuda) or (want == "mps" and mps)
-    hint = "on a Jetson, install NVIDIA's JetPack torch wheel; PyPI's aarch64 torch is CPU-only"
+    hint = "on a Jetson, install NVIDIA's JetPack torch wheel (PyPI's aarch64 torch is a CUDA build for servers)"
     return Check("torch and accelerator", ok, f"torch {torch.__version__}, {found}, device_type {want}", hint)
 
 
