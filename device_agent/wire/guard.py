@@ -4,7 +4,11 @@ A receiver that answers everything can be made to amplify (a manifest flood draw
 transfer every few seconds) or to allocate per announced chunk. The guard decides, per peer (the
 device a topic belongs to, whatever its sub-topic), whether a frame gets any processing at all:
 
-- control messages and manifests pass a token bucket per peer; frames past it are dropped unanswered;
+- every frame passes the peer's budget first (:mod:`device_agent.wire.budget`): control messages of any
+  version, well-formed or not, and chunk frames each draw a token; frames past it are dropped unanswered;
+- only a device's documented sub-topics (``up/data``, ``up/status``) are read: a frame anywhere else in its
+  subtree is refused before it is parsed or leaves any state behind;
+- a message of another protocol version is answered ``incompatible`` once per burst, never per message;
 - a new transfer must fit bounds on size, chunk count, chunk size, open transfers and pending bytes;
 - retained messages are dropped unless their kind is meant to be retained (hello, status): a peer
   must not leave a manifest or a chunk on the broker for a restarted receiver to pick up.
@@ -20,6 +24,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from device_agent.wire import topics
+from device_agent.wire.budget import InboundBudget
 from device_agent.wire.messages import Hello, Manifest, Message, Status
 from device_agent.wire.transfer import IncomingTransfers
 
@@ -29,7 +35,17 @@ RefusalHandler = Callable[[str, str], None]
 """Told (peer, reason) for every refused frame."""
 
 REASONS = frozenset(
-    {"rate_limited", "retained", "malformed", "transfer_refused", "transfer_evicted", "corrupt_chunk", "wrong_sender"}
+    {
+        "rate_limited",
+        "retained",
+        "malformed",
+        "wrong_version",
+        "wrong_topic",
+        "transfer_refused",
+        "transfer_evicted",
+        "corrupt_chunk",
+        "wrong_sender",
+    }
 )
 """Every reason the transport refuses a frame under (the engine adds its own: ``coordinator.rounds.upload_gate``)."""
 
@@ -49,7 +65,14 @@ class InboundLimits:
     min_chunk_bytes: int = 1024
     """Unless the transfer is one chunk: tiny chunks make the receiver keep a slot per few bytes."""
     messages_per_s: float = 50.0
+    """Control messages (and manifests, malformed and wrong-version ones) per second and device."""
     burst: int = 200
+    chunk_frames_per_s: float = 4000.0
+    """Chunk frames per second and device: 1 GB/s in 256 KiB chunks, beyond any honest device's link."""
+    chunk_burst: int = 4096
+    """Chunk frames a device may send at once: a whole 1 GiB upload in 256 KiB chunks."""
+    max_nack_chunks: int = 256
+    """Chunk indexes one nack lists: a nack stays a few KiB whatever a manifest announces (no amplification)."""
     quiet_s: float = 10.0
     """A burst of refusals ends after this long without one; the next refusal is logged again."""
     idle_s: float = 60.0
@@ -64,12 +87,15 @@ class InboundLimits:
             "max_open_transfers",
             "max_chunks",
             "burst",
+            "chunk_burst",
+            "max_nack_chunks",
             "max_total_pending_bytes",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.messages_per_s <= 0:
-            raise ValueError(f"messages_per_s must be > 0, got {self.messages_per_s}")
+        for name in ("messages_per_s", "chunk_frames_per_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.idle_s <= 0:
             raise ValueError(f"idle_s must be > 0, got {self.idle_s}")
 
@@ -89,26 +115,6 @@ class InboundLimits:
 
 
 @dataclass
-class TokenBucket:
-    """``rate`` tokens per second up to ``capacity``; ``take`` spends one if there is one."""
-
-    rate: float
-    capacity: float
-    tokens: float = -1.0
-    stamp: float = 0.0
-
-    def take(self, now: float) -> bool:
-        if self.tokens < 0:
-            self.tokens, self.stamp = self.capacity, now
-        self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
-
-
-@dataclass
 class _Burst:
     last: float
     suppressed: int = 0
@@ -121,23 +127,38 @@ class InboundGuard:
     limits: InboundLimits = field(default_factory=InboundLimits)
     on_refused: RefusalHandler | None = None
     name: str = "receiver"
-    _buckets: dict[str, TokenBucket] = field(default_factory=dict)
+    _budget: InboundBudget = field(init=False)
     _bursts: dict[tuple[str, str], _Burst] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def __post_init__(self) -> None:
+        limits = self.limits
+        self._budget = InboundBudget(limits.messages_per_s, limits.burst, limits.chunk_frames_per_s, limits.chunk_burst)
+
+    def admit_frame(self, topic: str, chunk: bool, now: float) -> str | None:
+        """The device a frame comes from if it is to be read at all, else None (refused and counted).
+
+        Every frame is charged to its device's budget before anything else, then its topic must be one of
+        the device's documented sub-topics: nothing after this keeps state for a topic it made up.
+        """
+        peer = topics.device_of(topic) or topic
+        if not self._budget.take(peer, chunk, now):
+            if chunk:
+                rate = f"{self.limits.chunk_frames_per_s:g}/s (burst {self.limits.chunk_burst}) chunk frames"
+            else:
+                rate = f"{self.limits.messages_per_s:g}/s (burst {self.limits.burst}) messages"
+            self.refuse(peer, "rate_limited", f"more than {rate}; dropped unanswered", now)
+            return None
+        device = topics.uplink_device(topic)
+        if device is None:
+            self.refuse(peer, "wrong_topic", f"a frame on {topic}, which is no device's up/data or up/status", now)
+        return device
+
     def admit_message(self, peer: str, message: Message | None, retained: bool, now: float) -> bool:
-        """Whether a control message or manifest (``message``) or a chunk frame (None) gets processed."""
+        """Whether a control message or manifest (``message``) or a chunk frame (None) may be retained."""
         if retained and not isinstance(message, RETAINED_KINDS):
             what = "a chunk frame" if message is None else f"a {message.type} message"
             return self.refuse(peer, "retained", f"{what} published retained; only hello and status may be", now)
-        if message is None:
-            return True
-        with self._lock:
-            bucket = self._buckets.setdefault(peer, TokenBucket(self.limits.messages_per_s, self.limits.burst))
-            allowed = bucket.take(now)
-        if not allowed:
-            rate = f"{self.limits.messages_per_s:g}/s (burst {self.limits.burst})"
-            return self.refuse(peer, "rate_limited", f"more than {rate} messages; dropped unanswered", now)
         return True
 
     def manifest_problem(self, manifest: Manifest) -> str | None:
@@ -159,6 +180,11 @@ class InboundGuard:
 
     def refuse(self, peer: str, reason: str, detail: str, now: float) -> bool:
         """Count a refusal and log it if it starts a burst; returns False (not admitted)."""
+        self.refuse_first(peer, reason, detail, now)
+        return False
+
+    def refuse_first(self, peer: str, reason: str, detail: str, now: float) -> bool:
+        """Count a refusal and log it if it starts a burst; True when it does (worth one answer to the peer)."""
         if reason not in REASONS:
             raise ValueError(f"unknown refusal reason {reason!r}")
         if self.on_refused is not None:
@@ -181,4 +207,4 @@ class InboundGuard:
             self.limits.quiet_s,
             earlier,
         )
-        return False
+        return True

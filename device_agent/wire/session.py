@@ -455,8 +455,8 @@ class Session:
                 for frame in outgoing.resume(now)
             ]
             frames += [
-                (None, topics.reply_topic(source), encode(transfers.resume(tid, now)))
-                for source, transfers in self._incoming.items()
+                (None, answered_on, encode(transfers.resume(tid, now)))
+                for answered_on, transfers in self._incoming.items()
                 for tid in transfers.pending()
             ]
         for transfer, topic, frame in frames:
@@ -500,8 +500,14 @@ class Session:
     def _handle_message(self, _client: mqtt.Client, _userdata: Any, msg: mqtt.MQTTMessage) -> None:
         data = msg.payload
         now = time.monotonic()
-        self.stats.bytes_in[msg.topic] = self.stats.bytes_in.get(msg.topic, 0) + len(data)
         guard, peer = self._guard_in, topics.device_of(msg.topic) or msg.topic
+        if guard is not None:
+            # Every frame costs its device a token and must be on a documented topic, before any state is kept.
+            admitted = guard.admit_frame(msg.topic, is_chunk_frame(data), now)
+            if admitted is None:
+                return
+            peer = admitted
+        self.stats.bytes_in[msg.topic] = self.stats.bytes_in.get(msg.topic, 0) + len(data)
         if guard is not None and not data:
             return  # a retained message being cleared (see below)
         try:
@@ -514,11 +520,14 @@ class Session:
             message = parse_message(data)
         except ProtocolError as exc:
             self.stats.rejected += 1
-            if guard is not None:
-                guard.refuse(peer, "malformed", f"on {msg.topic}: {exc}", now)
+            wrong_version = isinstance(exc, VersionMismatch)
+            first = True
+            if guard is not None:  # a peer of another version is answered once per burst, not per message
+                reason = "wrong_version" if wrong_version else "malformed"
+                first = guard.refuse_first(peer, reason, f"on {msg.topic}: {exc}", now)
             else:
                 log.warning("%s: rejected a message on %s: %s", self.config.client_id, msg.topic, exc)
-            if isinstance(exc, VersionMismatch):
+            if isinstance(exc, VersionMismatch) and first:
                 self._answer_incompatible(msg.topic, exc.version)
             return
         if guard is not None and not guard.admit_message(peer, message, msg.retain, now):
@@ -550,13 +559,15 @@ class Session:
     # ---- transfer plumbing -----------------------------------------------------------------
 
     def _receiver(self, topic: str) -> IncomingTransfers:
-        transfers = self._incoming.get(topic)
+        """The incoming transfers of ``topic``'s device: one receiver per peer, keyed by where it is answered."""
+        key = _answered_on(topic)
+        transfers = self._incoming.get(key)
         if transfers is None:
             if self._guard_in is not None:
                 transfers = self._guard_in.limits.receiver(self.config.nack_after_s)
             else:
                 transfers = IncomingTransfers(nack_after=self.config.nack_after_s)
-            self._incoming[topic] = transfers
+            self._incoming[key] = transfers
         return transfers
 
     def _reply(self, topic: str, replies: list[Message]) -> None:
@@ -613,8 +624,8 @@ class Session:
                 if outgoing.failed:
                     del self._outgoing[tid]
                     failed.append((outgoing, delivery))
-            for source, transfers in self._incoming.items():
-                frames += [(topics.reply_topic(source), None, encode(reply)) for reply in transfers.poll(now)]
+            for answered_on, transfers in self._incoming.items():
+                frames += [(answered_on, None, encode(reply)) for reply in transfers.poll(now)]
         for outgoing, delivery in failed:
             log.warning("%s: transfer %s failed: %s", self.config.client_id, outgoing.transfer, outgoing.failed)
             delivery._settle(outgoing.failed)
@@ -671,7 +682,7 @@ class Session:
         self, topic: str, receiver: IncomingTransfers, manifest: Manifest, now: float
     ) -> tuple[list[Message], Completed | None]:
         """A new transfer past the guard's bounds is refused before the receiver allocates anything for it."""
-        refusal = self._transfer_refusal(topic, manifest)
+        refusal = self._transfer_refusal(topic, receiver, manifest)
         return ([refusal], None) if refusal is not None else receiver.on_manifest(manifest, now)
 
     def _receive(self, topic: str, step: Callable[[IncomingTransfers], tuple[list[Message], Completed | None]]) -> None:
@@ -685,18 +696,17 @@ class Session:
         except Exception:
             log.exception("%s: error receiving on %s (the session keeps running)", self.config.client_id, topic)
 
-    def _transfer_refusal(self, topic: str, manifest: Manifest) -> Error | None:
+    def _transfer_refusal(self, topic: str, mine: IncomingTransfers, manifest: Manifest) -> Error | None:
         """The error answering a new transfer the guard refuses (called under ``self._lock``).
 
-        Bounds hold per peer, whatever topic of its subtree a transfer uses: a new transfer past them evicts
-        the peer's least recently active one, so a sender whose old transfers were cut off is not locked out.
+        Bounds hold per peer (one receiver each): a new transfer past them evicts the peer's least recently
+        active one, so a sender whose old transfers were cut off is not locked out.
         """
         guard = self._guard_in
         if guard is None:
             return None
         peer = topics.device_of(topic) or topic
-        mine = [t for source, t in self._incoming.items() if (topics.device_of(source) or source) == peer]
-        if any(t.knows(manifest.transfer) for t in mine):
+        if mine.knows(manifest.transfer):
             return None
         now = time.monotonic()
         problem = guard.manifest_problem(manifest)
@@ -709,9 +719,9 @@ class Session:
         if problem is not None:
             guard.refuse(peer, "transfer_refused", f"transfer {manifest.transfer}: {problem}", now)
             return Error(code="too_large", transfer=manifest.transfer, detail=problem)
-        while guard.over(manifest, sum(len(t.pending()) for t in mine), sum(t.pending_bytes() for t in mine)):
-            _seen, tid, holder = min(((*o, t) for t in mine if (o := t.oldest()) is not None), key=lambda x: x[:2])
-            holder.drop(tid)
+        while guard.over(manifest, len(mine.pending()), mine.pending_bytes()) and (oldest := mine.oldest()):
+            _seen, tid = oldest
+            mine.drop(tid)
             guard.refuse(peer, "transfer_evicted", f"unfinished transfer {tid} dropped for a newer one", now)
         return None
 
@@ -721,6 +731,14 @@ class Session:
                 event()
             except Exception:
                 log.exception("%s: error in a message handler (the session keeps running)", self.config.client_id)
+
+
+def _answered_on(topic: str) -> str:
+    """Where a peer's transfers on ``topic`` are answered (its opposite ``data`` topic): one key per peer."""
+    try:
+        return topics.reply_topic(topic)
+    except ValueError:
+        return topic  # not a device topic: only a session outside the fleet layout sees one
 
 
 def _no_delay(_client: mqtt.Client, _userdata: Any, sock: Any) -> None:

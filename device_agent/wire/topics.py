@@ -60,6 +60,21 @@ def device_of(topic: str) -> str | None:
     return None
 
 
+UPLINK_SUBTOPICS = ("data", "status")
+"""The only sub-topics under a device's ``up/`` that carry anything (see the module doc)."""
+
+
+def uplink_device(topic: str) -> str | None:
+    """The device ``topic`` is a documented uplink of (``.../dev/<device>/up/data`` or ``up/status``), else None.
+
+    A receiver reads nothing else: a made-up sub-topic must not get state of its own.
+    """
+    parts = topic.split("/")
+    if len(parts) == 6 and parts[0] == ROOT and parts[2] == "dev" and parts[4] == "up" and parts[5] in UPLINK_SUBTOPICS:
+        return parts[3]
+    return None
+
+
 def reply_topic(topic: str) -> str:
     """Where to answer a message that arrived on ``topic``: the same device's opposite direction."""
     parts = topic.split("/")

@@ -8,9 +8,11 @@ import time
 import pytest
 
 from device_agent.agent.probe import probe_device
-from device_agent.wire.guard import InboundGuard, InboundLimits, TokenBucket
+from device_agent.wire.budget import TokenBucket
+from device_agent.wire.guard import InboundGuard, InboundLimits
 from device_agent.wire.messages import Hello, Manifest, RoundFailed, Status
 from device_agent.wire.session import coordinator_session, device_session
+from device_agent.wire.topics import DeviceTopics
 
 
 def manifest(size: int, chunk_size: int = 256 * 1024) -> Manifest:
@@ -27,15 +29,15 @@ def test_a_token_bucket_allows_its_burst_then_its_rate() -> None:
 def test_a_flood_is_cut_per_peer_and_logged_once_per_burst(caplog) -> None:
     refused: list[tuple[str, str]] = []
     guard = InboundGuard(InboundLimits(messages_per_s=10, burst=5, quiet_s=1.0), lambda p, r: refused.append((p, r)))
-    status = Status(device="a", state="idle")
+    a, b = DeviceTopics("f", "a").up, DeviceTopics("f", "b").up
     with caplog.at_level(logging.WARNING, logger="fedfleet.wire"):
-        admitted = [guard.admit_message("a", status, False, 0.0) for _ in range(1000)]
-        assert guard.admit_message("b", status, False, 0.0)  # another peer has its own bucket
+        admitted = [guard.admit_frame(a, False, 0.0) == "a" for _ in range(1000)]
+        assert guard.admit_frame(b, False, 0.0) == "b"  # another peer has its own bucket
     assert sum(admitted) == 5 and refused == [("a", "rate_limited")] * 995
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "from a (rate_limited)" in lines[0]
     with caplog.at_level(logging.WARNING, logger="fedfleet.wire"):
-        guard.admit_message("a", status, False, 0.5)  # still the same burst: not logged
+        guard.admit_frame(a, False, 0.5)  # still the same burst: not logged
         guard.refuse("a", "rate_limited", "again", 5.0)  # after a quiet second: a new burst
     assert len(caplog.records) == 2 and "994 more were refused" in caplog.records[-1].getMessage()
 

@@ -136,7 +136,7 @@ def test_loss_duplication_reordering_and_corruption_are_all_repaired(mosquitto, 
         coord.send(topics.down, payload).wait(60)
         assert inbox.arrived.wait(10)
         assert [c.data == payload for _, c in inbox.payloads] == [True]
-        stats = dev._incoming[topics.down].stats
+        stats = dev._incoming[topics.up].stats  # keyed by where its transfers are answered
         assert stats.corrupt >= 8 and stats.duplicates >= 8 and stats.nacks >= 1
     finally:
         coord.stop()
