@@ -71,8 +71,8 @@ class InboundLimits:
     """Chunk frames per second and device: 1 GB/s in 256 KiB chunks, beyond any honest device's link."""
     chunk_burst: int = 4096
     """Chunk frames a device may send at once: a whole 1 GiB upload in 256 KiB chunks."""
-    max_nack_chunks: int = 256
-    """Chunk indexes one nack lists: a nack stays a few KiB whatever a manifest announces (no amplification)."""
+    max_nack_chunks: int = 64
+    """Chunk indexes one nack lists: a nack stays under 600 bytes whatever a manifest announces."""
     quiet_s: float = 10.0
     """A burst of refusals ends after this long without one; the next refusal is logged again."""
     idle_s: float = 60.0
@@ -111,6 +111,7 @@ class InboundLimits:
             max_pending_chunks=self.max_open_transfers * self.max_chunks,
             nack_after=nack_after,
             abandon_after=self.idle_s,
+            max_nack_chunks=self.max_nack_chunks,
         )
 
 

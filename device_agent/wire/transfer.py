@@ -7,8 +7,12 @@ e.g. to send it to many devices, announces it sealed at once). The receiver chec
 its frame's digest (and the seal's, once known), keeps it, and acks once every chunk is in and the
 seal holds. Loss is repaired by asking again, never by trusting a broker's queue:
 
-- the receiver nacks the chunks it still misses when nothing has arrived for ``nack_after`` s (an
-  empty nack: it has every chunk but no seal, and the sender answers with the seal);
+- the receiver nacks the chunks it still misses when nothing has arrived for ``nack_after`` s since
+  the last chunk it took (an empty nack: it has every chunk but no seal, and the sender answers with
+  the seal); a nack lists at most ``max_nack_chunks`` indexes, the lowest, and the next ones are asked
+  for as soon as those are in. A receiver never nacks a transfer that made no progress since its last
+  nack, and answers a repeated manifest with a nack at most once per ``nack_after``: what it sends
+  stays within a small multiple of what it receives, whatever a manifest announces;
 - the sender re-announces the manifest when it has heard nothing for ``resend_after`` s (a lost
   manifest or a lost ack); a receiver answers a known manifest with a nack or a repeated ack;
 - duplicates, chunks of finished transfers and chunks that fail their digest are dropped; chunks
@@ -24,6 +28,7 @@ A chunk frame is a 57-byte header followed by the raw bytes (no base64, no JSON)
 from __future__ import annotations
 
 import hashlib
+import heapq
 import struct
 import threading
 import time
@@ -289,7 +294,11 @@ class _Incoming:
     digests: list[bytes | None]
     missing: set[int]
     last_seen: float
+    progressed_at: float = 0.0
+    """When a chunk or the seal was last taken (or the transfer opened): nacks follow progress, never idle time."""
     nacked_at: float = float("-inf")
+    asked: set[int] = field(default_factory=set)
+    """What the last nack asked for and has not arrived: once empty, the next missing chunks are asked for."""
     expected: list[bytes] | None = None  # the seal's chunk digests, once it arrived
 
     def adopt(self, manifest: Manifest) -> int:
@@ -347,6 +356,7 @@ class IncomingTransfers:
     the per-chunk bookkeeping of unfinished ones (a manifest of 1 GiB in 1-byte chunks would
     otherwise cost a billion-entry list before a byte arrived). Transfers that stay silent for
     ``abandon_after`` seconds are dropped (the sender will re-announce if it is still alive).
+    A nack lists at most ``max_nack_chunks`` missing chunks (see the module doc).
     """
 
     max_payload_bytes: int = 1 << 30
@@ -355,6 +365,7 @@ class IncomingTransfers:
     nack_after: float = 1.0
     abandon_after: float = 600.0
     remember_done: int = 4096
+    max_nack_chunks: int = 64
     stats: ReceiverStats = field(default_factory=ReceiverStats)
     _open: dict[str, _Incoming] = field(default_factory=dict)
     _done: OrderedDict[str, str] = field(default_factory=OrderedDict)
@@ -406,7 +417,7 @@ class IncomingTransfers:
                     f"{self.max_pending_chunks - open_chunks} chunks left to track; send bigger chunks"
                 )
                 return [Error(code="too_large", transfer=tid, detail=detail)], None
-            current = _Incoming(manifest, [None] * count, [None] * count, set(range(count)), now)
+            current = _Incoming(manifest, [None] * count, [None] * count, set(range(count)), now, now)
             self._open[tid] = current
             if manifest.sealed:
                 current.adopt(manifest)
@@ -415,13 +426,16 @@ class IncomingTransfers:
             error = Error(code="rejected", transfer=tid, detail="manifest differs from the one announced before")
             return [error], None
         current.last_seen = now
-        if manifest.sealed:
-            if current.expected is None:
-                self.stats.corrupt += current.adopt(manifest)
-            elif manifest.digest != current.manifest.digest:
-                return [Error(code="rejected", transfer=tid, detail="seal differs from the one received before")], None
+        sealing = manifest.sealed and current.expected is None
+        if sealing:
+            self.stats.corrupt += current.adopt(manifest)
+            current.progressed_at = now
+        elif manifest.sealed and manifest.digest != current.manifest.digest:
+            return [Error(code="rejected", transfer=tid, detail="seal differs from the one received before")], None
         if self._complete(current):
             return self._finish(current)
+        if not sealing and now - current.nacked_at < self.nack_after:
+            return [], None  # asked a moment ago: a repeated manifest is not answered again
         return [self._nack(current, now)], None
 
     def on_chunk(
@@ -461,7 +475,14 @@ class IncomingTransfers:
         incoming.chunks[index] = data if isinstance(data, bytes) or memoryview(data).readonly else bytes(data)
         incoming.digests[index] = digest
         incoming.missing.discard(index)
-        return self._finish(incoming) if self._complete(incoming) else ([], None)
+        incoming.progressed_at = now
+        if self._complete(incoming):
+            return self._finish(incoming)
+        if index in incoming.asked:
+            incoming.asked.discard(index)
+            if not incoming.asked and incoming.missing:
+                return [self._nack(incoming, now)], None  # the last batch is in: ask for the next one
+        return [], None
 
     def poll(self, now: float) -> list[Message]:
         """Nack stalled transfers; drop abandoned ones (their memory with them) and tell their sender.
@@ -476,7 +497,10 @@ class IncomingTransfers:
                 self.stats.expired += 1
                 detail = f"transfer {tid} expired after {self.abandon_after:g} s without a chunk or its seal"
                 out.append(Error(code="unknown_transfer", transfer=tid, detail=f"{detail}; send it again"))
-            elif now - max(incoming.last_seen, incoming.nacked_at) >= self.nack_after:
+            elif (
+                incoming.progressed_at > incoming.nacked_at
+                and now - max(incoming.last_seen, incoming.nacked_at) >= self.nack_after
+            ):
                 out.append(self._nack(incoming, now))
         return out
 
@@ -487,7 +511,9 @@ class IncomingTransfers:
     def _nack(self, incoming: _Incoming, now: float) -> Nack:
         incoming.nacked_at = now
         self.stats.nacks += 1
-        return Nack(transfer=incoming.manifest.transfer, missing=sorted(incoming.missing))
+        missing = heapq.nsmallest(self.max_nack_chunks, incoming.missing)
+        incoming.asked = set(missing)
+        return Nack(transfer=incoming.manifest.transfer, missing=missing)
 
     @staticmethod
     def _complete(incoming: _Incoming) -> bool:

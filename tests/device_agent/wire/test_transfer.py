@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from device_agent.wire.messages import Ack, Nack, ProtocolError, parse_message
+from device_agent.wire.messages import Ack, Nack, ProtocolError, encode, parse_message
 from device_agent.wire.transfer import (
     IncomingTransfers,
     Limits,
@@ -196,3 +196,35 @@ def test_a_receiver_with_every_chunk_but_no_seal_asks_for_it_with_an_empty_nack(
     [seal] = sender.on_nack(nack, 2.0)
     replies, done = receiver.on_manifest(parse_message(seal), 2.0)
     assert done.data == payload and replies[0].digest == sender.manifest.digest
+
+
+def test_a_manifest_of_65536_chunks_repeated_draws_bounded_nacks_not_amplification():
+    """An attacker announces the most chunks the guard admits and repeats the manifest for a minute."""
+    manifest = announce(65_536 * CHUNK, CHUNK)
+    receiver = IncomingTransfers(nack_after=2.0, max_pending_chunks=1 << 17, abandon_after=600.0)
+    sent = answered = 0
+    for tick in range(600):  # every 0.1 s for 60 s: a repeated manifest, and the receiver's timer
+        now = tick * 0.1
+        sent += len(encode(manifest))
+        replies, _ = receiver.on_manifest(manifest, now)
+        replies += receiver.poll(now)
+        answered += sum(len(encode(reply)) for reply in replies)
+    assert answered < sent  # was ~29,000x: every answer listed all 65,536 chunks
+    nack = receiver.resume(manifest.transfer, 60.0)
+    assert nack.missing == list(range(64)) and len(encode(nack)) < 600
+
+
+def test_a_large_loss_is_repaired_batch_by_batch_without_waiting_for_the_timer():
+    payload = os.urandom(300 * CHUNK)
+    sender = OutgoingTransfer(make_manifest(payload, CHUNK), payload, 0.0)
+    receiver = IncomingTransfers(nack_after=1.0, max_nack_chunks=64)
+    frames = list(sender.start())
+    replies, _ = receiver.on_manifest(parse_message(frames[0]), 0.0)  # every chunk after it is lost
+    assert replies == []
+    [nack] = receiver.poll(1.0)
+    completed: list = []
+    resend = sender.on_nack(nack, 1.0)
+    while resend:  # each batch, once in, asks for the next at once: no poll in between
+        resend = deliver(resend, receiver, sender, 1.0, completed)
+    assert sender.done and completed[0].data == payload
+    assert receiver.stats.nacks == 5  # 300 chunks in batches of 64
