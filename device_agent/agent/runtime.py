@@ -48,7 +48,16 @@ from device_agent.data.datasets import DatasetError, check_source, load_dataset
 from device_agent.data.partition import client_shard
 from device_agent.training.driver import RoundFailure, run_assignment
 from device_agent.training.local_round import TrainedRound
-from device_agent.wire.messages import INCOMPATIBLE, Assignment, Error, Hello, Message, Receipt, Status
+from device_agent.wire.messages import (
+    INCOMPATIBLE,
+    Assignment,
+    Error,
+    Hello,
+    Message,
+    Receipt,
+    Status,
+    refuses_version,
+)
 from device_agent.wire.protocol import UPDATE_KIND, upload_meta
 from device_agent.wire.reachability import wait_for_broker
 from device_agent.wire.session import BrokerAddress
@@ -203,7 +212,11 @@ class Agent:
         elif isinstance(message, Receipt):
             self._forget(message.run, message.round, f"receipt: {message.status}")
         elif isinstance(message, Error) and message.code == INCOMPATIBLE:
-            raise AgentError(f"the coordinator cannot work with this agent: {message.detail}")
+            if refuses_version(message):  # the coordinator cannot read what this agent sends
+                raise AgentError(f"the coordinator cannot work with this agent: {message.detail}")
+            # An answer to a wrong-version message this agent did not send (another client with its login),
+            # or this agent's own answer to one it received: neither says the coordinator cannot read it.
+            log.warning("%s: ignored, not about this agent's protocol: %r", self.config.device, message.detail[:200])
         elif isinstance(message, Error):
             log.warning("%s: coordinator refused something: %s: %s", self.config.device, message.code, message.detail)
             for key, sent in list(self._sent.items()):

@@ -217,6 +217,15 @@ def incompatible(peer_version: object) -> Error:
     )
 
 
+def refuses_version(error: Error, version: object = PROTOCOL_VERSION) -> bool:
+    """Whether an ``incompatible`` error says its sender cannot read messages of ``version`` (this side's).
+
+    An answer to someone else's message of another version (a login used by two clients) names that
+    version, not this side's: its receiver ignores it instead of stopping.
+    """
+    return error.code == INCOMPATIBLE and error.detail.startswith(f"protocol version {version!r} is not spoken here")
+
+
 Message = Annotated[
     Hello | Assignment | Manifest | Ack | Nack | Status | Error | Receipt | RoundFailed, Field(discriminator="type")
 ]

@@ -3,6 +3,7 @@ import json
 import pytest
 
 from device_agent.wire.messages import (
+    PROTOCOL_VERSION,
     Ack,
     Error,
     Hello,
@@ -13,6 +14,7 @@ from device_agent.wire.messages import (
     encode,
     incompatible,
     parse_message,
+    refuses_version,
 )
 from tests.device_profiles import reported_profile
 
@@ -67,3 +69,9 @@ def test_an_incompatible_error_is_read_whatever_version_sent_it() -> None:
         parse_message(b'{"v": 4, "type": "hello"}')
     assert info.value.version == 4
     assert "(this side speaks 3)" in incompatible(4).detail
+
+
+def test_an_incompatible_answer_says_whether_it_is_about_this_side_s_version() -> None:
+    assert refuses_version(incompatible(PROTOCOL_VERSION))
+    assert not refuses_version(incompatible(2)) and not refuses_version(incompatible("3"))
+    assert not refuses_version(Error(code="rejected", detail=incompatible(PROTOCOL_VERSION).detail))
