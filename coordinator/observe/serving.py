@@ -18,6 +18,9 @@ class ReadOnlyHandler(BaseHTTPRequestHandler):
 
     server_version = "fedfleet"
     sys_version = ""
+    timeout = 10.0
+    """Seconds a connection may stay silent before it is closed: slow clients (400 of them) cannot each hold a
+    thread for good. A browser or curl sends its request at once; keep-alive is off (HTTP/1.0)."""
 
     def do_HEAD(self) -> None:
         self.do_GET()
