@@ -52,6 +52,11 @@ class Provisioning:
     def participants(self) -> list[str]:
         return [COORDINATOR_USER, *(d.id for d in self.fleet.devices)]
 
+    @property
+    def logins(self) -> dict[str, str]:
+        """Participant -> its broker user name (a device's is its id), the CN of its certificate."""
+        return {name: self.fleet.broker.username if name == COORDINATOR_USER else name for name in self.participants}
+
 
 @dataclass(frozen=True)
 class Builder:
@@ -85,10 +90,10 @@ def signing_keys(run: Provisioning) -> None:
 
 
 def certificates(run: Provisioning) -> None:
-    """The CA always (its revocation list goes to the broker), certificates only with TLS."""
+    """The CA always (its revocation list goes to the broker), certificates only with TLS (CN = login)."""
     run.authority = Authority(run.kits, run.fleet.fleet)
     if run.tls:
-        build_certificates(run.authority, run.kits, server_hosts(run.fleet), run.participants, run.rotate)
+        build_certificates(run.authority, run.kits, server_hosts(run.fleet), run.logins, run.rotate)
 
 
 def broker_files(run: Provisioning) -> None:

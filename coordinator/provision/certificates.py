@@ -5,6 +5,12 @@ into a kit. Existing certificates are kept; the server certificate is reissued w
 host names change, a participant's when it is rotated. A rotated certificate's serial goes on the
 CA's revocation list (``crl.pem``), which the broker checks, so an old kit is refused twice over:
 by its password and by its certificate.
+
+A client certificate's CN is its participant's broker login: the broker takes the CN as the user name
+(mosquitto ``use_identity_as_username``), so each certificate is bound to exactly one login. A
+certificate whose CN is not its participant's login, or that is already revoked, is reissued; the
+certificate of a device no longer in the fleet is revoked (its password leaves the password file,
+but on the TLS listener the certificate alone is the credential).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import json
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 
 from cryptography import x509
@@ -118,6 +124,9 @@ class Authority:
             serials.append(_load_cert(cert_path).serial_number)
             write_file(self.folder / _REVOKED, json.dumps(sorted(set(serials))) + "\n", 0o644)
 
+    def is_revoked(self, cert_path: Path) -> bool:
+        return _load_cert(cert_path).serial_number in self._revoked()
+
     def _revoked(self) -> list[int]:
         path = self.folder / _REVOKED
         return json.loads(path.read_text()) if path.exists() else []
@@ -144,6 +153,12 @@ def _general_name(name: str) -> x509.GeneralName:
         return x509.DNSName(name)
 
 
+def common_name(cert_path: Path) -> str:
+    """The CN of the certificate at ``cert_path``: the user name the broker logs it in as."""
+    names = _load_cert(cert_path).subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return str(names[0].value) if names else ""
+
+
 def server_names(cert_path: Path) -> list[str]:
     """The host names and IPs a server certificate covers."""
     san = _load_cert(cert_path).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -153,9 +168,14 @@ def server_names(cert_path: Path) -> list[str]:
 
 
 def build_certificates(
-    authority: Authority, kits: Kits, hosts: list[str], participants: Iterable[str], rotate: Collection[str] = ()
+    authority: Authority, kits: Kits, hosts: list[str], logins: Mapping[str, str], rotate: Collection[str] = ()
 ) -> None:
-    """Server certificate for ``hosts`` into ``kits/broker``, a client certificate into each participant's folder."""
+    """Server certificate for ``hosts`` into ``kits/broker``, a client certificate into each participant's folder.
+
+    ``logins`` maps each participant (its kit folder) to its broker user name, the CN of its certificate.
+    A replaced certificate is revoked, and so is the one in a kit folder that is no participant any
+    more (a device removed from fleet.yaml), unless it names another participant's login (a copy).
+    """
     broker = private_dir(kits.broker, 0o711)
     server_cert = broker / SERVER_CERT
     if not server_cert.exists() or sorted(server_names(server_cert)) != sorted(
@@ -164,13 +184,26 @@ def build_certificates(
         cert, key = authority.issue("fedfleet broker", hosts)
         write_file(broker / SERVER_KEY, key, 0o600)
         write_file(server_cert, cert, 0o644)
-    for name in participants:
+    live = set(logins.values())
+    for departed in sorted(kits.root.iterdir()):
+        cert_path = departed / CLIENT_CERT
+        if departed.name not in logins and cert_path.is_file() and common_name(cert_path) not in live:
+            authority.revoke(cert_path)
+    for name, login in logins.items():
         folder = private_dir(kits.participant(name))
-        if (folder / CLIENT_CERT).exists() and name not in rotate:
+        if _current(authority, folder / CLIENT_CERT, login) and name not in rotate:
             continue
-        authority.revoke(folder / CLIENT_CERT)
-        cert, key = authority.issue(name)
+        if (folder / CLIENT_CERT).exists() and common_name(folder / CLIENT_CERT) not in live - {login}:
+            authority.revoke(folder / CLIENT_CERT)  # never another participant's live certificate copied here
+        cert, key = authority.issue(login)
         write_file(folder / CLIENT_KEY, key, 0o600)
         write_file(folder / CLIENT_CERT, cert, 0o644)
-    for folder in (broker, *(kits.participant(n) for n in participants)):
+    for folder in (broker, *(kits.participant(n) for n in logins)):
         write_file(folder / CA_CERT, authority.pem, 0o644)
+
+
+def _current(authority: Authority, cert_path: Path, login: str) -> bool:
+    """A certificate to keep: there, issued for ``login`` and not revoked."""
+    if not cert_path.exists():
+        return False
+    return common_name(cert_path) == login and not authority.is_revoked(cert_path)

@@ -22,7 +22,7 @@ from coordinator.transport.broker.base import (
     wait_until_healthy,
 )
 from coordinator.transport.broker.credentials import Credentials
-from coordinator.transport.broker.mosquitto import _broker_owner, find_mosquitto
+from coordinator.transport.broker.mosquitto import _broker_owner, blocked_dirs, describe_blocked, find_mosquitto
 from coordinator.transport.broker.scratch import scratch_dir
 from device_agent.wire.session import BrokerAddress
 
@@ -68,13 +68,24 @@ class KitBroker(BrokerProcess):
 
     def _reachable_config(self) -> Path:
         """The config mosquitto reads: the kit's own, or, when the ``mosquitto`` user cannot enter the kits
-        (a 0700 home or pytest's tmp), a copy in a fresh folder it can (persistence then lives there)."""
+        (a 0700 home or pytest's tmp), a copy in a fresh folder of the temp folder (persistence then lives
+        there). When it cannot enter that either, a ``BrokerError`` names both and what to chmod."""
         owner = _broker_owner()
         folder = self.config_file.parent.resolve()
-        blocked = [d for d in folder.parents if not os.stat(d).st_mode & 0o001]
+        blocked = blocked_dirs(folder, owner) if owner is not None else []
         if owner is None or not blocked:
             return self.config_file
-        stage = self._stage = scratch_dir("fedfleet-broker-")
+        stage = scratch_dir("fedfleet-broker-")
+        unreachable = blocked_dirs(stage, owner)
+        if unreachable:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise BrokerError(
+                f"mosquitto drops root to the 'mosquitto' user, which cannot enter the kits' broker folder "
+                f"{folder}: blocked by {describe_blocked(blocked)}; nor the copy of it in the temp folder "
+                f"{stage.parent}: blocked by {describe_blocked(unreachable)}. "
+                f"Run: chmod o+x {' '.join(map(str, blocked))}  (or set TMPDIR to a folder that user can enter)"
+            )
+        self._stage = stage
         for item in folder.iterdir():
             if item.is_file() and item.name != self.log_file.name:
                 shutil.copy2(item, stage / item.name)
@@ -84,9 +95,8 @@ class KitBroker(BrokerProcess):
         config = stage / self.config_file.name
         config.write_text(config.read_text().replace(str(folder), str(stage)))
         log.warning(
-            "the mosquitto user cannot enter %s (mode %o): running the broker from a copy in %s",
-            blocked[0],
-            os.stat(blocked[0]).st_mode & 0o777,
+            "the mosquitto user cannot enter %s: running the broker from a copy in %s",
+            describe_blocked(blocked),
             stage,
         )
         return config

@@ -185,12 +185,42 @@ def _broker_owner() -> tuple[int, int] | None:
     return entry.pw_uid, entry.pw_gid
 
 
+def blocked_dirs(path: Path, owner: tuple[int, int]) -> list[Path]:
+    """The folders from ``/`` down to ``path`` that the user ``owner`` (uid, gid) may not enter (no x bit for it)."""
+    uid, gid = owner
+    try:
+        groups = set(os.getgrouplist(pwd.getpwuid(uid).pw_name, gid))
+    except KeyError:
+        groups = {gid}
+    blocked = []
+    for folder in reversed([path.resolve(), *path.resolve().parents]):
+        info = os.stat(folder)
+        bit = 0o100 if info.st_uid == uid else 0o010 if info.st_gid in groups else 0o001
+        if not info.st_mode & bit:
+            blocked.append(folder)
+    return blocked
+
+
+def describe_blocked(folders: list[Path]) -> str:
+    """``/root (mode 700, owner root)``: what a message about folders mosquitto cannot enter shows of each."""
+    parts = []
+    for folder in folders:
+        info = os.stat(folder)
+        try:
+            user = pwd.getpwuid(info.st_uid).pw_name
+        except KeyError:
+            user = str(info.st_uid)
+        parts.append(f"{folder} (mode {info.st_mode & 0o777:o}, owner {user})")
+    return ", ".join(parts)
+
+
 def _check_reachable(workdir: Path) -> None:
     """mosquitto, once it is the ``mosquitto`` user, must be able to traverse every directory down to ``workdir``."""
     os.chmod(workdir, os.stat(workdir).st_mode | 0o011)
-    for directory in workdir.resolve().parents:
-        if not os.stat(directory).st_mode & 0o001:
-            raise BrokerError(
-                f"mosquitto drops root to the 'mosquitto' user, which cannot enter {directory} (mode "
-                f"{os.stat(directory).st_mode & 0o777:o}); put the broker's workdir elsewhere or chmod o+x {directory}"
-            )
+    owner = _broker_owner()
+    blocked = blocked_dirs(workdir, owner) if owner is not None else []
+    if blocked:
+        raise BrokerError(
+            f"mosquitto drops root to the 'mosquitto' user, which cannot enter {describe_blocked(blocked)}; "
+            f"put the broker's workdir elsewhere or chmod o+x {' '.join(map(str, blocked))}"
+        )

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import ssl
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
 from coordinator.transport.broker.base import BrokerError, check_port_free, probe
 from coordinator.transport.broker.kit import KitBroker
+from coordinator.transport.broker.mosquitto import _broker_owner
 from tests.coordinator.provision.kit_fixtures import device_address, kit_broker, make_fleet, provision_into
 from tests.paths import REPO_ROOT
 
@@ -104,13 +108,34 @@ def test_a_device_cannot_touch_another_devices_subtree(kit_fleet: tuple) -> None
             client.close()
 
 
+def test_a_certificate_logs_in_only_as_the_device_it_names(kit_fleet: tuple) -> None:
+    """use_identity_as_username: a's login with b's certificate is b, and b may not act as a."""
+    fleet, kits, broker, _ = kit_fleet
+    a, b = device_address(fleet, kits, "a"), device_address(fleet, kits, "b")
+    impostor = Probe(replace(a, cert_file=b.cert_file, key_file=b.key_file))  # a's user name and password
+    coordinator = Probe(broker.address)
+    try:
+        assert impostor.accepted and coordinator.accepted
+        coordinator.subscribe("fedfleet/kitfleet/dev/+/up/#")
+        assert not impostor.publish("fedfleet/kitfleet/dev/a/up/data")  # refused: this connection is not a
+        assert impostor.publish("fedfleet/kitfleet/dev/b/up/data")  # it is b, the certificate's CN
+        deadline = time.monotonic() + 3
+        while not coordinator.received and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert coordinator.received == ["fedfleet/kitfleet/dev/b/up/data"]  # nothing ever arrived as a's
+    finally:
+        impostor.close()
+        coordinator.close()
+
+
 @pytest.mark.slow
-def test_a_device_needs_its_password_and_a_fleet_certificate(kit_fleet: tuple) -> None:
+def test_a_device_needs_a_certificate_of_this_fleet(kit_fleet: tuple) -> None:
     fleet, kits, _, root = kit_fleet
     a = device_address(fleet, kits, "a")
     assert probe(a, 5) == "ok"
-    assert probe(replace(a, password="guess"), 5).startswith("refused")
-    assert probe(replace(a, username="b"), 5).startswith("refused")  # a's password is not b's
+    # on the TLS listener the certificate (and its key) is the credential: mosquitto does not read the password
+    assert probe(replace(a, password="guess"), 5) == "ok"
     assert probe(replace(a, cert_file=None, key_file=None), 5) != "ok"  # no client certificate: no TLS session
     other = provision_into(make_fleet()[1], root / "elsewhere")  # a kit of another fleet (another CA)
     assert (
@@ -128,24 +153,89 @@ def test_a_device_needs_its_password_and_a_fleet_certificate(kit_fleet: tuple) -
 
 
 @pytest.mark.slow
-def test_after_rotation_the_old_secret_is_refused_and_the_new_kit_works(kit_fleet: tuple) -> None:
+def test_after_rotation_the_old_certificate_is_refused_and_the_new_kit_works(kit_fleet: tuple) -> None:
     fleet, kits, broker, root = kit_fleet
     old = device_address(fleet, kits, "b")
-    saved = {name: (kits.participant("b") / name).read_bytes() for name in ("client.pem", "client.key")}
+    keep = root / "old-b"
+    keep.mkdir()
+    for name in ("client.pem", "client.key"):
+        (keep / name).write_bytes((kits.participant("b") / name).read_bytes())
     provision_into(fleet, root, rotate=("b",))
     broker.stop()
     broker.start()
     new = device_address(fleet, kits, "b")
     assert new.password != old.password
-    assert probe(old, 5).startswith("refused")
     assert probe(new, 5) == "ok"
-    # the old certificate is revoked: even with the new password it does not get in
-    keep = root / "old-b"
-    keep.mkdir()
-    for name, data in saved.items():
-        (keep / name).write_bytes(data)
-    assert probe(replace(new, cert_file=str(keep / "client.pem"), key_file=str(keep / "client.key")), 5) != "ok"
+    # the old certificate is revoked: neither with the old password nor with the new one does it get in
+    for password in (old.password, new.password):
+        revoked = replace(new, password=password, cert_file=str(keep / "client.pem"), key_file=str(keep / "client.key"))
+        assert probe(revoked, 5) != "ok"
     assert probe(device_address(fleet, kits, "a"), 5) == "ok"  # the others are untouched
+
+
+@pytest.mark.slow
+def test_a_device_removed_from_the_fleet_is_refused(kit_fleet: tuple) -> None:
+    """Its password leaves the password file, and its certificate (its TLS login) goes on the CRL."""
+    fleet, kits, broker, root = kit_fleet
+    c = device_address(fleet, kits, "c")
+    assert probe(c, 5) == "ok"
+    provision_into(fleet.model_copy(update={"devices": fleet.devices[:2]}), root)
+    broker.stop()
+    broker.start()
+    assert probe(c, 5) != "ok"
+    assert probe(device_address(fleet, kits, "a"), 5) == "ok"
+    provision_into(fleet, root)  # c back in the fleet: a new certificate (the old one stays revoked)
+    broker.stop()
+    broker.start()
+    assert probe(device_address(fleet, kits, "c"), 5) == "ok"
+
+
+@pytest.fixture
+def root_only_folders() -> Iterator[Callable[[], Path]]:
+    """Fresh folders under /tmp, mode 0700 and owned by root: the ``mosquitto`` user cannot enter them."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: only a root coordinator's mosquitto drops to the 'mosquitto' user")
+    if _broker_owner() is None:
+        pytest.skip("no 'mosquitto' user on this machine")
+    made: list[Path] = []
+
+    def make() -> Path:
+        made.append(Path(tempfile.mkdtemp(prefix="fedfleet-blocked-")))
+        os.chmod(made[-1], 0o700)
+        return made[-1]
+
+    yield make
+    for folder in made:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_kits_the_broker_cannot_enter_run_from_a_copy_in_the_temp_folder(root_only_folders) -> None:
+    _, fleet = make_fleet()
+    blocked = root_only_folders()
+    kits = provision_into(fleet, blocked)
+    broker = kit_broker(fleet, kits)
+    broker.start()
+    try:
+        assert probe(device_address(fleet, kits, "a"), 5) == "ok"
+    finally:
+        broker.stop()
+
+
+def test_a_temp_folder_the_broker_cannot_enter_either_says_what_to_chmod(
+    root_only_folders, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, fleet = make_fleet()
+    blocked, temp = root_only_folders(), root_only_folders()
+    kits = provision_into(fleet, blocked)
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    broker = kit_broker(fleet, kits)
+    with pytest.raises(BrokerError) as refused:
+        broker.start()
+    message = str(refused.value)
+    assert f"{blocked} (mode 700, owner root)" in message and f"{temp} (mode 700, owner root)" in message
+    assert f"chmod o+x {blocked} " in message and "TMPDIR" in message
+    assert not broker.running and list(temp.iterdir()) == []  # no copy left behind
 
 
 def test_a_taken_port_is_one_clear_line(kit_fleet: tuple) -> None:

@@ -12,7 +12,7 @@ import pytest
 from cryptography import x509
 
 from coordinator.cli.app import main
-from coordinator.provision.certificates import server_names
+from coordinator.provision.certificates import common_name, server_names
 from tests.coordinator.provision.kit_fixtures import make_fleet, provision_into
 from tests.paths import REPO_ROOT
 
@@ -95,6 +95,26 @@ def test_provisioning_again_keeps_every_secret_and_rotation_replaces_only_one(tm
     crl = x509.load_pem_x509_crl((kits.broker / "crl.pem").read_bytes())
     assert crl.get_revoked_certificate_by_serial_number(old_b.serial_number) is not None
     assert sorted(server_names(kits.broker / "server.pem")) == ["127.0.0.1", "localhost"]
+
+
+def test_each_certificate_is_named_after_its_login_and_a_departed_device_is_revoked(tmp_path: Path) -> None:
+    _, fleet = make_fleet()
+    kits = provision_into(fleet, tmp_path)
+    for participant in ("coordinator", "a", "b", "c"):
+        assert common_name(kits.participant(participant) / "client.pem") == participant  # the broker's user name
+    assert "use_identity_as_username true" in (kits.broker / "mosquitto.conf").read_text().splitlines()
+    # a certificate of another login in a's kit (copied by hand) is replaced, but b's own stays valid
+    stray = kits.participant("b") / "client.pem"
+    shutil.copy(stray, kits.participant("a") / "client.pem")
+    provision_into(fleet, tmp_path)
+    assert common_name(kits.participant("a") / "client.pem") == "a"
+    c = x509.load_pem_x509_certificate((kits.participant("c") / "client.pem").read_bytes())
+    provision_into(fleet.model_copy(update={"devices": fleet.devices[:2]}), tmp_path)  # c leaves the fleet
+    crl = x509.load_pem_x509_crl((kits.broker / "crl.pem").read_bytes())
+    assert crl.get_revoked_certificate_by_serial_number(c.serial_number) is not None
+    assert "c:" not in (kits.broker / "passwd").read_text()
+    b = x509.load_pem_x509_certificate(stray.read_bytes())
+    assert crl.get_revoked_certificate_by_serial_number(b.serial_number) is None
 
 
 def test_rotating_an_unknown_device_names_the_fleet(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
