@@ -80,7 +80,8 @@ def run_provision(args: argparse.Namespace) -> int:
         return 2
     kits = done.kits.root
     print(f"fleet {fleet.fleet}: kits in {kits}/ (devices reach the broker at {done.broker_url})")
-    print(f"  broker:  {kits / 'broker'}/mosquitto.conf" + (" (TLS, client certificates)" if done.tls else ""))
+    tls = " (TLS; a client certificate's name is its login)" if done.tls else ""
+    print(f"  broker:  {kits / 'broker'}/mosquitto.conf{tls}")
     for device in fleet.devices:
         note = " (rotated)" if device.id in done.rotated else ""
         if device.id in done.missing:

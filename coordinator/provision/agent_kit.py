@@ -165,6 +165,7 @@ def readme_text(fleet: Fleet, device: Device, layout: DeviceLayout) -> str:
         kind=device_class(device),
         user=SERVICE_USER,
         password=PASSWORD,
+        client_cert=CLIENT_CERT,
         client_key=CLIENT_KEY,
         signing_key=SIGNING_KEY,
     )

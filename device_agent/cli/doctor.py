@@ -157,7 +157,8 @@ def check_login(config: AgentConfig, address: BrokerAddress, timeout: float) -> 
                     f"may {verb} own topics",
                     bool(granted),
                     f"{topic}: {events.get(name, 'no answer')}",
-                    "the broker's ACL does not confine users to fedfleet/<fleet>/dev/<user>: wrong fleet name?",
+                    "the broker's ACL does not confine users to fedfleet/<fleet>/dev/<user>: wrong fleet name? "
+                    "or broker.cert_file is another device's (over TLS the broker logs in the certificate's name)",
                 )
             )
         return checks

@@ -55,12 +55,15 @@ def test_a_healthy_kit_passes_every_check(kit: tuple, capsys: pytest.CaptureFixt
     )
 
 
-def test_a_wrong_password_is_named(kit: tuple, capsys: pytest.CaptureFixture[str]) -> None:
+def test_another_devices_certificate_is_named(kit: tuple, capsys: pytest.CaptureFixture[str]) -> None:
+    """The broker logs the certificate's CN in (b), whatever a's password says: a's topics are not b's."""
     kits, _, root = kit
-    code, out = _doctor(_config(kits, root, "wrong-pw", password=f"file:{kits.participant('b') / 'password'}"), capsys)
+    b = kits.participant("b")
+    config = _config(kits, root, "b-cert", cert_file=str(b / "client.pem"), key_file=str(b / "client.key"))
+    code, out = _doctor(config, capsys)
     assert code == 1
-    assert "FAIL  login accepted         refused as a: Not authorized" in out
-    assert "hint: broker.password is not this device's current secret" in out
+    assert "PASS  login accepted" in out and "FAIL  may write own topics" in out
+    assert "or broker.cert_file is another device's" in out
 
 
 def test_a_ca_of_another_fleet_fails_tls(kit: tuple, capsys: pytest.CaptureFixture[str]) -> None:
