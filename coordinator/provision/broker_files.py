@@ -31,7 +31,7 @@ DATA = "data"
 
 
 def acl_text(fleet: str, coordinator_user: str) -> str:
-    """Each device writes only ``.../dev/<itself>/up/#`` and reads only its ``down``; the coordinator the fleet."""
+    """Each device writes only its ``up/data`` and ``up/status``, reads its ``down/data``; the coordinator all."""
     return render(
         ACL,
         device_patterns="\n".join(acl_patterns(fleet)),

@@ -5,7 +5,7 @@
     fedfleet/<fleet>/dev/<device>/down/data   coordinator -> device: control messages, manifests, chunks
 
 Everything a device writes is under ``up/`` and everything it reads under ``down/``: two pattern
-ACL lines (``pattern write fedfleet/<fleet>/dev/%u/up/#`` and ``pattern read .../%u/down/#``)
+ACL lines (``pattern write fedfleet/<fleet>/dev/%u/up/data`` and ``up/status``, ``pattern read .../%u/down/data``)
 confine it. Manifests, chunks and control share one topic per direction so that MQTT's per-topic
 ordering keeps a manifest ahead of its chunks.
 """
@@ -86,6 +86,9 @@ def reply_topic(topic: str) -> str:
 
 
 def acl_patterns(fleet: str) -> list[str]:
-    """Mosquitto ``pattern`` lines confining every device (its user name is its device name)."""
+    """Mosquitto ``pattern`` lines confining every device (its user name is its device name) to its documented topics.
+
+    Exact topics, no wildcards: a device may not open sub-topics of its own (each would be state to keep).
+    """
     base = f"{ROOT}/{check_name('fleet', fleet)}/dev/%u"
-    return [f"pattern write {base}/up/#", f"pattern read {base}/down/#"]
+    return [*(f"pattern write {base}/up/{sub}" for sub in UPLINK_SUBTOPICS), f"pattern read {base}/down/data"]

@@ -41,7 +41,7 @@ from coordinator.transport.broker.credentials import (
     write_private,
 )
 from device_agent.wire.session import BrokerAddress
-from device_agent.wire.topics import ROOT, check_name
+from device_agent.wire.topics import ROOT, UPLINK_SUBTOPICS, check_name
 
 log = logging.getLogger("fedfleet.broker")
 
@@ -88,7 +88,7 @@ class FleetPasswordAuth(BaseAuthPlugin):
 
 
 class FleetTopicAcl(BaseTopicPlugin):
-    """mosquitto's fedfleet ACLs: a device writes ``.../dev/<itself>/up/#`` and reads ``.../down/#``."""
+    """mosquitto's fedfleet ACLs: a device writes its ``up/data`` and ``up/status`` and reads its ``down/data``."""
 
     @dataclass
     class Config:
@@ -105,8 +105,9 @@ class FleetTopicAcl(BaseTopicPlugin):
             check_name("device", username)
         except ValueError:
             return False
-        direction = "up" if action == Action.PUBLISH else "down"
-        return covers(f"{fleet_root}/dev/{username}/{direction}/#", topic)
+        base = f"{fleet_root}/dev/{username}"
+        grants = [f"{base}/up/{sub}" for sub in UPLINK_SUBTOPICS] if action == Action.PUBLISH else [f"{base}/down/data"]
+        return any(covers(grant, topic) for grant in grants)
 
 
 def amqtt_config(settings: BrokerSettings, port: int, password_file: Path) -> dict:

@@ -11,7 +11,11 @@ def test_each_device_has_its_own_subtree_and_replies_go_the_other_way():
     assert reply_topic(t.status) == t.down
     assert device_of(t.status) == "pi-1"
     assert fleet_uplinks("lab") == "fedfleet/lab/dev/+/up/#"
-    assert acl_patterns("lab") == ["pattern write fedfleet/lab/dev/%u/up/#", "pattern read fedfleet/lab/dev/%u/down/#"]
+    assert acl_patterns("lab") == [
+        "pattern write fedfleet/lab/dev/%u/up/data",
+        "pattern write fedfleet/lab/dev/%u/up/status",
+        "pattern read fedfleet/lab/dev/%u/down/data",
+    ]
 
 
 @pytest.mark.parametrize("name", ["", "a/b", "+", "#", "a b", "-x"])

@@ -109,7 +109,8 @@ def test_generated_files_are_private_yet_readable_by_the_mosquitto_user(mosquitt
     config = (workdir / "mosquitto.conf").read_text()
     for line in ("allow_anonymous false", "max_packet_size 8388608", "max_queued_messages 1000", "persistence true"):
         assert line in config
-    assert "pattern write fedfleet/test/dev/%u/up/#" in acl_text("test")
+    assert "pattern write fedfleet/test/dev/%u/up/data" in acl_text("test")
+    assert "up/#" not in acl_text("test") and "down/#" not in acl_text("test")
     assert (workdir / "passwd").read_text().count("$7$101$") == len(mosquitto.credentials)
 
 
