@@ -40,7 +40,7 @@ from device_agent.wire.transfer import Completed, make_manifest
 MODEL = ModelSpec("cnn", 10, 1, 8)
 LEVELS = {"fedavg": (1.0,), "fedhm": (1.0, 0.5)}
 """Levels the clients cycle through: FedHM mixes full-rank and gamma 1/2 clients."""
-NO_DEFENSE = {"update_bound_factor": None, "sample_weight_factor": None}
+NO_DEFENSE = {"update_bound_factor": None, "direction_min_cosine": None, "sample_weight_factor": None}
 
 Tensors = dict[str, Tensor]
 

@@ -47,18 +47,23 @@ def dense(tensors: Mapping[str, Tensor], keys: tuple[str, ...]) -> Tensor:
     return tensors[keys[0]].to(torch.float64)
 
 
-def update_norms(upload: Mapping[str, Tensor], sent: Mapping[str, Tensor]) -> dict[str, float]:
-    """Per layer, the L2 norm of upload minus sent in the full-rank space.
+def dense_updates(upload: Mapping[str, Tensor], sent: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Per layer, upload minus sent in the full-rank space (float64).
 
     Layers the device was not sent in the same form (shapes differ, keys missing: a personalized
     part it keeps) have no update to measure and are left out.
     """
-    norms: dict[str, float] = {}
+    updates: dict[str, Tensor] = {}
     for name, keys in layers_of(upload).items():
         if any(k not in sent or sent[k].shape != upload[k].shape for k in keys):
             continue
-        norms[name] = float(torch.linalg.vector_norm(dense(upload, keys) - dense(sent, keys)))
-    return norms
+        updates[name] = dense(upload, keys) - dense(sent, keys)
+    return updates
+
+
+def update_norms(upload: Mapping[str, Tensor], sent: Mapping[str, Tensor]) -> dict[str, float]:
+    """Per layer, the L2 norm of upload minus sent in the full-rank space (see :func:`dense_updates`)."""
+    return {name: float(torch.linalg.vector_norm(u)) for name, u in dense_updates(upload, sent).items()}
 
 
 def clip_layer(upload: Mapping[str, Tensor], sent: Mapping[str, Tensor], keys: tuple[str, ...], bound: float) -> float:
@@ -120,6 +125,57 @@ class NormHistory:
         """The median recent norm of layer ``name``, or None while fewer than ``min_updates`` are known."""
         values = [v for round_ in self._rounds for v in round_.get(name, [])]
         return statistics.median(values) if len(values) >= self.min_updates else None
+
+
+def cosine(update: Mapping[str, Tensor], reference: Mapping[str, Tensor]) -> float | None:
+    """Cosine similarity of two per-layer updates over the layers both have (same shape), as one vector.
+
+    None when they share no layer or either is zero there: no direction to compare.
+    """
+    shared = [n for n in update if n in reference and reference[n].shape == update[n].shape]
+    dot = sum(float((update[n].to(torch.float64) * reference[n].to(torch.float64)).sum()) for n in shared)
+    left = math.sqrt(sum(float(update[n].to(torch.float64).square().sum()) for n in shared))
+    right = math.sqrt(sum(float(reference[n].to(torch.float64).square().sum()) for n in shared))
+    if not shared or left == 0 or right == 0:
+        return None
+    return dot / (left * right)
+
+
+class DirectionReference:
+    """The fleet's recent update direction, per layer: the sum of last round's accepted updates, each
+    scaled to unit norm (in a layer form the fleet uploads, e.g. FedHM's ``conv2`` factors and
+    ``conv2.weight`` side by side).
+
+    Unit-scaled so that one update counts as one vote whatever its size: a large reversed update in
+    the warm-up round (before the norm bound has a median) cannot turn the reference around. It
+    streams: one running sum the size of the model, no upload kept. Until a round has been accepted
+    (the first round of a run, or of a resumed coordinator) there is no reference.
+    """
+
+    def __init__(self) -> None:
+        self.reference: dict[str, Tensor] = {}
+        self._sum: dict[str, Tensor] = {}
+
+    def next_round(self) -> None:
+        """Last round's sum becomes the reference (a round that accepted nothing keeps the one before)."""
+        if self._sum:
+            self.reference, self._sum = self._sum, {}
+
+    def add(self, update: Mapping[str, Tensor]) -> None:
+        """Count one accepted update (:func:`dense_updates`) as one unit vote."""
+        norm = math.sqrt(sum(float(u.to(torch.float64).square().sum()) for u in update.values()))
+        if norm == 0 or not math.isfinite(norm):
+            return
+        for name, value in update.items():
+            unit = value.to(torch.float32) / norm
+            if name in self._sum and self._sum[name].shape == unit.shape:
+                self._sum[name] += unit
+            else:
+                self._sum[name] = unit
+
+    def cosine(self, update: Mapping[str, Tensor]) -> float | None:
+        """The update's cosine with the reference (:func:`cosine`), or None without one."""
+        return cosine(update, self.reference) if self.reference else None
 
 
 def coordinate_median(updates: Sequence[Tensor]) -> Tensor:

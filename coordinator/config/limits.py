@@ -43,6 +43,8 @@ class GateSettings:
     """Accepted norms a layer needs before its median counts; until then the warm-up bound applies."""
     update_warmup_factor: float = 1.0
     """Warm-up: the layers without a median move by at most this many times the norm of what was sent."""
+    direction_min_cosine: float | None = 0.0
+    """Refuse an update whose cosine with the fleet's direction of last round is below this; None: off."""
     sample_weight_factor: float | None = 2.0
     """An upload weighs at most this many times the samples the fleet expects of its device; None: no cap."""
 
@@ -111,6 +113,13 @@ class FleetLimits(BaseModel):
         GateSettings.update_warmup_factor,
         description="until a layer has a median: its update may be this many times the norm of what was sent",
     )
+    direction_min_cosine: float | None = Field(
+        GateSettings.direction_min_cosine,
+        ge=-1,
+        lt=1,
+        description="refuse an update whose cosine with the fleet's update direction of last round (the sum of "
+        "its accepted updates, each scaled to unit norm) is below this; null: no direction check",
+    )
     sample_weight_factor: float | None = Field(
         GateSettings.sample_weight_factor,
         ge=1,
@@ -143,6 +152,7 @@ class FleetLimits(BaseModel):
             update_bound_action=self.update_bound_action,
             update_history_rounds=self.update_history_rounds,
             update_warmup_factor=self.update_warmup_factor,
+            direction_min_cosine=self.direction_min_cosine,
             sample_weight_factor=self.sample_weight_factor,
         )
 

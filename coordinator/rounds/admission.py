@@ -112,6 +112,8 @@ class Admission:
         }
         if weight != parsed.samples:
             meta["claimed_samples"] = parsed.samples
+        if screened.cosine is not None:  # the direction check's measure, for an operator tuning its threshold
+            meta["cosine"] = screened.cosine
         if screened.steps:  # the journal keeps what is folded, so a replay folds the same
             meta["clipped"] = screened.steps
             data = encode_tensors({**tensors, **screened.upload})

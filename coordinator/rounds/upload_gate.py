@@ -24,13 +24,21 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from coordinator.algorithms.aggregation import UpdateRejected
-from coordinator.algorithms.robust import NormHistory, apply_steps, clip_layer, layers_of, update_norms
+from coordinator.algorithms.robust import (
+    DirectionReference,
+    NormHistory,
+    apply_steps,
+    clip_layer,
+    dense_updates,
+    layers_of,
+    update_norms,
+)
 from coordinator.config.limits import GateSettings
 from device_agent.common.profile import DeviceProfile
 from device_agent.wire.protocol import EXTRA_PREFIX, UploadMeta, parse_upload_meta
@@ -46,6 +54,7 @@ REASONS = frozenset(
         "non_finite",
         "out_of_bounds",
         "norm_too_large",
+        "wrong_direction",
         "wrong_kind",
         "wrong_run",
         "wrong_round",
@@ -179,6 +188,10 @@ class Screened:
     """Per layer, the norm of the update as folded (after clipping)."""
     steps: dict[str, float] = field(default_factory=dict)
     """Layers clipped, with the fraction of their update kept."""
+    cosine: float | None = None
+    """The update's cosine with the fleet's reference direction (None: not checked, e.g. the first round)."""
+    direction: dict[str, Tensor] = field(default_factory=dict, repr=False)
+    """Per layer, the update as folded (full rank): what :meth:`UploadGate.accepted` adds to the reference."""
 
 
 def update_bounds(
@@ -207,12 +220,14 @@ class UploadGate:
         self._sent_tensors: dict[str, Mapping[str, Tensor]] = {}
         self._accepted: dict[float, list[float]] = {}
         self.history = NormHistory(self.settings.update_history_rounds, self.settings.update_history_min)
+        self.direction = DirectionReference()
 
     def open_round(self) -> None:
         self._sent.clear()
         self._sent_tensors.clear()
         self._accepted.clear()
         self.history.next_round()
+        self.direction.next_round()
 
     def sent(self, device: str, norms: Mapping[str, float], tensors: Mapping[str, Tensor] | None = None) -> None:
         """Record what ``device`` was assigned: squared norms (:func:`squared_norms`) and the tensors (both shared
@@ -235,13 +250,15 @@ class UploadGate:
         value = math.sqrt(sum(norms.values()))
         check_norm(value, norm_reference(norms, self._sent.get(device), self._accepted.get(level, [])), self.settings)
         sent = self._sent_tensors.get(device)
-        if sent is None or self.settings.update_bound_factor is None:
+        if sent is None or (self.settings.update_bound_factor is None and self.settings.direction_min_cosine is None):
             return Screened(dict(upload), value)
         updates = update_norms(upload, sent)
-        bounds = update_bounds(updates, sent, self.history, self.settings)
-        over = {name: bounds[name] for name in updates if updates[name] > bounds[name] * (1 + 1e-6)}
+        over: dict[str, float] = {}
+        if self.settings.update_bound_factor is not None:
+            bounds = update_bounds(updates, sent, self.history, self.settings)
+            over = {name: bounds[name] for name in updates if updates[name] > bounds[name] * (1 + 1e-6)}
         if not over:
-            return Screened(dict(upload), value, updates)
+            return self._directed(Screened(dict(upload), value, updates), sent)
         if self.settings.update_bound_action == "refuse":
             name = max(over, key=lambda n: updates[n] / max(over[n], 1e-30))
             raise UploadRefused(
@@ -252,11 +269,27 @@ class UploadGate:
         layers = layers_of(upload)
         steps = {name: clip_layer(upload, sent, layers[name], bound) for name, bound in over.items()}
         clipped = apply_steps(upload, sent, steps)
-        return Screened(clipped, value, update_norms(clipped, sent), steps)
+        return self._directed(Screened(clipped, value, update_norms(clipped, sent), steps), sent)
+
+    def _directed(self, screened: Screened, sent: Mapping[str, Tensor]) -> Screened:
+        """The direction check: refuse an update pointing away from the fleet's (module doc)."""
+        if self.settings.direction_min_cosine is None:
+            return screened
+        direction = dense_updates(screened.upload, sent)
+        cos = self.direction.cosine(direction)
+        if cos is not None and cos < self.settings.direction_min_cosine:
+            raise UploadRefused(
+                "wrong_direction",
+                f"update has cosine {cos:.3g} with the fleet's direction of last round "
+                f"(at least {self.settings.direction_min_cosine:g})",
+            )
+        return replace(screened, cosine=cos, direction=direction)
 
     def accepted(self, level: float, screened: Screened) -> None:
         self._accepted.setdefault(level, []).append(screened.norm)
         self.history.add(screened.update_norms)
+        if screened.direction:
+            self.direction.add(screened.direction)
 
     def sample_weight(self, claimed: int, expected_samples: int) -> int:
         """The samples an upload is weighted by: what it claims, capped at ``sample_weight_factor`` x expected."""

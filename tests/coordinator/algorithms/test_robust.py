@@ -1,13 +1,17 @@
-"""Update norms in the full-rank space, clipping that keeps a factor pair's shapes, and the buffered rules."""
+"""Update norms in the full-rank space, clipping that keeps a factor pair's shapes, the direction reference,
+and the buffered rules."""
 
 import pytest
 import torch
 
 from coordinator.algorithms.robust import (
+    DirectionReference,
     NormHistory,
     apply_steps,
     clip_layer,
     coordinate_median,
+    cosine,
+    dense_updates,
     layers_of,
     multi_krum,
     trimmed_mean,
@@ -79,3 +83,40 @@ def test_buffered_rules_ignore_a_minority_far_away() -> None:
         multi_krum(updates[:5], byzantine=2, keep=1)
     with pytest.raises(ValueError, match="beta must be in"):
         trimmed_mean(updates, 0.5)
+
+
+def test_the_dense_update_of_a_factor_pair_is_the_change_of_its_product() -> None:
+    sent, upload = factor_pair(0), factor_pair(1)
+    a, b = factors_to_matrices(upload["fc.reduce"], upload["fc.expand"])
+    a0, b0 = factors_to_matrices(sent["fc.reduce"], sent["fc.expand"])
+    updates = dense_updates(upload, sent)
+    assert set(updates) == {"fc", "fc.bias"}
+    assert torch.allclose(updates["fc"], (a @ b - a0 @ b0).to(torch.float64), atol=1e-5)
+    assert "fc.bias" not in dense_updates(upload, {k: v for k, v in sent.items() if k != "fc.bias"})  # not sent
+
+
+def test_cosine_is_over_the_shared_layers_as_one_vector() -> None:
+    update = {"w": torch.tensor([1.0, 0.0]), "b": torch.tensor([0.0, 1.0]), "own": torch.ones(3)}
+    assert cosine(update, {"w": torch.tensor([2.0, 0.0]), "b": torch.tensor([0.0, 2.0])}) == pytest.approx(1.0)
+    assert cosine(update, {"w": torch.tensor([1.0, 0.0]), "b": torch.tensor([0.0, -1.0])}) == pytest.approx(0.0)
+    assert cosine(update, {"w": torch.tensor([-1.0, 0.0])}) == pytest.approx(-1.0)  # "b", "own" not shared
+    assert cosine(update, {"w": torch.zeros(3)}) is None  # another shape: nothing shared
+    assert cosine(update, {"w": torch.zeros(2)}) is None  # no direction to compare with
+
+
+def test_the_reference_is_last_rounds_unit_updates_summed_so_one_large_reversed_update_cannot_turn_it() -> None:
+    reference = DirectionReference()
+    honest = {"w": torch.tensor([1.0, 0.1], dtype=torch.float64)}
+    assert reference.cosine(honest) is None  # warm-up: the first round has no reference
+    for scale in (1.0, 0.5, 2.0):
+        reference.add({"w": scale * honest["w"]})
+    reference.add({"w": -1000.0 * honest["w"]})  # in the warm-up round nothing bounds its direction yet
+    assert reference.cosine(honest) is None  # the sum is this round's, not yet the reference
+    reference.next_round()
+    assert reference.cosine(honest) == pytest.approx(1.0)  # three votes for, one against
+    assert reference.cosine({"w": -honest["w"]}) == pytest.approx(-1.0)
+    reference.next_round()  # a round that accepted nothing keeps the reference it had
+    assert reference.cosine(honest) == pytest.approx(1.0)
+    reference.add({"w": torch.tensor([0.0, 1.0])})
+    reference.next_round()
+    assert reference.cosine({"w": torch.tensor([0.0, 3.0])}) == pytest.approx(1.0)  # only last round counts

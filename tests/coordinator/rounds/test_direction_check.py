@@ -1,0 +1,104 @@
+"""The upload gate's direction check: an update pointing away from the fleet's is refused, in the gate and
+in a simulated round (a sign-flipped update is within the norm bound, so only its direction gives it away)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from coordinator.config.limits import GateSettings
+from coordinator.emulation.simulation import simulate
+from coordinator.rounds.upload_gate import UploadGate, UploadRefused, squared_norms
+from coordinator.strategies import ModelSpec, build_strategy
+from coordinator.transport.local_link import InProcessLink, LocalDevice
+from device_agent.clients.spec import TrainConfig
+from device_agent.data.datasets import load_dataset
+from device_agent.wire.codec import decode_tensors, encode_tensors
+from device_agent.wire.transfer import Completed, make_manifest
+from tests.digit_clients import digit_clients
+
+SENT = {"w": torch.ones(100), "b": torch.zeros(10)}
+DRIFT = {"w": torch.linspace(-1, 1, 100), "b": torch.ones(10)}
+"""Where the fleet's honest updates go this round and the next (plus noise of their own)."""
+
+
+def honest(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {k: v + 0.01 * (DRIFT[k] + 0.5 * torch.randn(v.shape, generator=generator)) for k, v in SENT.items()}
+
+
+def flipped(seed: int) -> dict[str, torch.Tensor]:
+    return {k: 2 * SENT[k] - v for k, v in honest(seed).items()}
+
+
+def second_round_gate(settings: GateSettings) -> UploadGate:
+    """A gate past one round of four honest updates, with round 2 open and sent to ``bad`` and ``good``."""
+    gate = UploadGate(settings)
+    for i in range(4):
+        gate.sent(f"h{i}", squared_norms(SENT), SENT)
+        screened = gate.norm(f"h{i}", 1.0, honest(i))
+        assert screened.cosine is None  # round 1: no reference yet, nothing refused for its direction
+        gate.accepted(1.0, screened)
+    gate.open_round()
+    for device in ("bad", "good"):
+        gate.sent(device, squared_norms(SENT), SENT)
+    return gate
+
+
+def test_a_sign_flipped_update_is_refused_an_honest_one_passes_with_its_cosine() -> None:
+    gate = second_round_gate(GateSettings())
+    with pytest.raises(UploadRefused, match=r"cosine -0\.[0-9]+ with the fleet's direction") as refused:
+        gate.norm("bad", 1.0, flipped(9))
+    assert refused.value.reason == "wrong_direction"
+    screened = gate.norm("good", 1.0, honest(8))
+    assert screened.cosine is not None and screened.cosine > 0.5
+    assert screened.steps == {}  # within the norm bound too: folded as sent
+
+
+def test_the_threshold_is_configurable_and_the_check_can_be_turned_off() -> None:
+    assert second_round_gate(GateSettings(direction_min_cosine=None)).norm("bad", 1.0, flipped(9)).cosine is None
+    with pytest.raises(UploadRefused, match=r"at least 0\.99"):
+        second_round_gate(GateSettings(direction_min_cosine=0.99)).norm("good", 1.0, honest(8))
+
+
+class SignFlipLink(InProcessLink):
+    """Device ``bad`` trains honestly, then uploads what it was sent minus its update (float tensors)."""
+
+    def __init__(self, devices: list[LocalDevice]) -> None:
+        super().__init__(devices)
+        self.sent: dict[str, dict[str, torch.Tensor]] = {}
+
+    def send_payload(self, device, payload, manifest):  # type: ignore[no-untyped-def]
+        self.sent[device] = decode_tensors(payload)
+        return super().send_payload(device, payload, manifest)
+
+    def start(self, on_message, on_payload, on_refused=None) -> None:  # type: ignore[no-untyped-def]
+        def intercept(device: str, completed: Completed) -> None:
+            if device == "bad":
+                trained, sent = decode_tensors(completed.data), self.sent[device]
+                tensors = {k: 2 * sent[k] - v if v.is_floating_point() else v for k, v in trained.items()}
+                data, manifest = encode_tensors(tensors), completed.manifest
+                completed = Completed(
+                    make_manifest(data, run=manifest.run, round=manifest.round, kind=manifest.kind, meta=manifest.meta),
+                    [data],
+                )
+            on_payload(device, completed)
+
+        super().start(on_message, intercept, on_refused)
+
+
+def test_a_sign_flipped_device_is_refused_from_round_two_on_and_the_fleet_learns(caplog) -> None:
+    data = load_dataset("digits", 8, 1)
+    clients = digit_clients(["bad", "g1", "g2", "g3"])
+    link = SignFlipLink([LocalDevice(c.client_id, c.train, c.test) for c in clients])
+    strategy = build_strategy("fedavg", ModelSpec("cnn", 10, 1, 8), {}, seed=0)
+    test = (data.test_x, data.test_y)
+    with caplog.at_level(logging.WARNING, logger="fedfleet.engine"):
+        result = simulate(strategy, clients, 3, TrainConfig(batch_size=32, lr=0.05), test, data.train_x, link=link)
+    assert [set(r.upload_bytes) for r in result.rounds] == [{"bad", "g1", "g2", "g3"}] + [{"g1", "g2", "g3"}] * 2
+    refusals = [r.getMessage() for r in caplog.records if "rejected bad's update" in r.getMessage()]
+    assert len(refusals) == 2 and all("(wrong_direction)" in message for message in refusals)
+    assert not [r for r in caplog.records if "rejected g" in r.getMessage()]  # no honest device refused
+    assert result.final.accuracy is not None and result.final.accuracy > 0.5
