@@ -168,10 +168,10 @@ class DirectionReference:
             return
         for name, value in update.items():
             unit = value.to(torch.float32) / norm
-            if name in self._sum and self._sum[name].shape == unit.shape:
-                self._sum[name] += unit
-            else:
+            if name not in self._sum:
                 self._sum[name] = unit
+            elif self._sum[name].shape == unit.shape:  # another shape under the same name is not comparable
+                self._sum[name] += unit
 
     def cosine(self, update: Mapping[str, Tensor]) -> float | None:
         """The update's cosine with the reference (:func:`cosine`), or None without one."""

@@ -28,6 +28,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.config.fleet import Fleet
@@ -90,7 +91,9 @@ class RoundEngine:
         self.roster = Roster(fleet, catalog, self.refused)
         self.devices = self.roster.devices
         self.draw = ParticipantDraw(fleet, planner, rundir)
-        gate = UploadGate(settings.gate)
+        # The direction check compares updates of two rounds layer by layer: only where their layers align.
+        directed = strategy.aligned_updates or settings.gate.direction_min_cosine is None
+        gate = UploadGate(settings.gate if directed else replace(settings.gate, direction_min_cosine=None))
         expected = lambda d: fleet.samples_for(self.devices[d].device)  # noqa: E731
         self.admission = Admission(gate, rundir, expected, signatures, strategy.declared_extras())
         self.dispatch = Dispatcher(link, strategy, gate, rundir, fleet, settings.resend_after_s)

@@ -152,6 +152,10 @@ class Strategy(ABC):
     personalized: ClassVar[bool]
     levels: ClassVar[LevelScale] = NONE
     """How ``ClientSlot.level`` is read: a rank ratio (FedHM gamma), a channel width, or none (full model)."""
+    aligned_updates: ClassVar[bool] = False
+    """Every upload's layers (full rank) sit where the one global model's do, round after round, so an update can
+    be compared by direction with last round's (the upload gate's direction check). Not so for rolling or
+    nested width windows, nor for personalized strategies, whose honest devices differ on purpose."""
 
     def __init_subclass__(cls, register: bool = True, **kwargs: object) -> None:
         """A strategy that names itself is registered under that name: no list anywhere to edit.

@@ -130,6 +130,7 @@ class FedHM(Strategy):
     program: ClassVar[type[ClientProgram]] = FedHMProgram
     personalized: ClassVar[bool] = False
     levels: ClassVar[LevelScale] = RANK
+    aligned_updates: ClassVar[bool] = True
     params: FedHMParams
 
     def __init__(self, model: ModelSpec, params: FedHMParams, seed: int = 0) -> None:

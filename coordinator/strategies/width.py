@@ -303,6 +303,7 @@ class FedAvg(WidthStrategy):
     name: ClassVar[str] = "fedavg"
     Params: ClassVar[type[FedAvgParams]] = FedAvgParams
     levels: ClassVar[LevelScale] = NONE
+    aligned_updates: ClassVar[bool] = True
     params: FedAvgParams
 
     @classmethod
