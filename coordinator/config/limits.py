@@ -4,8 +4,9 @@ The defaults are the transport guard's and the upload gate's own (``InboundLimit
 and the engine's assignment timings default to the ones here (``EngineSettings``): a fleet that leaves
 the section out runs exactly as before. An operator tunes them for a fleet whose updates are bigger
 than a ResNet (``max_upload_bytes``), whose devices talk more (``messages_per_s``), or whose honest
-updates move further than ten times what they were sent (``norm_bound_factor``), or whose honest
-updates differ more than 1.5-fold between devices (``update_bound_factor``).
+updates move further than ten times what they were sent (``norm_bound_factor``), whose honest
+updates differ more than 1.5-fold between devices (``update_bound_factor``), or whose devices' data
+differ so much that an honest update points away from the fleet's (``direction_min_cosine``).
 """
 
 from __future__ import annotations

@@ -17,6 +17,11 @@ sent, full rank) is held to ``update_bound_factor`` x the median norm of that la
 accepted updates (:class:`~coordinator.algorithms.robust.NormHistory`), and clipped to it or
 refused. Until a layer has a median (the first uploads of a run), the layers without one may
 move by ``update_warmup_factor`` x the norm of what was sent, together.
+
+A norm bound cannot see direction: a sign-flipped update has an honest norm. The direction check
+refuses (``wrong_direction``) an update, as it would be folded, whose cosine with the fleet's direction
+of last round (:class:`~coordinator.algorithms.robust.DirectionReference`, full rank) is below
+``direction_min_cosine``; the first round of a run has no reference and is not checked.
 """
 
 from __future__ import annotations
