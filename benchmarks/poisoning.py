@@ -7,7 +7,7 @@ Ten digits clients (iid shards) run in process through the real round engine and
 what it uploads (it signs what it sends, so only the gate's bounds and the aggregation stand in
 its way); label flipping poisons its data instead. The omniscient attacks ("a little is enough",
 min-max) see every honest upload of the round before they craft theirs. ``--no-defense`` turns the
-update bound and the sample-weight cap off: the gate as it was before them.
+update bound, the direction check and the sample-weight cap off: the gate as it was before them.
 
 The JSON holds ``clean_accuracy`` per strategy, ``attacks`` (one entry per strategy, attack and
 number of malicious devices, with the final ``accuracy`` and its ``drop`` from clean), and
@@ -281,7 +281,7 @@ def poisoning(
             "epochs": train.epochs,
             "model": MODEL.arch,
             "dataset": "digits",
-            "defense": "off (update bound and sample-weight cap disabled)" if not defense else "defaults",
+            "defense": "off (update bound, direction check and sample-weight cap disabled)" if not defense else "defaults",
             "limits": limits,
         },
         "clean_accuracy": clean,
@@ -314,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=8, help="federated rounds (default: 8)")
     parser.add_argument("--clients", type=int, default=10, help="devices in the fleet (default: 10)")
     parser.add_argument("--epochs", type=int, default=1, help="local epochs per round (default: 1)")
-    parser.add_argument("--no-defense", action="store_true", help="turn the update bound and weight cap off")
+    parser.add_argument("--no-defense", action="store_true", help="turn the update bound, direction check and weight cap off")
     parser.add_argument(
         "--limits", default="{}", help="fleet.yaml limits as JSON, e.g. '{\"update_bound_factor\": 2}' (default: none)"
     )
