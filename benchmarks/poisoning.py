@@ -281,7 +281,9 @@ def poisoning(
             "epochs": train.epochs,
             "model": MODEL.arch,
             "dataset": "digits",
-            "defense": "off (update bound, direction check and sample-weight cap disabled)" if not defense else "defaults",
+            "defense": "off (update bound, direction check and sample-weight cap disabled)"
+            if not defense
+            else "defaults",
             "limits": limits,
         },
         "clean_accuracy": clean,
@@ -314,7 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=8, help="federated rounds (default: 8)")
     parser.add_argument("--clients", type=int, default=10, help="devices in the fleet (default: 10)")
     parser.add_argument("--epochs", type=int, default=1, help="local epochs per round (default: 1)")
-    parser.add_argument("--no-defense", action="store_true", help="turn the update bound, direction check and weight cap off")
+    parser.add_argument(
+        "--no-defense", action="store_true", help="turn the update bound, direction check and weight cap off"
+    )
     parser.add_argument(
         "--limits", default="{}", help="fleet.yaml limits as JSON, e.g. '{\"update_bound_factor\": 2}' (default: none)"
     )
