@@ -58,6 +58,7 @@ from device_agent.wire.messages import (
     parse_message,
 )
 from device_agent.wire.reachability import why_unreachable
+from device_agent.wire.tls_errors import why_tls_fails
 from device_agent.wire.transfer import (
     DEFAULT_CHUNK_SIZE,
     Completed,
@@ -475,7 +476,11 @@ class Session:
         if not self._unreachable_said:
             self._unreachable_said = True
             broker = self.config.broker
-            why = why_unreachable(broker.host, broker.port) or "the connection failed"
+            why = why_unreachable(broker.host, broker.port)
+            if why is None and broker.tls:  # TCP opens, so the handshake failed: the clock, the CA, the name?
+                problem = why_tls_fails(broker.host, broker.port, broker.ca_file, broker.cert_file, broker.key_file)
+                why = str(problem) if problem else None
+            why = why or "the connection failed"
             log.warning("%s: cannot reach broker %s: %s; retrying", self.config.client_id, broker.url, why)
 
     def _handle_disconnect(self, _client: mqtt.Client, _userdata: Any, _flags: Any, reason: Any, _props: Any) -> None:
