@@ -37,6 +37,7 @@ from device_agent import __version__
 from device_agent.agent.config import AgentConfig
 from device_agent.agent.hooks import HooksFor, RuntimeHooks
 from device_agent.agent.kept import KeptStore
+from device_agent.agent.lock import AlreadyRunning, hold
 from device_agent.agent.outbox import Outbox, OutboxCorrupt, OutboxItem
 from device_agent.agent.port import CoordinatorPort, MqttPort, Signer, Upload
 from device_agent.agent.probe import resolve_device
@@ -343,19 +344,28 @@ class Agent:
 
 
 def run_agent(config: AgentConfig, profile: DeviceProfile | None = None, hooks: HooksFor | None = None) -> int:
-    """Run until SIGINT/SIGTERM; the exit code of ``device-agent run``."""
+    """Run until SIGINT/SIGTERM; the exit code of ``device-agent run``.
+
+    Holds the state directory's lock (``device_agent.agent.lock``) throughout: a second agent on the
+    same state would log in with the same login and take over this one's broker session.
+    """
     try:
         check_source(config.data.source)
     except DatasetError as exc:
         raise AgentError(str(exc)) from None
-    agent = Agent(config, profile, hooks)  # first: a setting of this device (no CUDA...) fails before any waiting
-    broker = BrokerAddress.from_url(config.broker.url)
     try:
-        wait_for_broker(broker.host, broker.port, config.connect_timeout_s)
-    except ConnectionError as exc:
+        lock = hold(Path(config.state_dir))
+    except AlreadyRunning as exc:
         raise AgentError(str(exc)) from None
-    stop_on_signals(agent.stop)
-    agent.run()
+    with lock:
+        agent = Agent(config, profile, hooks)  # first: a setting of this device (no CUDA...) fails before any waiting
+        broker = BrokerAddress.from_url(config.broker.url)
+        try:
+            wait_for_broker(broker.host, broker.port, config.connect_timeout_s)
+        except ConnectionError as exc:
+            raise AgentError(str(exc)) from None
+        stop_on_signals(agent.stop)
+        agent.run()
     return 0
 
 
