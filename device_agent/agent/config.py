@@ -235,6 +235,55 @@ def load_config(path: Path, overrides: dict[str, Any] | None = None) -> AgentCon
     return parse_config(merge_overrides(raw, overrides or {}), str(path))
 
 
+KIT_CONFIG = "agent.yaml"
+KIT_STATE_DIR = "state"
+
+
+def load_kit(folder: Path, overrides: dict[str, Any] | None = None) -> AgentConfig:
+    """The agent.yaml of an unpacked kit, run where it lies rather than installed.
+
+    A kit's agent.yaml names the paths ``install.sh`` copies its files to (``/opt/fedfleet/etc/...``,
+    state in ``/var/lib/fedfleet``). Here each certificate, key and ``file:`` secret is taken from the kit
+    folder instead when the kit holds a file of that name (a reference to a file the kit does not carry
+    is kept as written), the state dir defaults to ``FOLDER/state``, and a data path inside the
+    installed state dir moves with it. Relative paths are relative to the folder, as in any agent.yaml.
+    """
+    folder = Path(folder).expanduser().resolve()
+    if not folder.is_dir():
+        raise ConfigError(f"--kit {folder}: not a folder (unpack the kit first: tar xzf DEVICE.tar.gz)")
+    path = folder / KIT_CONFIG
+    raw = read_config_file(path)
+    state = folder / KIT_STATE_DIR
+    installed_state = raw.get("state_dir")
+    raw["state_dir"] = str(state)
+    broker = raw.get("broker")
+    if isinstance(broker, dict):
+        for key in ("ca_file", "cert_file", "key_file"):
+            broker[key] = _in_kit(broker.get(key), folder)
+        broker["password"] = _secret_in_kit(broker.get("password"), folder)
+    raw["signing_key"] = _secret_in_kit(raw.get("signing_key"), folder)
+    data = raw.get("data")
+    if isinstance(data, dict) and isinstance(data.get("path"), str) and isinstance(installed_state, str):
+        inside = Path(data["path"])
+        if inside.is_absolute() and inside.is_relative_to(installed_state):
+            data["path"] = str(state / inside.relative_to(installed_state))
+    raw = {key: value for key, value in raw.items() if value is not None}
+    return parse_config(merge_overrides(anchor_file_paths(raw, folder), overrides or {}), str(path))
+
+
+def _in_kit(value: Any, folder: Path) -> Any:
+    """``folder/NAME`` for an installed path whose file NAME the kit holds; anything else unchanged."""
+    if isinstance(value, str) and value and (folder / Path(value).name).is_file():
+        return str(folder / Path(value).name)
+    return value
+
+
+def _secret_in_kit(ref: Any, folder: Path) -> Any:
+    if isinstance(ref, str) and ref.startswith("file:"):
+        return f"file:{_in_kit(ref.removeprefix('file:'), folder)}"
+    return ref
+
+
 def anchor_file_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
     """A copy of an agent.yaml mapping whose relative paths point into ``base``."""
     anchored = merge_overrides(raw, {})

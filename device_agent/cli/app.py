@@ -35,6 +35,7 @@ examples:
   device-agent run --config agent.yaml  join the fleet described in agent.yaml
   device-agent doctor --config agent.yaml
                                         check broker, TLS, login, topics, torch, data, disk
+  device-agent run --kit ./pi5-01       run an unpacked kit where it lies (state in ./pi5-01/state)
   device-agent probe                    measure and print the profile as JSON
   device-agent probe --broker mqtt://broker.local:1883
                                         also measure latency and throughput to the broker
@@ -119,7 +120,23 @@ def build_parser() -> argparse.ArgumentParser:
             "prints a hint. Exit status 1 if any check failed. Run it as the agent's user (sudo)."
         ),
     )
-    doctor.add_argument("--config", type=Path, required=True, metavar="FILE", help="agent.yaml")
+    where = doctor.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--config", type=Path, metavar="FILE", help="agent.yaml (installed: /opt/fedfleet/etc/agent.yaml)"
+    )
+    where.add_argument(
+        "--kit",
+        type=Path,
+        metavar="DIR",
+        help="an unpacked kit folder, checked where it lies: its agent.yaml with the certificates and secrets "
+        "of the folder and state in DIR/state",
+    )
+    doctor.add_argument(
+        "--force",
+        action="store_true",
+        help="check the login even while the agent runs: the broker then disconnects the agent (one login, "
+        "one connection) and it reconnects; by default that check is skipped while the agent runs",
+    )
     doctor.add_argument(
         "--timeout", type=_positive_seconds, default=5.0, metavar="S", help="per network step (default: %(default)s)"
     )
@@ -172,11 +189,14 @@ def _run_probe(args: argparse.Namespace) -> int:
 def _run_doctor(args: argparse.Namespace) -> int:
     from device_agent.cli.doctor import diagnose
 
-    checks = diagnose(args.config, args.timeout)
+    kit = args.kit is not None
+    checks = diagnose(args.kit if kit else args.config, args.timeout, kit=kit, force=args.force)
     for check in checks:
         print(check.line())
     failed = [c.name for c in checks if c.ok is False]
-    print(f"{len(failed)} check(s) failed: {', '.join(failed)}" if failed else "ready: start the agent")
+    warned = [c.name for c in checks if c.warn and c.ok]
+    note = f" (warning: {', '.join(warned)})" if warned else ""
+    print(f"{len(failed)} check(s) failed: {', '.join(failed)}" if failed else f"ready: start the agent{note}")
     return 1 if failed else 0
 
 

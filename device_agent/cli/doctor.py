@@ -10,6 +10,9 @@ free disk and memory. A failed network check skips the ones that need it.
 from __future__ import annotations
 
 import datetime as dt
+import os
+import platform
+import secrets
 import shutil
 import socket
 import ssl
@@ -22,14 +25,20 @@ import paho.mqtt.client as mqtt
 import psutil
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
-from device_agent.agent.config import AgentConfig, ConfigError, load_config
+from device_agent.agent.config import AgentConfig, ConfigError, load_config, load_kit
+from device_agent.agent.lock import running_agent
 from device_agent.data.datasets import DatasetError, check_source
+from device_agent.wire.messages import Status, encode
 from device_agent.wire.session import BrokerAddress
-from device_agent.wire.topics import ROOT, DeviceTopics
+from device_agent.wire.tls_errors import classify, why_tls_fails
+from device_agent.wire.topics import DeviceTopics
 
 _MIB = 1024**2
 MIN_DISK_BYTES = 1024 * _MIB
 MIN_MEMORY_BYTES = 512 * _MIB
+# The index of torch's CPU builds (no NVIDIA packages); the kits' install.sh uses the same one.
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+JETSON_MARKER = "/etc/nv_tegra_release"
 
 
 @dataclass(frozen=True)
@@ -38,11 +47,14 @@ class Check:
     ok: bool | None  # None: skipped
     detail: str
     hint: str = ""
+    # Works, but costs something (a CUDA torch on a device without a GPU): printed with its hint, not a failure.
+    warn: bool = False
 
     def line(self) -> str:
-        mark = {True: "PASS", False: "FAIL", None: "SKIP"}[self.ok]
+        mark = "WARN" if self.warn and self.ok else {True: "PASS", False: "FAIL", None: "SKIP"}[self.ok]
         text = f"{mark}  {self.name:<22} {self.detail}"
-        return text + (f"\n      hint: {self.hint}" if self.hint and self.ok is False else "")
+        shown = self.hint and (self.ok is False or self.warn)
+        return text + (f"\n      hint: {self.hint}" if shown else "")
 
 
 def _tls_context(address: BrokerAddress) -> ssl.SSLContext:
@@ -81,13 +93,10 @@ def check_network(address: BrokerAddress, timeout: float) -> list[Check]:
             peer = tls.getpeercert() or {}
     except ssl.SSLCertVerificationError as exc:
         raw.close()
-        reason = exc.verify_message or str(exc)
-        hint = "broker.ca_file is not the CA of this fleet's broker (a kit of another fleet, or a re-created CA?)"
-        if "not yet valid" in reason or "expired" in reason:
-            hint = f"this device's clock says {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC: set it (NTP)"
-        elif "mismatch" in reason or "hostname" in reason:
-            hint = f"the broker's certificate does not name {address.host}: add it to broker.hosts and re-provision"
-        return [*checks, Check("TLS verifies", False, reason, hint)]
+        problem = why_tls_fails(
+            address.host, address.port, address.ca_file, address.cert_file, address.key_file, timeout
+        ) or classify(exc, address.ca_file, address.host)
+        return [*checks, Check("TLS verifies", False, problem.reason, problem.hint)]
     except (ssl.SSLError, OSError) as exc:
         raw.close()
         return [*checks, Check("TLS verifies", False, str(exc), "check broker.ca_file, cert_file and key_file")]
@@ -102,8 +111,11 @@ def check_network(address: BrokerAddress, timeout: float) -> list[Check]:
 
 def check_login(config: AgentConfig, address: BrokerAddress, timeout: float) -> list[Check]:
     """Log in as the device (MQTT 5), subscribe to its ``down`` and publish once on its ``up``: the ACLs' answer."""
-    down = DeviceTopics(config.fleet, config.device).down
-    up = f"{ROOT}/{config.fleet}/dev/{config.device}/up/doctor"  # inside the device's own up subtree
+    topics = DeviceTopics(config.fleet, config.device)
+    down, up = topics.down, topics.status
+    # The ACL names the device's topics exactly (no up/#), so the probe is a real status: "offline" is true,
+    # since doctor logs in only while the agent is not running (or --force); not retained, so it replaces nothing.
+    probe = encode(Status(device=config.device, state="offline", detail="device-agent doctor: checking the login"))
     events: dict[str, object] = {}
     done = {name: threading.Event() for name in ("connect", "subscribe", "publish")}
 
@@ -121,7 +133,9 @@ def check_login(config: AgentConfig, address: BrokerAddress, timeout: float) -> 
 
     client = mqtt.Client(
         CallbackAPIVersion.VERSION2,
-        client_id=f"fedfleet-doctor-{config.device}-{time.monotonic_ns()}",
+        # Never the agent's own id; a broker with use_username_as_clientid replaces it with the login anyway,
+        # which is why diagnose() skips this check while the agent runs.
+        client_id=f"{address.username or config.device}-doctor-{secrets.token_hex(4)}",
         protocol=MQTTProtocolVersion.MQTTv5,
     )
     client.username_pw_set(address.username, address.password)
@@ -148,7 +162,7 @@ def check_login(config: AgentConfig, address: BrokerAddress, timeout: float) -> 
             ]
         checks = [Check("login accepted", True, f"as {address.username}")]
         client.subscribe(down, qos=1)
-        client.publish(up, b"", qos=1)
+        client.publish(up, probe, qos=1)
         for name, topic in (("subscribe", down), ("publish", up)):
             granted = done[name].wait(timeout) and not getattr(events[name], "is_failure", True)
             verb = "read" if name == "subscribe" else "write"
@@ -167,18 +181,54 @@ def check_login(config: AgentConfig, address: BrokerAddress, timeout: float) -> 
         client.loop_stop()
 
 
-def check_torch(config: AgentConfig) -> Check:
+def check_cpu() -> Check:
+    """What the device is, for the person reading the output: a Pi 4 is ``aarch64`` with 4 CPUs."""
+    return Check("cpu", True, f"{os.cpu_count() or 1} CPUs, {platform.machine() or 'unknown architecture'}")
+
+
+def check_torch(config: AgentConfig, cpu_index: str = TORCH_CPU_INDEX) -> list[Check]:
+    """torch imports, suits ``device_type``, and is not a multi-GB CUDA build on a device without a GPU.
+
+    Imported here, not at the top: a missing or broken torch (a wheel for another CPU, a CUDA build
+    without its NVIDIA libraries) is a FAIL line with the error, not a doctor that cannot start.
+    """
     try:
         import torch
-    except ImportError as exc:
-        return Check("torch", False, str(exc), "install torch into this venv (see the kit's install.sh)")
+    except Exception as exc:  # ImportError, OSError (a missing .so), RuntimeError...: all mean "no torch"
+        return [
+            Check(
+                "torch",
+                False,
+                f"does not import: {type(exc).__name__}: {exc}",
+                f"(re)install torch into this venv: the kit's install.sh, or pip install torch --index-url {cpu_index}",
+            )
+        ]
     cuda = torch.cuda.is_available()
     mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     found = f"cuda ({torch.cuda.get_device_name(0)})" if cuda else "mps" if mps else "cpu only"
     want = config.device_type
     ok = want in ("auto", "cpu") or (want.startswith("cuda") and cuda) or (want == "mps" and mps)
-    hint = "on a Jetson, install NVIDIA's JetPack torch wheel (PyPI's aarch64 torch is a CUDA build for servers)"
-    return Check("torch and accelerator", ok, f"torch {torch.__version__}, {found}, device_type {want}", hint)
+    jetson = Path(JETSON_MARKER).exists()
+    hint = (
+        "the agent's user needs group video for the GPU, and torch must be NVIDIA's JetPack wheel"
+        if jetson
+        else "on a Jetson, install NVIDIA's JetPack torch wheel (PyPI's aarch64 torch is a CUDA build for servers)"
+    )
+    checks = [Check("torch and accelerator", ok, f"torch {torch.__version__}, {found}, device_type {want}", hint)]
+    built_for = getattr(torch.version, "cuda", None)
+    if built_for and not cuda and not jetson:
+        version = str(torch.__version__).split("+", 1)[0]
+        checks.append(
+            Check(
+                "torch build",
+                True,
+                f"built for CUDA {built_for}, but this device has no usable GPU: GBs of CUDA libraries for nothing",
+                f"reinstall the CPU build: pip uninstall -y torch && pip install torch=={version} --index-url "
+                f"{cpu_index} (then pip uninstall the nvidia-* and triton packages)",
+                warn=True,
+            )
+        )
+    return checks
 
 
 def check_data(config: AgentConfig) -> Check:
@@ -230,13 +280,19 @@ def check_resources(config: AgentConfig) -> list[Check]:
     ]
 
 
-def diagnose(config_path: Path, timeout: float = 5.0) -> list[Check]:
-    """Every check, in order; stops early only when the config itself cannot be read."""
+def diagnose(source: Path, timeout: float = 5.0, *, kit: bool = False, force: bool = False) -> list[Check]:
+    """Every check, in order; stops early only when the config itself cannot be read.
+
+    ``source`` is agent.yaml, or with ``kit`` an unpacked kit's folder (see ``load_kit``). While the
+    agent runs, the login check is skipped unless ``force``: the broker takes the login as the client
+    id, so doctor's login would disconnect the agent and could cost it a round.
+    """
     try:
-        config = load_config(config_path)
+        config = load_kit(source) if kit else load_config(source)
     except ConfigError as exc:
         return [Check("config", False, str(exc), "fix agent.yaml (the message names the key)")]
-    checks = [Check("config", True, f"{config_path}: device {config.device}, fleet {config.fleet}")]
+    where = f"kit {source}" if kit else str(source)
+    checks = [Check("config", True, f"{where}: device {config.device}, fleet {config.fleet}")]
     broker = config.broker
     try:
         password = broker.resolve_password()
@@ -257,9 +313,20 @@ def diagnose(config_path: Path, timeout: float = 5.0) -> list[Check]:
         checks.append(Check("secrets readable", True, read + (", signing key" if config.signing_key else "")))
     network = check_network(address, timeout) if address else [Check("broker", None, "no usable broker settings")]
     checks += network
+    agent = running_agent(config.state_dir)
     if address is not None and all(c.ok is not False for c in network):
-        checks += check_login(config, address, timeout)
+        if agent is not None and not force:
+            checks.append(
+                Check(
+                    "login accepted",
+                    None,
+                    f"skipped: the agent is running (pid {agent or '?'}, lock in {config.state_dir}); logging in as "
+                    f"{config.device} would take over its broker session. Stop it to check, or --force",
+                )
+            )
+        else:
+            checks += check_login(config, address, timeout)
     else:
         checks.append(Check("login accepted", None, "skipped: no verified connection to the broker"))
-    checks += [check_torch(config), check_data(config), *check_resources(config)]
+    checks += [check_cpu(), *check_torch(config), check_data(config), *check_resources(config)]
     return checks

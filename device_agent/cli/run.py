@@ -8,7 +8,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from device_agent.agent.config import AgentConfig, ConfigError, load_config, merge_overrides, parse_config
+from device_agent.agent.config import (
+    AgentConfig,
+    ConfigError,
+    load_config,
+    load_kit,
+    merge_overrides,
+    parse_config,
+)
 from device_agent.common.schema import DATASETS
 
 _EPILOG = """\
@@ -17,6 +24,7 @@ examples:
   device-agent run --device pi5-01 --fleet demo --broker mqtt://broker.local:1883 \\
       --password env:FEDFLEET_PASSWORD --dataset digits --index 0 --count 8
   device-agent run --config agent.yaml --state-dir /var/lib/fedfleet   (flags override the file)
+  device-agent run --kit ./pi5-01      (an unpacked kit, run where it lies; state in ./pi5-01/state)
 
 The agent keeps every finished update under --state-dir until the coordinator acknowledges it,
 so it can be stopped, rebooted or disconnected at any time without losing trained work.
@@ -64,7 +72,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run.add_argument("--config", type=Path, metavar="FILE", help="agent.yaml to read (optional with flags)")
+    source = run.add_mutually_exclusive_group()
+    source.add_argument("--config", type=Path, metavar="FILE", help="agent.yaml to read (optional with flags)")
+    source.add_argument(
+        "--kit",
+        type=Path,
+        metavar="DIR",
+        help="run an unpacked kit where it lies: DIR/agent.yaml with the certificates and secrets of DIR "
+        "(not the installed paths it names) and state in DIR/state",
+    )
     who = run.add_argument_group("identity and broker")
     who.add_argument("--device", metavar="ID", help="device id = broker user name = topic level")
     who.add_argument("--fleet", metavar="NAME", help="fleet name (as in the coordinator's fleet.yaml)")
@@ -105,6 +121,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
     """agent.yaml (if given) with the flags on top; ``ConfigError`` names the bad key."""
     overrides: dict[str, Any] = {key: getattr(args, dest) for dest, key in _OVERRIDES.items()}
+    if getattr(args, "kit", None) is not None:
+        return load_kit(args.kit, overrides)
     if args.config is not None:
         return load_config(args.config, overrides)
     return parse_config(merge_overrides({}, overrides), "flags")

@@ -1,0 +1,117 @@
+"""``device-agent doctor`` on the device side: a running agent's session is left alone, torch is judged
+without crashing, and an unpacked kit is checked where it lies (real mosquitto with the kit's TLS)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from device_agent.agent.config import load_kit
+from device_agent.agent.lock import hold
+from device_agent.cli.app import main
+from device_agent.cli.doctor import TORCH_CPU_INDEX, AgentConfig, check_cpu, check_torch
+from tests.coordinator.provision.kit_fixtures import kit_broker, make_fleet, provision_into
+
+
+@pytest.fixture(scope="module")
+def kit() -> Iterator[Path]:
+    """Device a's unpacked kit, its broker running; its agent.yaml names install paths that do not exist here."""
+    fleet_file, fleet = make_fleet()
+    kits = provision_into(fleet, fleet_file.parent)
+    broker = kit_broker(fleet, kits)
+    broker.start()
+    yield kits.participant("a")
+    broker.stop()
+
+
+def _doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    code = main(["doctor", *args, "--timeout", "3"])
+    return code, capsys.readouterr().out
+
+
+def test_load_kit_takes_the_kits_files_and_state_not_the_install_paths(kit: Path) -> None:
+    written = yaml.safe_load((kit / "agent.yaml").read_text())
+    assert written["broker"]["ca_file"] != str(kit / "ca.pem")  # the kit names where install.sh puts it
+    config = load_kit(kit)
+    assert config.broker.ca_file == str(kit / "ca.pem")
+    assert (config.broker.cert_file, config.broker.key_file) == (str(kit / "client.pem"), str(kit / "client.key"))
+    assert config.broker.password == f"file:{kit / 'password'}"
+    assert config.state_dir == kit / "state"
+    assert load_kit(kit, {"state_dir": "/elsewhere"}).state_dir == Path("/elsewhere")  # flags still win
+
+
+def test_doctor_checks_an_unpacked_kit_where_it_lies(kit: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = _doctor(capsys, "--kit", str(kit))
+    assert code == 0, out
+    assert f"PASS  config                 kit {kit}: device a" in out
+    assert "PASS  login accepted" in out and "PASS  may write own topics" in out
+
+
+def test_doctor_leaves_a_running_agents_session_alone(kit: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The broker takes the login as client id: doctor's login would disconnect the agent, so it is skipped."""
+    with hold(kit / "state"):
+        code, out = _doctor(capsys, "--kit", str(kit))
+        assert code == 0, out
+        assert f"SKIP  login accepted         skipped: the agent is running (pid {os.getpid()}" in out
+        assert "--force" in out and "may write own topics" not in out
+        assert "PASS  TLS verifies" in out  # the checks that log in as nobody still run
+        code, out = _doctor(capsys, "--kit", str(kit), "--force")
+    assert code == 0, out
+    assert "PASS  login accepted" in out
+
+
+def test_cpu_count_and_architecture_are_reported() -> None:
+    line = check_cpu().line()
+    assert line.startswith("PASS  cpu") and f"{os.cpu_count()} CPUs, {platform.machine()}" in line
+
+
+def _config() -> AgentConfig:
+    return AgentConfig(device="a", fleet="f")
+
+
+def test_a_cuda_torch_without_a_gpu_is_a_warning_with_the_cpu_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    checks = check_torch(_config())
+    assert [c.ok for c in checks] == [True, True]
+    warning = checks[1].line()
+    assert warning.startswith("WARN  torch build") and "built for CUDA 12.4" in warning
+    assert f"--index-url {TORCH_CPU_INDEX}" in warning
+
+
+def test_a_cpu_torch_has_no_build_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert [c.name for c in check_torch(_config())] == ["torch and accelerator"]
+
+
+def test_a_missing_torch_is_a_failed_check_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
+    (check,) = check_torch(_config())
+    assert check.ok is False and "does not import: ModuleNotFoundError" in check.line() and "hint:" in check.line()
+
+
+def test_a_broken_torch_is_a_failed_check_not_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch whose shared library is missing raises OSError on import, not ImportError."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise OSError('libtorch_cuda.so: cannot open shared object')\n")
+    monkeypatch.delitem(sys.modules, "torch")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (check,) = check_torch(_config())
+    assert check.ok is False and "OSError: libtorch_cuda.so" in check.detail
+
+
+def test_run_from_a_kit_refuses_to_start_beside_a_running_agent(kit: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``run --kit`` reads the kit's state dir; a second agent there would take over the first one's session."""
+    with hold(kit / "state"):
+        code = main(["run", "--kit", str(kit), "--log-level", "ERROR"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert f"another device agent (pid {os.getpid()}) is running with state dir {kit / 'state'}" in err
