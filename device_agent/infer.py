@@ -7,8 +7,10 @@ installed), turns them into the model's input the way the training data was made
 [0, 1], channel conversion, bilinear resize as torch's ``interpolate(align_corners=False)``,
 then ``(x - mean) / std``) and prints the top-k classes.
 
-It imports no torch on purpose: a device that only runs inference installs
-``fedfleet[infer]`` (onnxruntime + numpy), far smaller than the training runtime.
+It imports no torch on purpose: a device that only runs inference installs onnxruntime and numpy
+and the agent with ``--no-deps`` (``pip install onnxruntime numpy && pip install --no-deps
+AGENT_WHEEL``), far smaller than the training runtime. ``pip install 'fedfleet[infer]'`` cannot do
+it: an extra adds to a distribution's dependencies, and fedfleet's (the agent's) include torch.
 """
 
 from __future__ import annotations
@@ -168,6 +170,24 @@ def _resize_axis(x: np.ndarray, size: int, axis: int) -> np.ndarray:
     return np.take(x, low, axis=axis) * (1 - weight) + np.take(x, high, axis=axis) * weight
 
 
+# Float pixels are taken as already scaled to [0, 1] (what uint8 0-255 becomes with the metadata's scale);
+# a little slack for values that went through float arithmetic.
+_UNIT_SLACK = 1e-3
+
+
+def _check_unit_range(x: np.ndarray, where: str) -> None:
+    """Refuse float pixels outside [0, 1]: the model would answer them, wrongly (raw 0-16 digits gave one class)."""
+    if not np.isfinite(x).all():
+        raise InferenceError(f"{where}: pixels must be finite numbers, got NaN or infinity")
+    low, high = float(x.min()), float(x.max())
+    if low < -_UNIT_SLACK or high > 1 + _UNIT_SLACK:
+        raise InferenceError(
+            f"{where}: float pixels must lie in [0, 1] (uint8 images are 0-255), got {low:g} to {high:g}; "
+            "scale them first (scikit-learn's digits are 0-16: divide by 16; 0-255 floats: divide by 255 "
+            "or save them as uint8)"
+        )
+
+
 def preprocess(image: np.ndarray, info: ModelInfo, where: str = "input") -> np.ndarray:
     """One image -> the model's (C, H, W) float32 input, made as the training data was."""
     x = np.asarray(image)
@@ -181,6 +201,7 @@ def preprocess(image: np.ndarray, info: ModelInfo, where: str = "input") -> np.n
         x = x.astype(np.float32) * np.float32(info.scale)
     elif np.issubdtype(x.dtype, np.floating):
         x = x.astype(np.float32)
+        _check_unit_range(x, where)
     else:
         raise InferenceError(f"{where}: pixels must be uint8 (0-255) or float (0-1), got {x.dtype}")
     channels, height, width = info.input_shape
@@ -250,8 +271,10 @@ def infer(model: str | Path, inputs: Sequence[str | Path], k: int = 5, threads: 
 _DESCRIPTION = (
     "Run an exported ONNX model on image files (.png/.jpg/... with Pillow, .pgm/.ppm natively) or "
     "arrays (.npy, .npz with 'x'; a 4-D array is a batch) and print each input's top-k classes. "
+    "Inputs: uint8 images (0-255) or float arrays already in [0, 1]; anything else is refused. "
     "Preprocessing and class names come from the model's own metadata; only onnxruntime and numpy "
-    "are needed (pip install 'fedfleet[infer]')."
+    "are needed: pip install onnxruntime numpy, then the agent itself without its dependencies "
+    "(pip install --no-deps AGENT_WHEEL)."
 )
 _EPILOG = """\
 examples:
