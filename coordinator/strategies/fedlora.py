@@ -1,5 +1,7 @@
 """Federated fine-tuning of a pre-trained ViT (FedHM paper Sec. 5): fedlora, lora_homogeneous and ft.
 
+(hetlora and flora, the other aggregators over the same client, are in ``lora_rules``.)
+
 - ``fedlora``: each device trains LoRA adapters of its own rank r = level x max_rank (levels 1/8
   ... 1 are r = 2 ... 16 with max_rank 16) plus the head. The server rebuilds each client's update
   dW = scale_r B A, averages with FedHM's weighting (Eq. 2, softmax(level / tau) by default) and
@@ -275,10 +277,13 @@ class LoRAStrategy(FineTune):
     def adapters(self, ranks: set[int]) -> dict[int, dict[str, Tensor]]:
         """Each rank's adapter tensors and the head, for the next round."""
 
-    def fresh_adapters(self, rank: int) -> dict[str, Tensor]:
-        """LoRA's own init, seeded: A Kaiming-uniform, B = 0 (the pre-trained model, unchanged)."""
+    def fresh_adapters(self, rank: int, salt: int = 0) -> dict[str, Tensor]:
+        """LoRA's own init, seeded: A Kaiming-uniform, B = 0 (the pre-trained model, unchanged).
+
+        ``salt`` draws another A for the same rank (flora: a new adapter after each merge).
+        """
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed + rank)
+            torch.manual_seed(self.seed + rank + (salt << 20))
             skeleton = apply_lora(
                 seeded_model(self.model, self.seed), rank, self.params.alpha, TARGETS[self.params.targets]
             )
@@ -375,7 +380,11 @@ class FedLoRA(LoRAStrategy):
 
 
 class HomogeneousLoRA(LoRAStrategy):
-    """lora_homogeneous: one rank on every device, A, B and the head averaged by samples."""
+    """lora_homogeneous: one rank on every device, A, B and the head averaged by samples.
+
+    This is FedIT's rule (Zhang et al., "Towards Building the Federated GPT: Federated Instruction
+    Tuning", ICASSP 2024): FedAvg on the LoRA factors (``coordinator.algorithms.lora.average_factors``).
+    """
 
     name: ClassVar[str] = "lora_homogeneous"
     Params: ClassVar[type[HomogeneousLoRAParams]] = HomogeneousLoRAParams

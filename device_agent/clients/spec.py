@@ -149,7 +149,7 @@ class LoRASpec(SpecBase):
     with its first assignment and kept on the device afterwards.
     """
 
-    strategy: Literal["fedlora", "lora_homogeneous", "ft"]
+    strategy: Literal["fedlora", "lora_homogeneous", "hetlora", "flora", "ft"]
     rank: PositiveInt | None
     """None: full fine-tuning (ft), every parameter trained and exchanged."""
     alpha: PositiveFloat

@@ -17,7 +17,7 @@ from device_agent.clients import build_program
 
 DIGITS = ModelSpec("cnn", 10, 1, 8)
 VIT = ModelSpec("vit_tiny", 10, 1, 8)
-FINE_TUNING = {"fedlora", "lora_homogeneous", "ft"}
+FINE_TUNING = {"fedlora", "lora_homogeneous", "hetlora", "flora", "ft"}
 LEVELS = {"rank": (1.0, 0.5, 0.125), "width": (1.0, 0.5, 0.25), "none": (1.0,)}
 CASES = [(name, level) for name, cls in STRATEGIES.items() for level in LEVELS[cls.levels.name]]
 

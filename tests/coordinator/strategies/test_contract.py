@@ -21,7 +21,7 @@ from device_agent.wire.protocol import pack_upload, split_upload
 
 CNN = ModelSpec("cnn", 4, 1, 8)
 VIT = ModelSpec("vit_tiny", 4, 1, 8)
-FINE_TUNING = {"fedlora", "lora_homogeneous", "ft"}
+FINE_TUNING = {"fedlora", "lora_homogeneous", "hetlora", "flora", "ft"}
 """Strategies that fine-tune a pre-trained transformer: they run on the ViT."""
 LEVELS = {"rank": (1.0, 0.25), "width": (1.0, 0.5), "none": (1.0, 1.0)}
 
