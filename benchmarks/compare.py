@@ -10,9 +10,10 @@ Scenarios (8 clients by default):
 - domains: two disjoint class groups (classes 0-4 and 5-9), four clients each;
 - large-fleet: 50 clients, Dirichlet 0.5, device tiers as hetero-devices, 20 % of the clients asked per round;
 - fedlora: a ViT pre-trained on digits 0-4 fine-tuned on 5-9 under Dirichlet(0.01): ft, lora_r2 ...
-  lora_r16 and fedlora, with the paper's claims checked (``benchmarks.fedlora``).
+  lora_r16, fedlora, hetlora and flora, with the paper's claims checked (``benchmarks.fedlora``);
+  ``--strategies`` picks among them by strategy name.
 Strategies with no size levels train the full model on every device. The fine-tuning strategies
-(ft, lora_homogeneous, fedlora) start from a pre-trained ViT, which the digits CNN trained from
+(ft, lora_homogeneous, fedlora, hetlora, flora) start from a pre-trained ViT, which the digits CNN trained from
 scratch is not: the first three scenarios skip them with a note, the fedlora scenario runs them.
 Global accuracy under permuted labels is near chance by construction (no shared label space); read
 the personalized column. Every strategy shows both accuracies; the one its paper reports is marked
@@ -334,7 +335,15 @@ def main(argv: list[str] | None = None) -> int:
         strategies = [s for s in strategies if s not in pretrained]
     torch.set_num_threads(1)
     if args.scenario == "fedlora":
-        entries = fedlora.run(args.rounds, args.seeds, args.clients, args.epochs)
+        other = [s for s in strategies if not issubclass(STRATEGIES[s], FineTune)]
+        if args.strategies is not None and other:
+            print(
+                f"--strategies {', '.join(other)}: the fedlora scenario runs fine-tuning strategies only",
+                file=sys.stderr,
+            )
+            return 2
+        chosen = None if args.strategies is None else strategies
+        entries = fedlora.run(args.rounds, args.seeds, args.clients, args.epochs, chosen)
         report = {"fedlora/dirichlet-0.01": entries, "checks": fedlora.checks(entries)}
         print(json.dumps(report, indent=2) if args.json else fedlora.table(report))
         return 0

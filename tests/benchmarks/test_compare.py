@@ -51,7 +51,7 @@ def test_all_scenarios_skip_the_fine_tuning_strategies_with_a_note(monkeypatch, 
     monkeypatch.setattr(compare, "run_setting", run_setting)
     assert compare.main(["--scenario", "all", "--rounds", "1", "--json"]) == 0
 
-    fine_tuning = {"ft", "lora_homogeneous", "fedlora"}
+    fine_tuning = {"ft", "lora_homogeneous", "fedlora", "hetlora", "flora"}
     assert ran == set(STRATEGIES) - fine_tuning
     out = capsys.readouterr()
     assert set(json.loads(out.out)["domains/2-domains"]) == ran
