@@ -72,18 +72,27 @@ def _emulation(result: dict[str, Any]) -> list[str]:
 
 
 def _compare(result: dict[str, Any]) -> list[str]:
-    """Final accuracy (mean over seeds) per scenario and strategy."""
+    """Final accuracy (mean over seeds) per scenario and strategy, each on its paper's metric; the claims' tally.
+
+    A personalized method's figure is its personalized accuracy, marked ``(p)``: its global model is not
+    what its paper measures.
+    """
+    metric = result.get("paper_metric", {})
     out = []
     for scenario, strategies in result.items():
-        if not isinstance(strategies, dict):
+        if not isinstance(strategies, dict) or scenario == "paper_metric":
             continue
-        accuracies = [
-            f"{name} {fmt(row['accuracy']['mean'])}"
-            for name, row in strategies.items()
-            if isinstance(row, dict) and isinstance(row.get("accuracy"), dict)
-        ]
-        if accuracies:
-            out.append(f"{scenario} accuracy: " + ", ".join(accuracies))
+        figures = []
+        for name, row in strategies.items():
+            key = metric.get(name, "accuracy")
+            if isinstance(row, dict) and isinstance(row.get(key), dict):
+                figures.append(f"{name} {fmt(row[key]['mean'])}{' (p)' if key == 'personalized_accuracy' else ''}")
+        if figures:
+            out.append(f"{scenario} accuracy: " + ", ".join(figures))
+    checks = [c for c in result.get("checks", []) if isinstance(c, dict)]
+    if checks:
+        passed = sum(bool(c.get("pass")) for c in checks)
+        out.append(f"papers' claims: {passed} PASS, {len(checks) - passed} FAIL")
     return out
 
 

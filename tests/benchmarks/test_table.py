@@ -50,6 +50,18 @@ def test_nested_benchmarks_are_summarized():
     assert "device time pi4: emulated/predicted 1.17" in table
 
 
+def test_each_strategy_is_shown_on_its_papers_metric_with_the_claims_tally():
+    row = {"accuracy": {"mean": 0.1, "std": 0.0}, "personalized_accuracy": {"mean": 0.8, "std": 0.0}}
+    compare = {
+        "permuted": {"fedavg": row, "simfed": row},
+        "paper_metric": {"fedavg": "accuracy", "simfed": "personalized_accuracy"},
+        "checks": [{"pass": True}, {"pass": False}, {"pass": True}],
+    }
+    table = render(results(compare=compare))
+    assert "permuted accuracy: fedavg 0.1, simfed 0.8 (p)" in table
+    assert "papers' claims: 2 PASS, 1 FAIL" in table
+
+
 def test_the_table_replaces_only_what_lies_between_the_markers():
     readme = f"intro\n{BEGIN}\nold figures\n{END}\noutro\n"
     assert replace_table(readme, f"{BEGIN}\nnew\n{END}") == f"intro\n{BEGIN}\nnew\n{END}\noutro\n"
