@@ -51,6 +51,8 @@ from device_agent.models import build_model
 from device_agent.training.optimizer import TrainConfig
 
 ARCH = "cnn"
+ARCHS = ("cnn", "resnet9")
+"""The CNN by default; ``--arch resnet9``: a small ResNet, where factorized convolutions carry the model."""
 SCENARIOS = ("hetero-devices", "permuted-labels", "domains", "large-fleet")
 LARGE_FLEET, LARGE_FLEET_PARTICIPATION = 50, 0.2
 # The accuracy each strategy's paper reports: the global model's, or each client's on its own distribution.
@@ -115,31 +117,35 @@ def trainable_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def matched_width(gamma: float, num_classes: int, in_channels: int) -> float:
+def matched_width(gamma: float, num_classes: int, in_channels: int, arch: str = ARCH) -> float:
     """The width whose dense model has (just) no fewer parameters than the FedHM hybrid at ``gamma``."""
     with torch.device("meta"):
-        target = trainable_params(hybrid(ARCH, gamma, num_classes, in_channels))
+        target = trainable_params(hybrid(arch, gamma, num_classes, in_channels))
         low, high = 0.01, 1.0
         for _ in range(30):
             middle = (low + high) / 2
-            if trainable_params(build_model(ARCH, num_classes, in_channels, width=middle)) >= target:
+            if trainable_params(build_model(arch, num_classes, in_channels, width=middle)) >= target:
                 high = middle
             else:
                 low = middle
     return round(high, 3)
 
 
-def levels_for(scale: LevelScale, num_clients: int, tiered: bool, data: LabeledData) -> list[float]:
+def levels_for(scale: LevelScale, num_clients: int, tiered: bool, data: LabeledData, arch: str = ARCH) -> list[float]:
     if not tiered or not scale.sized:
         return [1.0] * num_clients
-    tiers = list(RANKS) if scale == RANK else [matched_width(g, data.num_classes, data.in_channels) for g in RANKS]
+    tiers = (
+        list(RANKS) if scale == RANK else [matched_width(g, data.num_classes, data.in_channels, arch) for g in RANKS]
+    )
     return [tiers[i * len(tiers) // num_clients] for i in range(num_clients)]
 
 
-def run_setting(name: str, setting: Setting, data: LabeledData, rounds: int, train: TrainConfig) -> dict:
+def run_setting(
+    name: str, setting: Setting, data: LabeledData, rounds: int, train: TrainConfig, arch: str = ARCH
+) -> dict:
     spec = setting.partition
     cls = STRATEGIES[name]
-    levels = levels_for(cls.levels, spec.num_clients, setting.tiered, data)
+    levels = levels_for(cls.levels, spec.num_clients, setting.tiered, data, arch)
     clients = [
         SimClient(
             f"client-{i}",
@@ -155,7 +161,7 @@ def run_setting(name: str, setting: Setting, data: LabeledData, rounds: int, tra
             f"{setting.label} (seed {spec.seed}) leaves {', '.join(empty)} without training data; "
             "use more --train-samples or fewer clients"
         )
-    model = ModelSpec(ARCH, data.num_classes, data.in_channels, data.image_size)
+    model = ModelSpec(arch, data.num_classes, data.in_channels, data.image_size)
     strategy = build_strategy(name, model, {}, spec.seed)
     torch.manual_seed(spec.seed)
     start = time.perf_counter()
@@ -192,6 +198,7 @@ def compare(
     train: TrainConfig,
     strategies: list[str],
     data: LabeledData,
+    arch: str = ARCH,
 ) -> dict:
     out: dict[str, dict] = {}
     for scenario in names:
@@ -199,7 +206,7 @@ def compare(
         for seed in range(seeds):
             for setting in scenarios(clients, seed)[scenario]:
                 for name in strategies:
-                    row = run_setting(name, setting, data, rounds, train)
+                    row = run_setting(name, setting, data, rounds, train, arch)
                     cell = cells.setdefault(setting.label, {}).setdefault(name, Cell())
                     cell.accuracy.append(row["accuracy"])
                     cell.personalized.append(row["personalized_accuracy"])
@@ -306,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--strategies",
         help=f"comma-separated subset (default: every registered one the scenario applies to: {', '.join(STRATEGIES)})",
     )
+    parser.add_argument(
+        "--arch", choices=ARCHS, default=ARCH, help="cnn (default) or resnet9 (factorized convolutions matter)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     return parser
 
@@ -353,10 +363,15 @@ def main(argv: list[str] | None = None) -> int:
     except DatasetError as error:
         print(f"--dataset {args.dataset}: {error}", file=sys.stderr)
         return 2
-    results = compare(names, args.rounds, args.seeds, args.clients, train, strategies, data)
+    results = compare(names, args.rounds, args.seeds, args.clients, train, strategies, data, args.arch)
     checks = claims(results)
     if args.json:
-        print(json.dumps(results | {"dataset": args.dataset, "paper_metric": PAPER_METRIC, "checks": checks}, indent=2))
+        print(
+            json.dumps(
+                results | {"dataset": args.dataset, "arch": args.arch, "paper_metric": PAPER_METRIC, "checks": checks},
+                indent=2,
+            )
+        )
     else:
         print_tables(results, args.rounds, args.seeds, args.dataset)
         print(claim_lines(checks))

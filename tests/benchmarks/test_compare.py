@@ -44,7 +44,7 @@ def test_device_tiers_follow_what_the_strategy_level_means() -> None:
 def test_all_scenarios_skip_the_fine_tuning_strategies_with_a_note(monkeypatch, capsys) -> None:
     ran: set[str] = set()
 
-    def run_setting(name, setting, data, rounds, train) -> dict:
+    def run_setting(name, setting, data, rounds, train, arch="cnn") -> dict:
         ran.add(name)
         return {"accuracy": 0.5, "personalized_accuracy": 0.5, "upload_bytes_per_round": 1.0, "seconds": 0.0}
 
