@@ -48,7 +48,7 @@ def second_round_gate(settings: GateSettings) -> UploadGate:
 
 
 def test_a_sign_flipped_update_is_refused_an_honest_one_passes_with_its_cosine() -> None:
-    gate = second_round_gate(GateSettings())
+    gate = second_round_gate(GateSettings(direction_min_cosine=0.0))
     with pytest.raises(UploadRefused, match=r"cosine -0\.[0-9]+ with the fleet's direction") as refused:
         gate.norm("bad", 1.0, flipped(9))
     assert refused.value.reason == "wrong_direction"
@@ -57,8 +57,9 @@ def test_a_sign_flipped_update_is_refused_an_honest_one_passes_with_its_cosine()
     assert screened.steps == {}  # within the norm bound too: folded as sent
 
 
-def test_the_threshold_is_configurable_and_the_check_can_be_turned_off() -> None:
-    assert second_round_gate(GateSettings(direction_min_cosine=None)).norm("bad", 1.0, flipped(9)).cosine is None
+def test_the_check_is_off_by_default_and_its_threshold_configurable() -> None:
+    assert GateSettings().direction_min_cosine is None  # opt-in: honest non-IID rounds can point apart
+    assert second_round_gate(GateSettings()).norm("bad", 1.0, flipped(9)).cosine is None
     with pytest.raises(UploadRefused, match=r"at least 0\.99"):
         second_round_gate(GateSettings(direction_min_cosine=0.99)).norm("good", 1.0, honest(8))
 
@@ -96,7 +97,8 @@ def test_a_sign_flipped_device_is_refused_from_round_two_on_and_the_fleet_learns
     strategy = build_strategy("fedavg", ModelSpec("cnn", 10, 1, 8), {}, seed=0)
     test = (data.test_x, data.test_y)
     with caplog.at_level(logging.WARNING, logger="fedfleet.engine"):
-        result = simulate(strategy, clients, 3, TrainConfig(batch_size=32, lr=0.05), test, data.train_x, link=link)
+        train, limits = TrainConfig(batch_size=32, lr=0.05), {"direction_min_cosine": 0}
+        result = simulate(strategy, clients, 3, train, test, data.train_x, link=link, limits=limits)
     assert [set(r.upload_bytes) for r in result.rounds] == [{"bad", "g1", "g2", "g3"}] + [{"g1", "g2", "g3"}] * 2
     refusals = [r.getMessage() for r in caplog.records if "rejected bad's update" in r.getMessage()]
     assert len(refusals) == 2 and all("(wrong_direction)" in message for message in refusals)
