@@ -1,6 +1,7 @@
-"""Every registered strategy side by side on digits or Fashion-MNIST, in one process (no broker).
+"""Every registered strategy side by side on digits or Fashion-MNIST, in-process clients (no broker).
 
     python -m benchmarks.compare --scenario hetero-devices [--dataset fashion_mnist] [--json] [--rounds N] [--seeds K]
+    python -m benchmarks.compare --scenario all --dataset fashion_mnist --seeds 3 --jobs 16   (one core per job)
 
 Scenarios (8 clients by default):
 - hetero-devices: four device tiers (two clients each) at matched parameter budgets - FedHM
@@ -32,10 +33,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -190,6 +195,18 @@ def load_data(dataset: str, train_samples: int, test_samples: int) -> LabeledDat
     return LabeledData(data.train_x[train], data.train_y[train], data.test_x[test], data.test_y[test], data.num_classes)
 
 
+_WORKER_DATA: list[LabeledData] = []
+
+
+def _load_in_worker(load: Callable[[], LabeledData]) -> None:
+    torch.set_num_threads(1)
+    _WORKER_DATA.append(load())
+
+
+def _run_in_worker(name: str, setting: Setting, rounds: int, train: TrainConfig, arch: str) -> dict:
+    return run_setting(name, setting, _WORKER_DATA[0], rounds, train, arch)
+
+
 def compare(
     names: list[str],
     rounds: int,
@@ -199,20 +216,53 @@ def compare(
     strategies: list[str],
     data: LabeledData,
     arch: str = ARCH,
+    jobs: int = 1,
+    load: Callable[[], LabeledData] | None = None,
 ) -> dict:
+    """Every (scenario, seed, setting, strategy) cell; ``jobs`` > 1 runs them in that many processes.
+
+    Each cell trains on one thread, so ``jobs`` processes use ``jobs`` cores; a worker reads the data
+    once with ``load`` (the same call that made ``data``). Results do not depend on ``jobs``.
+    """
+    tasks = [
+        (scenario, seed, setting, name)
+        for scenario in names
+        for seed in range(seeds)
+        for setting in scenarios(clients, seed)[scenario]
+        for name in strategies
+    ]
+    futures: dict[int, Future[dict]] = {}
+    pool: Executor | None = None
+    if jobs > 1:
+        if load is None:
+            raise ValueError("compare with jobs > 1 needs load, to read the data in each worker")
+        context = multiprocessing.get_context("spawn")
+        pool = ProcessPoolExecutor(jobs, mp_context=context, initializer=_load_in_worker, initargs=(load,))
+        futures = {
+            i: pool.submit(_run_in_worker, name, setting, rounds, train, arch)
+            for i, (_scenario, _seed, setting, name) in enumerate(tasks)
+        }
     out: dict[str, dict] = {}
-    for scenario in names:
-        cells: dict[str, dict[str, Cell]] = {}
-        for seed in range(seeds):
-            for setting in scenarios(clients, seed)[scenario]:
-                for name in strategies:
-                    row = run_setting(name, setting, data, rounds, train, arch)
-                    cell = cells.setdefault(setting.label, {}).setdefault(name, Cell())
-                    cell.accuracy.append(row["accuracy"])
-                    cell.personalized.append(row["personalized_accuracy"])
-                    cell.upload.append(row["upload_bytes_per_round"])
-                    cell.seconds.append(row["seconds"])
-        for label, by_strategy in cells.items():
+    cells: dict[str, dict[str, dict[str, Cell]]] = {}
+    try:
+        for i, (scenario, seed, setting, name) in enumerate(tasks):
+            row = futures[i].result() if pool is not None else run_setting(name, setting, data, rounds, train, arch)
+            print(
+                f"[{i + 1}/{len(tasks)}] {scenario}/{setting.label} seed {seed} {name}: accuracy "
+                f"{row['accuracy']:.3f}, personalized {row['personalized_accuracy']:.3f} ({row['seconds']:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            cell = cells.setdefault(scenario, {}).setdefault(setting.label, {}).setdefault(name, Cell())
+            cell.accuracy.append(row["accuracy"])
+            cell.personalized.append(row["personalized_accuracy"])
+            cell.upload.append(row["upload_bytes_per_round"])
+            cell.seconds.append(row["seconds"])
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    for scenario, by_label in cells.items():
+        for label, by_strategy in by_label.items():
             out[f"{scenario}/{label}"] = {
                 name: {
                     "accuracy": mean_std(c.accuracy),
@@ -314,6 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated subset (default: every registered one the scenario applies to: {', '.join(STRATEGIES)})",
     )
     parser.add_argument(
+        "--jobs", type=int, default=1, help="cells run in this many processes, one core each (default: 1)"
+    )
+    parser.add_argument(
         "--arch", choices=ARCHS, default=ARCH, help="cnn (default) or resnet9 (factorized convolutions matter)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -322,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for flag in ("rounds", "seeds", "clients", "epochs", "train_samples", "test_samples"):
+    for flag in ("rounds", "seeds", "clients", "epochs", "train_samples", "test_samples", "jobs"):
         if getattr(args, flag) < 1:
             print(f"--{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
@@ -358,12 +411,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report, indent=2) if args.json else fedlora.table(report))
         return 0
     train = TrainConfig(epochs=args.epochs, batch_size=32, lr=0.05)
+    load = partial(load_data, args.dataset, args.train_samples, args.test_samples)
     try:
-        data = load_data(args.dataset, args.train_samples, args.test_samples)
+        data = load()
     except DatasetError as error:
         print(f"--dataset {args.dataset}: {error}", file=sys.stderr)
         return 2
-    results = compare(names, args.rounds, args.seeds, args.clients, train, strategies, data, args.arch)
+    results = compare(names, args.rounds, args.seeds, args.clients, train, strategies, data, args.arch, args.jobs, load)
     checks = claims(results)
     if args.json:
         print(

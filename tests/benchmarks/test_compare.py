@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
+import torch
 
 from benchmarks import compare
 from coordinator.rounds.engine import RoundEngine
@@ -55,10 +57,12 @@ def test_all_scenarios_skip_the_fine_tuning_strategies_with_a_note(monkeypatch, 
     assert ran == set(STRATEGIES) - fine_tuning
     out = capsys.readouterr()
     assert set(json.loads(out.out)["domains/2-domains"]) == ran
-    skipped, why = out.err.split(": ", 1)
+    note, *progress = out.err.splitlines()  # then one progress line per cell
+    settings = sum(len(found) for found in compare.scenarios(8, seed=0).values())
+    assert len(progress) == len(ran) * settings and all(line.startswith("[") for line in progress)
+    skipped, why = note.split(": ", 1)
     assert set(skipped.removeprefix("skipped ").split(", ")) == fine_tuning
     assert why.startswith("fine-tuning strategies start from a pre-trained")
-    assert len(out.err.splitlines()) == 1
 
 
 def test_asking_for_a_fine_tuning_strategy_outside_its_scenario_is_refused(capsys) -> None:
@@ -104,3 +108,18 @@ def test_a_split_that_leaves_a_client_empty_says_so() -> None:
     setting = compare.scenarios(8, seed=1)["hetero-devices"][1]
     with pytest.raises(ValueError, match=r"dirichlet-0.1 \(seed 1\) leaves client-\d+.* without training data"):
         compare.run_setting("fedavg", setting, tiny, rounds=1, train=TrainConfig(batch_size=32))
+
+
+@pytest.mark.slow
+def test_cells_run_in_worker_processes_give_the_same_results() -> None:
+    load = partial(compare.load_data, "digits", 1, 1)
+    data, train = load(), TrainConfig(batch_size=32)
+    args = (["domains"], 1, 1, 4, train, ["fedavg", "fedhm"], data)
+    torch.set_num_threads(1)  # as main() and every worker do
+    alone = compare.compare(*args)
+    pooled = compare.compare(*args, jobs=2, load=load)
+    assert pooled == {
+        setting: {name: row | {"wall_seconds": pooled[setting][name]["wall_seconds"]} for name, row in rows.items()}
+        for setting, rows in alone.items()
+    }
+    assert set(pooled) == {"domains/2-domains"} and set(pooled["domains/2-domains"]) == {"fedavg", "fedhm"}
