@@ -516,6 +516,8 @@ def retained_poison(mallory: Mallory, run: str) -> None:
     """Before the coordinator starts: retained messages it must not act on when it subscribes."""
     manifest = announce(1 << 20, 64 * 1024, run=run, round=1, kind=UPDATE_KIND)
     mallory.send(manifest, retain=True)
+    # Sub-topics of its own: the broker's ACL names each device's topics exactly, so these never arrive,
+    # and a topic retains one message: what reaches the coordinator is the manifest and the status below.
     mallory.publish(chunk_frame(manifest.transfer, 0, b"x" * 1024), f"{mallory.topics.base}/up/junk", retain=True)
     mallory.send(RoundFailed(run=run, round=1, reason="error"), f"{mallory.topics.base}/up/failed", retain=True)
     mallory.send(Status(device=HONEST, state="offline"), mallory.topics.status, retain=True)
@@ -599,7 +601,7 @@ def run(flood_count: int = 20_000, kinds: list[str] | None = None) -> dict:
             time.sleep(1.0)  # subscribed: the retained poison has arrived
             poison = mallory_refusals(engine)
             results["retained_poisoning"] = Outcome(
-                poison["retained"] >= 2 and poison["wrong_sender"] >= 1 and not crashed,
+                poison["retained"] >= 1 and poison["wrong_sender"] >= 1 and not crashed,
                 "retained",
                 True,
                 f"refusals counted: {dict(poison)}",

@@ -20,13 +20,14 @@ from benchmarks.compare import ARCH, levels_for, mean_std, scenarios
 from coordinator.algorithms.aggregation import ClassifierRule
 from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.strategies import ModelSpec, build_strategy
+from coordinator.strategies.levels import RANK
 from device_agent.data.datasets import LabeledData, load_dataset
 from device_agent.data.partition import PartitionSpec, client_shard
 from device_agent.training.optimizer import TrainConfig
 
 
 def run_rule(rule: str, partition: PartitionSpec, data: LabeledData, rounds: int, train: TrainConfig) -> dict:
-    levels = levels_for("rank", partition.num_clients, True, data)
+    levels = levels_for(RANK, partition.num_clients, True, data)
     clients = [
         SimClient(
             f"client-{i}",

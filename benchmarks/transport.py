@@ -78,10 +78,11 @@ def measure_broker(kind: str, payload: bytes, chunk_size: int, repeats: int, wor
     v5 = kind == "mosquitto"
     protocol = "5" if v5 else "3.1.1"
     topics = DeviceTopics(_FLEET, "dev")
-    # Raw runs use a topic inside the device's ACL that its session does not subscribe to.
+    # Raw runs use a topic of the fleet that no session subscribes to.
     raw_topic = f"{topics.base}/down/raw"
     # mosquitto binds a client id to its login, so the raw clients get logins of their own there (one
-    # sharing a session's login would take its connection over); amqtt binds nothing and knows no such ACL.
+    # sharing a session's login would take its connection over); amqtt binds nothing and knows no such ACL,
+    # so both raw clients log in as the coordinator there (a device may read only its down/data).
     raw_users = ["raw-pub", "raw-sub"] if v5 else []
     creds = generate_credentials(["dev", *raw_users])
     raw_acl = ["user raw-pub", f"topic write {raw_topic}", "user raw-sub", f"topic read {raw_topic}"] if v5 else []
@@ -95,7 +96,7 @@ def measure_broker(kind: str, payload: bytes, chunk_size: int, repeats: int, wor
     raw_sender, raw_receiver = (
         (broker.address_for(creds["raw-pub"]), broker.address_for(creds["raw-sub"]))
         if v5
-        else (coordinator_addr, device_addr)
+        else (coordinator_addr, coordinator_addr)
     )
     received = threading.Event()
     handed: list[float] = []
