@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import random
 import signal
 import socket
 import subprocess
@@ -124,10 +125,42 @@ def check_port_free(host: str, port: int) -> None:
             ) from None
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+"""Where Linux keeps the ports it hands out as clients' source ports."""
+
+
+def ephemeral_ports() -> range:
+    """The kernel's ephemeral port range (Linux's default where it cannot be read)."""
+    try:
+        low, high = (int(part) for part in EPHEMERAL_RANGE.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+def free_port(host: str = "127.0.0.1", tries: int = 200) -> int:
+    """A port nothing listens on, chosen below the ephemeral range.
+
+    A port the kernel hands out for ``bind(0)`` comes from the ephemeral range, which every outgoing
+    connection draws its source port from: between releasing it and the broker binding it, one of the
+    fleet's own client connections can take it ("Address already in use"). Ports below that range are
+    only ever taken by listeners that ask for them by number.
+    """
+    ephemeral = ephemeral_ports()
+    low = 20000 if ephemeral.start > 21000 else 1024
+    high = ephemeral.start - 1 if ephemeral.start > low + 1000 else 65535
+    rng = random.SystemRandom()
+    for _ in range(tries):
+        port = rng.randint(low, high)
+        if port in ephemeral:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise BrokerError(f"no free port between {low} and {high} on {host} after {tries} tries")
 
 
 def wait_until_healthy(address: BrokerAddress, timeout: float, alive: Callable[[], bool] = lambda: True) -> None:
