@@ -211,10 +211,14 @@ class FineTune(Strategy):
             raise TypeError(f"{self.name} cannot close a {type(aggregate).__name__}")
         if aggregate.received:
             self.absorb(aggregate.means())
+            self.keep(aggregate)
             self.after_round(aggregate.received)
 
     def absorb(self, means: Mapping[str, Tensor]) -> None:
         self.state.update(means)
+
+    def keep(self, aggregate: FineTuneRound) -> None:
+        """What the strategy keeps of a round beyond its means (the ranked LoRA rules: each client's factors)."""
 
     def after_round(self, uploaded: Sequence[str]) -> None:
         """Note who took part (the LoRA strategies: who now holds the base)."""

@@ -79,13 +79,10 @@ class RankedLoRA(LoRAStrategy):
     def open_round(self, round: int, clients: Sequence[ClientSlot]) -> RoundAggregate:
         return FactorRound(round, clients, self)
 
-    def close_round(self, aggregate: RoundAggregate) -> None:
+    def keep(self, aggregate: FineTuneRound) -> None:
         if not isinstance(aggregate, FactorRound):
             raise TypeError(f"{self.name} cannot close a {type(aggregate).__name__}")
-        if aggregate.received:
-            self.absorb(aggregate.means())
-            self.combine(aggregate.factors)
-            self.after_round(aggregate.received)
+        self.combine(aggregate.factors)
 
     @abstractmethod
     def combine(self, factors: Mapping[str, Sequence[ClientFactors]]) -> None:
