@@ -46,6 +46,7 @@ from device_agent.agent.hooks import RuntimeHooks
 from device_agent.common.profile import DeviceProfile, NetworkSpec
 from device_agent.emulation.accounting import MemoryAccount, MemoryCapExceeded
 from device_agent.emulation.shaping import TokenBucket
+from device_agent.emulation.slots import ComputeSlots
 from device_agent.training.oom import is_out_of_memory
 
 _THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -236,10 +237,11 @@ class EmulatedDevice(RuntimeHooks):
         self,
         emulation: EmulationConfig,
         device: torch.device,
-        compute_slot: AbstractContextManager[object] | None = None,
+        compute_slot: ComputeSlots | None = None,
     ) -> None:
         """``compute_slot``: this device shares its process with others (a worker); see
-        :mod:`device_agent.emulation.worker`.
+        :mod:`device_agent.emulation.worker`. It waits for a slot with the time its round's training
+        started, so the worker's devices finish one after another (:mod:`device_agent.emulation.slots`).
 
         Alone in its process, the device gets the process-wide caps (threads, RLIMIT_AS or a CUDA memory
         fraction). Sharing one, it gets none of them: its memory is held by accounting alone and its
@@ -261,11 +263,12 @@ class EmulatedDevice(RuntimeHooks):
             if emulation.memory_bytes is None
             else MemoryAccount(emulation.memory_bytes, emulation.peak_bytes, device, shared=compute_slot is not None)
         )
-        self._slot = compute_slot
+        self._started = 0.0
+        self._slot = None if compute_slot is None else compute_slot.turn(lambda: self._started)
         # A throttle on a GPU must time the kernels, not their asynchronous launch.
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
         paced = emulation.slowdown > 1 or emulation.step_seconds is not None
-        self.throttle = Throttle(emulation.slowdown, sync=sync, hold=compute_slot) if paced else None
+        self.throttle = Throttle(emulation.slowdown, sync=sync, hold=self._slot) if paced else None
         self._slept_before = 0.0
         up, down = emulation.uplink_bytes_per_s, emulation.downlink_bytes_per_s
         self.uplink = TokenBucket(up, latency_s=emulation.latency_s) if up else None
@@ -297,6 +300,7 @@ class EmulatedDevice(RuntimeHooks):
 
     def before_training(self, level: float) -> None:
         """Check ``level``'s predicted memory, set its step time (device time), start counting this round's sleeps."""
+        self._started = time.monotonic()
         if self.account is not None:
             self.account.start(level)
         if self.throttle is None:

@@ -5,7 +5,8 @@ A worker imports torch once and runs one :class:`device_agent.agent.runtime.Agen
 its own thread with everything a device has of its own: MQTT session and client id, login, state
 directory, data shard, outbox, link shaping and step pacing. The code path is the agent's own:
 only the hooks differ (:class:`device_agent.emulation.limits.EmulatedDevice` with a compute slot). Devices
-take turns computing in the worker's compute slots and sleep off their device time outside them,
+take turns computing in the worker's compute slots (the earliest-started device first,
+:mod:`device_agent.emulation.slots`) and sleep off their device time outside them,
 so while device A waits to hold its step time, device B trains. Memory is held per device by
 accounting (:mod:`device_agent.emulation.accounting`), since no OS cap exists per thread.
 
@@ -30,6 +31,7 @@ from device_agent.agent.stopping import stop_on_signals
 from device_agent.common.profile import DeviceProfile
 from device_agent.data.datasets import DatasetError, check_source
 from device_agent.emulation.limits import EmulatedDevice, limit_threads
+from device_agent.emulation.slots import ComputeSlots
 
 log = logging.getLogger("fedfleet.worker")
 
@@ -73,7 +75,7 @@ class Worker:
         if not configs:
             raise ValueError("a worker needs at least one device")
         limit_threads(threads)
-        self.slot = threading.BoundedSemaphore(slots)
+        self.slot = ComputeSlots(slots)
         device = resolve_device(configs[0].device_type)
         # Measured once: every device's hooks replace what emulation holds them to (compute, memory, link).
         measured = profile or probe_device(0.2, configs[0].device_type)

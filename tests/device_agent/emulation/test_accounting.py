@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from device_agent.agent.config import EmulationConfig
 from device_agent.emulation.accounting import MemoryAccount, MemoryCapExceeded
 from device_agent.emulation.limits import EmulatedDevice
+from device_agent.emulation.slots import ComputeSlots
 from device_agent.training.oom import is_out_of_memory
 
 _MIB = 2**20
@@ -30,7 +29,7 @@ def test_the_refusal_is_an_out_of_memory_as_the_runtime_reports_it() -> None:
     hooks = EmulatedDevice(
         EmulationConfig(memory_bytes=256 * _MIB, peak_bytes={1.0: 300 * _MIB}),
         CPU,
-        compute_slot=threading.BoundedSemaphore(1),
+        compute_slot=ComputeSlots(1),
     )
     assert hooks.memory is None  # a device sharing a worker has no OS cap of its own
     with pytest.raises(MemoryCapExceeded) as refused:
@@ -39,23 +38,21 @@ def test_the_refusal_is_an_out_of_memory_as_the_runtime_reports_it() -> None:
 
 
 def test_a_shared_device_takes_turns_in_the_compute_slot() -> None:
-    slot = threading.BoundedSemaphore(1)
+    slot = ComputeSlots(1)
     hooks = EmulatedDevice(EmulationConfig(step_seconds={1.0: 0.001}), CPU, compute_slot=slot)
     hooks.before_training(1.0)
     with hooks.step():
-        assert not slot.acquire(blocking=False)  # held while computing
-    assert slot.acquire(blocking=False)  # released before sleeping off the step time
-    slot.release()
+        assert slot.free == 0  # held while computing
+    assert slot.free == 1  # released before sleeping off the step time
 
 
 def test_a_shared_device_evaluates_in_its_turn_too() -> None:
     """Evaluations hold activations as steps do: 64 devices evaluating at once once filled an 80 GB GPU."""
-    slot = threading.BoundedSemaphore(1)
+    slot = ComputeSlots(1)
     hooks = EmulatedDevice(EmulationConfig(step_seconds={1.0: 0.001}), CPU, compute_slot=slot)
     with hooks.compute():
-        assert not slot.acquire(blocking=False)
-    assert slot.acquire(blocking=False)
-    slot.release()
+        assert slot.free == 0
+    assert slot.free == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,0 +1,92 @@
+"""A worker's compute slots, handed out to the device that started its round's work first.
+
+The devices packed into one worker take turns computing, one step at a time. With a plain semaphore the
+turns go round-robin: on a host that cannot carry every device within the deadline, every device is
+90 % done when the deadline passes and the round gets no update at all. Handing a freed slot to the
+waiting device that started earliest makes the devices finish one after another instead: an overloaded
+host delivers the updates it can carry, in time, and the rest late. A device sleeping off its device
+time (:class:`~device_agent.emulation.limits.Throttle`) holds no slot, so slowed devices still overlap.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections.abc import Callable
+from types import TracebackType
+
+
+class ComputeSlots:
+    """``slots`` turns at a time; a freed one goes to the waiter with the lowest priority value.
+
+    A releasing device that asks again at once with a lower value than every waiter gets its slot back
+    (no hand-over to a later starter), which is what lets the earliest device run its steps back to back.
+    """
+
+    def __init__(self, slots: int) -> None:
+        if slots < 1:
+            raise ValueError(f"a worker needs at least one compute slot, got {slots}")
+        self._free = slots
+        self._lock = threading.Lock()
+        self._waiting: list[tuple[float, int, threading.Event]] = []
+        self._tickets = itertools.count()
+
+    @property
+    def free(self) -> int:
+        """Slots no device holds right now."""
+        return self._free
+
+    @property
+    def waiting(self) -> int:
+        """Devices waiting for a slot right now."""
+        return len(self._waiting)
+
+    def acquire(self, priority: float) -> None:
+        with self._lock:
+            if self._free > 0 and (not self._waiting or priority < self._waiting[0][0]):
+                self._free -= 1
+                return
+            entry = (priority, next(self._tickets), threading.Event())
+            heapq.heappush(self._waiting, entry)
+        while True:
+            entry[2].wait()
+            with self._lock:
+                if self._free > 0 and self._waiting[0] is entry:
+                    heapq.heappop(self._waiting)
+                    self._free -= 1
+                    self._wake_first()
+                    return
+                entry[2].clear()
+
+    def release(self) -> None:
+        with self._lock:
+            self._free += 1
+            self._wake_first()
+
+    def _wake_first(self) -> None:
+        if self._free > 0 and self._waiting:
+            self._waiting[0][2].set()
+
+    def turn(self, priority: Callable[[], float]) -> Turn:
+        """A reusable context manager for one device: each ``with`` waits for a slot at ``priority()``."""
+        return Turn(self, priority)
+
+
+class Turn:
+    """One device's way into its worker's :class:`ComputeSlots` (``with turn: <one step>``)."""
+
+    def __init__(self, slots: ComputeSlots, priority: Callable[[], float]) -> None:
+        self._slots = slots
+        self._priority = priority
+
+    def __enter__(self) -> None:
+        self._slots.acquire(self._priority())
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self._slots.release()
+
+
+__all__ = ["ComputeSlots", "Turn"]
