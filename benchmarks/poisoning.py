@@ -7,7 +7,7 @@ Ten digits clients (iid shards) run in process through the real round engine and
 what it uploads (it signs what it sends, so only the gate's bounds and the aggregation stand in
 its way); label flipping poisons its data instead. The omniscient attacks ("a little is enough",
 min-max) see every honest upload of the round before they craft theirs. ``--no-defense`` turns the
-update bound, the direction check and the sample-weight cap off: the gate as it was before them.
+update bound, both direction checks and the sample-weight cap off: the gate as it was before them.
 
 The JSON holds ``clean_accuracy`` per strategy, ``attacks`` (one entry per strategy, attack and
 number of malicious devices, with the final ``accuracy`` and its ``drop`` from clean), and
@@ -40,7 +40,12 @@ from device_agent.wire.transfer import Completed, make_manifest
 MODEL = ModelSpec("cnn", 10, 1, 8)
 LEVELS = {"fedavg": (1.0,), "fedhm": (1.0, 0.5)}
 """Levels the clients cycle through: FedHM mixes full-rank and gamma 1/2 clients."""
-NO_DEFENSE = {"update_bound_factor": None, "direction_min_cosine": None, "sample_weight_factor": None}
+NO_DEFENSE = {
+    "update_bound_factor": None,
+    "direction_min_cosine": None,
+    "peer_min_cosine": None,
+    "sample_weight_factor": None,
+}
 
 Tensors = dict[str, Tensor]
 
@@ -281,7 +286,7 @@ def poisoning(
             "epochs": train.epochs,
             "model": MODEL.arch,
             "dataset": "digits",
-            "defense": "off (update bound, direction check and sample-weight cap disabled)"
+            "defense": "off (update bound, direction checks and sample-weight cap disabled)"
             if not defense
             else "defaults",
             "limits": limits,
@@ -317,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--clients", type=int, default=10, help="devices in the fleet (default: 10)")
     parser.add_argument("--epochs", type=int, default=1, help="local epochs per round (default: 1)")
     parser.add_argument(
-        "--no-defense", action="store_true", help="turn the update bound, direction check and weight cap off"
+        "--no-defense", action="store_true", help="turn the update bound, direction checks and weight cap off"
     )
     parser.add_argument(
         "--limits", default="{}", help="fleet.yaml limits as JSON, e.g. '{\"update_bound_factor\": 2}' (default: none)"

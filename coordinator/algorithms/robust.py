@@ -6,6 +6,10 @@ dense weight the strategy aggregates, so scaling one factor by -9.5 counts as th
 makes. Norm clipping (Sun et al. 2019, "Can you really backdoor federated learning?") streams: it
 needs one update at a time and the fleet's recent update norms, so it fits every strategy's fold.
 
+The round's own direction (:func:`sketch`, :func:`peer_cosines`) also streams: each update leaves a
+small fixed-size sketch of its direction, and at the round's close every update is compared with the
+sum of the others' (leave one out), so the reference is this round's fleet, whatever last round did.
+
 The buffered rules at the end (coordinate-wise median, trimmed mean, multi-Krum) need every
 update of a round at once; see docs/robust-aggregation.md for what each defends against.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import zlib
 from collections import deque
 from collections.abc import Mapping, Sequence
 
@@ -176,6 +181,61 @@ class DirectionReference:
     def cosine(self, update: Mapping[str, Tensor]) -> float | None:
         """The update's cosine with the reference (:func:`cosine`), or None without one."""
         return cosine(update, self.reference) if self.reference else None
+
+
+SKETCH_SIZE = 4096
+"""Buckets of a direction sketch: a cosine read from two sketches is within about 0.02 of the true one."""
+
+
+def _hashed(key: str, numel: int, size: int) -> tuple[Tensor, Tensor]:
+    """Per element of a layer, its bucket and its sign: drawn from a generator seeded by the layer's name and
+    shape, so every update of the run hashes the same way."""
+    generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+    bucket = torch.randint(size, (numel,), generator=generator)
+    sign = torch.randint(2, (numel,), generator=generator, dtype=torch.float64).mul_(2).sub_(1)
+    return bucket, sign
+
+
+def sketch(update: Mapping[str, Tensor], size: int = SKETCH_SIZE) -> Tensor:
+    """A CountSketch (Charikar et al. 2002) of the update scaled to unit norm: ``size`` numbers whose dot
+    products estimate the cosines of the full updates, so a round keeps one small vector per device.
+
+    Layers are hashed by name and shape, so only layers two updates share (FedHM's full-rank ``conv2.weight``
+    and a low-rank client's ``conv2``) meet in a bucket by design; a zero or non-finite update sketches to 0.
+    """
+    norm = math.sqrt(sum(float(u.to(torch.float64).square().sum()) for u in update.values()))
+    out = torch.zeros(size, dtype=torch.float64)
+    if norm == 0 or not math.isfinite(norm):
+        return out
+    for name, value in update.items():
+        bucket, sign = _hashed(f"{name}:{tuple(value.shape)}", value.numel(), size)
+        out.index_add_(0, bucket, value.reshape(-1).to(torch.float64) * sign / norm)
+    return out
+
+
+def peer_cosines(sketches: Mapping[str, Tensor]) -> dict[str, float]:
+    """Per device, the cosine of its update with the sum of the round's other updates (leave one out).
+
+    Each update counts as one unit vote, so one large update cannot turn the others' sum; a device whose
+    peers' sum is zero (or who has no peer) gets no cosine.
+    """
+    if not sketches:
+        return {}
+    total = torch.stack(list(sketches.values())).sum(dim=0)
+    cosines: dict[str, float] = {}
+    for device, own in sketches.items():
+        rest = total - own
+        scale = float(own.norm() * rest.norm())
+        if scale > 0:
+            cosines[device] = float(own @ rest) / scale
+    return cosines
+
+
+def direction_outliers(cosines: Mapping[str, float], threshold: float) -> list[str]:
+    """The devices whose peer cosine is below ``threshold``, worst first, never half the round or more:
+    the rest must stay a majority for "the others' direction" to mean the honest fleet's."""
+    below = sorted((c, d) for d, c in cosines.items() if c < threshold)
+    return [device for _, device in below[: (len(cosines) - 1) // 2]]
 
 
 def coordinate_median(updates: Sequence[Tensor]) -> Tensor:

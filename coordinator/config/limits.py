@@ -50,6 +50,12 @@ class GateSettings:
     Off by default: on Fashion-MNIST with a ResNet-9 and Dirichlet(0.5) shards every honest update of a
     round pointed slightly away from the last round's direction (cosines -0.003 to -0.46) and was refused.
     """
+    peer_min_cosine: float | None = -0.1
+    """At the round's close, refuse an update whose cosine with the sum of the round's other updates (each a unit
+    vote) is below this, fewer than half the round at most; None: off. A same-round reference, so it holds on
+    non-IID data where consecutive rounds point apart (docs/robust-aggregation.md)."""
+    peer_min_updates: int = 4
+    """Updates a round needs (with a direction sketch) before the peer check judges any of them."""
     sample_weight_factor: float | None = 2.0
     """An upload weighs at most this many times the samples the fleet expects of its device; None: no cap."""
 
@@ -64,6 +70,10 @@ class GateSettings:
             raise ValueError("update_history_rounds and update_history_min must be >= 1")
         if self.update_warmup_factor <= 0:
             raise ValueError(f"update_warmup_factor must be > 0, got {self.update_warmup_factor}")
+        if self.peer_min_cosine is not None and not -1 <= self.peer_min_cosine < 1:
+            raise ValueError(f"peer_min_cosine must be in [-1, 1) (or None), got {self.peer_min_cosine}")
+        if self.peer_min_updates < 3:
+            raise ValueError(f"peer_min_updates must be >= 3, got {self.peer_min_updates}")
         if self.sample_weight_factor is not None and self.sample_weight_factor < 1:
             raise ValueError(f"sample_weight_factor must be >= 1 (or None), got {self.sample_weight_factor}")
 
@@ -126,6 +136,16 @@ class FleetLimits(BaseModel):
         "its accepted updates, each scaled to unit norm) is below this, e.g. 0; null (the default): no direction "
         "check (consecutive honest rounds can point apart on non-IID data)",
     )
+    peer_min_cosine: float | None = Field(
+        GateSettings.peer_min_cosine,
+        ge=-1,
+        lt=1,
+        description="at the round's close, refuse an update whose cosine with the sum of the round's other updates "
+        "(each scaled to unit norm) is below this, never half the round or more; null: off (FedAvg, FedHM)",
+    )
+    peer_min_updates: int = Field(
+        GateSettings.peer_min_updates, ge=3, description="updates a round needs before the peer check judges any"
+    )
     sample_weight_factor: float | None = Field(
         GateSettings.sample_weight_factor,
         ge=1,
@@ -159,6 +179,8 @@ class FleetLimits(BaseModel):
             update_history_rounds=self.update_history_rounds,
             update_warmup_factor=self.update_warmup_factor,
             direction_min_cosine=self.direction_min_cosine,
+            peer_min_cosine=self.peer_min_cosine,
+            peer_min_updates=self.peer_min_updates,
             sample_weight_factor=self.sample_weight_factor,
         )
 

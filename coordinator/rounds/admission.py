@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -127,7 +128,7 @@ class Admission:
         except RoundNotOpen:
             return "late"
         open_.aggregate.fold(device, screened.upload, weight, extras)
-        self.gate.accepted(participant.level, screened)
+        self.gate.accepted(participant.level, screened, device)
         participant.status, participant.payload_bytes = "accepted", len(completed.data)
         participant.train_seconds, participant.local_accuracy = parsed.train_seconds, parsed.local_accuracy
         participant.host_seconds, participant.received = parsed.host_seconds, parsed.received
@@ -168,6 +169,40 @@ class Admission:
             participant.train_seconds, participant.host_seconds = parsed.train_seconds, parsed.host_seconds
             participant.local_accuracy, participant.received = parsed.local_accuracy, parsed.received
             log.info("round %d: replayed %s's journaled update", open_.round, entry.device)
+
+    def screen_round(self, open_: OpenRound, reopen: Callable[[], RoundAggregate]) -> dict[str, str]:
+        """At the close, take the updates that point against the rest of the round out of it (the gate's peer
+        check): each is quarantined from the journal with its reason and the round re-folded from the journal
+        without it, so a resume folds the same. Returns the devices refused, with why."""
+        cosines = self.gate.peer_cosines()
+        if cosines:
+            ordered = sorted(cosines.values())
+            log.info(
+                "round %d: updates' cosines with the rest of the round: min %.3g, median %.3g, max %.3g (%d updates)",
+                open_.round,
+                ordered[0],
+                statistics.median(ordered),
+                ordered[-1],
+                len(ordered),
+            )
+        refused = self.gate.peer_outliers(cosines)
+        if not refused:
+            return {}
+        open_.aggregate = reopen()
+        for entry in self.rundir.journal_entries(open_.round):
+            participant = open_.participants.get(entry.device)
+            if participant is None or participant.status != "accepted":
+                continue
+            if entry.device in refused:
+                self.rundir.quarantine(entry, f"wrong_direction: {refused[entry.device]}")
+                participant.reject(f"refused at the close: {refused[entry.device]}")
+                log.warning(
+                    "round %d: refused %s's update at the close: %s", open_.round, entry.device, refused[entry.device]
+                )
+                continue
+            upload, extras = split_upload(self.rundir.load_upload(entry))
+            open_.aggregate.fold(entry.device, upload, journaled_meta(entry.meta).samples, extras)
+        return refused
 
     def _quarantine(self, entry: JournalEntry, exc: Exception) -> None:
         reason = f"{refusal_reason(exc)}: {type(exc).__name__}: {printable(str(exc), 480)}"

@@ -91,9 +91,9 @@ class RoundEngine:
         self.roster = Roster(fleet, catalog, self.refused)
         self.devices = self.roster.devices
         self.draw = ParticipantDraw(fleet, planner, rundir)
-        # The direction check compares updates of two rounds layer by layer: only where their layers align.
-        directed = strategy.aligned_updates or settings.gate.direction_min_cosine is None
-        gate = UploadGate(settings.gate if directed else replace(settings.gate, direction_min_cosine=None))
+        # The direction checks compare updates layer by layer: only where their layers align.
+        unaligned = replace(settings.gate, direction_min_cosine=None, peer_min_cosine=None)
+        gate = UploadGate(settings.gate if strategy.aligned_updates else unaligned)
         expected = lambda d: fleet.samples_for(self.devices[d].device)  # noqa: E731
         self.admission = Admission(gate, rundir, expected, signatures, strategy.declared_extras())
         self.dispatch = Dispatcher(link, strategy, gate, rundir, fleet, settings.resend_after_s)
@@ -209,6 +209,10 @@ class RoundEngine:
         self._await_answers(progress)
         if self.stopping.is_set():
             return False
+        for device, why in self.admission.screen_round(
+            self.open, lambda: self.strategy.open_round(round_, slots)
+        ).items():
+            self.refused.upload(device, round_, "wrong_direction", why)
         self.last = self.closer.close(self.open, self._quorum(), pushed)
         self.rundir.complete_round(round_, self.strategy.state_dict(), self.last)
         self.open = None

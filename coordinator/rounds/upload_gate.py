@@ -21,7 +21,11 @@ move by ``update_warmup_factor`` x the norm of what was sent, together.
 A norm bound cannot see direction: a sign-flipped update has an honest norm. The direction check
 refuses (``wrong_direction``) an update, as it would be folded, whose cosine with the fleet's direction
 of last round (:class:`~coordinator.algorithms.robust.DirectionReference`, full rank) is below
-``direction_min_cosine``; the first round of a run has no reference and is not checked.
+``direction_min_cosine``; the first round of a run has no reference and is not checked. Consecutive
+rounds can point apart on non-IID data, so that check is opt-in; the peer check is on by default: each
+update leaves a direction sketch (:func:`~coordinator.algorithms.robust.sketch`) and at the close
+:meth:`UploadGate.peer_outliers` names those whose cosine with the sum of the round's others is below
+``peer_min_cosine`` (the caller takes them out of the aggregate).
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ from coordinator.algorithms.robust import (
     apply_steps,
     clip_layer,
     dense_updates,
+    direction_outliers,
     layers_of,
+    peer_cosines,
+    sketch,
     update_norms,
 )
 from coordinator.config.limits import GateSettings
@@ -197,6 +204,8 @@ class Screened:
     """The update's cosine with the fleet's reference direction (None: not checked, e.g. the first round)."""
     direction: dict[str, Tensor] = field(default_factory=dict, repr=False)
     """Per layer, the update as folded (full rank): what :meth:`UploadGate.accepted` adds to the reference."""
+    sketch: Tensor | None = field(default=None, repr=False)
+    """The update's direction sketch, for the peer check at the round's close (None: not checked)."""
 
 
 def update_bounds(
@@ -226,9 +235,11 @@ class UploadGate:
         self._accepted: dict[float, list[float]] = {}
         self.history = NormHistory(self.settings.update_history_rounds, self.settings.update_history_min)
         self.direction = DirectionReference()
+        self._sketches: dict[str, Tensor] = {}
 
     def open_round(self) -> None:
         self._sent.clear()
+        self._sketches.clear()
         self._sent_tensors.clear()
         self._accepted.clear()
         self.history.next_round()
@@ -255,7 +266,8 @@ class UploadGate:
         value = math.sqrt(sum(norms.values()))
         check_norm(value, norm_reference(norms, self._sent.get(device), self._accepted.get(level, [])), self.settings)
         sent = self._sent_tensors.get(device)
-        if sent is None or (self.settings.update_bound_factor is None and self.settings.direction_min_cosine is None):
+        directed = self.settings.direction_min_cosine is not None or self.settings.peer_min_cosine is not None
+        if sent is None or (self.settings.update_bound_factor is None and not directed):
             return Screened(dict(upload), value)
         updates = update_norms(upload, sent)
         over: dict[str, float] = {}
@@ -277,10 +289,14 @@ class UploadGate:
         return self._directed(Screened(clipped, value, update_norms(clipped, sent), steps), sent)
 
     def _directed(self, screened: Screened, sent: Mapping[str, Tensor]) -> Screened:
-        """The direction check: refuse an update pointing away from the fleet's (module doc)."""
-        if self.settings.direction_min_cosine is None:
+        """The direction check: refuse an update pointing away from the fleet's (module doc); sketch it for the
+        peer check."""
+        if self.settings.direction_min_cosine is None and self.settings.peer_min_cosine is None:
             return screened
         direction = dense_updates(screened.upload, sent)
+        peer = None if self.settings.peer_min_cosine is None else sketch(direction)
+        if self.settings.direction_min_cosine is None:
+            return replace(screened, sketch=peer)
         cos = self.direction.cosine(direction)
         if cos is not None and cos < self.settings.direction_min_cosine:
             raise UploadRefused(
@@ -288,13 +304,33 @@ class UploadGate:
                 f"update has cosine {cos:.3g} with the fleet's direction of last round "
                 f"(at least {self.settings.direction_min_cosine:g})",
             )
-        return replace(screened, cosine=cos, direction=direction)
+        return replace(screened, cosine=cos, direction=direction, sketch=peer)
 
-    def accepted(self, level: float, screened: Screened) -> None:
+    def accepted(self, level: float, screened: Screened, device: str | None = None) -> None:
         self._accepted.setdefault(level, []).append(screened.norm)
         self.history.add(screened.update_norms)
         if screened.direction:
             self.direction.add(screened.direction)
+        if device is not None and screened.sketch is not None:
+            self._sketches[device] = screened.sketch
+
+    def peer_cosines(self) -> dict[str, float]:
+        """Per device, its update's cosine with the sum of the round's others (module doc); empty while the check
+        is off or fewer than ``peer_min_updates`` uploads were screened here (a resume's replayed ones were not)."""
+        if self.settings.peer_min_cosine is None or len(self._sketches) < self.settings.peer_min_updates:
+            return {}
+        return peer_cosines(self._sketches)
+
+    def peer_outliers(self, cosines: Mapping[str, float]) -> dict[str, str]:
+        """The devices of :meth:`peer_cosines` below ``peer_min_cosine`` (fewer than half), worst first, with why."""
+        threshold = self.settings.peer_min_cosine
+        if threshold is None:
+            return {}
+        return {
+            device: f"update has cosine {cosines[device]:.3g} with the sum of the round's {len(cosines) - 1} other "
+            f"updates (at least {threshold:g})"
+            for device in direction_outliers(cosines, threshold)
+        }
 
     def sample_weight(self, claimed: int, expected_samples: int) -> int:
         """The samples an upload is weighted by: what it claims, capped at ``sample_weight_factor`` x expected."""

@@ -419,6 +419,10 @@ class RunDir:
             data = payload if isinstance(payload, bytes) else _tensor_bytes(payload)
             return RoundJournal(self.journal_path(round_)).accept(round_, device, transfer_id, data, meta, verified)
 
+    def journal_entries(self, round_: int) -> list[JournalEntry]:
+        """The uploads accepted into ``round_`` so far, in journal order."""
+        return RoundJournal(self.journal_path(round_)).entries()
+
     def load_upload(self, entry: JournalEntry) -> dict[str, torch.Tensor]:
         """An accepted upload's tensors, refusing a file whose digest no longer matches the journal."""
         return RoundJournal.load(entry)

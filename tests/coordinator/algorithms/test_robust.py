@@ -1,5 +1,5 @@
 """Update norms in the full-rank space, clipping that keeps a factor pair's shapes, the direction reference,
-and the buffered rules."""
+the direction sketches of the peer check, and the buffered rules."""
 
 import pytest
 import torch
@@ -12,8 +12,11 @@ from coordinator.algorithms.robust import (
     coordinate_median,
     cosine,
     dense_updates,
+    direction_outliers,
     layers_of,
     multi_krum,
+    peer_cosines,
+    sketch,
     trimmed_mean,
     update_norms,
 )
@@ -120,3 +123,41 @@ def test_the_reference_is_last_rounds_unit_updates_summed_so_one_large_reversed_
     reference.add({"w": torch.tensor([0.0, 1.0])})
     reference.next_round()
     assert reference.cosine({"w": torch.tensor([0.0, 3.0])}) == pytest.approx(1.0)  # only last round counts
+
+
+def test_sketch_dot_products_estimate_the_cosines_of_the_full_updates() -> None:
+    generator = torch.Generator().manual_seed(3)
+    shared = {"conv.weight": torch.randn(64, 32, 3, 3, generator=generator), "fc.bias": torch.randn(10)}
+    for mix in (0.0, 0.3, 0.7, 1.0):
+        other = {k: mix * v + (1 - mix) * torch.randn(v.shape, generator=generator) for k, v in shared.items()}
+        estimate = float(sketch(shared) @ sketch(other))
+        assert estimate == pytest.approx(cosine(shared, other), abs=0.05)
+    assert float(sketch(shared).norm()) == pytest.approx(1.0, abs=0.05)  # a unit vote, whatever its size
+    assert float(sketch({k: 100 * v for k, v in shared.items()}) @ sketch(shared)) == pytest.approx(1.0, abs=0.05)
+
+
+def test_layers_of_other_names_or_shapes_do_not_meet_in_a_sketch() -> None:
+    weight = torch.randn(32, 16)
+    assert abs(float(sketch({"a": weight}) @ sketch({"b": weight}))) < 0.1
+    assert abs(float(sketch({"a": weight}) @ sketch({"a": weight.reshape(16, 32)}))) < 0.1
+    assert not sketch({"a": torch.zeros(5)}).any() and not sketch({"a": torch.full((5,), float("inf"))}).any()
+
+
+def test_peer_cosines_leave_each_update_out_of_its_own_reference() -> None:
+    generator = torch.Generator().manual_seed(4)
+    fleet = torch.randn(5000, generator=generator)
+    uploads = {f"h{i}": {"w": fleet + torch.randn(5000, generator=generator)} for i in range(5)}
+    uploads["flip"] = {"w": -uploads["h0"]["w"]}
+    cosines = peer_cosines({d: sketch(u) for d, u in uploads.items()})
+    for device, upload in uploads.items():
+        others = {"w": sum(v["w"] / v["w"].norm() for d, v in uploads.items() if d != device)}
+        assert cosines[device] == pytest.approx(cosine(upload, others), abs=0.05)
+    assert cosines["flip"] < -0.5 < 0.3 < min(c for d, c in cosines.items() if d != "flip")
+    assert peer_cosines({"alone": sketch(uploads["h1"])}) == {}  # no peers: no cosine
+
+
+def test_outliers_are_the_worst_below_the_threshold_and_always_fewer_than_half() -> None:
+    cosines = {"a": 0.5, "b": -0.9, "c": -0.3, "d": 0.4, "e": -0.05}
+    assert direction_outliers(cosines, -0.1) == ["b", "c"]
+    assert direction_outliers(cosines, 1.0) == ["b", "c"]  # 2 of 5: the rest stays a majority
+    assert direction_outliers({"a": -0.9, "b": -0.9}, 0.0) == []

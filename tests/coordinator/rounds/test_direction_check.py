@@ -1,5 +1,6 @@
-"""The upload gate's direction check: an update pointing away from the fleet's is refused, in the gate and
-in a simulated round (a sign-flipped update is within the norm bound, so only its direction gives it away)."""
+"""The upload gate's direction checks: an update pointing away from the fleet's is refused, in the gate and
+in a simulated round (a sign-flipped update is within the norm bound, so only its direction gives it away).
+Two references: last round's direction (opt-in) and, by default, the sum of the round's other updates."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ def test_a_sign_flipped_update_is_refused_an_honest_one_passes_with_its_cosine()
 
 def test_the_check_is_off_by_default_and_its_threshold_configurable() -> None:
     assert GateSettings().direction_min_cosine is None  # opt-in: honest non-IID rounds can point apart
+    assert GateSettings().peer_min_cosine == -0.1  # the same-round check is the default
     assert second_round_gate(GateSettings()).norm("bad", 1.0, flipped(9)).cosine is None
     with pytest.raises(UploadRefused, match=r"at least 0\.99"):
         second_round_gate(GateSettings(direction_min_cosine=0.99)).norm("good", 1.0, honest(8))
@@ -97,10 +99,42 @@ def test_a_sign_flipped_device_is_refused_from_round_two_on_and_the_fleet_learns
     strategy = build_strategy("fedavg", ModelSpec("cnn", 10, 1, 8), {}, seed=0)
     test = (data.test_x, data.test_y)
     with caplog.at_level(logging.WARNING, logger="fedfleet.engine"):
-        train, limits = TrainConfig(batch_size=32, lr=0.05), {"direction_min_cosine": 0}
+        train = TrainConfig(batch_size=32, lr=0.05)
+        limits = {"direction_min_cosine": 0, "peer_min_cosine": None}  # last round's direction alone
         result = simulate(strategy, clients, 3, train, test, data.train_x, link=link, limits=limits)
     assert [set(r.upload_bytes) for r in result.rounds] == [{"bad", "g1", "g2", "g3"}] + [{"g1", "g2", "g3"}] * 2
     refusals = [r.getMessage() for r in caplog.records if "rejected bad's update" in r.getMessage()]
     assert len(refusals) == 2 and all("(wrong_direction)" in message for message in refusals)
     assert not [r for r in caplog.records if "rejected g" in r.getMessage()]  # no honest device refused
+    assert result.final.accuracy is not None and result.final.accuracy > 0.5
+
+
+def test_the_peer_check_names_an_update_against_its_round_only_with_enough_peers() -> None:
+    gate = UploadGate(GateSettings(peer_min_updates=4))
+    for i, device in enumerate(["h0", "h1", "bad", "h2"]):
+        gate.sent(device, squared_norms(SENT), SENT)
+        upload = flipped(9) if device == "bad" else honest(i)
+        gate.accepted(1.0, gate.norm(device, 1.0, upload), device)
+        if len(gate.peer_cosines()) < 4:
+            assert gate.peer_cosines() == {}  # three updates do not make a reference yet
+    cosines = gate.peer_cosines()
+    assert cosines["bad"] < -0.5 and min(c for d, c in cosines.items() if d != "bad") > 0.3
+    assert list(gate.peer_outliers(cosines)) == ["bad"]
+    assert "with the sum of the round's 3 other updates (at least -0.1)" in gate.peer_outliers(cosines)["bad"]
+    gate.open_round()
+    assert gate.peer_cosines() == {}  # a new round, new peers
+
+
+def test_by_default_a_sign_flipped_device_is_refused_at_every_close_from_round_one(caplog, tmp_path) -> None:
+    data = load_dataset("digits", 8, 1)
+    clients = digit_clients(["bad", "g1", "g2", "g3"])
+    link = SignFlipLink([LocalDevice(c.client_id, c.train, c.test) for c in clients])
+    strategy = build_strategy("fedavg", ModelSpec("cnn", 10, 1, 8), {}, seed=0)
+    with caplog.at_level(logging.WARNING, logger="fedfleet.engine"):
+        train = TrainConfig(batch_size=32, lr=0.05)
+        result = simulate(strategy, clients, 3, train, (data.test_x, data.test_y), data.train_x, link=link)
+    assert [set(r.upload_bytes) for r in result.rounds] == [{"g1", "g2", "g3"}] * 3
+    refusals = [r.getMessage() for r in caplog.records if "refused bad's update at the close" in r.getMessage()]
+    assert len(refusals) == 3 and all("with the sum of the round's 3 other updates" in m for m in refusals)
+    assert not [r for r in caplog.records if "refused g" in r.getMessage() or "rejected g" in r.getMessage()]
     assert result.final.accuracy is not None and result.final.accuracy > 0.5
