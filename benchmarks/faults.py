@@ -48,7 +48,7 @@ from device_agent.emulation.limits import thread_env
 
 DEVICES = ("orin-01", "orin-02", "pi5-01", "pi5-02")
 FLEET = """\
-fleet: faults
+fleet: {name}
 broker: {{mode: managed, host: 127.0.0.1, port: {port}}}
 model: {{arch: cnn, num_classes: 10}}
 dataset: {{name: digits, partition: dirichlet(1.0), seed: 0}}
@@ -60,11 +60,20 @@ quorum: 0.5
 checkpoints: {{keep_last: 2, keep_best: true}}
 training: {{batch_size: 16, local_epochs: 1, lr: 0.05, optimizer: momentum}}
 devices:
-  - {{id: orin-01, profile: jetson-orin-nano-8gb, overrides: {{network: {{uplink_mbps: 2}}}}}}
-  - {{id: orin-02, profile: jetson-orin-nano-8gb, overrides: {{network: {{uplink_mbps: 2}}}}}}
-  - {{id: pi5-01, profile: raspberry-pi-5, overrides: {{max_ratio: 1/2, network: {{uplink_mbps: 2}}}}}}
-  - {{id: pi5-02, profile: raspberry-pi-5, overrides: {{max_ratio: 1/2, network: {{uplink_mbps: 2}}}}}}
-"""
+{devices}"""
+# A device's profile by its name: "orin-NN" a Jetson Orin Nano, "pi5-NN" a Raspberry Pi 5 at gamma 1/2.
+PROFILES = {
+    "orin": "profile: jetson-orin-nano-8gb, overrides: {network: {uplink_mbps: 2}}",
+    "pi5": "profile: raspberry-pi-5, overrides: {max_ratio: 1/2, network: {uplink_mbps: 2}}",
+}
+
+
+def fleet_yaml(name: str, port: int, rounds: int, deadline_s: float, devices: tuple[str, ...]) -> str:
+    """The fleet of a fault run: digits, FedHM, every uplink held to 2 Mbit/s (an upload lasts about a second)."""
+    lines = "".join(f"  - {{id: {d}, {PROFILES[d.split('-')[0]]}}}\n" for d in devices)
+    return FLEET.format(name=name, port=port, rounds=rounds, deadline=deadline_s, devices=lines)
+
+
 SETTLED = re.compile(r"(\S+): round (\d+) update settled \(receipt: (accepted|duplicate)\)")
 WAIT_S = 150.0  # generous: on a loaded 2-core host every process start imports torch for seconds
 DEADLINE_S = 12.0
@@ -86,22 +95,33 @@ class Outcome:
 class FleetRun:
     """One scenario's folder (fleet.yaml, kits, run directory) and the processes of its run."""
 
-    def __init__(self, root: Path, rounds: int, deadline_s: float) -> None:
+    def __init__(
+        self,
+        root: Path,
+        rounds: int,
+        deadline_s: float,
+        devices: tuple[str, ...] = DEVICES,
+        run_args: tuple[str, ...] = (),
+        name: str = "faults",
+    ) -> None:
+        """``run_args``: more ``coordinator emulate`` options, on every start (a resume is the same command)."""
         self.root = root
         self.rounds = rounds
+        self.devices = devices
+        self.run_args = run_args
         self.port = free_port()
         self.fleet_file = root / "fleet.yaml"
-        self.fleet_file.write_text(FLEET.format(port=self.port, rounds=rounds, deadline=deadline_s))
+        self.fleet_file.write_text(fleet_yaml(name, self.port, rounds, deadline_s, devices))
         self.run_dir = root / "run"
         self.coordinators: list[subprocess.Popen[bytes]] = []
         self.agents: list[subprocess.Popen[bytes]] = []
 
     # ---- processes -----------------------------------------------------------------------------
 
-    def start_coordinator(self) -> subprocess.Popen[bytes]:
+    def start_coordinator(self, *extra: str) -> subprocess.Popen[bytes]:
         number = len(self.coordinators)
         command = [sys.executable, "-m", "coordinator", "emulate", "--fleet", str(self.fleet_file)]
-        command += ["--run-dir", str(self.run_dir), "--no-live", "--wait-timeout", "60"]
+        command += ["--run-dir", str(self.run_dir), "--no-live", "--wait-timeout", "60", *self.run_args, *extra]
         with open(self.root / f"coordinator-{number}.out", "wb") as out, open(self.err_file(number), "wb") as err:
             process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
         self.coordinators.append(process)
@@ -115,12 +135,12 @@ class FleetRun:
         found = {}
         for process in psutil.process_iter(["pid", "cmdline"]):
             command = " ".join(process.info["cmdline"] or [])
-            for device in DEVICES:
+            for device in self.devices:
                 if str(self.run_dir / "agents" / device / "agent.yaml") in command:
                     found[device] = process.info["pid"]
         return found
 
-    def restart_agent(self, device: str) -> None:
+    def restart_agent(self, device: str) -> subprocess.Popen[bytes]:
         """What systemd's Restart=on-failure does for a real device."""
         config = self.run_dir / "agents" / device / "agent.yaml"
         with open(config.parent / "agent.log", "ab") as log:
@@ -129,6 +149,7 @@ class FleetRun:
                 agent_command(config), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
         self.agents.append(process)
+        return process
 
     def broker_pid(self) -> int:
         return int((self.run_dir / "broker.pid").read_text().split()[0])
@@ -164,7 +185,7 @@ class FleetRun:
         marker = f".r{round_:06d}."
         return [
             device
-            for device in DEVICES
+            for device in self.devices
             if any(marker in p.name for p in (self.run_dir / "agents" / device / "state" / "outbox").glob("*.json"))
         ]
 
@@ -187,7 +208,7 @@ class FleetRun:
     def acknowledged(self) -> set[tuple[str, int]]:
         """(device, round) of every update an agent logged as accepted by the coordinator."""
         acked = set()
-        for device in DEVICES:
+        for device in self.devices:
             log = self.run_dir / "agents" / device / "agent.log"
             text = log.read_text(errors="replace") if log.exists() else ""
             acked |= {(name, int(round_)) for name, round_, _status in SETTLED.findall(text)}
@@ -245,7 +266,7 @@ def kill_agents(run: FleetRun, repeats: int, half: bool) -> str:
     for round_ in range(1, repeats + 1):
         victims = run.mid_upload(round_)[:1]
         if half:
-            victims += [d for d in DEVICES if d not in victims][: len(DEVICES) // 2 - 1]
+            victims += [d for d in run.devices if d not in victims][: len(run.devices) // 2 - 1]
         pids = run.agent_pids()
         for device in victims:
             os.kill(pids[device], signal.SIGKILL)
@@ -319,7 +340,7 @@ def persistence_dir(pid: int) -> Path:
 def offline_past_deadline(run: FleetRun, deadline_s: float) -> str:
     coordinator = run.start_coordinator()
     run.wait_for("round 1 to close", lambda: run.rounds_completed() >= 1)
-    device = DEVICES[-1]
+    device = run.devices[-1]
     agent = psutil.Process(run.agent_pids()[device])
     agent.suspend()  # no network, no CPU: from the broker's side the device is gone
     time.sleep(deadline_s + 3)
