@@ -154,6 +154,13 @@ class FleetRun:
     def broker_pid(self) -> int:
         return int((self.run_dir / "broker.pid").read_text().split()[0])
 
+    def broker_restarted(self, old: int) -> bool:
+        """Whether broker.pid names a broker other than ``old`` (False while it cannot be read)."""
+        try:
+            return self.broker_pid() != old
+        except (OSError, ValueError, IndexError):
+            return False
+
     def finish(self, coordinator: subprocess.Popen[bytes], timeout: float = WAIT_S) -> int:
         try:
             return coordinator.wait(timeout)
@@ -319,7 +326,7 @@ def kill_broker(run: FleetRun, repeats: int, wipe: bool) -> str:
             for file in persistence_dir(pid).glob("*"):
                 file.unlink()
         os.kill(pid, signal.SIGKILL)
-        run.wait_for("the broker to be restarted", lambda p=pid: run.broker_pid() != p)
+        run.wait_for("the broker to be restarted", lambda p=pid: run.broker_restarted(p))
         run.wait_for(f"round {round_} to close", lambda r=round_: run.rounds_completed() >= r)
     run.finish(coordinator)
     restarts = (run.root / "coordinator-0.err").read_text(errors="replace").count("broker restarted")

@@ -159,12 +159,13 @@ def soak(minutes: float, seed: int, root: Path) -> dict[str, object]:
     samples: list[MemorySample] = []
     measure = "pss"
     broker_restarts = coordinator_kills = 0
-    started = time.monotonic()
+    launched = time.monotonic()
     coordinator = run.start_coordinator()
-    born = started
+    born = launched
     try:
         run.wait_for("round 1 to close", lambda: run.rounds_completed() >= 1)
-        churn.schedule(time.monotonic())
+        started = time.monotonic()  # the soak's minutes count from here: a loaded host may take a minute to start
+        churn.schedule(started)
         last_sample = 0.0
         while (now := time.monotonic()) - started < total:
             if coordinator.poll() is not None:
@@ -177,7 +178,7 @@ def soak(minutes: float, seed: int, root: Path) -> dict[str, object]:
             if not broker_restarts and now - started >= total / 3:
                 pid = run.broker_pid()
                 os.kill(pid, signal.SIGKILL)
-                run.wait_for("the broker to be restarted", lambda p=pid: run.broker_pid() != p)
+                run.wait_for("the broker to be restarted", lambda p=pid: run.broker_restarted(p))
                 broker_restarts += 1
             if not coordinator_kills and now - started >= 2 * total / 3:
                 coordinator.kill()
@@ -195,7 +196,7 @@ def soak(minutes: float, seed: int, root: Path) -> dict[str, object]:
         code = run.finish(run.start_coordinator("--rounds", str(closed + 1)), timeout=WAIT_S * 2)
     finally:
         run.stop_all()
-    soaked = time.monotonic() - started
+    soaked = time.monotonic() - launched
     rows = read_metrics(run.run_dir / METRICS_FILE)
     memory, growth = memory_summary(samples, warmup_s)
     problems = run.leftovers() + run.errors()
