@@ -43,6 +43,7 @@ from benchmarks import bad_inputs
 from benchmarks.reliability import update_page
 from coordinator.transport.broker.base import free_port
 from coordinator.transport.broker.scratch import OWNER_FILE, PATTERN
+from device_agent.common.processes import die_with_parent
 from device_agent.emulation.launcher import agent_command
 from device_agent.emulation.limits import thread_env
 
@@ -119,11 +120,14 @@ class FleetRun:
     # ---- processes -----------------------------------------------------------------------------
 
     def start_coordinator(self, *extra: str) -> subprocess.Popen[bytes]:
+        """``coordinator emulate`` on this run; it gets SIGTERM (a clean stop of its agents and broker) if we die."""
         number = len(self.coordinators)
         command = [sys.executable, "-m", "coordinator", "emulate", "--fleet", str(self.fleet_file)]
         command += ["--run-dir", str(self.run_dir), "--no-live", "--wait-timeout", "60", *self.run_args, *extra]
         with open(self.root / f"coordinator-{number}.out", "wb") as out, open(self.err_file(number), "wb") as err:
-            process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+            process = subprocess.Popen(
+                command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent
+            )
         self.coordinators.append(process)
         return process
 
@@ -141,15 +145,31 @@ class FleetRun:
         return found
 
     def restart_agent(self, device: str) -> subprocess.Popen[bytes]:
-        """What systemd's Restart=on-failure does for a real device."""
+        """What systemd's Restart=on-failure does for a real device.
+
+        The agent is this process's child, not the coordinator's: it dies with us (parent-death signal), but
+        a scenario that kills the coordinator must stop it itself, as :meth:`stop_restarted` does.
+        """
         config = self.run_dir / "agents" / device / "agent.yaml"
         with open(config.parent / "agent.log", "ab") as log:
             env = {**os.environ, **thread_env(1)}
             process = subprocess.Popen(
-                agent_command(config), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                agent_command(config),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         self.agents.append(process)
         return process
+
+    def stop_restarted(self) -> None:
+        """SIGTERM to the agents :meth:`restart_agent` started that still run: what the parent-death signal
+        sends the coordinator's own agents when it is killed, so a killed coordinator leaves no device up."""
+        for process in self.agents:
+            if process.poll() is None:
+                process.terminate()
 
     def broker_pid(self) -> int:
         return int((self.run_dir / "broker.pid").read_text().split()[0])

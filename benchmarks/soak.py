@@ -138,14 +138,18 @@ def memory_summary(samples: list[MemorySample], warmup_s: float) -> tuple[dict[s
 
 
 def stop_agents(run: FleetRun) -> None:
-    """End the agents the churn restarted and wait until no agent of the run is left (no device runs twice)."""
-    for process in run.agents:
-        if process.poll() is None:
-            process.terminate()
+    """End the agents the churn restarted and wait until no agent of the run is left (no device runs twice).
+
+    The coordinator's own agents end by themselves (its clean stop, or the parent-death signal when it is
+    killed); the churn's are children of this process, so they get the same SIGTERM from here.
+    """
+    run.stop_restarted()
     deadline = time.monotonic() + AGENT_EXIT_S
-    while run.agent_pids():  # not run.wait_for: that one gives up once the coordinator is gone, as here
+    while left := run.agent_pids():  # not run.wait_for: that one gives up once the coordinator is gone, as here
         if time.monotonic() > deadline:
-            raise ScenarioFailed(f"agents still ran {AGENT_EXIT_S:.0f} s after their coordinator stopped")
+            raise ScenarioFailed(
+                f"agents still ran {AGENT_EXIT_S:.0f} s after their coordinator stopped: {', '.join(sorted(left))}"
+            )
         time.sleep(0.2)
 
 
@@ -182,8 +186,9 @@ def soak(minutes: float, seed: int, root: Path) -> dict[str, object]:
                 broker_restarts += 1
             if not coordinator_kills and now - started >= 2 * total / 3:
                 coordinator.kill()
+                run.stop_restarted()  # at once: its own agents get SIGTERM from the kernel as it dies, these from us
                 coordinator.wait()
-                stop_agents(run)  # its own agents die with it (parent-death signal); the churn's are ended here
+                stop_agents(run)
                 churn.resumed()
                 coordinator, born = run.start_coordinator(), time.monotonic()
                 coordinator_kills += 1
