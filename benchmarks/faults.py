@@ -43,12 +43,13 @@ from benchmarks import bad_inputs
 from benchmarks.reliability import update_page
 from coordinator.transport.broker.base import free_port
 from coordinator.transport.broker.scratch import OWNER_FILE, PATTERN
+from device_agent.common.processes import die_with_parent
 from device_agent.emulation.launcher import agent_command
 from device_agent.emulation.limits import thread_env
 
 DEVICES = ("orin-01", "orin-02", "pi5-01", "pi5-02")
 FLEET = """\
-fleet: faults
+fleet: {name}
 broker: {{mode: managed, host: 127.0.0.1, port: {port}}}
 model: {{arch: cnn, num_classes: 10}}
 dataset: {{name: digits, partition: dirichlet(1.0), seed: 0}}
@@ -60,11 +61,20 @@ quorum: 0.5
 checkpoints: {{keep_last: 2, keep_best: true}}
 training: {{batch_size: 16, local_epochs: 1, lr: 0.05, optimizer: momentum}}
 devices:
-  - {{id: orin-01, profile: jetson-orin-nano-8gb, overrides: {{network: {{uplink_mbps: 2}}}}}}
-  - {{id: orin-02, profile: jetson-orin-nano-8gb, overrides: {{network: {{uplink_mbps: 2}}}}}}
-  - {{id: pi5-01, profile: raspberry-pi-5, overrides: {{max_ratio: 1/2, network: {{uplink_mbps: 2}}}}}}
-  - {{id: pi5-02, profile: raspberry-pi-5, overrides: {{max_ratio: 1/2, network: {{uplink_mbps: 2}}}}}}
-"""
+{devices}"""
+# A device's profile by its name: "orin-NN" a Jetson Orin Nano, "pi5-NN" a Raspberry Pi 5 at gamma 1/2.
+PROFILES = {
+    "orin": "profile: jetson-orin-nano-8gb, overrides: {network: {uplink_mbps: 2}}",
+    "pi5": "profile: raspberry-pi-5, overrides: {max_ratio: 1/2, network: {uplink_mbps: 2}}",
+}
+
+
+def fleet_yaml(name: str, port: int, rounds: int, deadline_s: float, devices: tuple[str, ...]) -> str:
+    """The fleet of a fault run: digits, FedHM, every uplink held to 2 Mbit/s (an upload lasts about a second)."""
+    lines = "".join(f"  - {{id: {d}, {PROFILES[d.split('-')[0]]}}}\n" for d in devices)
+    return FLEET.format(name=name, port=port, rounds=rounds, deadline=deadline_s, devices=lines)
+
+
 SETTLED = re.compile(r"(\S+): round (\d+) update settled \(receipt: (accepted|duplicate)\)")
 WAIT_S = 150.0  # generous: on a loaded 2-core host every process start imports torch for seconds
 DEADLINE_S = 12.0
@@ -86,24 +96,38 @@ class Outcome:
 class FleetRun:
     """One scenario's folder (fleet.yaml, kits, run directory) and the processes of its run."""
 
-    def __init__(self, root: Path, rounds: int, deadline_s: float) -> None:
+    def __init__(
+        self,
+        root: Path,
+        rounds: int,
+        deadline_s: float,
+        devices: tuple[str, ...] = DEVICES,
+        run_args: tuple[str, ...] = (),
+        name: str = "faults",
+    ) -> None:
+        """``run_args``: more ``coordinator emulate`` options, on every start (a resume is the same command)."""
         self.root = root
         self.rounds = rounds
+        self.devices = devices
+        self.run_args = run_args
         self.port = free_port()
         self.fleet_file = root / "fleet.yaml"
-        self.fleet_file.write_text(FLEET.format(port=self.port, rounds=rounds, deadline=deadline_s))
+        self.fleet_file.write_text(fleet_yaml(name, self.port, rounds, deadline_s, devices))
         self.run_dir = root / "run"
         self.coordinators: list[subprocess.Popen[bytes]] = []
         self.agents: list[subprocess.Popen[bytes]] = []
 
     # ---- processes -----------------------------------------------------------------------------
 
-    def start_coordinator(self) -> subprocess.Popen[bytes]:
+    def start_coordinator(self, *extra: str) -> subprocess.Popen[bytes]:
+        """``coordinator emulate`` on this run; it gets SIGTERM (a clean stop of its agents and broker) if we die."""
         number = len(self.coordinators)
         command = [sys.executable, "-m", "coordinator", "emulate", "--fleet", str(self.fleet_file)]
-        command += ["--run-dir", str(self.run_dir), "--no-live", "--wait-timeout", "60"]
+        command += ["--run-dir", str(self.run_dir), "--no-live", "--wait-timeout", "60", *self.run_args, *extra]
         with open(self.root / f"coordinator-{number}.out", "wb") as out, open(self.err_file(number), "wb") as err:
-            process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+            process = subprocess.Popen(
+                command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent
+            )
         self.coordinators.append(process)
         return process
 
@@ -115,23 +139,47 @@ class FleetRun:
         found = {}
         for process in psutil.process_iter(["pid", "cmdline"]):
             command = " ".join(process.info["cmdline"] or [])
-            for device in DEVICES:
+            for device in self.devices:
                 if str(self.run_dir / "agents" / device / "agent.yaml") in command:
                     found[device] = process.info["pid"]
         return found
 
-    def restart_agent(self, device: str) -> None:
-        """What systemd's Restart=on-failure does for a real device."""
+    def restart_agent(self, device: str) -> subprocess.Popen[bytes]:
+        """What systemd's Restart=on-failure does for a real device.
+
+        The agent is this process's child, not the coordinator's: it dies with us (parent-death signal), but
+        a scenario that kills the coordinator must stop it itself, as :meth:`stop_restarted` does.
+        """
         config = self.run_dir / "agents" / device / "agent.yaml"
         with open(config.parent / "agent.log", "ab") as log:
             env = {**os.environ, **thread_env(1)}
             process = subprocess.Popen(
-                agent_command(config), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                agent_command(config),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         self.agents.append(process)
+        return process
+
+    def stop_restarted(self) -> None:
+        """SIGTERM to the agents :meth:`restart_agent` started that still run: what the parent-death signal
+        sends the coordinator's own agents when it is killed, so a killed coordinator leaves no device up."""
+        for process in self.agents:
+            if process.poll() is None:
+                process.terminate()
 
     def broker_pid(self) -> int:
         return int((self.run_dir / "broker.pid").read_text().split()[0])
+
+    def broker_restarted(self, old: int) -> bool:
+        """Whether broker.pid names a broker other than ``old`` (False while it cannot be read)."""
+        try:
+            return self.broker_pid() != old
+        except (OSError, ValueError, IndexError):
+            return False
 
     def finish(self, coordinator: subprocess.Popen[bytes], timeout: float = WAIT_S) -> int:
         try:
@@ -164,7 +212,7 @@ class FleetRun:
         marker = f".r{round_:06d}."
         return [
             device
-            for device in DEVICES
+            for device in self.devices
             if any(marker in p.name for p in (self.run_dir / "agents" / device / "state" / "outbox").glob("*.json"))
         ]
 
@@ -187,7 +235,7 @@ class FleetRun:
     def acknowledged(self) -> set[tuple[str, int]]:
         """(device, round) of every update an agent logged as accepted by the coordinator."""
         acked = set()
-        for device in DEVICES:
+        for device in self.devices:
             log = self.run_dir / "agents" / device / "agent.log"
             text = log.read_text(errors="replace") if log.exists() else ""
             acked |= {(name, int(round_)) for name, round_, _status in SETTLED.findall(text)}
@@ -245,7 +293,7 @@ def kill_agents(run: FleetRun, repeats: int, half: bool) -> str:
     for round_ in range(1, repeats + 1):
         victims = run.mid_upload(round_)[:1]
         if half:
-            victims += [d for d in DEVICES if d not in victims][: len(DEVICES) // 2 - 1]
+            victims += [d for d in run.devices if d not in victims][: len(run.devices) // 2 - 1]
         pids = run.agent_pids()
         for device in victims:
             os.kill(pids[device], signal.SIGKILL)
@@ -298,7 +346,7 @@ def kill_broker(run: FleetRun, repeats: int, wipe: bool) -> str:
             for file in persistence_dir(pid).glob("*"):
                 file.unlink()
         os.kill(pid, signal.SIGKILL)
-        run.wait_for("the broker to be restarted", lambda p=pid: run.broker_pid() != p)
+        run.wait_for("the broker to be restarted", lambda p=pid: run.broker_restarted(p))
         run.wait_for(f"round {round_} to close", lambda r=round_: run.rounds_completed() >= r)
     run.finish(coordinator)
     restarts = (run.root / "coordinator-0.err").read_text(errors="replace").count("broker restarted")
@@ -319,7 +367,7 @@ def persistence_dir(pid: int) -> Path:
 def offline_past_deadline(run: FleetRun, deadline_s: float) -> str:
     coordinator = run.start_coordinator()
     run.wait_for("round 1 to close", lambda: run.rounds_completed() >= 1)
-    device = DEVICES[-1]
+    device = run.devices[-1]
     agent = psutil.Process(run.agent_pids()[device])
     agent.suspend()  # no network, no CPU: from the broker's side the device is gone
     time.sleep(deadline_s + 3)

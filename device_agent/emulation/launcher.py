@@ -10,7 +10,6 @@ of its log, never silently dropped.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -22,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from device_agent.common.processes import die_with_parent
 from device_agent.emulation.limits import thread_env
 
 _TAIL_LINES = 15
@@ -106,12 +106,6 @@ def log_tail(path: Path, lines: int = _TAIL_LINES) -> str:
     return "\n".join("    " + line for line in text.splitlines()[-lines:])
 
 
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: SIGTERM when the launcher dies (Linux prctl PR_SET_PDEATHSIG)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
-
-
 class AgentGroup:
     """The agent processes of one emulation; use as a context manager so they are always stopped."""
 
@@ -150,7 +144,7 @@ class AgentGroup:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+                preexec_fn=die_with_parent,
             )
         with self._lock:
             self._processes[spec.device] = process

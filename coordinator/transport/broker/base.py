@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import ctypes
 import random
-import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +16,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
 from coordinator.transport.broker.credentials import COORDINATOR_USER, Credentials
+from device_agent.common.processes import die_with_parent
 from device_agent.wire.session import BrokerAddress
 
 
@@ -91,21 +89,11 @@ def terminate(process: subprocess.Popen | None, timeout: float) -> None:
         process.wait()
 
 
-def die_with_parent() -> None:
-    """``preexec_fn`` for a managed broker: the kernel sends it SIGTERM when the coordinator dies, even by
-    SIGKILL or SIGHUP, so no orphan broker keeps the port (Linux: prctl PR_SET_PDEATHSIG; elsewhere a no-op).
-
-    The kernel clears this setting when a process changes its user, as mosquitto does when it drops
-    root: see :func:`child_options`, which makes the switch before. The signal follows the thread that
-    started the child: start brokers from the main thread.
-    """
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
-
-
 def child_options(owner: tuple[int, int] | None = None) -> dict[str, Any]:
-    """``Popen`` arguments for a broker that must not outlive us: started directly as ``owner`` (uid, gid),
-    if given, so it has no user to drop and keeps its parent-death signal."""
+    """``Popen`` arguments for a broker that must not outlive us (:func:`die_with_parent`: SIGTERM when the
+    coordinator dies, even by SIGKILL, so no orphan broker keeps the port): started directly as ``owner``
+    (uid, gid), if given, so it has no user to drop and keeps its parent-death signal. Start brokers from
+    the main thread: the signal follows the thread that started the child."""
     options: dict[str, Any] = {"preexec_fn": die_with_parent}
     if owner is not None:
         options |= {"user": owner[0], "group": owner[1], "extra_groups": []}
