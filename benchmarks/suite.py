@@ -59,7 +59,8 @@ SUITE: tuple[Benchmark, ...] = (
     Benchmark("faults", ("--repeats", "1")),  # runs benchmarks.bad_inputs too (key bad_inputs)
     Benchmark("json_bounds"),
     Benchmark("probe_stability"),
-    Benchmark("poisoning"),  # 54 short simulations: about 8 minutes on 2 idle cores
+    Benchmark("poisoning"),  # 54 short simulations: about 8 minutes on 2 idle cores, 20 on a busy one
+    Benchmark("soak", ("--minutes", "20"), timeout_s=3600),  # churn, broker and coordinator crashes for 20 minutes
 )
 
 
