@@ -214,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         help="--scale: shards from digits (default) or Fashion-MNIST's 60,000 (apt-get install dataset-fashion-mnist)",
     )
     parser.add_argument(
+        "--deadline-s",
+        type=float,
+        help="--scale: round deadline in seconds instead of the demo's 60 (a small host training Fashion-MNIST)",
+    )
+    parser.add_argument(
         "--device-type",
         default="cpu",
         help="--scale: where the emulated agents train: cpu (default), cuda, cuda:N",
@@ -244,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         except DatasetError as error:
             print(f"--scale-dataset {args.scale_dataset}: {error}", file=sys.stderr)
             return 2
-        outcome = emulation_scale.scale(sizes, args.scale_dataset, args.device_type)
+        outcome = emulation_scale.scale(sizes, args.scale_dataset, args.device_type, args.deadline_s)
         print(
             json.dumps({"benchmark": "emulation", **outcome})
             if args.json

@@ -17,6 +17,7 @@ round (reported beside the timings) says something about learning at that scale.
     python -m benchmarks.emulation --scale --json               the ladder (--sizes)
     python -m benchmarks.emulation --scale --devices 300        one size
     python -m benchmarks.emulation --scale --devices 1000 --scale-dataset fashion_mnist --json
+    python -m benchmarks.emulation --scale --devices 300 --scale-dataset fashion_mnist --deadline-s 300
     python -m benchmarks.emulation --scale --devices 1000 --device-type cuda --json   (CUDA workers)
 """
 
@@ -42,9 +43,12 @@ DATASETS = ("digits", "fashion_mnist")
 TRAIN_IMAGES = {"digits": 1437, "fashion_mnist": 60_000}
 
 
-def scale_fleet(devices: int, port: int, dataset: str = "digits") -> dict:
-    """The demo fleet with ``devices`` devices (its classes in turn, its overrides), iid data, 3 rounds."""
+def scale_fleet(devices: int, port: int, dataset: str = "digits", deadline_s: float | None = None) -> dict:
+    """The demo fleet with ``devices`` devices (its classes in turn, its overrides), iid data, 3 rounds;
+    ``deadline_s`` replaces the demo's round deadline (a host that cannot train 60,000 images in it)."""
     fleet = yaml.safe_load(_DEMO.read_text())
+    if deadline_s is not None:
+        fleet["round_deadline_s"] = deadline_s
     if dataset != "digits":
         fleet["dataset"]["name"] = dataset
         fleet["model"] |= {"in_channels": 1, "image_size": 28}
@@ -84,11 +88,17 @@ def _sample(process: psutil.Process, peaks: dict[str, dict[int, int]]) -> None:
             continue
 
 
-def run_size(devices: int, timeout: float = 1200, dataset: str = "digits", device_type: str = "cpu") -> dict:
+def run_size(
+    devices: int,
+    timeout: float = 1200,
+    dataset: str = "digits",
+    device_type: str = "cpu",
+    deadline_s: float | None = None,
+) -> dict:
     """One emulated fleet of ``devices``; what it took and whether every round completed."""
     from coordinator.transport.broker.base import free_port
 
-    fleet = scale_fleet(devices, free_port(), dataset)
+    fleet = scale_fleet(devices, free_port(), dataset, deadline_s)
     with tempfile.TemporaryDirectory(prefix="fedfleet-bench-scale-") as folder:
         path, run_dir = Path(folder) / "fleet.yaml", Path(folder) / "run"
         path.write_text(yaml.safe_dump(fleet, sort_keys=False))
@@ -152,11 +162,11 @@ def run_size(devices: int, timeout: float = 1200, dataset: str = "digits", devic
     return result
 
 
-def scale(sizes: list[int], dataset: str = "digits", device_type: str = "cpu") -> dict:
+def scale(sizes: list[int], dataset: str = "digits", device_type: str = "cpu", deadline_s: float | None = None) -> dict:
     """Sizes in increasing order until one does not complete; ``max_devices``: the largest that did."""
     runs = []
     for devices in sorted(sizes):
-        runs.append(run_size(devices, dataset=dataset, device_type=device_type))
+        runs.append(run_size(devices, dataset=dataset, device_type=device_type, deadline_s=deadline_s))
         if not runs[-1]["completed"]:
             break
     done = [r["devices"] for r in runs if r["completed"]]

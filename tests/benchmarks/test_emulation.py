@@ -39,3 +39,11 @@ def test_the_scale_fleet_draws_fashion_mnist_shards_at_28x28() -> None:
     fleet = parse_fleet(scale_fleet(1000, 18999, "fashion_mnist"), source="scale")
     assert fleet.dataset.name == "fashion_mnist" and (fleet.model.in_channels, fleet.model.image_size) == (1, 28)
     assert fleet.samples_for(fleet.devices[-1]) == 60  # the planner's share of the 60,000 at 1,000 devices
+
+
+def test_the_scale_fleet_takes_a_longer_round_deadline_when_asked() -> None:
+    from benchmarks.emulation_scale import scale_fleet
+    from coordinator.config.fleet import parse_fleet
+
+    assert parse_fleet(scale_fleet(30, 18999, "fashion_mnist", 300.0), source="scale").round_deadline_s == 300
+    assert scale_fleet(30, 18999)["round_deadline_s"] == 60  # the demo's, unless asked
