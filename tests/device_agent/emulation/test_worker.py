@@ -38,7 +38,9 @@ def test_devices_are_packed_into_workers_that_list_their_agent_files(tmp_path: P
     assert [c.device for c in read_agent_list(workers[0].config)] == ["dev-00", "dev-01", "dev-02"]
     assert workers[0].log == tmp_path / "workers" / "worker-00.log"
     # each device keeps its own password variable; the worker's environment carries all of its devices'
-    assert set(workers[0].env) == {"FEDFLEET_PASSWORD_0", "FEDFLEET_PASSWORD_1", "FEDFLEET_PASSWORD_2"}
+    passwords = {"FEDFLEET_PASSWORD_0", "FEDFLEET_PASSWORD_1", "FEDFLEET_PASSWORD_2"}
+    assert set(workers[0].env) == passwords | {"MALLOC_ARENA_MAX"}
+    assert workers[0].env["MALLOC_ARENA_MAX"] == "1"  # one malloc arena: memory follows the slot, not the threads
     assert worker_command(workers[1].config, threads=2)[-5:] == [
         "worker",
         "--agents",
@@ -46,6 +48,12 @@ def test_devices_are_packed_into_workers_that_list_their_agent_files(tmp_path: P
         "--threads",
         "2",
     ]
+
+
+def test_an_operators_malloc_arena_setting_wins(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    (worker,) = pack_specs([_agent(tmp_path, 0)], [range(1)], tmp_path / "workers")
+    assert worker.env["MALLOC_ARENA_MAX"] == "4"
 
 
 def test_devices_sharing_a_password_variable_cannot_share_a_worker(tmp_path: Path) -> None:
