@@ -231,6 +231,20 @@ def peer_cosines(sketches: Mapping[str, Tensor]) -> dict[str, float]:
     return cosines
 
 
+def peer_cut(cosines: Mapping[str, float], floor: float, spread: float) -> float:
+    """The cosine below which an update is an outlier of its round: under ``floor`` and also ``spread`` scaled
+    median absolute deviations (a robust standard deviation) below the round's median.
+
+    Early in training honest updates agree (median cosines 0.4-0.8) and a reversed one sits far below;
+    once the model converges they are mostly gradient noise, spread around 0, and a fixed floor alone
+    would refuse the honest ones on its low side (a 20-minute soak refused 73 at -0.10 to -0.20).
+    """
+    values = list(cosines.values())
+    median = statistics.median(values)
+    deviation = 1.4826 * statistics.median(abs(v - median) for v in values)
+    return min(floor, median - spread * deviation)
+
+
 def direction_outliers(cosines: Mapping[str, float], threshold: float) -> list[str]:
     """The devices whose peer cosine is below ``threshold``, worst first, never half the round or more:
     the rest must stay a majority for "the others' direction" to mean the honest fleet's."""

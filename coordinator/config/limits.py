@@ -56,6 +56,9 @@ class GateSettings:
     non-IID data where consecutive rounds point apart (docs/robust-aggregation.md)."""
     peer_min_updates: int = 4
     """Updates a round needs (with a direction sketch) before the peer check judges any of them."""
+    peer_spread: float = 3.0
+    """An update is refused only when it is also this many (scaled) median absolute deviations below the round's
+    median cosine: once a model converges, honest updates are mostly noise and their cosines spread around 0."""
     sample_weight_factor: float | None = 2.0
     """An upload weighs at most this many times the samples the fleet expects of its device; None: no cap."""
 
@@ -72,6 +75,8 @@ class GateSettings:
             raise ValueError(f"update_warmup_factor must be > 0, got {self.update_warmup_factor}")
         if self.peer_min_cosine is not None and not -1 <= self.peer_min_cosine < 1:
             raise ValueError(f"peer_min_cosine must be in [-1, 1) (or None), got {self.peer_min_cosine}")
+        if not self.peer_spread >= 0:
+            raise ValueError(f"peer_spread must be >= 0, got {self.peer_spread}")
         if self.peer_min_updates < 3:
             raise ValueError(f"peer_min_updates must be >= 3, got {self.peer_min_updates}")
         if self.sample_weight_factor is not None and self.sample_weight_factor < 1:
@@ -146,6 +151,12 @@ class FleetLimits(BaseModel):
     peer_min_updates: int = Field(
         GateSettings.peer_min_updates, ge=3, description="updates a round needs before the peer check judges any"
     )
+    peer_spread: float = Field(
+        GateSettings.peer_spread,
+        ge=0,
+        description="the peer check refuses only updates also this many median absolute deviations below the "
+        "round's median cosine (honest updates of a converged model spread around 0)",
+    )
     sample_weight_factor: float | None = Field(
         GateSettings.sample_weight_factor,
         ge=1,
@@ -181,6 +192,7 @@ class FleetLimits(BaseModel):
             direction_min_cosine=self.direction_min_cosine,
             peer_min_cosine=self.peer_min_cosine,
             peer_min_updates=self.peer_min_updates,
+            peer_spread=self.peer_spread,
             sample_weight_factor=self.sample_weight_factor,
         )
 

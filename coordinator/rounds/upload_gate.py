@@ -48,6 +48,7 @@ from coordinator.algorithms.robust import (
     direction_outliers,
     layers_of,
     peer_cosines,
+    peer_cut,
     sketch,
     update_norms,
 )
@@ -322,14 +323,17 @@ class UploadGate:
         return peer_cosines(self._sketches)
 
     def peer_outliers(self, cosines: Mapping[str, float]) -> dict[str, str]:
-        """The devices of :meth:`peer_cosines` below ``peer_min_cosine`` (fewer than half), worst first, with why."""
-        threshold = self.settings.peer_min_cosine
-        if threshold is None:
+        """The devices of :meth:`peer_cosines` below ``peer_min_cosine`` and ``peer_spread`` deviations below the
+        round's median (:func:`~coordinator.algorithms.robust.peer_cut`), fewer than half, worst first, with why."""
+        floor = self.settings.peer_min_cosine
+        if floor is None or not cosines:
             return {}
+        cut = peer_cut(cosines, floor, self.settings.peer_spread)
         return {
             device: f"update has cosine {cosines[device]:.3g} with the sum of the round's {len(cosines) - 1} other "
-            f"updates (at least {threshold:g})"
-            for device in direction_outliers(cosines, threshold)
+            f"updates (at least {cut:.3g}: below {floor:g} and {self.settings.peer_spread:g} deviations below the "
+            "round's median)"
+            for device in direction_outliers(cosines, cut)
         }
 
     def sample_weight(self, claimed: int, expected_samples: int) -> int:

@@ -16,6 +16,7 @@ from coordinator.algorithms.robust import (
     layers_of,
     multi_krum,
     peer_cosines,
+    peer_cut,
     sketch,
     trimmed_mean,
     update_norms,
@@ -161,3 +162,13 @@ def test_outliers_are_the_worst_below_the_threshold_and_always_fewer_than_half()
     assert direction_outliers(cosines, -0.1) == ["b", "c"]
     assert direction_outliers(cosines, 1.0) == ["b", "c"]  # 2 of 5: the rest stays a majority
     assert direction_outliers({"a": -0.9, "b": -0.9}, 0.0) == []
+
+
+def test_the_cut_follows_the_round_so_a_converged_rounds_noise_is_not_refused() -> None:
+    agreeing = {"a": 0.62, "b": 0.58, "c": 0.55, "d": 0.66, "flip": -0.6}
+    assert peer_cut(agreeing, -0.1, 3.0) == -0.1  # early rounds: the floor decides, the reversed update is out
+    assert direction_outliers(agreeing, peer_cut(agreeing, -0.1, 3.0)) == ["flip"]
+    converged = {"a": -0.15, "b": -0.05, "c": 0.0, "d": 0.05, "e": 0.1, "f": 0.12, "g": 0.03, "h": 0.08}
+    cut = peer_cut(converged, -0.1, 3.0)
+    assert cut < -0.15 and direction_outliers(converged, cut) == []  # honest noise around 0: nobody refused
+    assert peer_cut(converged, -0.1, 0.0) == -0.1  # spread 0: the floor alone, as before
