@@ -41,6 +41,7 @@ from pathlib import Path
 
 from coordinator.provision.agent_kit import UNIT, torch_cpu_requirements, torch_version
 from coordinator.provision.wheel import DEMO_EXTRA, agent_requirements
+from coordinator.transport.broker.base import free_port
 from coordinator.transport.broker.mosquitto import find_mosquitto
 
 _ROOT = Path(__file__).resolve().parents[1]
@@ -284,7 +285,7 @@ def measure(rounds: int, cache: Path, keep: bool, timeout: float) -> dict[str, o
         log(f"work dir: {work}")
         root = work / "rootfs"
         run(["cp", "-a", "--reflink=auto", str(pristine), str(root)])
-        port = 18000 + os.getpid() % 1000
+        port = free_port()
         (work / "fleet.yaml").write_text(fleet_yaml(port, rounds))
         coordinator = [sys.executable, "-m", "coordinator"]
         run([*coordinator, "provision", "--fleet", str(work / "fleet.yaml"), "--out", str(work / "kits")], cwd=work)
