@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fedfleet-installed
 
-.PHONY: setup demo test test-fast lint docs docs-reference bench clean
+.PHONY: setup demo test test-fast lint docs docs-reference bench device-e2e clean
 
 setup: $(STAMP)
 
@@ -48,6 +48,12 @@ test-fast: setup
 # Every benchmark (the list is benchmarks/suite.py's SUITE) -> benchmarks/results.json and the README's table.
 bench: setup
 	$(PY) -m benchmarks.suite
+
+# As root: a provisioned kit installs (its own install.sh, offline) and trains 2 rounds on Debian bookworm
+# arm64 under qemu-user, in a network namespace of its own; the rootfs and aarch64 wheels are cached in
+# ~/.cache/fedfleet. Many minutes. DEVICE_E2E_ARGS passes more flags (e.g. "--json --rounds 3").
+device-e2e: setup
+	$(PY) -m benchmarks.device_e2e $(DEVICE_E2E_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info site
