@@ -41,6 +41,7 @@ import psutil
 
 from benchmarks import bad_inputs
 from benchmarks.reliability import update_page
+from coordinator.rounds.admission import REFUSED_AT_CLOSE
 from coordinator.transport.broker.base import free_port
 from coordinator.transport.broker.scratch import OWNER_FILE, PATTERN
 from device_agent.common.processes import die_with_parent
@@ -241,14 +242,28 @@ class FleetRun:
             acked |= {(name, int(round_)) for name, round_, _status in SETTLED.findall(text)}
         return acked
 
-    def lost_updates(self) -> int:
-        """Updates an agent was told were accepted that the round's metrics do not count."""
-        accepted: dict[int, set[str]] = {}
+    def _devices_by_round(self, judged: Callable[[dict], bool]) -> dict[int, set[str]]:
+        found: dict[int, set[str]] = {}
         metrics = self.run_dir / "metrics.jsonl"
         for line in metrics.read_text().splitlines() if metrics.exists() else []:
             row = json.loads(line)
-            accepted[row["round"]] = {d for d, m in row["devices"].items() if m["status"] == "accepted"}
-        return sum(device not in accepted.get(round_, set()) for device, round_ in self.acknowledged())
+            found[row["round"]] = {d for d, m in row["devices"].items() if judged(m)}
+        return found
+
+    def refused_at_close(self) -> list[tuple[str, int]]:
+        """Acknowledged updates the peer check refused when their round closed: judged, not lost (the metrics
+        say ``rejected`` with the reason and the upload is kept in the run's quarantine)."""
+        refused = self._devices_by_round(lambda m: str(m.get("error") or "").startswith(REFUSED_AT_CLOSE))
+        return [(device, round_) for device, round_ in self.acknowledged() if device in refused.get(round_, set())]
+
+    def lost_updates(self) -> int:
+        """Updates an agent was told were accepted that the round's metrics neither count nor refused at the close."""
+        accepted = self._devices_by_round(lambda m: m["status"] == "accepted")
+        refused = set(self.refused_at_close())
+        return sum(
+            device not in accepted.get(round_, set()) and (device, round_) not in refused
+            for device, round_ in self.acknowledged()
+        )
 
     def leftovers(self) -> list[str]:
         """A broker still on our port, or scratch folders of our exited coordinators."""

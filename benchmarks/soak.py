@@ -16,7 +16,9 @@ coordinator is stopped (SIGTERM) and resumed once more with ``--rounds`` one pas
 round, so the round open at the stop closes too and every acknowledged update can be checked.
 
 An update is *lost* when its agent logged the coordinator's receipt ``accepted`` (or ``duplicate``)
-for a round whose metrics do not count it (:meth:`FleetRun.lost_updates`). The coordinator
+for a round whose metrics do not count it (:meth:`FleetRun.lost_updates`); one the peer check refused when
+its round closed (``updates_refused_at_close``: the metrics say so and the run keeps it in quarantine) is
+judged, not lost, and counted apart. The coordinator
 process's memory (PSS, else RSS) is sampled every few seconds; each coordinator process's first
 ``warm-up`` seconds (imports, the dataset, the first rounds) are left out, and the growth is the
 last samples' median over the first ones' after warm-up, across the kill and resume.
@@ -216,6 +218,7 @@ def soak(minutes: float, seed: int, root: Path) -> dict[str, object]:
         "updates_accepted": sum(d.status == "accepted" for row in rows for d in row.devices.values()),
         "updates_acknowledged": len(run.acknowledged()),
         "updates_lost": run.lost_updates(),
+        "updates_refused_at_close": len(run.refused_at_close()),
         "churn_events": churn.counts,
         "broker_restarts": broker_restarts,
         "coordinator_kills": coordinator_kills,

@@ -41,6 +41,10 @@ from device_agent.wire.transfer import Completed
 log = logging.getLogger("fedfleet.engine")
 
 
+REFUSED_AT_CLOSE = "refused at the close"
+"""How a round's metrics name an update the peer check refused after it was acknowledged (judged, not lost)."""
+
+
 def describe_steps(steps: Mapping[str, float]) -> str:
     """The clipped layers, worst first, for a log line."""
     worst = sorted(steps.items(), key=lambda item: item[1])
@@ -195,7 +199,7 @@ class Admission:
                 continue
             if entry.device in refused:
                 self.rundir.quarantine(entry, f"wrong_direction: {refused[entry.device]}")
-                participant.reject(f"refused at the close: {refused[entry.device]}")
+                participant.reject(f"{REFUSED_AT_CLOSE}: {refused[entry.device]}")
                 log.warning(
                     "round %d: refused %s's update at the close: %s", open_.round, entry.device, refused[entry.device]
                 )
@@ -238,4 +242,4 @@ def journaled_meta(journaled: Mapping[str, Any]) -> UploadMeta:
     return parse_upload_meta(wire)
 
 
-__all__ = ["Admission", "journaled_meta"]
+__all__ = ["REFUSED_AT_CLOSE", "Admission", "journaled_meta"]

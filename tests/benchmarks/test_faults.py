@@ -39,3 +39,24 @@ def test_an_unknown_scenario_is_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         main(["--scenarios", "agent,meteor"])
     assert "unknown scenario(s) meteor; choose from agent, half" in capsys.readouterr().err
+
+
+def test_an_update_refused_at_the_close_is_judged_not_lost(tmp_path, monkeypatch) -> None:
+    import json
+
+    from benchmarks.faults import FleetRun
+    from coordinator.rounds.admission import REFUSED_AT_CLOSE
+
+    run = FleetRun.__new__(FleetRun)
+    monkeypatch.setattr(FleetRun, "run_dir", tmp_path, raising=False)
+    monkeypatch.setattr(FleetRun, "acknowledged", lambda self: {("a", 1), ("b", 1), ("c", 1), ("a", 2)})
+    rows = [
+        {
+            "round": 1,
+            "devices": {"a": {"status": "accepted"}, "b": {"status": "rejected", "error": f"{REFUSED_AT_CLOSE}: x"}},
+        },
+        {"round": 2, "devices": {"a": {"status": "accepted"}}},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert run.refused_at_close() == [("b", 1)]
+    assert run.lost_updates() == 1  # c's acknowledged update is in no round's count: lost
