@@ -15,7 +15,6 @@ Keys: ``finished_round_robin`` and ``finished_earliest_first`` (devices done by 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import threading
 import time
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.output import print_result
 from device_agent.emulation.slots import ComputeSlots
 
 
@@ -97,11 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # a worker's slot computes with its own threads, one by default
     result = measure(args.devices, args.steps, args.step_ms, args.load)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key}: {value}")
+    print_result(result, args.json)
     return 0
 
 

@@ -27,7 +27,6 @@ last samples' median over the first ones' after warm-up, across the kill and res
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -42,6 +41,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks.faults import AGENT_EXIT_S, WAIT_S, FleetRun, ScenarioFailed
+from benchmarks.output import print_result
 from coordinator.run.metrics import failed_rounds
 from coordinator.run.rundir import METRICS_FILE, read_metrics
 
@@ -252,16 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ScenarioFailed, OSError, psutil.Error, KeyError) as exc:
         print(f"soak: {type(exc).__name__}: {exc}; its logs are kept in {root}", file=sys.stderr)
         return 1
-    kept = args.keep or result["updates_lost"] or result["problems"] or result["failed_rounds"]
+    kept = args.keep or result["updates_lost"] or result["updates_refused_at_close"]
+    kept = kept or result["problems"] or result["failed_rounds"]
     if kept:
         print(f"soak: the run's folder is kept in {root}", file=sys.stderr)
     else:
         shutil.rmtree(root, ignore_errors=True)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key}: {value}")
+    print_result(result, args.json)
     return 0
 
 
