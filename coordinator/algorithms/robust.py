@@ -20,7 +20,7 @@ import math
 import statistics
 import zlib
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -132,6 +132,11 @@ class NormHistory:
         return statistics.median(values) if len(values) >= self.min_updates else None
 
 
+def total_norm(tensors: Iterable[Tensor]) -> float:
+    """The L2 norm of the tensors as one vector, in float64 (a float32 sum of squares overflows at |x| ~ 1e19)."""
+    return math.sqrt(sum(float(t.to(torch.float64).square().sum()) for t in tensors))
+
+
 def cosine(update: Mapping[str, Tensor], reference: Mapping[str, Tensor]) -> float | None:
     """Cosine similarity of two per-layer updates over the layers both have (same shape), as one vector.
 
@@ -139,8 +144,8 @@ def cosine(update: Mapping[str, Tensor], reference: Mapping[str, Tensor]) -> flo
     """
     shared = [n for n in update if n in reference and reference[n].shape == update[n].shape]
     dot = sum(float((update[n].to(torch.float64) * reference[n].to(torch.float64)).sum()) for n in shared)
-    left = math.sqrt(sum(float(update[n].to(torch.float64).square().sum()) for n in shared))
-    right = math.sqrt(sum(float(reference[n].to(torch.float64).square().sum()) for n in shared))
+    left = total_norm(update[n] for n in shared)
+    right = total_norm(reference[n] for n in shared)
     if not shared or left == 0 or right == 0:
         return None
     return dot / (left * right)
@@ -168,7 +173,7 @@ class DirectionReference:
 
     def add(self, update: Mapping[str, Tensor]) -> None:
         """Count one accepted update (:func:`dense_updates`) as one unit vote."""
-        norm = math.sqrt(sum(float(u.to(torch.float64).square().sum()) for u in update.values()))
+        norm = total_norm(update.values())
         if norm == 0 or not math.isfinite(norm):
             return
         for name, value in update.items():
@@ -203,7 +208,7 @@ def sketch(update: Mapping[str, Tensor], size: int = SKETCH_SIZE) -> Tensor:
     Layers are hashed by name and shape, so only layers two updates share (FedHM's full-rank ``conv2.weight``
     and a low-rank client's ``conv2``) meet in a bucket by design; a zero or non-finite update sketches to 0.
     """
-    norm = math.sqrt(sum(float(u.to(torch.float64).square().sum()) for u in update.values()))
+    norm = total_norm(update.values())
     out = torch.zeros(size, dtype=torch.float64)
     if norm == 0 or not math.isfinite(norm):
         return out
