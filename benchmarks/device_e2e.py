@@ -6,7 +6,8 @@ What it does, as root (``make device-e2e``):
    mosquitto) and names each missing one with the command that fixes it.
 2. Builds (once, cached under ``~/.cache/fedfleet``) a ``debootstrap --arch arm64 --variant=minbase``
    bookworm root with python3, python3-venv and ca-certificates, and downloads the aarch64 wheels the
-   kit needs: a CPU-only torch (:data:`DEVICE_TORCH`) and the agent's dependencies.
+   kit needs with ``coordinator provision --wheels``'s code (:mod:`coordinator.provision.device_wheels`):
+   a CPU-only torch (:data:`~coordinator.provision.device_wheels.DEVICE_TORCH`) and the agent's dependencies.
 3. ``coordinator provision``s a two-device fleet: ``pi5-01`` (raspberry-pi-5) and ``laptop-01`` (x86).
    The broker listens on a veth address listed in ``broker.hosts`` (not loopback); the other end of
    the veth is in a network namespace of its own, which has no other route anywhere.
@@ -14,12 +15,15 @@ What it does, as root (``make device-e2e``):
    ``install.sh`` there, unchanged, inside the namespace (offline: nothing but the kit).
 5. Starts the coordinator on this host and the two agents: laptop-01 on this host, pi5-01 as its
    systemd unit would run it (its user, its ExecStart) but with ``ip netns exec NS chroot ROOT``,
-   every arm64 instruction emulated by qemu. It waits for ``--rounds`` rounds and prints install
-   time, kit size, installed venv size and the seconds per round (JSON with ``--json``).
+   every arm64 instruction emulated by qemu, after ``device-agent doctor`` and ``device-agent probe``
+   ran there as that user (what they report goes into the output). It waits for ``--rounds`` rounds and
+   prints install time, kit size, installed venv size and the seconds per round (JSON with ``--json``).
+6. With ``--jetson``, first: a Jetson kit (``provision --wheels``: no torch in wheels/) in another copy of
+   the root with ``/etc/nv_tegra_release``; its install.sh must stop with the instruction for NVIDIA's wheel.
 
 Everything it creates (namespace, veth, mounts, processes, the root's copy) goes on exit, failure included.
 
-    sudo python -m benchmarks.device_e2e [--rounds 2] [--json] [--keep]
+    sudo python -m benchmarks.device_e2e [--rounds 2] [--json] [--keep] [--jetson]
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from coordinator.provision.agent_kit import UNIT, torch_cpu_requirements, torch_version
-from coordinator.provision.wheel import DEMO_EXTRA, agent_requirements
+from coordinator.config.fleet import load_fleet
+from coordinator.provision.agent_kit import JETSON_INDEX, UNIT, torch_version
+from coordinator.provision.device_wheels import WheelOptions, download, fill_kit, platform_of
 from coordinator.transport.broker.base import free_port
 from coordinator.transport.broker.mosquitto import find_mosquitto
 
@@ -49,14 +54,7 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fedfle
 SUITE = "bookworm"
 MIRROR = "http://deb.debian.org/debian"
 PACKAGES = ("python3", "python3-venv", "ca-certificates")
-PYTHON = "3.11"  # bookworm's python3
-# The newest torch on PyPI whose aarch64 wheel is a CPU build (libtorch_cpu, OpenBLAS, Arm Compute Library;
-# its NVIDIA requirements are for x86_64 only). From 2.11 PyPI's aarch64 torch is a CUDA build (~400 MiB
-# wheel, NVIDIA packages), and download.pytorch.org, where the CPU builds of newer versions are, is not
-# reachable from every machine. The kit installs it with TORCH_SPEC, since the fleet pins the coordinator's.
-DEVICE_TORCH = "2.10.0"
-PLATFORMS = ("manylinux_2_28_aarch64", "manylinux_2_17_aarch64", "manylinux2014_aarch64", "linux_aarch64")
-PI, LAPTOP = "pi5-01", "laptop-01"
+PI, LAPTOP, ORIN = "pi5-01", "laptop-01", "orin-01"
 HOST_IP, DEVICE_IP = "10.213.0.1", "10.213.0.2"
 # The emulated CPU: a Raspberry Pi 5's core. qemu-user's default ("max") has SVE and SME, and torch's kernels
 # for them run ~17x slower under emulation (a 512x512 matmul: 35 s, against 2 s as a Cortex-A76).
@@ -128,25 +126,6 @@ def rootfs(cache: Path) -> Path:
     partial.rename(root)
     log(f"rootfs: built in {time.monotonic() - started:.0f} s")
     return root
-
-
-def device_wheels(cache: Path) -> Path:
-    """aarch64 cp311 wheels for an offline kit: the CPU torch and everything the agent wheel[demo] needs."""
-    folder = cache / f"wheels-aarch64-cp311-torch{DEVICE_TORCH}"
-    done = folder / ".complete"
-    if done.exists():
-        return folder
-    folder.mkdir(parents=True, exist_ok=True)
-    common = ["--only-binary=:all:", "--python-version", PYTHON, "--implementation", "cp", "-d", str(folder)]
-    common += [arg for platform in PLATFORMS for arg in ("--platform", platform)]
-    pip = [sys.executable, "-m", "pip", "download", "--quiet", *common]
-    log(f"wheels: downloading torch {DEVICE_TORCH} (aarch64 CPU build) and the agent's dependencies into {folder}")
-    run([*pip, "--no-deps", f"torch=={DEVICE_TORCH}"])
-    # torch goes in with --no-deps: pip would evaluate its x86_64-only NVIDIA markers against this machine.
-    needs = [r for r in agent_requirements() if not r.startswith("torch")] + DEMO_EXTRA + torch_cpu_requirements()
-    run([*pip, *needs])
-    done.write_text("")
-    return folder
 
 
 def fleet_yaml(port: int, rounds: int) -> str:
@@ -274,9 +253,77 @@ def seconds_per_round(run_dir: Path) -> list[dict[str, object]]:
     return rounds
 
 
-def measure(rounds: int, cache: Path, keep: bool, timeout: float) -> dict[str, object]:
+def jetson_yaml(port: int) -> str:
+    """A one-Jetson fleet for the ``--jetson`` check (its kit is installed, never run)."""
+    return (
+        "fleet: device-e2e-jetson\n"
+        f"broker: {{mode: managed, host: {HOST_IP}, port: {port}, hosts: [{HOST_IP}]}}\n"
+        f"dataset: {{name: digits}}\ndevices:\n  - {{id: {ORIN}, profile: jetson-orin-nano-8gb}}\n"
+    )
+
+
+def jetson_check(pristine: Path, cache: Path, work: Path, timeout: float) -> dict[str, object]:
+    """A Jetson kit's install.sh, with no torch in wheels/, on arm64 with /etc/nv_tegra_release: it must stop
+    (exit 2) with the instruction for NVIDIA's wheel, before installing anything else."""
+    folder = work / "jetson"
+    folder.mkdir()
+    (folder / "fleet.yaml").write_text(jetson_yaml(free_port()))
+    provision = [sys.executable, "-m", "coordinator", "provision", "--fleet", str(folder / "fleet.yaml")]
+    run([*provision, "--out", str(folder / "kits"), "--wheels", "--wheels-cache", str(cache)], cwd=work)
+    wheels = sorted(p.name for p in (folder / "kits" / ORIN / "wheels").glob("*.whl"))
+    if any(name.startswith("torch-") for name in wheels):
+        raise RuntimeError(f"the Jetson kit carries a torch wheel: {wheels}")
+    root = folder / "rootfs"
+    run(["cp", "-a", "--reflink=auto", str(pristine), str(root)])
+    (root / "etc" / "nv_tegra_release").write_text("# R36 (release), REVISION: 4.0, GCID: 0, BOARD: generic\n")
+    shutil.copytree(folder / "kits" / ORIN, root / "root" / f"kit-{ORIN}")
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root", "LANG": "C.UTF-8", "QEMU_CPU": QEMU_CPU}
+    log(f"jetson: sh /root/kit-{ORIN}/install.sh in a root with /etc/nv_tegra_release, {len(wheels)} wheels, no torch")
+    started = time.monotonic()
+    with mounted(root):
+        done = subprocess.run(
+            chroot(root, ["sh", f"/root/kit-{ORIN}/install.sh"], env), capture_output=True, text=True, timeout=timeout
+        )
+    instruction = f"sudo TORCH_INDEX_URL={JETSON_INDEX} sh /root/kit-{ORIN}/install.sh"
+    ok = done.returncode == 2 and instruction in done.stderr and not (root / "opt/fedfleet/etc").exists()
+    if not ok:
+        raise RuntimeError(
+            f"the Jetson kit's install.sh exited {done.returncode}, not 2 with the instruction:\n"
+            f"{done.stdout}{done.stderr}"
+        )
+    log(f"jetson: stopped as it should (exit 2) in {time.monotonic() - started:.0f} s")
+    return {
+        "jetson_kit_wheels": len(wheels),
+        "jetson_install_exit": done.returncode,
+        "jetson_install_seconds": round(time.monotonic() - started, 1),
+        "jetson_instruction": done.stderr.strip().splitlines(),
+    }
+
+
+def agent_reports(root: Path, ns: Namespace, env: dict[str, str], userspec: str) -> dict[str, object]:
+    """``device-agent doctor`` and ``probe`` in the root, as the unit's user with the kit's config."""
+    agent, config = "/opt/fedfleet/venv/bin/device-agent", "/opt/fedfleet/etc/agent.yaml"
+    doctor = subprocess.run(
+        [*ns.prefix(), *chroot(root, [agent, "doctor", "--config", config], env, userspec)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    log(f"doctor (exit {doctor.returncode}):\n{doctor.stdout.strip()}")
+    probe = run([*ns.prefix(), *chroot(root, [agent, "probe", "--json"], env, userspec)], timeout=900)
+    profile = json.loads(probe.stdout)
+    facts = {k: profile[k] for k in ("platform", "machine", "python", "torch", "cpu_count", "accelerator")}
+    facts |= {
+        "memory_total_mib": round(profile["memory_total_bytes"] / 2**20),
+        "memory_available_mib": round(profile["memory_available_bytes"] / 2**20),
+        "matmul_gflops": round(profile["matmul_gflops"], 3),
+    }
+    log(f"probe: {facts}")
+    return {"doctor_exit": doctor.returncode, "doctor": doctor.stdout.strip().splitlines(), "probe": facts}
+
+
+def measure(rounds: int, cache: Path, keep: bool, timeout: float, jetson: bool = False) -> dict[str, object]:
     pristine = rootfs(cache)
-    wheels = device_wheels(cache)
     work = Path(tempfile.mkdtemp(prefix="fedfleet-device-e2e-"))
     os.chmod(work, 0o711)  # mosquitto drops to its own user and must reach kits/broker
     processes: dict[str, subprocess.Popen[bytes]] = {}
@@ -292,28 +339,27 @@ def measure(rounds: int, cache: Path, keep: bool, timeout: float) -> dict[str, o
         kits = work / "kits"
         kit = root / "root" / f"kit-{PI}"
         shutil.copytree(kits / PI, kit)
-        (kit / "wheels").mkdir()
-        for wheel in wheels.glob("*.whl"):
-            shutil.copy2(wheel, kit / "wheels")
+        fleet, _ = load_fleet(work / "fleet.yaml")
+        platform = platform_of(next(d for d in fleet.devices if d.id == PI))
+        assert platform is not None and platform.torch is not None
+        log(f"wheels: {platform.label}, {platform.note} (cache {cache})")
+        fill_kit(kit, download(fleet, platform, WheelOptions(cache)))
         kit_bytes, bundle_bytes = du(kit), (kits / f"{PI}.tar.gz").stat().st_size
-        pin = torch_version()
-        spec = f"torch=={DEVICE_TORCH}"
-        if pin != DEVICE_TORCH:
-            log(f"torch: the fleet pins {pin} (this coordinator's); the kit installs {spec}, the newest CPU-only")
-            log("       aarch64 torch on PyPI, from wheels/ (TORCH_SPEC): PyPI's aarch64 torch >= 2.11 is a CUDA build")
         result: dict[str, object] = {
             "rootfs": f"debian {SUITE} arm64 minbase (qemu-aarch64 -cpu {QEMU_CPU})",
-            "torch_pinned": pin,
-            "torch_installed": DEVICE_TORCH,
+            "torch_pinned": torch_version(),
+            "torch_in_kit": platform.torch,
             "kit_mib": round(kit_bytes / 2**20, 1),
             "kit_bundle_mib_without_wheels": round(bundle_bytes / 2**20, 2),
             "rounds_asked": rounds,
         }
+        if jetson:
+            result |= jetson_check(pristine, cache, work, timeout)
         with Namespace() as ns, mounted(root):
             path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
             # QEMU_CPU reaches every arm64 process only if each environment carries it (env -i clears the rest).
             env = {"PATH": path, "HOME": "/root", "LANG": "C.UTF-8", "QEMU_CPU": QEMU_CPU}
-            env |= {"TORCH_SPEC": spec, "FEDFLEET_OFFLINE": "1"}
+            env["FEDFLEET_OFFLINE"] = "1"
             log(f"install: sh /root/kit-{PI}/install.sh in the chroot, in namespace {ns.name} (offline), under qemu")
             started = time.monotonic()
             install = subprocess.run(
@@ -355,6 +401,7 @@ def measure(rounds: int, cache: Path, keep: bool, timeout: float) -> dict[str, o
             userspec = passwd_ids(root, unit_user(unit))
             unit_env = {"PATH": path, "HOME": "/var/lib/fedfleet", "LANG": "C.UTF-8", "QEMU_CPU": QEMU_CPU}
             unit_env["PYTHONUNBUFFERED"] = "1"  # the unit's Environment=
+            result |= agent_reports(root, ns, unit_env, userspec)
             log(f"agent {PI}: {shlex.join(exec_start(unit))} as {unit_user(unit)} ({userspec}), chroot + netns")
             started = time.monotonic()
             spawn(PI, [*ns.prefix(), *chroot(root, exec_start(unit), unit_env, userspec)])
@@ -410,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache", type=Path, default=CACHE, help=f"rootfs and wheels cache (default {CACHE})")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (rootfs copy, kits, logs)")
     parser.add_argument("--timeout", type=float, default=2400, help="seconds for the install and for the rounds")
+    parser.add_argument("--jetson", action="store_true", help="also check a Jetson kit stops for NVIDIA's torch")
     args = parser.parse_args(argv)
     # A SIGTERM (a test runner's timeout, kill) unwinds like an error: the finally blocks remove the
     # namespace, the veth, the mounts and the processes. (A background job of a shell ignores SIGINT.)
@@ -418,13 +466,13 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         print("device-e2e cannot run here; missing:\n  - " + "\n  - ".join(missing), file=sys.stderr)
         return 2
-    result = measure(args.rounds, args.cache, args.keep, args.timeout)
+    result = measure(args.rounds, args.cache, args.keep, args.timeout, args.jetson)
     result["coordinator_version"] = importlib.metadata.version("fedfleet")
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         for key, value in result.items():
-            if key != "rounds":
+            if key not in ("rounds", "doctor", "jetson_instruction"):
                 print(f"{key:32} {value}")
     ok = result["rounds_completed"] >= args.rounds and result["coordinator_exit"] == 0
     return 0 if ok else 1

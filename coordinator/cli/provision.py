@@ -7,13 +7,15 @@ import sys
 from pathlib import Path
 
 from coordinator.config.fleet import FleetError, load_fleet
-from coordinator.provision import DeviceLayout, ProvisionError, default_kits, provision
+from coordinator.provision import DeviceLayout, ProvisionError, WheelOptions, default_kits, provision
+from coordinator.provision.device_wheels import CACHE
 
 _EPILOG = """\
 examples:
   coordinator provision --fleet examples/fleet.yaml --out kits/
   coordinator provision --fleet fleet.yaml --out kits/ --rotate pi4-02      new secrets for pi4-02 only
   coordinator provision --fleet fleet.yaml --out kits/ --broker-dir /etc/mosquitto/fedfleet
+  coordinator provision --fleet fleet.yaml --out kits/ --wheels                offline kits (wheels/ per device)
 
 Run it again whenever fleet.yaml changes: existing passwords, keys and certificates are kept, so
 deployed devices keep working; new devices get new kits. Secrets are files of mode 0600 and are
@@ -67,6 +69,31 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="where kits/broker/ will live on the broker host, for the paths in mosquitto.conf (default: here)",
     )
+    parser.add_argument(
+        "--wheels",
+        action="store_true",
+        help="fill each kit's wheels/ for its device's platform (pip download), so it installs offline: "
+        "Pi/arm64 = aarch64 CPython 3.11 with a CPU-only torch; Jetson = aarch64 CPython 3.10 without torch "
+        "(NVIDIA's wheel is yours to add); x86 = x86_64 CPython 3.11, torch only with --torch-index",
+    )
+    parser.add_argument(
+        "--wheels-cache",
+        type=Path,
+        default=CACHE,
+        metavar="DIR",
+        help="downloads kept here, once per platform (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--torch-index",
+        metavar="URL",
+        help="with --wheels: take torch (the fleet's pin) from this index, e.g. https://download.pytorch.org/whl/cpu",
+    )
+    parser.add_argument(
+        "--wheels-from",
+        type=Path,
+        metavar="DIR",
+        help="with --wheels: pip's --no-index --find-links DIR instead of PyPI (a local mirror of wheels)",
+    )
     parser.set_defaults(handler=run_provision)
 
 
@@ -74,7 +101,9 @@ def run_provision(args: argparse.Namespace) -> int:
     try:
         fleet, _ = load_fleet(args.fleet)
         out = args.out or default_kits(args.fleet, fleet)
-        done = provision(fleet, out, args.rotate, DeviceLayout(args.prefix, args.state_dir), args.broker_dir)
+        wheels = WheelOptions(args.wheels_cache, args.torch_index, args.wheels_from) if args.wheels else None
+        layout = DeviceLayout(args.prefix, args.state_dir)
+        done = provision(fleet, out, args.rotate, layout, args.broker_dir, wheels=wheels)
     except (FleetError, ProvisionError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)
         return 2
@@ -89,6 +118,8 @@ def run_provision(args: argparse.Namespace) -> int:
         elif device.profile == "jetson-nano":
             note += " warning: Jetson Nano (JetPack 4, Python 3.6) cannot run the agent"
         print(f"  device:  {done.kits.bundle(device.id)}{note}")
+        if device.id in done.wheels:
+            print(f"           wheels/: {done.wheels[device.id]}")
     if "coordinator" in done.missing:
         print(f"  coordinator INCOMPLETE: {done.missing['coordinator']}")
     if not fleet.broker.hosts and fleet.broker.mode != "external":

@@ -1,6 +1,7 @@
 """``coordinator provision``: fleet.yaml in, one startup kit per participant out, as a list of builders.
 
-credentials -> signing keys -> certificates -> broker files -> agent wheel -> agent kits -> bundles
+credentials -> signing keys -> certificates -> broker files -> agent wheel -> agent kits -> device wheels
+-> bundles
 -> manifest (:data:`~coordinator.provision.builders.BUILDERS`). Every builder keeps what is
 already there, so provisioning again (after adding a device, or changing broker.hosts) never
 changes a deployed device's secrets; ``rotate`` replaces the named participants' password and
@@ -18,6 +19,7 @@ from pathlib import Path
 from coordinator.config.fleet import Fleet
 from coordinator.provision.agent_kit import broker_url
 from coordinator.provision.builders import BUILDERS, Builder, Provisioning
+from coordinator.provision.device_wheels import WheelOptions
 from coordinator.provision.layout import (
     CA_CERT,
     CLIENT_CERT,
@@ -43,6 +45,7 @@ class Provisioned:
     tls: bool
     rotated: tuple[str, ...]
     missing: dict[str, str]
+    wheels: dict[str, str]
 
 
 def provision(
@@ -52,16 +55,21 @@ def provision(
     layout: DeviceLayout | None = None,
     broker_dir: Path | None = None,
     builders: Sequence[Builder] = BUILDERS,
+    wheels: WheelOptions | None = None,
 ) -> Provisioned:
-    """Build (or refresh) every kit of ``fleet`` under ``out`` by running ``builders`` in order."""
+    """Build (or refresh) every kit of ``fleet`` under ``out`` by running ``builders`` in order;
+    ``wheels`` fills each kit's wheels/ for its platform (``--wheels``)."""
     known = {COORDINATOR_USER, *(d.id for d in fleet.devices)}
     unknown = sorted(set(rotate) - known)
     if unknown:
         raise ProvisionError(f"--rotate {', '.join(unknown)}: not in fleet {fleet.fleet} ({', '.join(sorted(known))})")
-    run = Provisioning(fleet, Kits(private_dir(out, 0o711)), layout or DeviceLayout(), rotate, broker_dir)
+    kits = Kits(private_dir(out, 0o711))
+    run = Provisioning(fleet, kits, layout or DeviceLayout(), rotate, broker_dir, wheels=wheels)
     for builder in builders:
         builder.build(run)
-    return Provisioned(run.kits, run.credentials, broker_url(fleet), run.tls, tuple(rotate), run.missing)
+    return Provisioned(
+        run.kits, run.credentials, broker_url(fleet), run.tls, tuple(rotate), run.missing, run.wheels_done
+    )
 
 
 def default_kits(fleet_file: Path, fleet: Fleet) -> Path:
@@ -111,6 +119,7 @@ __all__ = [
     "ProvisionError",
     "Provisioned",
     "Provisioning",
+    "WheelOptions",
     "coordinator_tls",
     "default_kits",
     "provision",

@@ -20,6 +20,7 @@ from coordinator.provision.agent_kit import broker_url, build_agent_kit
 from coordinator.provision.broker_files import build_broker_files
 from coordinator.provision.bundle import build_bundle
 from coordinator.provision.certificates import Authority, build_certificates
+from coordinator.provision.device_wheels import WheelOptions, build_device_wheels
 from coordinator.provision.layout import MANIFEST, DeviceLayout, Kits
 from coordinator.provision.secrets import ProvisionError, build_credentials
 from coordinator.provision.signing_keys import build_signing_keys
@@ -42,6 +43,8 @@ class Provisioning:
     missing: dict[str, str] = field(default_factory=dict)
     authority: Authority | None = None
     wheel: Path | None = None
+    wheels: WheelOptions | None = None
+    wheels_done: dict[str, str] = field(default_factory=dict)
 
     @property
     def tls(self) -> bool:
@@ -113,6 +116,12 @@ def agent_kits(run: Provisioning) -> None:
         build_agent_kit(run.fleet, index, run.kits, wheel, run.layout, password_ref)
 
 
+def device_wheels(run: Provisioning) -> None:
+    """``--wheels``: each kit's wheels/ for its device's platform (nothing without the option)."""
+    if run.wheels is not None:
+        run.wheels_done = build_device_wheels(run.fleet, run.kits.root, run.wheels)
+
+
 def bundles(run: Provisioning) -> None:
     for device in run.fleet.devices:
         build_bundle(run.kits.participant(device.id), run.kits.bundle(device.id))
@@ -132,6 +141,7 @@ BUILDERS: tuple[Builder, ...] = (
     Builder("broker files", broker_files),
     Builder("agent wheel", agent_wheel),
     Builder("agent kits", agent_kits),
+    Builder("device wheels", device_wheels),
     Builder("bundles", bundles),
     Builder("manifest", manifest),
 )

@@ -26,4 +26,6 @@ def test_a_kit_installs_offline_and_trains_two_rounds_on_emulated_arm64_bookworm
     assert result["coordinator_exit"] == 0, result
     assert result["rounds_completed"] == 2, result
     assert float(result["venv_mib"]) > 100  # torch's own libraries: a real install, not a stub
+    probe = result["probe"]
+    assert isinstance(probe, dict) and probe["machine"] == "aarch64" and probe["torch"].startswith("2.")
     print(result)

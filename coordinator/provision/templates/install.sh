@@ -22,6 +22,9 @@ MACHINE=${FEDFLEET_MACHINE:-$(uname -m)}
 KIND=@kind
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=@torch_version
+# A torch wheel in wheels/ is taken whatever its version (provision --wheels puts 2.10.0 in an arm64 kit: the
+# newest CPU-only aarch64 torch on PyPI), unless TORCH_SPEC is given.
+WHEEL_TORCH_SPEC=${TORCH_SPEC:-torch}
 TORCH_SPEC=${TORCH_SPEC:-torch==$TORCH_VERSION}
 TORCH_CPU_INDEX=${TORCH_CPU_INDEX:-@torch_cpu_index}
 TORCH_INDEX_URL=${TORCH_INDEX_URL:-}
@@ -88,8 +91,8 @@ elif [ "$JETSON" = 1 ]; then
 elif [ "$KIND" = cpu ] || [ "$MACHINE" = aarch64 ]; then
     ROUTE=""
     if [ -n "$TORCH_WHEEL" ]; then
-        run_pip install --no-index --find-links "$KIT/wheels" --no-deps "$TORCH_SPEC"
-        ROUTE="the kit's wheels/"
+        run_pip install --no-index --find-links "$KIT/wheels" --no-deps "$WHEEL_TORCH_SPEC"
+        ROUTE="the kit's wheels/ (${TORCH_WHEEL##*/})"
     else
         for index in ${TORCH_INDEX_URL:-$TORCH_CPU_INDEX}; do
             echo "torch: trying the CPU build of $TORCH_SPEC from $index"
@@ -120,7 +123,7 @@ else
         run_pip install --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"
     elif [ -n "$TORCH_WHEEL" ]; then
         echo "torch: from the kit's wheels/"
-        run_pip install --no-index --find-links "$KIT/wheels" --no-deps "$TORCH_SPEC"
+        run_pip install --no-index --find-links "$KIT/wheels" --no-deps "$WHEEL_TORCH_SPEC"
         torch_deps
     else
         echo "torch: from PyPI ($KIND)"

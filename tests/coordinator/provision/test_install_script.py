@@ -204,7 +204,9 @@ def test_a_kit_with_wheels_installs_offline(kits: Path, tmp_path: Path) -> None:
     wheels = str(device.kit / "wheels")
     assert result.of("pip") and all(c[1:4] == ["--no-index", "--find-links", wheels] for c in result.of("pip"))
     assert not any("--index-url" in c for c in result.of("pip"))
-    assert "torch: CPU build from the kit's wheels/ (no NVIDIA packages)" in result.out
+    assert result.torch_installs()[0][-2:] == ["--no-deps", "torch"]  # the kit's torch, whatever its version
+    name = f"torch-{torch_version()}+cpu-cp311-cp311-manylinux_2_28_aarch64.whl"
+    assert f"torch: CPU build from the kit's wheels/ ({name}) (no NVIDIA packages)" in result.out
 
 
 def test_without_systemd_it_makes_the_user_and_state_dir_and_says_how_to_start(kits: Path, tmp_path: Path) -> None:
