@@ -310,7 +310,15 @@ def agent_reports(root: Path, ns: Namespace, env: dict[str, str], userspec: str)
         timeout=900,
     )
     log(f"doctor (exit {doctor.returncode}):\n{doctor.stdout.strip()}")
-    probe = run([*ns.prefix(), *chroot(root, [agent, "probe", "--json"], env, userspec)], timeout=900)
+    probe = subprocess.run(
+        [*ns.prefix(), *chroot(root, [agent, "probe", "--json"], env, userspec)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if probe.returncode != 0:  # reported, not fatal: the rounds still show whether the agent trains
+        log(f"probe exited {probe.returncode}:\n{probe.stderr[-2000:]}")
+        return {"doctor_exit": doctor.returncode, "doctor": doctor.stdout.strip().splitlines(), "probe": None}
     profile = json.loads(probe.stdout)
     facts = {k: profile[k] for k in ("platform", "machine", "python", "torch", "cpu_count", "accelerator")}
     facts |= {
