@@ -45,12 +45,11 @@ from pathlib import Path
 
 from coordinator.config.fleet import load_fleet
 from coordinator.provision.agent_kit import JETSON_INDEX, UNIT, torch_version
-from coordinator.provision.device_wheels import WheelOptions, download, fill_kit, platform_of
+from coordinator.provision.device_wheels import CACHE, WheelOptions, download, fill_kit, platform_of
 from coordinator.transport.broker.base import free_port
 from coordinator.transport.broker.mosquitto import find_mosquitto
 
 _ROOT = Path(__file__).resolve().parents[1]
-CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fedfleet"
 SUITE = "bookworm"
 MIRROR = "http://deb.debian.org/debian"
 PACKAGES = ("python3", "python3-venv", "ca-certificates")
