@@ -33,6 +33,7 @@ def test_a_setting_runs_through_the_round_engine(monkeypatch) -> None:
     assert row["upload_bytes_per_round"] > 0
 
 
+@pytest.mark.slow
 def test_device_tiers_follow_what_the_strategy_level_means() -> None:
     data = load_dataset("digits", 8, 1)
     ranks = compare.levels_for(STRATEGIES["fedhm"].levels, 4, tiered=True, data=data)

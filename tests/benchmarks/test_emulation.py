@@ -6,6 +6,7 @@ from benchmarks.emulation import device_time, main
 from coordinator.transport.broker.mosquitto import find_mosquitto
 
 
+@pytest.mark.slow
 def test_json_output_reports_each_limit_as_a_ratio(capsys):
     args = ["--factors", "2", "--steps", "3", "--rates", "2e7", "--megabytes", "1", "--budgets-mib", "128"]
     assert main([*args, "--demo-rounds", "0", "--json"]) == 0

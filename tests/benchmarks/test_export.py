@@ -1,8 +1,11 @@
 import json
 
+import pytest
+
 from benchmarks.export import bench, main, markdown
 
 
+@pytest.mark.slow
 def test_every_ratio_is_exported_checked_and_timed_against_full_rank():
     result = bench("cnn", [1.0, 0.25], repeats=2)
     assert [row["ratio"] for row in result["models"]] == [1.0, 0.25]
@@ -13,6 +16,7 @@ def test_every_ratio_is_exported_checked_and_timed_against_full_rank():
     assert markdown(result).count("\n") == 3
 
 
+@pytest.mark.slow
 def test_json_output_is_one_object(capsys):
     assert main(["--arch", "cnn", "--ratios", "1/2", "--repeats", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)

@@ -1,8 +1,11 @@
 import json
 
+import pytest
+
 from benchmarks.fedhm_classifier import main
 
 
+@pytest.mark.slow
 def test_every_rule_is_measured_on_both_splits(capsys):
     assert main(["--rounds", "1", "--seeds", "1", "--clients", "4", "--json"]) == 0
     results = json.loads(capsys.readouterr().out)["results"]

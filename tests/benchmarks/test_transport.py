@@ -29,6 +29,11 @@ def test_benchmark_prints_one_json_object_with_ratios_and_throughputs(capsys):
     ):
         assert result[key] > 0
     assert result["chunks"] == 8
+    for side in ("receiver", "devices", "broker"):
+        assert result[f"fan_in_fedfleet_{side}_cpu_ms"] >= 0
+    # 2 MiB in all may pass within one 10 ms clock tick of CPU time: then there is no ratio to report.
+    for key in ("fan_in_cpu_vs_hash_bound", "fan_in_receiver_cpu_vs_hash_bound"):
+        assert result[key] is None or result[key] > 0
 
 
 def test_bad_fan_in_options_are_refused_before_anything_runs(capsys):

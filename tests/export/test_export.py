@@ -52,6 +52,7 @@ def test_resnet18_merged_and_quarter_rank(resnet18_run: Path, tmp_path: Path) ->
     assert not list(tmp_path.glob("*.data")), "the model must be one self-contained file"
 
 
+@pytest.mark.slow
 def test_small_cnn_and_resnet9(cnn_export: ExportRecord, tmp_path: Path) -> None:
     _assert_parity(cnn_export)
     assert cnn_export.target == "ratio:1/2" and cnn_export.latency_ms_b1 > 0 and cnn_export.latency_ms_b32 > 0
@@ -59,6 +60,7 @@ def test_small_cnn_and_resnet9(cnn_export: ExportRecord, tmp_path: Path) -> None
     _assert_parity(export_run(run9, ExportOptions(out=tmp_path / "r9.onnx", ratio=0.25, latency=False)))
 
 
+@pytest.mark.slow
 def test_personalized_factorized_fl_models(ffl_run: Path, tmp_path: Path) -> None:
     run = open_trained_run(ffl_run)
     assert run.personal_devices == ("dev-a", "dev-b")
@@ -153,6 +155,7 @@ def test_missing_round(cnn_run: Path) -> None:
     assert open_trained_run(cnn_run, 0).round == 0
 
 
+@pytest.mark.slow
 def test_cli_exports_records_and_reports(cnn_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "pi4.onnx"
     args = ["export", str(cnn_run), "--ratio", "1/4", "--out", str(out), "--no-latency", "--parity-samples", "8"]
@@ -179,6 +182,7 @@ def test_exports_json_lines_are_json(cnn_run: Path) -> None:
         assert json.loads(line)["max_abs_diff"] <= FP32_TOLERANCE
 
 
+@pytest.mark.slow
 def test_fleet_export_section_runs_at_the_end_and_is_checked(tmp_path: Path) -> None:
     run_dir = make_run(tmp_path / "auto", export={"merged": False, "ratios": ["1/2"], "dir": "onnx"})
     fleet, _ = load_fleet(run_dir / "fleet.yaml")

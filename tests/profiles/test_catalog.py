@@ -160,6 +160,7 @@ def _top_level_modules_after(statement: str) -> set[str]:
     return set(result.stdout.split())
 
 
+@pytest.mark.slow
 def test_profiles_never_import_the_coordinator_and_the_agent_never_imports_profiles() -> None:
     assert not _top_level_modules_after("import profiles.catalog, profiles.costmodel") & {"coordinator", "benchmarks"}
     assert "profiles" not in _top_level_modules_after("import device_agent.cli.app, device_agent.agent.probe")

@@ -38,6 +38,7 @@ def test_each_level_is_the_optimal_truncation(resnet18):
             assert error == pytest.approx(optimal, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_align_rebuilds_full_rank_keys_and_leaves_others(resnet18):
     state, plan = resnet18
     rebuilt = align(factorize(state, plan, [0.25])[0.25], plan)

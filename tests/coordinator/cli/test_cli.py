@@ -46,6 +46,7 @@ def test_no_command_prints_help_and_fails(capsys):
     assert "models" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_console_script_runs():
     script = shutil.which("coordinator") or str(Path(sys.executable).with_name("coordinator"))
     if not Path(script).exists():

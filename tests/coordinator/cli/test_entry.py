@@ -6,12 +6,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.paths import REPO_ROOT
 
 EXAMPLE = REPO_ROOT / "examples" / "fleet.yaml"
 SCRIPT = "import sys; from coordinator.cli.entry import main; sys.argv[0] = 'coordinator'; sys.exit(main())"
 
 
+@pytest.mark.slow
 def test_output_piped_into_a_closed_reader_ends_with_one_line() -> None:
     read_end, write_end = os.pipe()
     os.close(read_end)  # like `| head` that has already exited

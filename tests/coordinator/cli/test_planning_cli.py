@@ -112,6 +112,7 @@ def _plan_as(strategy: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], 
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "changes"), [("heterofl", {}), ("factorized_fl", {"ratios": [1]})])
 def test_each_strategy_is_planned_with_the_model_its_devices_really_train(
     strategy: str, changes: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]

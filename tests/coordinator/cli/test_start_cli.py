@@ -43,6 +43,7 @@ def test_a_full_disk_is_a_clear_stop_message_and_other_os_errors_pass_through(tm
         out_of_space_message(PermissionError(errno.EACCES, "Permission denied"), tmp_path)
 
 
+@pytest.mark.slow
 def test_uploads_accepted_before_the_disk_filled_survive_it(tmp_path: Path) -> None:
     """A real process with a file-size limit accepts uploads until a write fails, as on a full disk."""
     fleet_file = tmp_path / "fleet.yaml"

@@ -97,6 +97,7 @@ def test_a_broker_that_is_down_is_named(kit: tuple, capsys: pytest.CaptureFixtur
     assert "FAIL  broker reachable" in out and "Connection refused" in out and "is the broker running" in out
 
 
+@pytest.mark.slow
 def test_an_agent_without_scikit_learn_refuses_digits_at_start(kit: tuple) -> None:
     kits, _, root = kit
     blocked = "import sys; sys.modules['sklearn'] = None; from device_agent.cli.app import main; sys.exit(main())"

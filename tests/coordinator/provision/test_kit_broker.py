@@ -260,6 +260,7 @@ def test_kits_folder_of_another_fleet_is_refused(tmp_path: Path) -> None:
         read_credentials(other, kits)
 
 
+@pytest.mark.slow
 def test_the_managed_broker_dies_with_its_coordinator(kit_fleet: tuple) -> None:
     """A coordinator killed outright (SIGKILL, or SIGHUP of a closed terminal) leaves no orphan mosquitto."""
     _, kits, running, root = kit_fleet

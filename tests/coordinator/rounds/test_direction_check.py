@@ -92,6 +92,7 @@ class SignFlipLink(InProcessLink):
         super().start(on_message, intercept, on_refused)
 
 
+@pytest.mark.slow
 def test_a_sign_flipped_device_is_refused_from_round_two_on_and_the_fleet_learns(caplog) -> None:
     data = load_dataset("digits", 8, 1)
     clients = digit_clients(["bad", "g1", "g2", "g3"])
@@ -125,6 +126,7 @@ def test_the_peer_check_names_an_update_against_its_round_only_with_enough_peers
     assert gate.peer_cosines() == {}  # a new round, new peers
 
 
+@pytest.mark.slow
 def test_by_default_a_sign_flipped_device_is_refused_at_every_close_from_round_one(caplog, tmp_path) -> None:
     data = load_dataset("digits", 8, 1)
     clients = digit_clients(["bad", "g1", "g2", "g3"])

@@ -150,18 +150,21 @@ def run_round(
     return engine, link
 
 
+@pytest.mark.slow
 def test_a_device_idle_mid_round_gets_its_assignment_again_and_is_accepted(tmp_path: Path) -> None:
     engine, link = run_round(tmp_path, LossyLink)
     assert sorted(link.assignments) == ["a", "b", "b"]
     assert {d: m.status for d, m in engine.last.devices.items()} == {"a": "accepted", "b": "accepted"}
 
 
+@pytest.mark.slow
 def test_an_idle_report_too_soon_after_the_assignment_still_gets_it_sent_again_once_due(tmp_path: Path) -> None:
     engine, link = run_round(tmp_path, EarlyIdleLink, resend_after_s=1.0)
     assert sorted(link.assignments) == ["a", "b", "b"]
     assert {d: m.status for d, m in engine.last.devices.items()} == {"a": "accepted", "b": "accepted"}
 
 
+@pytest.mark.slow
 def test_a_refused_device_is_sent_its_assignment_again_once_and_its_genuine_update_counts(tmp_path: Path) -> None:
     engine, link = run_round(tmp_path, RefusedOnceLink)
     assert sorted(link.assignments) == ["a", "b", "b"] and sorted(link.uploads) == ["a", "b", "b"]
@@ -169,6 +172,7 @@ def test_a_refused_device_is_sent_its_assignment_again_once_and_its_genuine_upda
     assert {d: m.status for d, m in engine.last.devices.items()} == {"a": "accepted", "b": "accepted"}
 
 
+@pytest.mark.slow
 def test_a_device_whose_upload_the_transport_refuses_is_retried_once_not_until_the_deadline(tmp_path: Path) -> None:
     engine, link = run_round(tmp_path, TooLargeLink, rejected_grace_s=1.0)
     assert sorted(link.assignments) == ["a", "b", "b"]
@@ -177,6 +181,7 @@ def test_a_device_whose_upload_the_transport_refuses_is_retried_once_not_until_t
     assert engine.last.seconds < 10  # closed after the refusal grace, not at the 20 s deadline
 
 
+@pytest.mark.slow
 def test_a_device_refusing_a_bad_assignment_fails_that_round_only(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -193,6 +198,7 @@ def test_a_device_refusing_a_bad_assignment_fails_that_round_only(
     assert (second["a"]["status"], second["b"]["status"]) == ("accepted", "accepted")
 
 
+@pytest.mark.slow
 def test_a_program_raising_type_error_in_process_fails_that_round_with_the_reason_and_the_next_round_trains(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

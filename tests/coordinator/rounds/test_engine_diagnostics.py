@@ -56,6 +56,7 @@ def idle_engine(tmp_path: Path, wait_timeout_s: float, fleet: dict = FLEET, min_
     )
 
 
+@pytest.mark.slow
 def test_waiting_for_a_participant_is_logged_once_and_times_out(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

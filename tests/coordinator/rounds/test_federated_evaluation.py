@@ -110,6 +110,7 @@ def stop_once_one_is_in(engine: RoundEngine) -> None:
         engine.stop()
 
 
+@pytest.mark.slow
 def test_a_resumed_round_keeps_the_federated_figures_of_its_journaled_uploads(clients, tmp_path, caplog) -> None:
     first = engine_without_server_data(clients, tmp_path / "run", rounds=1, link=SilentLink)
     assert not first.run(stop_once_one_is_in)

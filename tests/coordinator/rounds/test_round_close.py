@@ -12,6 +12,7 @@ import logging
 import math
 from pathlib import Path
 
+import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -101,6 +102,7 @@ def test_a_journaled_meta_is_read_again_through_todays_schema() -> None:
         raise AssertionError("the overflowing evaluation passed")
 
 
+@pytest.mark.slow
 def test_a_poisoned_journal_entry_is_quarantined_on_resume_and_the_run_goes_on(tmp_path: Path, caplog) -> None:
     clients = digit_clients(["pi-0", "pi-1"])
     data = load_dataset("digits", 8, 1)

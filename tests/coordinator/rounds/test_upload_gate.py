@@ -103,6 +103,7 @@ def clients() -> list[SimClient]:
     return digit_clients(["bad", "good"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("tamper", "reason"),
     [
@@ -131,6 +132,7 @@ def test_a_bad_upload_is_refused_logged_and_never_folded(clients, tamper, reason
     assert len(refusals) == 2 and all(reason in message for message in refusals)
 
 
+@pytest.mark.slow
 def test_a_simulation_whose_every_upload_is_refused_reports_its_failed_rounds() -> None:
     data = load_dataset("digits", 8, 1)
     clients = digit_clients(["bad"])
@@ -261,6 +263,7 @@ class ForgingLink(InProcessLink):
         super().send_control(device, message)
 
 
+@pytest.mark.slow
 def test_a_forged_upload_after_the_genuine_one_is_refused_not_told_duplicate(tmp_path) -> None:
     clients = digit_clients(["pi-0", "pi-1"])
     data = load_dataset("digits", 8, 1)

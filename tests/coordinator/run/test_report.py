@@ -58,6 +58,7 @@ def synthetic_run(path: Path, rounds: int = 5, fleet: dict[str, tuple[int, float
     return rundir
 
 
+@pytest.mark.slow
 def test_report_writes_html_that_shows_the_plots_and_the_summary(tmp_path: Path) -> None:
     synthetic_run(tmp_path / "run").close()
     report = write_report(tmp_path / "run")

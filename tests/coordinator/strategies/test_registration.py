@@ -106,6 +106,7 @@ def fedprox_plugin(tmp_path: Path) -> Iterator[None]:
             sys.modules.pop(module, None)
 
 
+@pytest.mark.slow
 def test_a_plugin_strategy_passes_the_contract_plans_and_simulates(fedprox_plugin, tmp_path: Path, capsys) -> None:
     assert NAME in STRATEGIES and PROGRAMS[NAME] is STRATEGIES[NAME].program
     spec = parse_spec({"strategy": NAME, "model": ModelSpec("cnn", 10, 1, 8), "level": 1.0, "mu": 0.5,

@@ -43,6 +43,7 @@ def test_a_wrong_fleet_name_stops_the_agent_with_the_likely_cause(
         agent.run(connect_timeout=10)
 
 
+@pytest.mark.slow
 def test_only_a_coordinator_that_cannot_read_this_agent_stops_it(
     mosquitto: TestBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

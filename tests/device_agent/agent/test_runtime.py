@@ -33,6 +33,7 @@ CNN = ModelSpec("cnn", 10, 1, 8)
 Heard = TypeVar("Heard")
 
 
+@pytest.mark.slow
 def test_a_bad_assignment_fails_its_round_named_and_the_next_round_trains(
     fresh_mosquitto: TestBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -123,6 +124,7 @@ class FakeCoordinator:
         return got
 
 
+@pytest.mark.slow
 def test_a_program_raising_type_error_fails_its_round_and_the_same_agent_trains_the_next(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

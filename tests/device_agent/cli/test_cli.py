@@ -107,6 +107,7 @@ def _console_script() -> str | None:
     return str(beside_python) if beside_python.exists() else None
 
 
+@pytest.mark.slow
 def test_installed_console_script_probes_the_cpu() -> None:
     script = _console_script()
     if script is None:
@@ -124,6 +125,7 @@ def test_installed_console_script_probes_the_cpu() -> None:
     assert json.loads(result.stdout)["accelerator"] == "cpu"
 
 
+@pytest.mark.slow
 def test_device_agent_never_imports_coordinator_export_or_benchmarks() -> None:
     code = (
         "import device_agent.cli.app, device_agent.agent.probe, sys; "

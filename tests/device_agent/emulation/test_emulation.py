@@ -115,6 +115,7 @@ def test_bulk_configs_take_global_indices_and_per_device_passwords(tmp_path: Pat
         agent_specs(args, host_gflops=72.0)
 
 
+@pytest.mark.slow
 def test_the_agent_side_never_imports_coordinator_or_profiles_code() -> None:
     script = textwrap.dedent(
         """

@@ -25,6 +25,7 @@ def run_python(code: str, env: dict[str, str] | None = None) -> subprocess.Compl
     )
 
 
+@pytest.mark.slow
 def test_thread_limit_applies_in_the_agent_process() -> None:
     done = run_python(
         """
@@ -59,6 +60,7 @@ print("no cap", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_the_cpu_memory_cap_stops_an_allocation_past_it_with_a_clear_error() -> None:
     done = run_python(AGENT_WITH_A_CAP.format(mib=600))
     assert done.returncode == 3, done.stdout + done.stderr
@@ -68,6 +70,7 @@ def test_the_cpu_memory_cap_stops_an_allocation_past_it_with_a_clear_error() -> 
     )
 
 
+@pytest.mark.slow
 def test_the_cpu_memory_cap_leaves_room_up_to_the_budget() -> None:
     done = run_python(AGENT_WITH_A_CAP.format(mib=150))
     assert done.returncode == 0, done.stderr

@@ -40,7 +40,13 @@ def test_models_take_any_channels_size_and_classes(name, in_channels, size):
     assert model(torch.randn(2, in_channels, size, size)).shape == (2, 7)
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+# The ImageNet-sized ones take seconds each: left to the full suite.
+BIG_MODELS = {"resnet18", "resnet34", "vit_small"}
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=pytest.mark.slow) if name in BIG_MODELS else name for name in sorted(MODELS)]
+)
 def test_hybrid_models_run_and_shrink(name):
     model = hybrid(name, 0.25, num_classes=5).eval()
     size = MODELS[name].image_size

@@ -13,6 +13,8 @@ import os
 import time
 import tracemalloc
 
+import pytest
+
 from device_agent.wire.guard import InboundGuard, InboundLimits
 from device_agent.wire.messages import Error, Message
 from device_agent.wire.session import coordinator_session, device_session
@@ -55,6 +57,7 @@ def test_unsealed_transfers_expire_free_their_memory_and_tell_the_sender() -> No
     assert freed > 0.8 * held, f"{freed} of {held} bytes freed"
 
 
+@pytest.mark.slow
 def test_all_peers_together_cannot_hold_more_than_the_total_cap(fresh_mosquitto) -> None:
     broker = fresh_mosquitto
     limits = InboundLimits(max_total_pending_bytes=6 << 20, idle_s=1.0)

@@ -51,6 +51,7 @@ def test_arbitrary_bytes_parse_or_raise_protocol_error(data):
     _parses_or_refuses(data)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(message_types, st.dictionaries(st.text(max_size=12), json_values, max_size=8))
 def test_json_objects_with_a_type_parse_or_raise_protocol_error(kind, fields):
@@ -116,6 +117,7 @@ ASSIGNMENT = {
 PATHS = [(), ("spec",), ("spec", "model"), ("train",)]
 
 
+@pytest.mark.slow
 @FUZZ
 @given(
     st.lists(

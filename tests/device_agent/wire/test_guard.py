@@ -94,6 +94,7 @@ def test_limits_and_reasons_are_checked() -> None:
         InboundLimits(messages_per_s=0)
 
 
+@pytest.mark.slow
 def test_a_retained_manifest_is_refused_and_cleared_from_the_broker(fresh_mosquitto) -> None:
     """A device leaves a manifest retained; the coordinator refuses it on subscribing and clears it for good."""
     broker = fresh_mosquitto

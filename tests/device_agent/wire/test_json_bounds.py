@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +24,7 @@ def _depth(value) -> int:
     return 0
 
 
+@pytest.mark.slow
 @FUZZ
 @given(values)
 def test_depth_of_json_text_is_the_depth_of_its_value(value):

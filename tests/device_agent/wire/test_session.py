@@ -159,6 +159,7 @@ def test_an_oversize_payload_is_refused_before_anything_is_published(mosquitto):
         dev.stop()
 
 
+@pytest.mark.slow
 def test_malformed_and_unknown_version_messages_are_logged_and_the_session_carries_on(mosquitto, caplog):
     coord, dev, inbox, topics = pair(mosquitto)
     raw = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="test-raw-coordinator")

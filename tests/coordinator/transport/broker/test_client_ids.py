@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from device_agent.wire.messages import Message, Status
 from device_agent.wire.session import Session, SessionConfig, coordinator_session, device_session
 
 
+@pytest.mark.slow
 def test_a_device_login_cannot_kick_another_device_or_the_coordinator(fresh_mosquitto) -> None:
     broker = fresh_mosquitto
     coordinator = coordinator_session(broker.fleet, broker.address()).start()

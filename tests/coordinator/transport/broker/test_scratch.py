@@ -47,6 +47,7 @@ def test_one_left_by_a_killed_process_is_swept_and_live_or_foreign_ones_are_kept
     assert ours.exists() and foreign.exists() and not killed.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed")
 def test_the_suites_broker_fixture_leaves_no_folder_behind() -> None:
     child = "from tests.transport_fixtures import _start; print(_start('mosquitto').broker.workdir, flush=True)"
