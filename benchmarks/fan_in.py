@@ -22,6 +22,11 @@ The coordinator process keeps freed buffers for reuse, as ``coordinator start`` 
 
 Each repeat runs the three back to back; ratios are the medians of the per-repeat ratios, so load
 from other jobs on a shared machine hits both sides of a ratio alike.
+
+The CPU seconds of every process taking part (the receiving process, the device processes, the broker)
+are counted per variant. Where mosquitto, the senders and the receiver saturate the cores, throughput
+follows the whole machine's CPU per byte, not the receiver's alone: ``cpu_vs_hash_bound`` and
+``receiver_cpu_vs_hash_bound`` say which side the gap to ``raw_hashing`` comes from.
 """
 
 from __future__ import annotations
@@ -37,10 +42,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
+import psutil
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
 from coordinator.transport.allocator import keep_freed_buffers
-from coordinator.transport.broker.base import BrokerSettings
+from coordinator.transport.broker.base import BrokerProcess, BrokerSettings
 from coordinator.transport.broker.credentials import generate_credentials
 from coordinator.transport.broker.factory import make_broker
 from device_agent.wire.session import BrokerAddress, coordinator_session, device_session
@@ -123,11 +129,11 @@ class _Arrivals:
                 self.finished.set()
 
 
-def measure(devices: int, size: int, chunk_size: int, repeats: int, workdir: Path) -> dict[str, float]:
+def measure(devices: int, size: int, chunk_size: int, repeats: int, workdir: Path) -> dict[str, float | None]:
     """MB/s into the coordinator side per variant (medians) and the ratios of each to ``raw``.
 
     ``ratio``, ``hashing_ratio`` and ``hash_bound_ratio``: fedfleet, fedfleet_hashing and raw_hashing
-    to raw; ``vs_hash_bound``: fedfleet to raw_hashing.
+    to raw; ``vs_hash_bound``: fedfleet to raw_hashing; the CPU keys of ``_cpu_ratios``.
     """
     names = [f"dev{i}" for i in range(devices)]
     # The raw baseline has logins of its own: the broker binds a client id to its login, so a raw client
@@ -166,6 +172,8 @@ def measure(devices: int, size: int, chunk_size: int, repeats: int, workdir: Pat
     ]
     started: list[multiprocessing.process.BaseProcess] = []
     seconds: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    sides: dict[str, list[psutil.Process]] = {"receiver": [psutil.Process()], "devices": [], "broker": []}
+    cpu = {variant: dict.fromkeys(("receiver", "devices", "broker"), 0.0) for variant in VARIANTS}
     try:
         coordinator.start()
         for worker in workers:
@@ -175,6 +183,9 @@ def measure(devices: int, size: int, chunk_size: int, repeats: int, workdir: Pat
             _expect(parent, "ready")
         if not subscribed.wait(10):
             raise RuntimeError("raw subscriber never subscribed")
+        sides["devices"] = [psutil.Process(worker.pid) for worker in started]
+        if isinstance(broker, BrokerProcess) and broker.process is not None:
+            sides["broker"] = [psutil.Process(broker.process.pid)]
         for _ in range(repeats):
             for variant in VARIANTS:
                 raw = variant.startswith("raw")
@@ -184,12 +195,15 @@ def measure(devices: int, size: int, chunk_size: int, repeats: int, workdir: Pat
                     hash_raw.set()
                 else:
                     hash_raw.clear()
+                used = {side: _cpu_seconds(processes) for side, processes in sides.items()}
                 start = time.perf_counter()
                 for parent, _child in links:
                     parent.send(variant)
                 if not arrivals.finished.wait(_TIMEOUT_S):
                     raise RuntimeError(f"{variant} fan-in incomplete after {_TIMEOUT_S:.0f} s")
                 seconds[variant].append(time.perf_counter() - start)
+                for side, processes in sides.items():
+                    cpu[variant][side] += (_cpu_seconds(processes) - used[side]) / repeats
                 if arrivals.bytes != devices * size:
                     raise RuntimeError(f"{variant} fan-in delivered {arrivals.bytes} bytes, expected {devices * size}")
                 for parent, _child in links:
@@ -217,7 +231,28 @@ def measure(devices: int, size: int, chunk_size: int, repeats: int, workdir: Pat
     }
     for key, (base, other) in pairs.items():
         result[key] = statistics.median(b / o for b, o in zip(seconds[base], seconds[other], strict=True))
+    return result | _cpu_ratios(cpu)
+
+
+def _cpu_seconds(processes: list[psutil.Process]) -> float:
+    """User and system CPU seconds ``processes`` have used so far."""
+    return sum(sum(p.cpu_times()[:2]) for p in processes)
+
+
+def _cpu_ratios(cpu: dict[str, dict[str, float]]) -> dict[str, float | None]:
+    """Milliseconds of CPU per repeat for each variant and side, and fedfleet's CPU against the hash bound's."""
+    result = {
+        f"{variant}_{side}_cpu_ms": seconds * 1000 for variant, sides in cpu.items() for side, seconds in sides.items()
+    }
+    bound, ours = cpu["raw_hashing"], cpu["fedfleet"]
+    # CPU times come in 10 ms clock ticks: a run too short to register any says None, not a ratio.
+    result["cpu_vs_hash_bound"] = _ratio(sum(bound.values()), sum(ours.values()))
+    result["receiver_cpu_vs_hash_bound"] = _ratio(bound["receiver"], ours["receiver"])
     return result
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if numerator > 0 and denominator > 0 else None
 
 
 def _expect(link: Connection, word: str) -> None:
