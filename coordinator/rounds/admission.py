@@ -22,7 +22,7 @@ from typing import Any
 
 from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.rounds.signing import UploadSignatures
-from coordinator.rounds.state import OpenRound, printable, refusal_reason
+from coordinator.rounds.state import OpenRound, Refusals, printable, refusal_reason
 from coordinator.rounds.upload_gate import (
     Screened,
     UploadGate,
@@ -62,8 +62,11 @@ class Admission:
         expected_samples: Callable[[str], int],
         signatures: UploadSignatures | None = None,
         declared_extras: frozenset[str] = frozenset(),
+        refused: Refusals | None = None,
     ) -> None:
-        """``declared_extras``: the side information the strategy takes (``Strategy.declared_extras``)."""
+        """``declared_extras``: the side information the strategy takes (``Strategy.declared_extras``);
+        ``refused``: where refused uploads are counted (the engine's, which observers read)."""
+        self.refused = refused if refused is not None else Refusals()
         self.gate = gate
         self.rundir = rundir
         self.expected_samples = expected_samples
@@ -174,6 +177,15 @@ class Admission:
             participant.local_accuracy, participant.received = parsed.local_accuracy, parsed.received
             log.info("round %d: replayed %s's journaled update", open_.round, entry.device)
 
+    def refuse(self, device: str, round_: int, exc: Exception, open_: OpenRound | None) -> None:
+        """An upload :meth:`admit` refused: logged, counted, and its participant's round failed unless accepted."""
+        reason = refusal_reason(exc)
+        log.warning("rejected %s's update for round %d (%s): %s", device, round_, reason, exc)
+        self.refused.upload(device, round_, reason, str(exc))
+        participant = open_.participants.get(device) if open_ is not None else None
+        if participant is not None and participant.status != "accepted":
+            participant.reject(str(exc)[:500])
+
     def screen_round(self, open_: OpenRound, reopen: Callable[[], RoundAggregate]) -> dict[str, str]:
         """At the close, take the updates that point against the rest of the round out of it (the gate's peer
         check): each is quarantined from the journal with its reason and the round re-folded from the journal
@@ -200,6 +212,7 @@ class Admission:
             if entry.device in refused:
                 self.rundir.quarantine(entry, f"wrong_direction: {refused[entry.device]}")
                 participant.reject(f"{REFUSED_AT_CLOSE}: {refused[entry.device]}")
+                self.refused.upload(entry.device, open_.round, "wrong_direction", refused[entry.device])
                 log.warning(
                     "round %d: refused %s's update at the close: %s", open_.round, entry.device, refused[entry.device]
                 )

@@ -95,7 +95,7 @@ class RoundEngine:
         unaligned = replace(settings.gate, direction_min_cosine=None, peer_min_cosine=None)
         gate = UploadGate(settings.gate if strategy.aligned_updates else unaligned)
         expected = lambda d: fleet.samples_for(self.devices[d].device)  # noqa: E731
-        self.admission = Admission(gate, rundir, expected, signatures, strategy.declared_extras())
+        self.admission = Admission(gate, rundir, expected, signatures, strategy.declared_extras(), self.refused)
         self.dispatch = Dispatcher(link, strategy, gate, rundir, fleet, settings.resend_after_s)
         self.closer = RoundCloser(strategy, fleet, data, link, self.roster, settings.calibration_samples)
         self.open: OpenRound | None = None
@@ -209,10 +209,7 @@ class RoundEngine:
         self._await_answers(progress)
         if self.stopping.is_set():
             return False
-        for device, why in self.admission.screen_round(
-            self.open, lambda: self.strategy.open_round(round_, slots)
-        ).items():
-            self.refused.upload(device, round_, "wrong_direction", why)
+        self.admission.screen_round(self.open, lambda: self.strategy.open_round(round_, slots))
         self.last = self.closer.close(self.open, self._quorum(), pushed)
         self.rundir.complete_round(round_, self.strategy.state_dict(), self.last)
         self.open = None
@@ -290,12 +287,7 @@ class RoundEngine:
         try:
             status = self.admission.admit(device, completed, self.open, self.next_round)
         except (UpdateRejected, UploadMetaError, CodecError) as exc:
-            reason = refusal_reason(exc)
-            log.warning("rejected %s's update for round %d (%s): %s", device, manifest.round, reason, exc)
-            self.refused.upload(device, manifest.round, reason, str(exc))
-            participant = self.open.participants.get(device) if self.open else None
-            if participant is not None and participant.status != "accepted":
-                participant.reject(str(exc)[:500])
+            self.admission.refuse(device, manifest.round, exc, self.open)
             self.link.send_control(device, Error(code="rejected", detail=str(exc)[:1000], transfer=manifest.transfer))
             return
         self.link.send_control(
