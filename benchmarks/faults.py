@@ -41,7 +41,6 @@ import psutil
 
 from benchmarks import bad_inputs
 from benchmarks.reliability import update_page
-from coordinator.rounds.admission import REFUSED_AT_CLOSE
 from coordinator.transport.broker.base import free_port
 from coordinator.transport.broker.scratch import OWNER_FILE, PATTERN
 from device_agent.common.processes import die_with_parent
@@ -253,7 +252,8 @@ class FleetRun:
     def refused_at_close(self) -> list[tuple[str, int]]:
         """Acknowledged updates the peer check refused when their round closed: judged, not lost (the metrics
         say ``rejected`` with the reason and the upload is kept in the run's quarantine)."""
-        refused = self._devices_by_round(lambda m: str(m.get("error") or "").startswith(REFUSED_AT_CLOSE))
+        # An acknowledged update can only be rejected at its round's close, where the peer check judges.
+        refused = self._devices_by_round(lambda m: m["status"] == "rejected" and m.get("reason") == "wrong_direction")
         return [(device, round_) for device, round_ in self.acknowledged() if device in refused.get(round_, set())]
 
     def lost_updates(self) -> int:

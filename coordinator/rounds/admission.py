@@ -41,10 +41,6 @@ from device_agent.wire.transfer import Completed
 log = logging.getLogger("fedfleet.engine")
 
 
-REFUSED_AT_CLOSE = "refused at the close"
-"""How a round's metrics name an update the peer check refused after it was acknowledged (judged, not lost)."""
-
-
 def describe_steps(steps: Mapping[str, float]) -> str:
     """The clipped layers, worst first, for a log line."""
     worst = sorted(steps.items(), key=lambda item: item[1])
@@ -184,7 +180,7 @@ class Admission:
         self.refused.upload(device, round_, reason, str(exc))
         participant = open_.participants.get(device) if open_ is not None else None
         if participant is not None and participant.status != "accepted":
-            participant.reject(str(exc)[:500])
+            participant.reject(reason, str(exc)[:500])
 
     def screen_round(self, open_: OpenRound, reopen: Callable[[], RoundAggregate]) -> dict[str, str]:
         """At the close, take the updates that point against the rest of the round out of it (the gate's peer
@@ -211,7 +207,7 @@ class Admission:
                 continue
             if entry.device in refused:
                 self.rundir.quarantine(entry, f"wrong_direction: {refused[entry.device]}")
-                participant.reject(f"{REFUSED_AT_CLOSE}: {refused[entry.device]}")
+                participant.reject("wrong_direction", f"refused at the close: {refused[entry.device]}")
                 self.refused.upload(entry.device, open_.round, "wrong_direction", refused[entry.device])
                 log.warning(
                     "round %d: refused %s's update at the close: %s", open_.round, entry.device, refused[entry.device]
@@ -255,4 +251,4 @@ def journaled_meta(journaled: Mapping[str, Any]) -> UploadMeta:
     return parse_upload_meta(wire)
 
 
-__all__ = ["REFUSED_AT_CLOSE", "Admission", "journaled_meta"]
+__all__ = ["Admission", "journaled_meta"]

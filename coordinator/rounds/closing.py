@@ -93,6 +93,7 @@ class RoundCloser:
             host_seconds=participant.host_seconds,
             status=status,
             error=participant.error,
+            reason=participant.reason if status in ("rejected", "failed") else None,
             local_accuracy=participant.local_accuracy if status == "accepted" else None,
             **received_metrics(participant.received if status == "accepted" else None),
         )

@@ -273,7 +273,7 @@ class RoundEngine:
         self.refused.count(device, reason)
         participant = self.open.participants.get(device) if self.open is not None else None
         if reason == "transfer_refused" and participant is not None and participant.status == "assigned":
-            participant.reject("its upload was refused by the link (transfer_refused)")
+            participant.reject(reason, "its upload was refused by the link (transfer_refused)")
 
     def _on_payload(self, device: str, completed: Completed) -> None:
         manifest = completed.manifest

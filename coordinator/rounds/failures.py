@@ -21,7 +21,8 @@ def round_failed(
     participant = open_.participants.get(device)
     if participant is None or participant.status == "accepted":
         return
-    participant.status, participant.error = "failed", f"{failure.reason}: {printable(failure.detail, 480)}"
+    participant.status, participant.reason = "failed", failure.reason
+    participant.error = f"{failure.reason}: {printable(failure.detail, 480)}"
     log.warning("round %d: %s failed: %s", open_.round, device, participant.error)
     if failure.reason == "out_of_memory":
         draw.out_of_memory(device, participant.level)

@@ -87,15 +87,17 @@ class Participant:
     train_seconds: float | None = None
     host_seconds: float | None = None
     error: str | None = None
+    reason: str | None = None
+    """A short code for why it was rejected or failed (``error`` holds the detail)."""
     local_accuracy: float | None = None
     rejected_at: float = math.inf
     retried: bool = False
     """Its assignment was sent again after a refusal (once per round: a device that keeps failing is not retrained)."""
     received: ReceivedEvaluation | None = None
 
-    def reject(self, why: str) -> None:
+    def reject(self, reason: str, why: str) -> None:
         """Refused, but not an answer yet: the device may still send a valid update (see OpenRound.answered)."""
-        self.status, self.error, self.rejected_at = "rejected", why, time.monotonic()
+        self.status, self.reason, self.error, self.rejected_at = "rejected", reason, why, time.monotonic()
 
 
 @dataclass

@@ -41,6 +41,11 @@ class DeviceRoundMetrics(BaseModel):
     )
     status: DeviceStatus
     error: str | None = None
+    reason: str | None = Field(
+        None,
+        max_length=64,
+        description="why a device was rejected or failed, as a short code (e.g. wrong_direction); error has the detail",
+    )
     local_accuracy: Fraction | None = Field(
         None, description="the device's trained model on its own test shard, as it reported (accepted updates)"
     )

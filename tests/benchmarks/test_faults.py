@@ -45,7 +45,6 @@ def test_an_update_refused_at_the_close_is_judged_not_lost(tmp_path, monkeypatch
     import json
 
     from benchmarks.faults import FleetRun
-    from coordinator.rounds.admission import REFUSED_AT_CLOSE
 
     run = FleetRun.__new__(FleetRun)
     monkeypatch.setattr(FleetRun, "run_dir", tmp_path, raising=False)
@@ -53,7 +52,7 @@ def test_an_update_refused_at_the_close_is_judged_not_lost(tmp_path, monkeypatch
     rows = [
         {
             "round": 1,
-            "devices": {"a": {"status": "accepted"}, "b": {"status": "rejected", "error": f"{REFUSED_AT_CLOSE}: x"}},
+            "devices": {"a": {"status": "accepted"}, "b": {"status": "rejected", "reason": "wrong_direction"}},
         },
         {"round": 2, "devices": {"a": {"status": "accepted"}}},
     ]

@@ -170,6 +170,7 @@ def test_a_refused_device_is_sent_its_assignment_again_once_and_its_genuine_upda
     assert sorted(link.assignments) == ["a", "b", "b"] and sorted(link.uploads) == ["a", "b", "b"]
     assert engine.refusals == {("b", "non_finite"): 1}
     assert {d: m.status for d, m in engine.last.devices.items()} == {"a": "accepted", "b": "accepted"}
+    assert engine.last.devices["b"].reason is None  # its genuine update counts: no reason stays behind
 
 
 @pytest.mark.slow
@@ -178,6 +179,7 @@ def test_a_device_whose_upload_the_transport_refuses_is_retried_once_not_until_t
     assert sorted(link.assignments) == ["a", "b", "b"]
     assert engine.refusals == {("b", "transfer_refused"): 2}
     assert {d: m.status for d, m in engine.last.devices.items()} == {"a": "accepted", "b": "rejected"}
+    assert engine.last.devices["b"].reason == "transfer_refused"
     assert engine.last.seconds < 10  # closed after the refusal grace, not at the 20 s deadline
 
 
@@ -190,6 +192,7 @@ def test_a_device_refusing_a_bad_assignment_fails_that_round_only(
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     first, second = (json.loads(line)["devices"] for line in metrics)
     assert (first["a"]["status"], first["b"]["status"]) == ("accepted", "failed")
+    assert (first["a"]["reason"], first["b"]["reason"]) == (None, "bad_assignment")
     assert first["b"]["error"] == (
         "bad_assignment: BadAssignment: assignment does not fit the model: 'fc.weight' is torch.float64, "
         "expected torch.float32"
