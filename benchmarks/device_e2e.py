@@ -43,6 +43,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from benchmarks.netns import Namespace, netns_problem, run
 from coordinator.config.fleet import load_fleet
 from coordinator.provision.agent_kit import JETSON_INDEX, UNIT, torch_version
 from coordinator.provision.device_wheels import CACHE, WheelOptions, download, fill_kit, platform_of
@@ -85,10 +86,8 @@ def missing_prerequisites() -> list[str]:
     for tool, package in (("debootstrap", "debootstrap"), ("ip", "iproute2"), ("chroot", "coreutils")):
         if shutil.which(tool) is None:
             missing.append(f"{tool}: apt-get install -y {package}")
-    if shutil.which("ip") is not None and os.geteuid() == 0:
-        probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
-        if probe.returncode != 0:
-            missing.append(f"ip netns does not work here: {probe.stderr.strip()}")
+    if shutil.which("ip") is not None and os.geteuid() == 0 and (problem := netns_problem()) is not None:
+        missing.append(problem)
     if find_mosquitto() is None:
         missing.append("mosquitto (the fleet's TLS broker): apt-get install -y mosquitto")
     return missing
@@ -98,15 +97,6 @@ def _binfmt_flags(entry: Path) -> str:
     return next(
         (line.split(":", 1)[1].strip() for line in entry.read_text().splitlines() if line.startswith("flags:")), ""
     )
-
-
-def run(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
-    """Run ``command``; on failure raise with its output (the last lines) instead of a bare exit status."""
-    done = subprocess.run(command, capture_output=True, text=True, **kwargs)  # type: ignore[call-overload]
-    if done.returncode != 0:
-        tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
-        raise RuntimeError(f"{shlex.join(command)} exited {done.returncode}:\n{tail}")
-    return done
 
 
 def rootfs(cache: Path) -> Path:
@@ -160,39 +150,6 @@ def passwd_ids(root: Path, user: str) -> str:
         if fields[0] == user:
             return f"{fields[2]}:{fields[3]}"
     raise RuntimeError(f"install.sh did not create user {user} in {root}/etc/passwd")
-
-
-class Namespace:
-    """A network namespace joined to this host by one veth pair: HOST_IP here, DEVICE_IP there, nothing else."""
-
-    def __init__(self) -> None:
-        tag = os.getpid() % 100000
-        self.name, self.host_if, self.device_if = f"fedfleet-e2e-{tag}", f"ffe2e{tag}h", f"ffe2e{tag}d"
-
-    def __enter__(self) -> Namespace:
-        try:
-            run(["ip", "netns", "add", self.name])
-            run(["ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.device_if])
-            run(["ip", "link", "set", self.device_if, "netns", self.name])
-            run(["ip", "addr", "add", f"{HOST_IP}/24", "dev", self.host_if])
-            run(["ip", "link", "set", self.host_if, "up"])
-            for command in (
-                ["ip", "addr", "add", f"{DEVICE_IP}/24", "dev", self.device_if],
-                ["ip", "link", "set", self.device_if, "up"],
-                ["ip", "link", "set", "lo", "up"],
-            ):
-                run(["ip", "netns", "exec", self.name, *command])
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        subprocess.run(["ip", "link", "del", self.host_if], capture_output=True)
-        subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
-
-    def prefix(self) -> list[str]:
-        return ["ip", "netns", "exec", self.name]
 
 
 @contextlib.contextmanager
@@ -362,7 +319,7 @@ def measure(rounds: int, cache: Path, keep: bool, timeout: float, jetson: bool =
         }
         if jetson:
             result |= jetson_check(pristine, cache, work, timeout)
-        with Namespace() as ns, mounted(root):
+        with Namespace("fedfleet-e2e", "ffe2e", HOST_IP, DEVICE_IP) as ns, mounted(root):
             path = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
             # QEMU_CPU reaches every arm64 process only if each environment carries it (env -i clears the rest).
             env = {"PATH": path, "HOME": "/root", "LANG": "C.UTF-8", "QEMU_CPU": QEMU_CPU}

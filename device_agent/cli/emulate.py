@@ -36,6 +36,11 @@ examples:
   device-agent emulate --profile jetson-nano --count 8 --first-index 8 --total 16 --prefix dev \\
         --broker mqtt://10.0.0.5:1883 --fleet demo --password 'file:/etc/fedfleet/{device}.secret'
         this host's half of a 16-device fleet: dev-08 .. dev-15, shares 8-15 of 16
+  device-agent emulate --profile raspberry-pi-5 --count 2 --first-index 2 --total 4 --prefix edge \
+        --broker mqtts://10.0.0.5:8883 --fleet lab --ca-file kits/ca.pem \
+        --password 'file:kits/{device}/password' \
+        --cert-file 'kits/{device}/client.pem' --key-file 'kits/{device}/client.key'
+        against the coordinator's managed TLS broker, with the devices' provisioned kits copied here
 
 The devices must be in the coordinator's fleet.yaml with these ids, and the broker must know their
 logins. Ctrl-C stops every agent cleanly; an agent that dies is reported with the end of its log.
@@ -70,6 +75,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "device id (default: %(default)s)",
     )
     parser.add_argument("--ca-file", metavar="FILE", help="CA certificate for mqtts://")
+    parser.add_argument(
+        "--cert-file",
+        metavar="FILE",
+        help="client certificate for mqtts:// ({device} is replaced by the device id); a managed TLS broker "
+        "requires one: the kits' DEVICE/client.pem",
+    )
+    parser.add_argument("--key-file", metavar="FILE", help="its private key ({device} as for --cert-file)")
     parser.add_argument("--protocol", choices=["5", "3.1.1"], default="5", help="MQTT version (default: 5)")
     ids = parser.add_argument_group("device ids and data shares")
     ids.add_argument("--prefix", metavar="NAME", help="device ids are PREFIX-NN (default: the profile name)")
@@ -133,6 +145,8 @@ def agent_specs(args: argparse.Namespace, host_gflops: float) -> list[AgentSpec]
         raise EmulationError(
             f"--first-index {args.first_index} + --count {args.count} exceeds --total {total} data shares"
         )
+    if (args.cert_file is None) != (args.key_file is None):
+        raise EmulationError("--cert-file and --key-file go together (a client certificate and its key)")
     limits = limits_for(profile, host_gflops, args.threads)
     run_dir = (args.run_dir or Path(f"emulated-{prefix}")).resolve()
     # Flags are relative to the working directory; the agent.yaml written here is read relative to itself.
@@ -151,11 +165,17 @@ def agent_specs(args: argparse.Namespace, host_gflops: float) -> list[AgentSpec]
             limits,
             password=anchor_secret(args.password.replace("{device}", device), here),
             ca_file=anchor(args.ca_file, here),
+            cert_file=anchor(_for(args.cert_file, device), here),
+            key_file=anchor(_for(args.key_file, device), here),
             protocol=args.protocol,
             device_type=args.device_type,
         )
         specs.append(AgentSpec(device, write_agent_config(folder / "agent.yaml", config), folder / "agent.log"))
     return specs
+
+
+def _for(template: str | None, device: str) -> str | None:
+    return None if template is None else template.replace("{device}", device)
 
 
 def _emulate(args: argparse.Namespace) -> int:

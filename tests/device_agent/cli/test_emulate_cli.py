@@ -148,3 +148,33 @@ def test_relative_flags_are_written_as_the_working_directory_means_them(
     assert config.state_dir == tmp_path / "run" / "pi-00" / "state"
     assert config.broker.password == f"file:{tmp_path / 'secrets' / 'pi-00.pw'}"
     assert (config.broker.ca_file, config.data.path) == (str(tmp_path / "ca.pem"), str(tmp_path / "data/train.npz"))
+
+
+def test_each_agent_gets_its_own_client_certificate_from_the_templates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from device_agent.agent.config import load_config
+    from device_agent.cli.app import build_parser
+    from device_agent.cli.emulate import agent_specs
+
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(
+        ["emulate", "--profile", "raspberry-pi-4", "--count", "2", "--first-index", "2", "--total", "4",
+         "--prefix", "edge", "--broker", "mqtts://h:8883", "--fleet", "f", "--ca-file", "kits/ca.pem",
+         "--cert-file", "kits/{device}/client.pem", "--key-file", "kits/{device}/client.key", "--host-gflops", "10",
+         "--run-dir", "run"]
+    )  # fmt: skip
+
+    brokers = [load_config(spec.config).broker for spec in agent_specs(args, host_gflops=10)]
+
+    assert [(b.cert_file, b.key_file) for b in brokers] == [
+        (str(tmp_path / f"kits/{d}/client.pem"), str(tmp_path / f"kits/{d}/client.key")) for d in ("edge-02", "edge-03")
+    ]
+
+
+def test_a_client_certificate_without_its_key_is_refused(tmp_path: Path) -> None:
+    from device_agent.cli.app import main
+
+    command = ["emulate", "--profile", "raspberry-pi-4", "--count", "1", "--broker", "mqtts://h:8883", "--fleet", "f",
+               "--cert-file", "c.pem", "--host-gflops", "10", "--run-dir", str(tmp_path)]  # fmt: skip
+    assert main(command) == 2
