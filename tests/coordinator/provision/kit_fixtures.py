@@ -17,6 +17,18 @@ from coordinator.transport.broker.mosquitto import find_mosquitto
 from device_agent.wire.session import BrokerAddress
 
 DEVICES = ("a", "b", "c")
+# One device of each kind whose kit installs differently (the Pi first: provisioning downloads its wheels first).
+KINDS = {"pi": "raspberry-pi-5", "orin": "jetson-orin-nano-8gb", "laptop": "x86-laptop-cpu", "gpu": "rtx-4060-laptop"}
+
+
+def kinds_fleet(root: Path) -> Fleet:
+    """A fleet of :data:`KINDS` written to ``root/fleet.yaml`` (for provisioning only: no broker runs)."""
+    devices = "".join(f"  - {{id: {name}, profile: {profile}}}\n" for name, profile in KINDS.items())
+    (root / "fleet.yaml").write_text(
+        "fleet: lab\nbroker: {mode: managed, host: 127.0.0.1, port: 18883, hosts: [localhost]}\n"
+        f"dataset: {{name: digits}}\ndevices:\n{devices}"
+    )
+    return load_fleet(root / "fleet.yaml")[0]
 
 
 def fleet_yaml(port: int, rounds: int = 2) -> str:

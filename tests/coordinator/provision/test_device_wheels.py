@@ -13,13 +13,13 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from coordinator.config.fleet import Fleet, load_fleet
+from coordinator.config.fleet import Fleet
 from coordinator.provision import DeviceLayout, ProvisionError, WheelOptions, provision
 from coordinator.provision.device_wheels import DEVICE_TORCH, requirements
 from coordinator.provision.wheel import wheel_name
+from tests.coordinator.provision.kit_fixtures import KINDS, kinds_fleet
 from tests.coordinator.provision.test_install_script import Device
 
-DEVICES = {"pi": "raspberry-pi-5", "orin": "jetson-orin-nano-8gb", "laptop": "x86-laptop-cpu", "gpu": "rtx-4060-laptop"}
 TORCH_WHEELS = (
     f"torch-{DEVICE_TORCH}-cp311-cp311-manylinux_2_28_aarch64.whl",
     f"torch-{DEVICE_TORCH}-cp311-cp311-manylinux_2_28_x86_64.whl",  # PyPI's x86_64 torch: never in a kit
@@ -44,13 +44,7 @@ def tiny_wheel(folder: Path, filename: str) -> None:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Fleet:
-    root = tmp_path_factory.mktemp("wheels-fleet")
-    devices = "".join(f"  - {{id: {name}, profile: {profile}}}\n" for name, profile in DEVICES.items())
-    (root / "fleet.yaml").write_text(
-        "fleet: lab\nbroker: {mode: managed, host: 127.0.0.1, port: 18883, hosts: [localhost]}\n"
-        f"dataset: {{name: digits}}\ndevices:\n{devices}"
-    )
-    return load_fleet(root / "fleet.yaml")[0]
+    return kinds_fleet(tmp_path_factory.mktemp("wheels-fleet"))
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +65,7 @@ def kits(tmp_path_factory: pytest.TempPathFactory, fleet: Fleet, mirror: Path) -
     root = tmp_path_factory.mktemp("wheels-kits")
     options = WheelOptions(root / "cache", find_links=mirror)
     done = provision(fleet, root / "kits", (), DeviceLayout(), wheels=options)
-    assert set(done.wheels) == set(DEVICES) and "no wheels" in done.wheels["gpu"]
+    assert set(done.wheels) == set(KINDS) and "no wheels" in done.wheels["gpu"]
     return done.kits.root
 
 

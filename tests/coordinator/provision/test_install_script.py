@@ -15,12 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.config.fleet import load_fleet
 from coordinator.provision import DeviceLayout, provision
 from coordinator.provision.agent_kit import JETSON_INDEX, TORCH_CPU_INDEX, torch_version
 from coordinator.provision.wheel import wheel_name
+from tests.coordinator.provision.kit_fixtures import KINDS, kinds_fleet
 
-DEVICES = {"laptop": "x86-laptop-cpu", "pi": "raspberry-pi-5", "orin": "jetson-orin-nano-8gb", "gpu": "rtx-4060-laptop"}
 UNIT = "fedfleet-agent.service"
 MIRROR = "https://mirror.example/whl/cpu"
 
@@ -124,13 +123,7 @@ class Device:
 def kits(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A provisioned fleet (default device paths) with a laptop, a Pi, a Jetson and an NVIDIA laptop."""
     root = tmp_path_factory.mktemp("install-kits")
-    devices = "".join(f"  - {{id: {name}, profile: {profile}}}\n" for name, profile in DEVICES.items())
-    (root / "fleet.yaml").write_text(
-        "fleet: lab\nbroker: {mode: managed, host: 127.0.0.1, port: 18883, hosts: [localhost]}\n"
-        f"dataset: {{name: digits}}\ndevices:\n{devices}"
-    )
-    fleet, _ = load_fleet(root / "fleet.yaml")
-    return provision(fleet, root / "kits", (), DeviceLayout()).kits.root
+    return provision(kinds_fleet(root), root / "kits", (), DeviceLayout()).kits.root
 
 
 def _no_cuda(result: Result) -> None:
@@ -280,7 +273,7 @@ def test_uninstall_removes_the_unit_and_venv_and_keeps_the_state_unless_purged(k
 
 
 @pytest.mark.parametrize("script", ["install.sh", "uninstall.sh"])
-@pytest.mark.parametrize("kit", sorted(DEVICES))
+@pytest.mark.parametrize("kit", sorted(KINDS))
 def test_the_scripts_parse_and_pass_shellcheck(kits: Path, kit: str, script: str) -> None:
     path = kits / kit / script
     assert os.access(path, os.X_OK)

@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.config.fleet import load_fleet
 from coordinator.provision import DeviceLayout, provision
-
-DEVICES = {"laptop": "x86-laptop-cpu", "pi": "raspberry-pi-5", "orin": "jetson-orin-nano-8gb", "gpu": "rtx-4060-laptop"}
+from tests.coordinator.provision.kit_fixtures import KINDS, kinds_fleet
 
 
 def schema(path: Path) -> subprocess.CompletedProcess[str]:
@@ -23,16 +21,10 @@ def schema(path: Path) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def kits(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("user-data")
-    devices = "".join(f"  - {{id: {name}, profile: {profile}}}\n" for name, profile in DEVICES.items())
-    (root / "fleet.yaml").write_text(
-        "fleet: lab\nbroker: {mode: managed, host: 127.0.0.1, port: 18883, hosts: [localhost]}\n"
-        f"dataset: {{name: digits}}\ndevices:\n{devices}"
-    )
-    fleet, _ = load_fleet(root / "fleet.yaml")
-    return provision(fleet, root / "kits", (), DeviceLayout()).kits.root
+    return provision(kinds_fleet(root), root / "kits", (), DeviceLayout()).kits.root
 
 
-@pytest.mark.parametrize("device", sorted(DEVICES))
+@pytest.mark.parametrize("device", sorted(KINDS))
 def test_each_kits_user_data_passes_cloud_inits_schema(kits: Path, device: str) -> None:
     user_data = kits / device / "user-data"
     done = schema(user_data)
