@@ -1,4 +1,6 @@
 import gzip
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -185,3 +187,31 @@ def test_the_built_in_fashion_mnist_is_debians_70000_images() -> None:
     data = load_dataset("fashion_mnist")
     assert (len(data.train_y), len(data.test_y), data.num_classes) == (60_000, 10_000, 10)
     assert torch.bincount(data.train_y).tolist() == [6000] * 10
+
+
+def test_devices_loading_at_once_decode_an_idx_folder_once_and_share_it(tmp_path: Path, monkeypatch) -> None:
+    """A worker's devices all load at the start of round 1: one decode, one copy, not one per device."""
+    folder = _idx_folder(tmp_path / "fmnist", gz=True)
+    reads: list[Path] = []
+    decode = datasets.read_idx
+
+    def slow_read(file: Path) -> np.ndarray:
+        reads.append(file)
+        time.sleep(0.05)  # long enough that every thread asks before the first decode is cached
+        return decode(file)
+
+    monkeypatch.setattr(datasets, "read_idx", slow_read)
+    start = threading.Barrier(8)
+    loaded: list[datasets.LabeledData] = []
+
+    def device() -> None:
+        start.wait()
+        loaded.append(load_dataset(folder, image_size=28, in_channels=1))
+
+    threads = [threading.Thread(target=device) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(reads) == 4  # the four idx files, once
+    assert len({data.train_x.data_ptr() for data in loaded}) == 1
