@@ -19,13 +19,28 @@ STOP_GRACE_S = 10.0
 def stop_on_signals(
     stop: Callable[[], None], grace_s: float = STOP_GRACE_S, exit_now: Callable[[int], object] = os._exit
 ) -> None:
-    """On SIGINT or SIGTERM call ``stop``; if the process is still running ``grace_s`` later, exit with 128 + signal."""
+    """On SIGINT or SIGTERM call ``stop``; exit with 128 + signal if the process still runs ``grace_s`` later,
+    or at once on a second signal.
+
+    Python runs a handler on the main thread between two bytecodes, maybe while that thread holds the
+    lock ``stop`` needs (an Event's, in the middle of a wait). A handler calling ``stop`` itself then
+    waits for its own thread forever: an agent outlived its killed coordinator that way, signal after
+    signal. So the handler takes no lock: ``stop`` runs on a thread of its own, and the grace is a
+    SIGALRM timer, which fires even while that thread waits.
+    """
+    received: list[int] = []
+
+    def expire(_signum: int, _frame: object) -> None:
+        exit_now(128 + received[0])
 
     def handler(signum: int, _frame: object) -> None:
-        stop()
-        timer = threading.Timer(grace_s, exit_now, args=(128 + signum,))
-        timer.daemon = True  # a stop that finishes in time exits without waiting for it
-        timer.start()
+        if received:
+            exit_now(128 + signum)
+            return
+        received.append(signum)
+        signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, grace_s)
+        threading.Thread(target=stop, name="fedfleet-stop", daemon=True).start()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)

@@ -37,3 +37,37 @@ def test_a_stop_that_hangs_is_cut_short_after_the_grace_with_the_signal_s_exit_c
 def test_a_graceful_stop_exits_normally_without_waiting_out_the_grace() -> None:
     code, _seconds = run_and_terminate("graceful")
     assert code == 0
+
+
+_HOLDING = """
+import sys, threading, time
+from device_agent.agent.stopping import stop_on_signals
+stopping = threading.Event()
+stop_on_signals(stopping.set, grace_s=1.0)
+with stopping._cond:  # as mid-wait on the Event: the lock ``stopping.set`` needs is held by this thread
+    print("ready", flush=True)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
+
+
+def test_a_signal_arriving_while_the_main_thread_holds_the_stop_s_lock_still_exits_after_the_grace() -> None:
+    # Python runs the handler on the main thread between two bytecodes; a handler that set the Event itself
+    # waited for a lock its own thread held, and an agent outlived its killed coordinator for good.
+    process = subprocess.Popen([sys.executable, "-c", _HOLDING], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+    sent = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    code = process.wait(timeout=20)
+    assert code == 128 + signal.SIGTERM
+    assert time.monotonic() - sent < 10  # the grace, not the 15 s the main thread holds the lock
+
+
+def test_a_second_signal_exits_at_once() -> None:
+    process = subprocess.Popen([sys.executable, "-c", _PROCESS, "hung"], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=20) == 128 + signal.SIGTERM
