@@ -18,6 +18,7 @@ from coordinator.transport.broker.base import BrokerSettings
 from coordinator.transport.broker.credentials import generate_credentials
 from coordinator.transport.broker.mosquitto import MosquittoBroker, find_mosquitto
 from coordinator.transport.broker.scratch import scratch_dir
+from device_agent.agent.config import AgentConfig
 from device_agent.wire.messages import Status, parse_message
 from device_agent.wire.topics import ROOT
 
@@ -128,22 +129,24 @@ def test_bad_settings_are_usage_errors(tmp_path: Path) -> None:
     assert not list(tmp_path.iterdir())  # checked before anything is written or started
 
 
-def test_relative_flags_are_written_as_the_working_directory_means_them(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def emulated_configs(flags: list[str]) -> list[AgentConfig]:
+    """The agent.yaml each agent of ``device-agent emulate --profile raspberry-pi-4 --fleet f FLAGS`` would get."""
     from device_agent.agent.config import load_config
     from device_agent.cli.app import build_parser
     from device_agent.cli.emulate import agent_specs
 
-    monkeypatch.chdir(tmp_path)
-    args = build_parser().parse_args(
-        ["emulate", "--profile", "raspberry-pi-4", "--count", "1", "--prefix", "pi", "--broker", "mqtts://h:8883",
-         "--fleet", "f", "--password", "file:secrets/{device}.pw", "--ca-file", "ca.pem", "--host-gflops", "10",
-         "--run-dir", "run", "--dataset", "npz", "--data-path", "data/train.npz"]
-    )  # fmt: skip
+    command = ["emulate", "--profile", "raspberry-pi-4", "--fleet", "f", "--host-gflops", "10", *flags]
+    return [load_config(spec.config) for spec in agent_specs(build_parser().parse_args(command), host_gflops=10)]
 
-    (spec,) = agent_specs(args, host_gflops=10)
-    config = load_config(spec.config)
+
+def test_relative_flags_are_written_as_the_working_directory_means_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (config,) = emulated_configs(
+        ["--count", "1", "--prefix", "pi", "--broker", "mqtts://h:8883", "--password", "file:secrets/{device}.pw",
+         "--ca-file", "ca.pem", "--run-dir", "run", "--dataset", "npz", "--data-path", "data/train.npz"]
+    )  # fmt: skip
 
     assert config.state_dir == tmp_path / "run" / "pi-00" / "state"
     assert config.broker.password == f"file:{tmp_path / 'secrets' / 'pi-00.pw'}"
@@ -153,19 +156,11 @@ def test_relative_flags_are_written_as_the_working_directory_means_them(
 def test_each_agent_gets_its_own_client_certificate_from_the_templates(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from device_agent.agent.config import load_config
-    from device_agent.cli.app import build_parser
-    from device_agent.cli.emulate import agent_specs
-
     monkeypatch.chdir(tmp_path)
-    args = build_parser().parse_args(
-        ["emulate", "--profile", "raspberry-pi-4", "--count", "2", "--first-index", "2", "--total", "4",
-         "--prefix", "edge", "--broker", "mqtts://h:8883", "--fleet", "f", "--ca-file", "kits/ca.pem",
-         "--cert-file", "kits/{device}/client.pem", "--key-file", "kits/{device}/client.key", "--host-gflops", "10",
-         "--run-dir", "run"]
-    )  # fmt: skip
-
-    brokers = [load_config(spec.config).broker for spec in agent_specs(args, host_gflops=10)]
+    flags = ["--count", "2", "--first-index", "2", "--total", "4", "--prefix", "edge", "--broker", "mqtts://h:8883",
+             "--ca-file", "kits/ca.pem", "--cert-file", "kits/{device}/client.pem",
+             "--key-file", "kits/{device}/client.key", "--run-dir", "run"]  # fmt: skip
+    brokers = [config.broker for config in emulated_configs(flags)]
 
     assert [(b.cert_file, b.key_file) for b in brokers] == [
         (str(tmp_path / f"kits/{d}/client.pem"), str(tmp_path / f"kits/{d}/client.key")) for d in ("edge-02", "edge-03")
