@@ -36,9 +36,9 @@ examples:
   device-agent emulate --profile jetson-nano --count 8 --first-index 8 --total 16 --prefix dev \\
         --broker mqtt://10.0.0.5:1883 --fleet demo --password 'file:/etc/fedfleet/{device}.secret'
         this host's half of a 16-device fleet: dev-08 .. dev-15, shares 8-15 of 16
-  device-agent emulate --profile raspberry-pi-5 --count 2 --first-index 2 --total 4 --prefix edge \
-        --broker mqtts://10.0.0.5:8883 --fleet lab --ca-file kits/ca.pem \
-        --password 'file:kits/{device}/password' \
+  device-agent emulate --profile raspberry-pi-5 --count 2 --first-index 2 --total 4 --prefix edge \\
+        --broker mqtts://10.0.0.5:8883 --fleet lab --ca-file kits/ca.pem \\
+        --password 'file:kits/{device}/password' \\
         --cert-file 'kits/{device}/client.pem' --key-file 'kits/{device}/client.key'
         against the coordinator's managed TLS broker, with the devices' provisioned kits copied here
 
