@@ -172,11 +172,12 @@ def _send_garbage(fleet: Fleet, device: str, run: str, round_: int) -> list[Mess
 def test_run_with_four_agents_survives_a_killed_agent_and_rejects_a_malformed_upload(fleet_factory) -> None:
     fleet = fleet_factory(rounds=8, deadline_s=40)
     coordinator = fleet.coordinator(min_devices=len(DEVICES))
-    agents = {d: fleet.agent(d, *(["--slowdown", "10"] if d == "d3" else [])) for d in DEVICES}
+    agents = {d: fleet.agent(d, *(["--slowdown", "60"] if d == "d3" else [])) for d in DEVICES}
     fleet.wait_for("round 1 to open", lambda: fleet.open_round().get("round") == 1)
     assert "d3" in fleet.open_round()["participants"], "d3 was left out of round 1 (see the coordinator's plan log)"
 
-    # d3, ten times slower, keeps round 1 open while the others answer: the garbage lands in an open round.
+    # d3, sixty times slower (planned as ten times: it is killed long before it could finish), keeps round 1
+    # open while the others answer: the garbage lands in an open round.
     run_id = json.loads((fleet.run_dir / "run.json").read_text())["run_id"]
     errors = _send_garbage(fleet, "d0", run_id, 1)
     fleet.wait_for("d0-d2's round 1 updates", lambda: {"d0", "d1", "d2"} <= fleet.journaled(1))

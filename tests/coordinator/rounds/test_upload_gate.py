@@ -232,13 +232,18 @@ def test_a_fresh_refusal_is_no_answer_until_its_grace_has_passed() -> None:
 
 
 class ForgingLink(InProcessLink):
-    """Devices sign their updates; right after pi-1's genuine one, a login holder resends it claiming 100x samples."""
+    """Devices sign their updates; right after the first genuine one, a login holder resends it claiming 100x samples.
+
+    The forgery follows the first update, not the last: events are applied in order, so it is answered while the
+    round still waits for the other device (after the last update the round may close before it is read).
+    """
 
     def __init__(self, devices: list[LocalDevice], key: bytes) -> None:
         super().__init__(devices)
         self.key = key
         self.answers: list[tuple[str, object]] = []
         self.forged: set[str] = set()
+        self.forger: str | None = None
 
     def start(self, on_message, on_payload, on_refused=None) -> None:
         def sign_then_forge(device: str, completed: Completed) -> None:
@@ -248,7 +253,8 @@ class ForgingLink(InProcessLink):
             )
             signed = manifest.model_copy(update={"meta": signed_meta(manifest.meta, self.key, identity)})
             on_payload(device, Completed(signed, [data]))
-            if device == "pi-1":
+            if self.forger is None:
+                self.forger = device
                 reweighted = {**signed.meta, "samples": str(int(manifest.meta["samples"]) * 100)}
                 forged = make_manifest(
                     data, run=manifest.run, round=manifest.round, kind=manifest.kind, meta=reweighted
@@ -291,5 +297,5 @@ def test_a_forged_upload_after_the_genuine_one_is_refused_not_told_duplicate(tmp
     assert closed.participants == 2
     (answer,) = [m for d, m in link.answers if getattr(m, "transfer", None) in link.forged]
     assert isinstance(answer, Error) and answer.code == "rejected"
-    assert "does not verify with pi-1's key" in answer.detail
-    assert engine.refusals[("pi-1", "bad_signature")] == 1
+    assert f"does not verify with {link.forger}'s key" in answer.detail
+    assert engine.refusals[(link.forger, "bad_signature")] == 1
