@@ -56,8 +56,10 @@ from device_agent.models import build_model
 from device_agent.training.optimizer import TrainConfig
 
 ARCH = "cnn"
-ARCHS = ("cnn", "resnet9")
-"""The CNN by default; ``--arch resnet9``: a small ResNet, where factorized convolutions carry the model."""
+ARCHS = ("cnn", "cnn28", "resnet9")
+"""``--arch resnet9``: a small ResNet, where factorized convolutions carry the model."""
+DEFAULT_ARCH = {"digits": ARCH, FASHION_MNIST: "cnn28"}
+"""The small CNN; at 28x28 pooled after its first conv as well, which makes a Fashion-MNIST cell 2.8x cheaper."""
 SCENARIOS = ("hetero-devices", "permuted-labels", "domains", "large-fleet")
 LARGE_FLEET, LARGE_FLEET_PARTICIPATION = 50, 0.2
 # The accuracy each strategy's paper reports: the global model's, or each client's on its own distribution.
@@ -367,7 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--jobs", type=int, default=1, help="cells run in this many processes, one core each (default: 1)"
     )
     parser.add_argument(
-        "--arch", choices=ARCHS, default=ARCH, help="cnn (default) or resnet9 (factorized convolutions matter)"
+        "--arch",
+        choices=ARCHS,
+        help="cnn (digits' default), cnn28 (fashion_mnist's default) or resnet9 (factorized convolutions matter)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     return parser
@@ -397,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped {', '.join(pretrained)}: {why}", file=sys.stderr)
         strategies = [s for s in strategies if s not in pretrained]
     torch.set_num_threads(1)
+    arch = args.arch or DEFAULT_ARCH[args.dataset]
     if args.scenario == "fedlora":
         other = [s for s in strategies if not issubclass(STRATEGIES[s], FineTune)]
         if args.strategies is not None and other:
@@ -417,12 +422,12 @@ def main(argv: list[str] | None = None) -> int:
     except DatasetError as error:
         print(f"--dataset {args.dataset}: {error}", file=sys.stderr)
         return 2
-    results = compare(names, args.rounds, args.seeds, args.clients, train, strategies, data, args.arch, args.jobs, load)
+    results = compare(names, args.rounds, args.seeds, args.clients, train, strategies, data, arch, args.jobs, load)
     checks = claims(results)
     if args.json:
         print(
             json.dumps(
-                results | {"dataset": args.dataset, "arch": args.arch, "paper_metric": PAPER_METRIC, "checks": checks},
+                results | {"dataset": args.dataset, "arch": arch, "paper_metric": PAPER_METRIC, "checks": checks},
                 indent=2,
             )
         )
