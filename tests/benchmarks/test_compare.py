@@ -66,6 +66,25 @@ def test_all_scenarios_skip_the_fine_tuning_strategies_with_a_note(monkeypatch, 
     assert why.startswith("fine-tuning strategies start from a pre-trained")
 
 
+@pytest.mark.parametrize(("dataset", "arch"), [("digits", "cnn"), ("fashion_mnist", "cnn28")])
+def test_each_dataset_trains_its_own_cnn_unless_arch_is_given(monkeypatch, capsys, dataset, arch) -> None:
+    archs: list[str] = []
+
+    def run_setting(name, setting, data, rounds, train, arch="cnn") -> dict:
+        archs.append(arch)
+        return {"accuracy": 0.5, "personalized_accuracy": 0.5, "upload_bytes_per_round": 1.0, "seconds": 0.0}
+
+    monkeypatch.setattr(compare, "run_setting", run_setting)
+    monkeypatch.setattr(compare, "load_data", lambda *_args: load_dataset("digits", 8, 1))
+    cell = ["--scenario", "domains", "--strategies", "fedavg", "--rounds", "1", "--json", "--dataset", dataset]
+    assert compare.main(cell) == 0
+    assert compare.main([*cell, "--arch", "resnet9"]) == 0
+
+    assert archs == [arch, "resnet9"]
+    first = capsys.readouterr().out.split("\n}\n")[0] + "\n}"
+    assert json.loads(first)["arch"] == arch
+
+
 def test_asking_for_a_fine_tuning_strategy_outside_its_scenario_is_refused(capsys) -> None:
     assert compare.main(["--scenario", "domains", "--strategies", "fedavg,fedlora"]) == 2
     assert "--strategies fedlora: fine-tuning strategies start from a pre-trained ViT" in capsys.readouterr().err
