@@ -58,7 +58,13 @@ SUITE: tuple[Benchmark, ...] = (
         timeout_s=4 * 3600,
     ),
     Benchmark("export", ("--repeats", "10")),
-    Benchmark("emulation_scale", ("--scale", "--devices", "300"), module="emulation"),
+    # 300 packed agents on Fashion-MNIST shards (200 images each): about 18 minutes on the 2-core dev machine.
+    Benchmark(
+        "emulation_scale",
+        ("--scale", "--devices", "300", "--scale-dataset", "fashion_mnist", "--deadline-s", "400"),
+        module="emulation",
+        timeout_s=3600,
+    ),
     Benchmark("process_peak", ("--memory",), module="emulation"),
     Benchmark("faults", ("--repeats", "1")),  # runs benchmarks.bad_inputs too (key bad_inputs)
     Benchmark("json_bounds"),

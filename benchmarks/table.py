@@ -99,11 +99,17 @@ def _compare(result: dict[str, Any]) -> list[str]:
 def _scale(result: dict[str, Any]) -> list[str]:
     out = [f"`max_devices` {result.get('max_devices')}"]
     for run in result.get("runs", []):
+        learned = []
+        if run.get("accepted_per_round"):
+            learned.append(f"updates {'/'.join(str(n) for n in run['accepted_per_round'])}")
+        if run.get("accuracy"):
+            learned.append(f"accuracy {'/'.join(fmt(a) for a in run['accuracy'])} on {run.get('dataset', 'digits')}")
         out.append(
             f"{run['devices']} devices {'completed' if run['completed'] else 'missed'}: rounds "
             f"{'/'.join(fmt(s) for s in run['round_seconds'])} s (deadline {fmt(run['deadline_seconds'])} s, "
             f"slowest device predicted {fmt(run['slowest_predicted_round_seconds'])} s), "
-            f"coordinator {fmt(run['coordinator_rss_per_device_mib'])} MiB/device, "
+            + "".join(f"{part}, " for part in learned)
+            + f"coordinator {fmt(run['coordinator_rss_per_device_mib'])} MiB/device, "
             f"workers {fmt(run['workers_rss_per_device_mib'])} MiB/device"
         )
     return out

@@ -106,6 +106,9 @@ def test_the_reliability_and_scale_benchmarks_have_their_own_summaries() -> None
                             "devices": 300,
                             "completed": True,
                             "round_seconds": [49.8, 32.1],
+                            "accepted_per_round": [300, 299],
+                            "accuracy": [0.5448, 0.6309],
+                            "dataset": "fashion_mnist",
                             "deadline_seconds": 60.0,
                             "slowest_predicted_round_seconds": 0.04,
                             "coordinator_rss_per_device_mib": 2.2,
@@ -122,4 +125,5 @@ def test_the_reliability_and_scale_benchmarks_have_their_own_summaries() -> None
 
     assert "1/2 faults survived, 2 updates lost; bad inputs refused 1/2, round unaffected 2/2" in text
     assert "`max_devices` 300; 300 devices completed: rounds 49.8/32.1 s (deadline 60 s" in text
+    assert "updates 300/299, accuracy 0.545/0.631 on fashion_mnist, coordinator 2.2 MiB/device" in text
     assert "workers 9.4 MiB/device" in text
