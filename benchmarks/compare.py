@@ -42,10 +42,12 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 
 import torch
 
 from benchmarks import fedlora
+from benchmarks.cell_cache import CacheMismatch, CellCache
 from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.strategies import STRATEGIES, ModelSpec, build_strategy
 from coordinator.strategies.fedlora import FineTune
@@ -221,11 +223,13 @@ def compare(
     arch: str = ARCH,
     jobs: int = 1,
     load: Callable[[], LabeledData] | None = None,
+    cache: CellCache | None = None,
 ) -> dict:
     """Every (scenario, seed, setting, strategy) cell; ``jobs`` > 1 runs them in that many processes.
 
     Each cell trains on one thread, so ``jobs`` processes use ``jobs`` cores; a worker reads the data
     once with ``load`` (the same call that made ``data``). Results do not depend on ``jobs``.
+    Cells found in ``cache`` are taken from it, and each finished cell is added to it.
     """
     tasks = [
         (scenario, seed, setting, name)
@@ -234,6 +238,8 @@ def compare(
         for setting in scenarios(clients, seed)[scenario]
         for name in strategies
     ]
+    keys = [f"{scenario}/{setting.label}/seed {seed}/{name}" for scenario, seed, setting, name in tasks]
+    cached = {i: row for i, key in enumerate(keys) if cache is not None and (row := cache.get(key)) is not None}
     futures: dict[int, Future[dict]] = {}
     pool: Executor | None = None
     if jobs > 1:
@@ -244,15 +250,22 @@ def compare(
         futures = {
             i: pool.submit(_run_in_worker, name, setting, rounds, train, arch)
             for i, (_scenario, _seed, setting, name) in enumerate(tasks)
+            if i not in cached
         }
     out: dict[str, dict] = {}
     cells: dict[str, dict[str, dict[str, Cell]]] = {}
     try:
         for i, (scenario, seed, setting, name) in enumerate(tasks):
-            row = futures[i].result() if pool is not None else run_setting(name, setting, data, rounds, train, arch)
+            if i in cached:
+                row = cached[i]
+            else:
+                row = futures[i].result() if pool is not None else run_setting(name, setting, data, rounds, train, arch)
+                if cache is not None:
+                    cache.put(keys[i], row)
             print(
                 f"[{i + 1}/{len(tasks)}] {scenario}/{setting.label} seed {seed} {name}: accuracy "
-                f"{row['accuracy']:.3f}, personalized {row['personalized_accuracy']:.3f} ({row['seconds']:.0f} s)",
+                f"{row['accuracy']:.3f}, personalized {row['personalized_accuracy']:.3f} ({row['seconds']:.0f} s"
+                f"{', from the cache' if i in cached else ''})",
                 file=sys.stderr,
                 flush=True,
             )
@@ -374,6 +387,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=ARCHS,
         help="cnn (digits' default), cnn28 (fashion_mnist's default) or resnet9 (factorized convolutions matter)",
     )
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        metavar="FILE",
+        help="keep each finished cell in FILE (JSON lines) and take the cells already there: a stopped run resumes",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     return parser
 
@@ -426,7 +445,25 @@ def main(argv: list[str] | None = None) -> int:
     except DatasetError as error:
         print(f"--dataset {args.dataset}: {error}", file=sys.stderr)
         return 2
-    results = compare(names, args.rounds, args.seeds, args.clients, train, strategies, data, arch, args.jobs, load)
+    cache = None
+    if args.cache is not None:
+        config = {
+            "dataset": args.dataset,
+            "train_samples": args.train_samples,
+            "test_samples": args.test_samples,
+            "arch": arch,
+            "rounds": args.rounds,
+            "clients": args.clients,
+            "train": train.model_dump(),
+        }
+        try:
+            cache = CellCache(args.cache, config)
+        except (CacheMismatch, OSError) as error:
+            print(f"--cache: {error}", file=sys.stderr)
+            return 2
+    results = compare(
+        names, args.rounds, args.seeds, args.clients, train, strategies, data, arch, args.jobs, load, cache
+    )
     checks = claims(results)
     if args.json:
         print(

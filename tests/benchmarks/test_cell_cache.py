@@ -1,0 +1,58 @@
+import json
+
+import pytest
+
+from benchmarks import compare
+from benchmarks.cell_cache import CacheMismatch, CellCache
+
+CONFIG = {"dataset": "digits", "rounds": 10, "train": {"lr": 0.05}}
+
+
+def test_cells_survive_a_reopen_and_a_line_cut_short_by_a_kill_is_dropped(tmp_path) -> None:
+    path = tmp_path / "cells.jsonl"
+    cache = CellCache(path, CONFIG)
+    cache.put("domains/2-domains/seed 0/fedavg", {"accuracy": 0.5})
+    with path.open("a") as out:
+        out.write('{"cell": "domains/2-domains/seed 0/fedhm", "row": {"accur')  # killed mid-write
+
+    again = CellCache(path, CONFIG)
+    again.put("domains/2-domains/seed 1/fedavg", {"accuracy": 0.6})
+
+    assert again.get("domains/2-domains/seed 0/fedavg") == {"accuracy": 0.5}
+    assert again.get("domains/2-domains/seed 0/fedhm") is None
+    assert [json.loads(line) for line in path.read_text().splitlines()][1:] == [
+        {"cell": "domains/2-domains/seed 0/fedavg", "row": {"accuracy": 0.5}},
+        {"cell": "domains/2-domains/seed 1/fedavg", "row": {"accuracy": 0.6}},
+    ]
+
+
+def test_cells_of_another_configuration_are_refused_naming_what_differs(tmp_path) -> None:
+    path = tmp_path / "cells.jsonl"
+    CellCache(path, CONFIG).put("a", {"accuracy": 0.5})
+
+    with pytest.raises(CacheMismatch, match=r"differs in: rounds, train\)"):
+        CellCache(path, CONFIG | {"rounds": 5, "train": {"lr": 0.1}})
+
+
+def test_a_stopped_comparison_resumes_from_its_cache(monkeypatch, capsys, tmp_path) -> None:
+    ran: list[str] = []
+
+    def run_setting(name, setting, data, rounds, train, arch="cnn") -> dict:
+        ran.append(f"{setting.label}/{name}")
+        return {"accuracy": 0.5, "personalized_accuracy": 0.6, "upload_bytes_per_round": 1.0, "seconds": 2.0}
+
+    monkeypatch.setattr(compare, "run_setting", run_setting)
+    cells = tmp_path / "cells.jsonl"
+    argv = ["--scenario", "domains", "--strategies", "fedavg,fedhm", "--seeds", "2", "--json", "--cache", str(cells)]
+    assert compare.main(argv) == 0
+    first = capsys.readouterr()
+    assert len(ran) == 4
+
+    assert compare.main(argv) == 0
+    second = capsys.readouterr()
+    assert len(ran) == 4  # nothing trained again
+    assert json.loads(second.out) == json.loads(first.out)
+    assert second.err.count("from the cache") == 4
+
+    assert compare.main([*argv, "--rounds", "3"]) == 2
+    assert "--cache: " in (err := capsys.readouterr().err) and "differs in: rounds" in err
