@@ -19,6 +19,12 @@ round (reported beside the timings) says something about learning at that scale.
     python -m benchmarks.emulation --scale --devices 1000 --scale-dataset fashion_mnist --json
     python -m benchmarks.emulation --scale --devices 300 --scale-dataset fashion_mnist --deadline-s 300
     python -m benchmarks.emulation --scale --devices 1000 --device-type cuda --json   (CUDA workers)
+    python -m benchmarks.emulation --scale --sizes 300,1000 --peer flower --json   (Flower beside it)
+
+Every size also reports the median round, the rounds within the deadline, the peak PSS and CPU-seconds of
+the whole process tree (:mod:`benchmarks.process_tree`) and the compute floor (N x one device's round
+of host compute / cores). ``--peer flower`` runs the fleet with FedAvg and then Flower's simulation
+engine on the same task (:mod:`benchmarks.flower_peer`), reporting ``ratio_vs_flower_<N>``.
 """
 
 from __future__ import annotations
@@ -208,7 +214,9 @@ def scale(
     strategy = "fedavg" if peer == "flower" else "fedhm"
     runs, ratios = [], {}
     for devices in sorted(sizes):
-        run = run_size(devices, dataset=dataset, device_type=device_type, deadline_s=deadline_s, rounds=rounds)
+        run = run_size(
+            devices, dataset=dataset, device_type=device_type, deadline_s=deadline_s, rounds=rounds, strategy=strategy
+        )
         run |= compute_floor(ScaleTask.build(devices, dataset, rounds, deadline_s))
         if peer == "flower":
             from benchmarks import flower_peer

@@ -61,3 +61,23 @@ def test_the_flower_client_trains_what_a_fedfleet_device_trains() -> None:
     averaged = [sum(arrays[i] * samples for arrays, samples in updates) / total for i in range(len(trainable))]
     following, accuracy = task.close_round(averaged)
     assert [a.shape for a in following] == [a.shape for a in start] and accuracy > 0.5  # ten classes: chance 0.1
+
+
+def test_with_the_flower_peer_each_size_runs_fedavg_on_both_sides_and_reports_the_ratio(monkeypatch) -> None:
+    from benchmarks import emulation_scale, flower_peer, scale_task
+
+    asked: list[tuple[int, str]] = []
+
+    def fleet_run(devices: int, **options: object) -> dict:
+        asked.append((devices, str(options["strategy"])))
+        return {"devices": devices, "completed": True, "median_round_seconds": 3.0}
+
+    monkeypatch.setattr(emulation_scale, "run_size", fleet_run)
+    monkeypatch.setattr(scale_task.ScaleTask, "build", classmethod(lambda cls, *args: None))
+    monkeypatch.setattr(scale_task, "compute_floor", lambda task: {"compute_floor_seconds": 0.5})
+    monkeypatch.setattr(flower_peer, "run_size", lambda devices, *args: {"median_round_seconds": 4.0})
+    outcome = emulation_scale.scale([20, 10], rounds=2, peer="flower")
+    assert asked == [(10, "fedavg"), (20, "fedavg")] and outcome["strategy"] == "fedavg"
+    assert outcome["ratio_vs_flower_10"] == outcome["ratio_vs_flower_20"] == 0.75
+    assert [run["flower"]["median_round_seconds"] for run in outcome["runs"]] == [4.0, 4.0]
+    assert outcome["runs"][0]["compute_floor_seconds"] == 0.5

@@ -101,6 +101,7 @@ def test_the_reliability_and_scale_benchmarks_have_their_own_summaries() -> None
                 "command": "python -m benchmarks.emulation --json --scale",
                 "result": {
                     "max_devices": 300,
+                    "ratio_vs_flower_300": 0.82,
                     "runs": [
                         {
                             "devices": 300,
@@ -123,3 +124,4 @@ def test_the_reliability_and_scale_benchmarks_have_their_own_summaries() -> None
     assert "1/2 faults survived, 2 updates lost; bad inputs refused 1/2, round unaffected 2/2" in text
     assert "`max_devices` 300; 300 devices completed: rounds 49.8/32.1 s (deadline 60 s" in text
     assert "workers 9.4 MiB/device" in text
+    assert "`ratio_vs_flower_300` 0.82 (fedfleet / Flower median round)" in text
