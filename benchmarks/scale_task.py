@@ -84,11 +84,15 @@ class ScaleTask:
             )
         return self._shards[index]
 
+    def seed(self, index: int, round: int) -> int:
+        """Device ``index``'s training seed in ``round``, as the coordinator deals it (run seed, sorted device ids)."""
+        order = sorted(device.id for device in self.fleet.devices)
+        return round_seed(self.fleet.dataset.seed, round, order.index(self.fleet.devices[index].id))
+
     def client_update(self, index: int, round: int, arrays: Sequence[np.ndarray]) -> tuple[list[np.ndarray], int]:
         """Device ``index``'s work in ``round`` on the global ``arrays``: its upload (trainable tensors) and samples."""
         tensors = {key: torch.tensor(np.asarray(array)) for key, array in zip(self.keys, arrays, strict=True)}
-        seed = round_seed(self.fleet.dataset.seed, round, index)
-        train = self.fleet.training.for_device(self.fleet.devices[index], seed)
+        train = self.fleet.training.for_device(self.fleet.devices[index], self.seed(index, round))
         shard, test = self.shard(index)
         trained = train_assignment(self.spec, train, tensors, None, shard, test)
         return [trained.upload[key].detach().numpy() for key in self.trainable], len(shard[1])

@@ -51,7 +51,9 @@ def test_the_flower_client_trains_what_a_fedfleet_device_trains() -> None:
         assert samples == len(task.shard(index)[0][1]) > 0
         # fedfleet's own round for this device: its FedAvg assignment, its training settings and seed
         assignment = task.strategy.configure(1, [ClientSlot(f"d{index}", 1.0, samples)])[f"d{index}"]
-        train = task.fleet.training.for_device(task.fleet.devices[index], round_seed(0, 1, index))
+        # the coordinator deals seeds by the run seed (the data set's) and the device's place among sorted ids
+        place = sorted(d.id for d in task.fleet.devices).index(task.fleet.devices[index].id)
+        train = task.fleet.training.for_device(task.fleet.devices[index], round_seed(task.fleet.dataset.seed, 1, place))
         expected = train_assignment(assignment.spec, train, assignment.tensors, None, *task.shard(index)).upload
         for key, array in zip(task.trainable, arrays, strict=True):
             torch.testing.assert_close(torch.from_numpy(array), expected[key])
