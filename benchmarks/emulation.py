@@ -218,6 +218,13 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="--scale: round deadline in seconds instead of the demo's 60 (a small host training Fashion-MNIST)",
     )
+    parser.add_argument("--rounds", type=int, default=3, help="--scale: rounds per size (default: 3)")
+    parser.add_argument(
+        "--peer",
+        choices=["flower"],
+        help="--scale: also run each size with Flower's simulation engine on the same FedAvg task "
+        "(benchmarks/flower_peer.py; needs the optional extra: pip install 'fedfleet[flower]')",
+    )
     parser.add_argument(
         "--device-type",
         default="cpu",
@@ -230,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    if args.peer and not args.scale:
+        parser.error("--peer runs beside the fleet-size ladder: add --scale")
     if args.memory:
         from benchmarks import process_peak
 
@@ -249,7 +258,17 @@ def main(argv: list[str] | None = None) -> int:
         except DatasetError as error:
             print(f"--scale-dataset {args.scale_dataset}: {error}", file=sys.stderr)
             return 2
-        outcome = emulation_scale.scale(sizes, args.scale_dataset, args.device_type, args.deadline_s)
+        if args.peer == "flower":
+            from benchmarks.flower_peer import FlowerMissing, require_flower
+
+            try:
+                require_flower()
+            except FlowerMissing as error:
+                print(error, file=sys.stderr)
+                return 2
+        outcome = emulation_scale.scale(
+            sizes, args.scale_dataset, args.device_type, args.deadline_s, args.rounds, args.peer
+        )
         print(
             json.dumps({"benchmark": "emulation", **outcome})
             if args.json

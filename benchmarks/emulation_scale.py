@@ -19,11 +19,18 @@ round (reported beside the timings) says something about learning at that scale.
     python -m benchmarks.emulation --scale --devices 1000 --scale-dataset fashion_mnist --json
     python -m benchmarks.emulation --scale --devices 300 --scale-dataset fashion_mnist --deadline-s 300
     python -m benchmarks.emulation --scale --devices 1000 --device-type cuda --json   (CUDA workers)
+    python -m benchmarks.emulation --scale --sizes 300,1000 --peer flower --json   (Flower beside it)
+
+Every size also reports the median round, the rounds within the deadline, the peak PSS and CPU-seconds of
+the whole process tree (:mod:`benchmarks.process_tree`) and the compute floor (N x one device's round
+of host compute / cores). ``--peer flower`` runs the fleet with FedAvg and then Flower's simulation
+engine on the same task (:mod:`benchmarks.flower_peer`), reporting ``ratio_vs_flower_<N>``.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,6 +39,8 @@ from pathlib import Path
 
 import psutil
 import yaml
+
+from benchmarks.process_tree import TreeSampler
 
 _ROOT = Path(__file__).resolve().parents[1]
 _DEMO = _ROOT / "examples" / "demo.yaml"
@@ -43,9 +52,20 @@ DATASETS = ("digits", "fashion_mnist")
 TRAIN_IMAGES = {"digits": 1437, "fashion_mnist": 60_000}
 
 
-def scale_fleet(devices: int, port: int, dataset: str = "digits", deadline_s: float | None = None) -> dict:
+def scale_fleet(
+    devices: int,
+    port: int,
+    dataset: str = "digits",
+    deadline_s: float | None = None,
+    rounds: int = ROUNDS,
+    strategy: str = "fedhm",
+) -> dict:
     """The demo fleet with ``devices`` devices (its classes in turn, its overrides), iid data, 3 rounds;
-    ``deadline_s`` replaces the demo's round deadline (a host that cannot train 60,000 images in it)."""
+    ``deadline_s`` replaces the demo's round deadline (a host that cannot train 60,000 images in it).
+
+    ``strategy="fedavg"`` (the task ``--peer flower`` compares on): every device trains the full model, so
+    the demo's ratios and the Pis' ``max_ratio`` caps go; the classes keep their compute, memory and links.
+    """
     fleet = yaml.safe_load(_DEMO.read_text())
     if deadline_s is not None:
         fleet["round_deadline_s"] = deadline_s
@@ -54,8 +74,12 @@ def scale_fleet(devices: int, port: int, dataset: str = "digits", deadline_s: fl
         fleet["model"] |= {"in_channels": 1, "image_size": 28}
     classes = [fleet["devices"][i] for i in (0, 3, 6)]  # orin, pi5 (max 1/2), pi4 (max 1/4)
     fleet["broker"]["port"] = port
-    fleet["rounds"] = ROUNDS
+    fleet["rounds"] = rounds
     fleet["dataset"]["partition"] = "iid"  # dirichlet over hundreds of ~5-image shards leaves some empty
+    if strategy != "fedhm":
+        fleet["strategy"] = {"name": strategy}
+        del fleet["ratios"]
+        classes = [{k: v for k, v in device.items() if k != "overrides"} for device in classes]
     fleet["devices"] = []
     for index in range(devices):
         device = dict(classes[index % 3])
@@ -94,11 +118,13 @@ def run_size(
     dataset: str = "digits",
     device_type: str = "cpu",
     deadline_s: float | None = None,
+    rounds: int = ROUNDS,
+    strategy: str = "fedhm",
 ) -> dict:
     """One emulated fleet of ``devices``; what it took and whether every round completed."""
     from coordinator.transport.broker.base import free_port
 
-    fleet = scale_fleet(devices, free_port(), dataset, deadline_s)
+    fleet = scale_fleet(devices, free_port(), dataset, deadline_s, rounds, strategy)
     with tempfile.TemporaryDirectory(prefix="fedfleet-bench-scale-") as folder:
         path, run_dir = Path(folder) / "fleet.yaml", Path(folder) / "run"
         path.write_text(yaml.safe_dump(fleet, sort_keys=False))
@@ -111,6 +137,7 @@ def run_size(
             emulate = subprocess.Popen([*command, "--no-live"], stdout=out, stderr=subprocess.STDOUT, cwd=_ROOT)
             process = psutil.Process(emulate.pid)
             peaks: dict[str, dict[int, int]] = {"coordinator": {}, "workers": {}}
+            tree = TreeSampler(emulate.pid)
             try:
                 while emulate.poll() is None:
                     if time.monotonic() - start > timeout:
@@ -118,6 +145,7 @@ def run_size(
                         emulate.wait(60)
                         break
                     _sample(process, peaks)
+                    tree.sample()
                     time.sleep(0.5)
             finally:
                 if emulate.poll() is None:
@@ -131,7 +159,7 @@ def run_size(
     deadline = float(fleet["round_deadline_s"])
     completed = (
         emulate.returncode == 0
-        and len(records) == ROUNDS
+        and len(records) == rounds
         and all(n == devices for n in accepted)
         and all(r["seconds"] <= deadline for r in records)
     )
@@ -139,6 +167,7 @@ def run_size(
     result = {
         "devices": devices,
         "dataset": dataset,
+        "strategy": strategy,
         "device_type": device_type,
         "train_images_per_device": TRAIN_IMAGES[dataset] // devices,
         "completed": completed,
@@ -146,6 +175,8 @@ def run_size(
         "rounds_closed": len(records),
         "accepted_per_round": accepted,
         "round_seconds": [round(r["seconds"], 1) for r in records],
+        "median_round_seconds": round(statistics.median(r["seconds"] for r in records), 2) if records else None,
+        "rounds_within_deadline": sum(r["seconds"] <= deadline for r in records),
         "round_phases": [{k: round(v, 1) for k, v in r.get("phases", {}).items()} for r in records],
         "deadline_seconds": deadline,
         "slowest_predicted_round_seconds": round(predicted, 2),
@@ -156,33 +187,72 @@ def run_size(
         "coordinator_rss_per_device_mib": round(max(peaks["coordinator"].values(), default=0) / _MIB / devices, 2),
         "workers_peak_rss_mib": round(workers_rss / _MIB, 1),
         "workers_rss_per_device_mib": round(workers_rss / _MIB / devices, 2),
+        **tree.summary(),
     }
     if not completed:
         result["log_tail"] = tail
     return result
 
 
-def scale(sizes: list[int], dataset: str = "digits", device_type: str = "cpu", deadline_s: float | None = None) -> dict:
-    """Sizes in increasing order until one does not complete; ``max_devices``: the largest that did."""
-    runs = []
+def scale(
+    sizes: list[int],
+    dataset: str = "digits",
+    device_type: str = "cpu",
+    deadline_s: float | None = None,
+    rounds: int = ROUNDS,
+    peer: str | None = None,
+) -> dict:
+    """Sizes in increasing order until one does not complete; ``max_devices``: the largest that did.
+
+    Each size reports its compute floor (:func:`benchmarks.scale_task.compute_floor`). With ``peer="flower"``
+    the fleet runs FedAvg and each size is run again by Flower's simulation engine right after
+    (:mod:`benchmarks.flower_peer`), under ``run["flower"]``; ``ratio_vs_flower_<N>`` is fedfleet's median
+    round over Flower's.
+    """
+    from benchmarks.scale_task import ScaleTask, compute_floor
+
+    strategy = "fedavg" if peer == "flower" else "fedhm"
+    runs, ratios = [], {}
     for devices in sorted(sizes):
-        runs.append(run_size(devices, dataset=dataset, device_type=device_type, deadline_s=deadline_s))
-        if not runs[-1]["completed"]:
+        run = run_size(
+            devices, dataset=dataset, device_type=device_type, deadline_s=deadline_s, rounds=rounds, strategy=strategy
+        )
+        run |= compute_floor(ScaleTask.build(devices, dataset, rounds, deadline_s))
+        if peer == "flower":
+            from benchmarks import flower_peer
+
+            run["flower"] = flower = flower_peer.run_size(devices, dataset, rounds, deadline_s)
+            ours, theirs = run["median_round_seconds"], flower["median_round_seconds"]
+            ratios[f"ratio_vs_flower_{devices}"] = round(ours / theirs, 3) if ours and theirs else None
+        runs.append(run)
+        if not run["completed"]:
             break
     done = [r["devices"] for r in runs if r["completed"]]
-    return {"max_devices": max(done, default=0), "runs": runs}
+    return {"max_devices": max(done, default=0), "rounds": rounds, "strategy": strategy, **ratios, "runs": runs}
 
 
 def describe(result: dict) -> list[str]:
-    lines = [f"largest fleet completing {ROUNDS} rounds: {result['max_devices']} devices"]
+    done = f"{result['rounds']} {result['strategy']} rounds"
+    lines = [f"largest fleet completing {done}: {result['max_devices']} devices"]
     for run in result["runs"]:
         lines.append(
             f"{run['devices']} devices on {run['device_type']} "
             f"({run['train_images_per_device']} {run['dataset']} images each): "
             f"{'completed' if run['completed'] else 'FAILED'}; accuracy per round {run['accuracy']}; rounds "
             f"{run['round_seconds']} s (slowest device predicted {run['slowest_predicted_round_seconds']} s, "
-            f"deadline {run['deadline_seconds']:g} s); coordinator peak {run['coordinator_peak_rss_mib']} MiB "
+            f"deadline {run['deadline_seconds']:g} s, compute floor {run['compute_floor_seconds']} s); "
+            f"updates per round {run['accepted_per_round']}; coordinator peak {run['coordinator_peak_rss_mib']} MiB "
             f"({run['coordinator_rss_per_device_mib']} MiB/device); {run['agent_processes']} agent processes "
-            f"{run['workers_peak_rss_mib']} MiB ({run['workers_rss_per_device_mib']} MiB/device)"
+            f"{run['workers_peak_rss_mib']} MiB ({run['workers_rss_per_device_mib']} MiB/device); process tree "
+            f"peak {run['tree_peak_pss_mib']} MiB, {run['tree_cpu_seconds']} CPU-s"
         )
+        if "flower" in run:
+            flower, ratio = run["flower"], result.get(f"ratio_vs_flower_{run['devices']}")
+            lines.append(
+                f"  Flower {flower['flwr']} (Ray {flower['ray']}, {flower['actors']} actors), same task: "
+                f"{'completed' if flower['completed'] else 'FAILED'}; accuracy per round {flower['accuracy']}; "
+                f"rounds {flower['round_seconds']} s; updates per round {flower['updates_per_round']}; process tree "
+                f"peak {flower['tree_peak_pss_mib']} MiB, {flower['tree_cpu_seconds']} CPU-s; fedfleet / Flower "
+                f"median round {ratio}"
+            )
     return lines

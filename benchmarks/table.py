@@ -112,6 +112,8 @@ def _scale(result: dict[str, Any]) -> list[str]:
             + f"coordinator {fmt(run['coordinator_rss_per_device_mib'])} MiB/device, "
             f"workers {fmt(run['workers_rss_per_device_mib'])} MiB/device"
         )
+    ratios = {key: value for key, value in result.items() if key.startswith("ratio_vs_flower_")}
+    out += [f"`{key}` {fmt(value)} (fedfleet / Flower median round)" for key, value in ratios.items()]
     return out
 
 

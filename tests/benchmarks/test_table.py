@@ -101,6 +101,7 @@ def test_the_reliability_and_scale_benchmarks_have_their_own_summaries() -> None
                 "command": "python -m benchmarks.emulation --json --scale",
                 "result": {
                     "max_devices": 300,
+                    "ratio_vs_flower_300": 0.82,
                     "runs": [
                         {
                             "devices": 300,
@@ -127,3 +128,4 @@ def test_the_reliability_and_scale_benchmarks_have_their_own_summaries() -> None
     assert "`max_devices` 300; 300 devices completed: rounds 49.8/32.1 s (deadline 60 s" in text
     assert "updates 300/299, accuracy 0.545/0.631 on fashion_mnist, coordinator 2.2 MiB/device" in text
     assert "workers 9.4 MiB/device" in text
+    assert "`ratio_vs_flower_300` 0.82 (fedfleet / Flower median round)" in text

@@ -1,0 +1,62 @@
+"""Memory and CPU of a whole process tree, sampled: what a fleet run costs the host, whoever spawned what.
+
+Both sides of ``--scale --peer flower`` are a process and its descendants (``coordinator emulate`` with
+its broker and workers; Flower's driver with Ray's GCS, raylet and actors), so they are measured alike:
+the PSS of every live process summed per sample (PSS splits shared pages between the processes that
+map them, so the sum does not count torch's libraries once per process), and each process's user +
+system CPU seconds at its last sample, summed over every pid ever seen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import psutil
+
+_MIB = 2**20
+
+
+def _pss(process: psutil.Process) -> tuple[int, bool]:
+    """(bytes, True) from PSS, or (RSS bytes, False) where smaps cannot be read."""
+    try:
+        return process.memory_full_info().pss, True
+    except (psutil.AccessDenied, AttributeError):
+        return process.memory_info().rss, False
+
+
+@dataclass
+class TreeSampler:
+    """Call :meth:`sample` every few tenths of a second while the tree runs; read the peaks after."""
+
+    root: int
+    peak_bytes: int = 0
+    pss: bool = True
+    cpu: dict[int, float] = field(default_factory=dict)
+    processes: set[int] = field(default_factory=set)
+
+    def sample(self) -> None:
+        try:
+            top = psutil.Process(self.root)
+            tree = [top, *top.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        total = 0
+        for process in tree:
+            try:
+                size, exact = _pss(process)
+                times = process.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += size
+            self.pss &= exact
+            self.cpu[process.pid] = times.user + times.system
+            self.processes.add(process.pid)
+        self.peak_bytes = max(self.peak_bytes, total)
+
+    def summary(self) -> dict[str, float | int | bool]:
+        return {
+            "tree_peak_pss_mib": round(self.peak_bytes / _MIB, 1),
+            "tree_memory_is_pss": self.pss,
+            "tree_cpu_seconds": round(sum(self.cpu.values()), 1),
+            "tree_processes": len(self.processes),
+        }

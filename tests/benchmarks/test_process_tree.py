@@ -1,0 +1,31 @@
+"""The tree sampler sums memory over the live processes and keeps each process's CPU at its last sample."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+
+from benchmarks.process_tree import TreeSampler
+
+
+def test_a_sample_of_this_process_reads_its_memory_and_cpu() -> None:
+    sampler = TreeSampler(os.getpid())
+    sum(i * i for i in range(300_000))  # some CPU time of our own
+    sampler.sample()
+    own = psutil.Process().memory_info().rss
+    summary = sampler.summary()
+    assert os.getpid() in sampler.processes and sampler.cpu[os.getpid()] > 0
+    assert 0 < summary["tree_peak_pss_mib"] * 2**20 <= own * 1.05  # PSS never exceeds RSS (shared pages split)
+    assert summary["tree_cpu_seconds"] >= 0 and summary["tree_processes"] >= 1
+
+
+def test_a_tree_that_is_gone_leaves_the_figures_as_they_were() -> None:
+    sampler = TreeSampler(2**22 + 12345)  # no such pid
+    sampler.sample()
+    assert sampler.summary() == {
+        "tree_peak_pss_mib": 0.0,
+        "tree_memory_is_pss": True,
+        "tree_cpu_seconds": 0.0,
+        "tree_processes": 0,
+    }
