@@ -434,8 +434,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         chosen = None if args.strategies is None else strategies
-        entries = fedlora.run(args.rounds, args.seeds, args.clients, args.epochs, chosen)
-        report = {"fedlora/dirichlet-0.01": entries, "checks": fedlora.checks(entries)}
+        report = fedlora.report(args.rounds, args.seeds, args.clients, args.epochs, chosen)
         print(json.dumps(report, indent=2) if args.json else fedlora.table(report))
         return 0
     train = TrainConfig(epochs=args.epochs, batch_size=32, lr=0.05)

@@ -37,7 +37,7 @@ from torch import nn
 from device_agent.layers import RankOneLayer
 from device_agent.layers.factorized import LowRankLayer
 from device_agent.layers.hybrid import hybrid
-from device_agent.layers.lora import LoRALinear
+from device_agent.layers.lora import LORA_WRAPPERS, LoRASlice
 from device_agent.models import model_card
 from profiles.schema import DeviceClass
 
@@ -123,14 +123,14 @@ def _op_cost(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.
     if isinstance(module, nn.Linear):
         flops = 2.0 * output.numel() * module.in_features
         return OpCost(flops, io_bytes, float(module.weight.numel() * _FP32), out_bytes)
-    if isinstance(module, LoRALinear):
-        # The frozen dense matmul plus the bypass x -> r -> out; only A and B get gradients (the
-        # trace's trainable parameters), the frozen weight is read but never updated.
+    if isinstance(module, LORA_WRAPPERS):
+        # The bypass x -> r -> out only: the frozen base is a leaf module of its own (costed as a
+        # Linear, read but never updated). Only A and B get gradients. A fused_qkv slice reads its
+        # rows of the shared B (A is counted once per slice: it is read by each).
+        adapter = module.adapter if isinstance(module, LoRASlice) else module
         tokens = output.numel() // module.out_features
-        flops = 2.0 * output.numel() * module.in_features + 2.0 * tokens * module.rank * (
-            module.in_features + module.out_features
-        )
-        weights = module.weight.numel() + module.reduce.numel() + module.expand.numel()
+        flops = 2.0 * tokens * adapter.rank * (module.in_features + module.out_features)
+        weights = adapter.reduce.numel() + adapter.rank * module.out_features
         return OpCost(flops, io_bytes, float(weights * _FP32), out_bytes)
     if isinstance(module, nn.LayerNorm | nn.GELU):
         return OpCost(0.0, io_bytes, 0.0, out_bytes)
@@ -202,7 +202,7 @@ def trace_module(model: nn.Module, in_channels: int, image_size: int) -> ModelTr
     for module in model.modules():
         if isinstance(module, LowRankLayer):
             handles.append(module.register_forward_hook(lowrank_hook))
-        elif not list(module.children()):
+        elif isinstance(module, LORA_WRAPPERS) or not list(module.children()):
             handles.append(module.register_forward_hook(leaf_hook))
 
     def saved_bytes(batch: int) -> int:

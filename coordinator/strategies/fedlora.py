@@ -48,7 +48,17 @@ from coordinator.strategies.levels import RANK, LevelScale
 from device_agent.clients.base import ClientProgram
 from device_agent.clients.lora import TARGETS, LoRAProgram
 from device_agent.clients.spec import LoRASpec
-from device_agent.layers.lora import FACTORS, apply_lora, base_state, lora_layers, state_digest
+from device_agent.layers.lora import (
+    FACTORS,
+    Layout,
+    Scale,
+    apply_lora,
+    base_state,
+    delta_targets,
+    lora_layers,
+    lora_scale,
+    state_digest,
+)
 from device_agent.models.vit import load_checkpoint
 
 PLANNING_DIGEST = "0" * 64
@@ -64,8 +74,15 @@ class LoRAParams(FineTuneParams):
     max_rank: PositiveInt = 16
     """The rank of level 1; fedlora's rank is round(level x max_rank)."""
     alpha: PositiveFloat = 16.0
-    """Adapters are scaled by alpha / r."""
+    """The numerator of ``scale`` (alpha / r by default)."""
+    scale: Scale = "alpha_over_r"
+    """alpha_over_r: alpha / r (LoRA); one: 1 (the FedHM reference code, alpha = r); rslora: alpha / sqrt(r)."""
     targets: Literal["attn", "attn_mlp"] = "attn"
+    adapter_layout: Layout = "separate"
+    """separate: a bypass on each of q, k, v, proj; fused_qkv: one on the fused qkv projection and one on
+    proj, the paper's and its reference code's layout (27,648 r trainable parameters per ViT-S)."""
+    train_head: bool = True
+    """false: the pre-trained head is kept frozen (sent with the base), so it must fit the task's classes."""
 
 
 class FedLoRAParams(LoRAParams):
@@ -79,8 +96,14 @@ class HomogeneousLoRAParams(LoRAParams):
     """The one rank every device trains."""
 
 
-def pretrained_state(model: ModelSpec, checkpoint: str | None, seed: int) -> dict[str, Tensor]:
-    """The plain model's state dict from ``checkpoint``; a head of another shape (or none) starts at zero."""
+def pretrained_state(
+    model: ModelSpec, checkpoint: str | None, seed: int, require_head: bool = False
+) -> dict[str, Tensor]:
+    """The plain model's state dict from ``checkpoint``; a head of another shape (or none) starts at zero.
+
+    ``require_head``: the head will be frozen (``train_head: false``), so a zero head would make
+    every prediction the same; the checkpoint must carry one of the right shape.
+    """
     reference = seeded_model(model, seed).state_dict()
     if checkpoint is None:
         return reference
@@ -92,6 +115,13 @@ def pretrained_state(model: ModelSpec, checkpoint: str | None, seed: int) -> dic
     loaded = load_checkpoint(checkpoint)
     for key in ("head.weight", "head.bias"):
         if key not in loaded or loaded[key].shape != reference[key].shape:
+            if require_head:
+                found = tuple(loaded[key].shape) if key in loaded else "none"
+                raise ValueError(
+                    f"train_head: false keeps the pre-trained head frozen, but {checkpoint} has {key} {found},"
+                    f" {model.arch} with {model.num_classes} classes needs {tuple(reference[key].shape)};"
+                    " set train_head: true (a new head trained from zero)"
+                )
             loaded[key] = torch.zeros_like(reference[key])
     if loaded.keys() != reference.keys():
         missing, extra = sorted(reference.keys() - loaded.keys()), sorted(loaded.keys() - reference.keys())
@@ -176,12 +206,24 @@ class FineTune(Strategy):
 
     def __init__(self, model: ModelSpec, params: FineTuneParams, seed: int = 0) -> None:
         super().__init__(model, params, seed)
-        self.pretrained = pretrained_state(model, params.base_checkpoint, seed)
+        frozen_head = isinstance(params, LoRAParams) and not params.train_head
+        self.pretrained = pretrained_state(model, params.base_checkpoint, seed, require_head=frozen_head)
         self.state = dict(self.pretrained)
 
     @classmethod
     def spec(cls, model: ModelSpec, params: FineTuneParams, level: float, digest: str) -> LoRASpec:
-        return LoRASpec(strategy="ft", model=model, level=level, rank=None, alpha=1.0, targets="attn", base_sha256=None)
+        return LoRASpec(
+            strategy="ft",
+            model=model,
+            level=level,
+            rank=None,
+            alpha=1.0,
+            scale="alpha_over_r",
+            targets="attn",
+            adapter_layout="separate",
+            train_head=True,
+            base_sha256=None,
+        )
 
     @classmethod
     def client_model(cls, model: ModelSpec, params: FineTuneParams, level: float) -> nn.Module:
@@ -247,6 +289,8 @@ class LoRAStrategy(FineTune):
         skeleton = self.client_model(model, params, 1.0)
         self.base_keys = sorted(base_state(skeleton))
         self.layers = {name: (m.out_features, m.in_features) for name, m in lora_layers(skeleton).items()}
+        self.targets = delta_targets(skeleton)
+        """Adapter -> the base weights (and their rows of B A) its update lands in (fused_qkv: q, k, v)."""
         self.head_keys = sorted(set(self.pretrained) - set(self.base_keys))
         self.base = {k: self.pretrained[k] for k in self.base_keys}
         self.digest = state_digest(self.base)
@@ -261,7 +305,10 @@ class LoRAStrategy(FineTune):
             level=level,
             rank=cls.rank_of(params, level),
             alpha=params.alpha,
+            scale=params.scale,
             targets=params.targets,
+            adapter_layout=params.adapter_layout,
+            train_head=params.train_head,
             base_sha256=digest,
         )
 
@@ -269,6 +316,10 @@ class LoRAStrategy(FineTune):
     @abstractmethod
     def rank_of(cls, params: LoRAParams, level: float) -> int:
         """The adapter rank a client at ``level`` trains (heterogeneous, or one rank everywhere)."""
+
+    def scale_of(self, rank: int) -> float:
+        """The bypass scale at ``rank`` (``params.scale``)."""
+        return lora_scale(self.params.scale, self.params.alpha, rank)
 
     def expected_upload(self, level: float) -> dict[str, tuple[int, ...]]:
         r = self.rank_of(self.params, level)
@@ -289,7 +340,11 @@ class LoRAStrategy(FineTune):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed + rank + (salt << 20))
             skeleton = apply_lora(
-                seeded_model(self.model, self.seed), rank, self.params.alpha, TARGETS[self.params.targets]
+                seeded_model(self.model, self.seed),
+                rank,
+                self.scale_of(rank),
+                TARGETS[self.params.targets],
+                layout=self.params.adapter_layout,
             )
         return {
             f"{name}.{factor}": getattr(layer, factor).detach().clone()
@@ -328,10 +383,11 @@ class LoRAStrategy(FineTune):
         self.holders = {k.removeprefix("holder/") for k in state if k.startswith("holder/")}
 
     def merged(self, deltas: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """The plain model: base weights plus each layer's update, and the head."""
+        """The plain model: base weights plus each adapter's update (split over q, k, v when fused), and the head."""
         out = {**self.base, **{k: self.state[k] for k in self.head_keys}}
         for name, delta in deltas.items():
-            out[f"{name}.weight"] = self.base[f"{name}.weight"] + delta
+            for key, rows in self.targets[name]:
+                out[key] = self.base[key] + delta[rows]
         return out
 
 
@@ -360,14 +416,14 @@ class FedLoRA(LoRAStrategy):
         return log_score(self.params.weighting, level, num_samples, self.params.temperature)
 
     def contribution(self, tensors: Mapping[str, Tensor], level: float) -> Mapping[str, Tensor]:
-        scale = self.params.alpha / self.rank_of(self.params, level)
+        scale = self.scale_of(self.rank_of(self.params, level))
         out = {k: tensors[k] for k in self.head_keys}
         for name in self.layers:
             out[f"{name}.delta"] = scale * (tensors[f"{name}.expand"].double() @ tensors[f"{name}.reduce"].double())
         return out
 
     def adapters(self, ranks: set[int]) -> dict[int, dict[str, Tensor]]:
-        scales = {r: self.params.alpha / r for r in ranks}
+        scales = {r: self.scale_of(r) for r in ranks}
         out: dict[int, dict[str, Tensor]] = {r: {} for r in ranks}
         fresh = not any(bool(self.state[f"{name}.delta"].any()) for name in self.layers)
         if fresh:
@@ -413,7 +469,7 @@ class HomogeneousLoRA(LoRAStrategy):
         return {r: dict(self.state) for r in ranks}
 
     def global_state(self) -> dict[str, Tensor]:
-        scale = self.params.alpha / self.params.rank
+        scale = self.scale_of(self.params.rank)
         return self.merged(
             {name: scale * (self.state[f"{name}.expand"] @ self.state[f"{name}.reduce"]) for name in self.layers}
         )

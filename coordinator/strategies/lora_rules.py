@@ -10,7 +10,7 @@
   into the base weights and every client starts the next round from fresh adapters on the new base.
 
 Both run the same client program as fedlora (``LoRAProgram``). The factors are aggregated in
-effective form, B times the client's scale alpha / r_i (``coordinator.algorithms.lora``), and the
+effective form, B times the client's scale (alpha / r_i by default; ``coordinator.algorithms.lora``), and the
 head is averaged by samples (neither paper has one: their models are language models).
 """
 
@@ -71,7 +71,7 @@ class RankedLoRA(LoRAStrategy):
         return f"LoRA r {cls.rank_of(params, level)}"
 
     def scale(self, level: float) -> float:
-        return self.params.alpha / self.rank_of(self.params, level)
+        return self.scale_of(self.rank_of(self.params, level))
 
     def contribution(self, tensors: Mapping[str, Tensor], level: float) -> Mapping[str, Tensor]:
         return {k: tensors[k] for k in self.head_keys}
@@ -99,9 +99,9 @@ class HetLoRA(RankedLoRA):
     def __init__(self, model: ModelSpec, params: HetLoRAParams, seed: int = 0) -> None:
         super().__init__(model, params, seed)
         fresh = self.fresh_adapters(params.max_rank)
-        for name in self.layers:  # the global adapter, effective form: B carries alpha / max_rank
+        for name in self.layers:  # the global adapter, effective form: B carries the scale at max_rank
             self.state[f"{name}.reduce"] = fresh[f"{name}.reduce"]
-            self.state[f"{name}.expand"] = fresh[f"{name}.expand"] * (params.alpha / params.max_rank)
+            self.state[f"{name}.expand"] = fresh[f"{name}.expand"] * self.scale_of(params.max_rank)
 
     def combine(self, factors: Mapping[str, Sequence[ClientFactors]]) -> None:
         for name, clients in factors.items():
@@ -117,7 +117,7 @@ class HetLoRA(RankedLoRA):
             out[r] = {k: self.state[k] for k in self.head_keys}
             for name in self.layers:
                 out[r][f"{name}.reduce"] = self.state[f"{name}.reduce"][:r].contiguous()
-                out[r][f"{name}.expand"] = (self.state[f"{name}.expand"][:, :r] / (self.params.alpha / r)).contiguous()
+                out[r][f"{name}.expand"] = (self.state[f"{name}.expand"][:, :r] / self.scale_of(r)).contiguous()
         return out
 
     def global_state(self) -> dict[str, Tensor]:
@@ -137,8 +137,8 @@ class FLoRA(RankedLoRA):
     def combine(self, factors: Mapping[str, Sequence[ClientFactors]]) -> None:
         for name, clients in factors.items():
             reduce, expand = stack(clients)
-            key = f"{name}.weight"
-            self.base[key] = (self.base[key].double() + expand @ reduce).to(self.base[key].dtype)
+            for key, rows in self.targets[name]:  # fused_qkv: the qkv update's row blocks go to q, k, v
+                self.base[key] = (self.base[key].double() + expand[rows] @ reduce).to(self.base[key].dtype)
         self.digest = state_digest(self.base)
         self.merges += 1
 

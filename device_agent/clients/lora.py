@@ -24,6 +24,7 @@ from device_agent.layers.lora import (
     apply_lora,
     base_state,
     exchanged_keys,
+    lora_scale,
     state_digest,
 )
 from device_agent.models import build_model
@@ -59,7 +60,14 @@ class LoRAProgram(ClientProgram):
         model = build_model(spec.model.arch, spec.model.num_classes, spec.model.in_channels)
         if spec.rank is None:
             return model
-        return apply_lora(model, spec.rank, spec.alpha, TARGETS[spec.targets])
+        return apply_lora(
+            model,
+            spec.rank,
+            lora_scale(spec.scale, spec.alpha, spec.rank),
+            TARGETS[spec.targets],
+            trainable=("head",) if spec.train_head else (),
+            layout=spec.adapter_layout,
+        )
 
     def upload(self) -> dict[str, torch.Tensor]:
         state = self.model.state_dict()

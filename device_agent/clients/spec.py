@@ -153,9 +153,15 @@ class LoRASpec(SpecBase):
     rank: PositiveInt | None
     """None: full fine-tuning (ft), every parameter trained and exchanged."""
     alpha: PositiveFloat
-    """LoRA scale numerator: the bypass is scaled by alpha / rank."""
+    """LoRA scale numerator: the bypass is scaled by ``scale`` (alpha / rank by default)."""
+    scale: Literal["alpha_over_r", "one", "rslora"]
+    """alpha_over_r: alpha / r; one: 1 (the FedHM reference code, alpha = r); rslora: alpha / sqrt(r)."""
     targets: Literal["attn", "attn_mlp"]
     """attn: W^Q, W^K, W^V, W^O (the paper); attn_mlp: also both MLP layers."""
+    adapter_layout: Literal["separate", "fused_qkv"]
+    """separate: a bypass per q, k, v, proj; fused_qkv: one on the fused qkv projection plus one on proj (the paper)."""
+    train_head: bool
+    """Train and exchange the classifier head; false keeps the pre-trained head frozen (part of the base)."""
     base_sha256: str | None
 
     @model_validator(mode="after")

@@ -14,7 +14,7 @@ from torch import nn
 from device_agent.models.cnn import small_cnn, small_cnn28
 from device_agent.models.resnet import resnet18, resnet34
 from device_agent.models.resnet9 import resnet9
-from device_agent.models.vit import vit_small, vit_tiny
+from device_agent.models.vit import vit_fmnist, vit_small, vit_tiny
 from device_agent.models.width import scaled_channels
 
 
@@ -78,6 +78,14 @@ MODELS: dict[str, ModelCard] = {
             1,
             8,
             "Tiny ViT (patch 2, dim 64, depth 4, 4 heads) for 8x8 digits: FedLoRA on CPU",
+        ),
+        ModelCard(
+            "vit_fmnist",
+            vit_fmnist,
+            ("patch_embed.*", "head"),
+            1,
+            28,
+            "ViT (patch 4, dim 128, depth 6, 4 heads, 1.2 M) for 28x28 Fashion-MNIST: a FedLoRA base for CPU",
         ),
         ModelCard(
             "vit_small",

@@ -64,7 +64,7 @@ def test_a_preset_that_does_not_exist_is_named(strategy, message):
 @pytest.mark.parametrize("strategy", sorted(PRESETS["paper"]))
 def test_every_paper_preset_is_a_valid_fleet_and_lands_as_written(strategy):
     sections = {"ratios": [1]} if strategy.startswith("factorized_fl") else {}
-    if strategy == "fedlora":
+    if strategy in ("fedlora", "lora_homogeneous"):
         sections["model"] = {"arch": "vit_tiny"}
     parsed = fleet({"name": strategy, "preset": "paper"}, **sections)
     preset = PRESETS["paper"][strategy]

@@ -95,3 +95,11 @@ def test_unknown_model_names_the_choices():
 def test_gamma_out_of_range_is_rejected():
     with pytest.raises(ValueError, match="gamma"):
         hybrid("cnn", 0)
+
+
+def test_vit_fmnist_is_a_1_2_m_vit_for_28x28_whose_head_reads_its_features():
+    model = build_model("vit_fmnist", num_classes=10, in_channels=1).eval()
+    x = torch.randn(2, 1, 28, 28)
+    assert sum(p.numel() for p in model.parameters()) / 1e6 == pytest.approx(1.2, abs=0.05)
+    assert model.features(x).shape == (2, 128)
+    torch.testing.assert_close(model(x), model.head(model.features(x)))
