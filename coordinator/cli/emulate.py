@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from coordinator.cli.start import add_run_arguments, run_start
 from coordinator.config.fleet import FleetError, load_fleet
+from coordinator.emulation.capacity import host_load
 from coordinator.emulation.emulator import AGENTS_DIR, Emulation, EmulatorError
 from coordinator.provision import default_kits
 from device_agent.emulation.packing import PackingError, add_packing_arguments, describe
@@ -96,6 +98,11 @@ def _emulate(args: argparse.Namespace) -> int:
         else f"host ratio ({host_gflops:.1f} fp32 GFLOPS per agent here)"
     )
     print(f"emulating {describe(len(fleet.devices), emulation.slices)}; pace: {pace}")
+    if args.device_type == "cpu":
+        per_core = host_gflops if host_gflops is not None and args.threads == 1 else measure_host_gflops(1)
+        load = host_load(fleet, catalog, per_core, len(os.sched_getaffinity(0)))
+        if (warning := load.warning()) is not None:
+            print(f"warning: {warning}", file=sys.stderr)
     args.min_devices = args.min_devices or len(fleet.devices)
     args.kits = args.kits or default_kits(args.fleet, fleet)
     emulation.kits = args.kits
