@@ -23,7 +23,8 @@ the personalized column. Every strategy shows both accuracies; the one its paper
 Fashion-MNIST (``--dataset fashion_mnist``, Debian's dataset-fashion-mnist) is subsampled per run:
 ``--train-samples`` images drawn once (seed 0) from the 60,000, ``--test-samples`` from the 10,000,
 and trained on ``cnn28`` (the small CNN pooled after its first conv too), so that every strategy, scenario
-and seed fits 2 shared cores: ``--scenario all --seeds 3 --jobs 2`` is 162 cells, about 1.5 h here.
+and seed fits 2 shared cores: ``--scenario all --seeds 3 --jobs 2`` is 162 cells, about 2.5 h here
+(``--cache FILE`` resumes a stopped run).
 
 Defaults are sized for 2 shared CPU cores: scikit-learn digits (8x8, 1797 images, 20 % held out)
 and the 0.1 M-parameter small CNN, whose FedHM hybrid factorizes conv2 and conv3; a scaled

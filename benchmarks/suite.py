@@ -50,8 +50,8 @@ SUITE: tuple[Benchmark, ...] = (
     Benchmark("transport", ("--size-mib", "16", "--repeats", "5", "--devices", "8", "--fan-in-mib", "4")),
     Benchmark("costmodel"),
     Benchmark("emulation", ("--demo-rounds", "1")),
-    # Every strategy on real images, 3 seeds, its paper's metric: 162 cells of about 1 minute each on one core
-    # (cnn28, 2,000 images); --jobs 2 fits the 2-core dev machine, give --jobs N on a machine with N cores.
+    # Every strategy on real images, 3 seeds, its paper's metric: 162 cells of 40 s to 4 minutes each on one core
+    # (cnn28, 2,000 images), about 2.5 hours with --jobs 2 on the 2-core dev machine; --jobs N on N cores.
     Benchmark(
         "compare",
         ("--dataset", "fashion_mnist", "--scenario", "all", "--seeds", "3", "--jobs", "2"),
