@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -102,6 +102,8 @@ class _Wrapper(nn.Module):
     """What both LoRA layers share: the frozen base module, the key mapping, merge with a finiteness check."""
 
     merged: bool
+    delta: Callable[[], Tensor]
+    """The update the bypass adds to the base weight; each wrapper defines it (its own adapter or a slice)."""
 
     def _wrap(self, base: nn.Module, name: str) -> None:
         for parameter in base.parameters():
@@ -111,9 +113,6 @@ class _Wrapper(nn.Module):
         self.merged = False
         self.register_state_dict_post_hook(_flatten_base_keys)
         self.register_load_state_dict_pre_hook(_nest_base_keys)
-
-    def delta(self) -> Tensor:
-        raise NotImplementedError
 
     def _base_weight(self) -> Tensor:
         weight = getattr(self.base_layer, "weight", None)
