@@ -40,3 +40,12 @@ def test_every_relative_link_in_the_readme_names_an_existing_file_and_heading() 
 
 def test_the_readme_stays_a_front_page() -> None:
     assert len(README.splitlines()) <= 200, "README.md is over 200 lines: move the detail into a docs/ page"
+
+
+def test_every_repository_path_the_docs_name_exists() -> None:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    pattern = r"\b(?:tests|benchmarks|coordinator|device_agent|export|profiles|examples)/[\w./-]+\.(?:py|yaml|md|json)"
+    named = {(page.name, path) for page in pages for path in re.findall(pattern, page.read_text())}
+    assert len(named) > 20, "the pattern no longer finds the paths the docs name"
+    missing = sorted(f"{page}: {path}" for page, path in named if not (ROOT / path).exists())
+    assert not missing, f"docs name files that moved or were removed: {missing}"
