@@ -204,6 +204,11 @@ class Training(_Strict):
     )
     weight_decay: float = Field(5e-4, ge=0, description="L2 on dense parameters (FedHM factors: frobenius_decay)")
     mask_absent_classes: bool = Field(True, description="mask logits of classes a device has no sample of")
+    absent_class_fill: Literal["-inf", "zero"] = Field(
+        "-inf",
+        description="what masked logits become: -inf (out of the softmax; a one-class device learns nothing) "
+        "or zero (HeteroFL/FedHM reference code, the FedLoRA paper's extreme non-IID setting)",
+    )
 
     @model_validator(mode="after")
     def _momentum_needs_its_optimizer(self) -> Training:
@@ -222,6 +227,7 @@ class Training(_Strict):
             batch_size=device.overrides.batch_size or self.batch_size,
             seed=seed,
             mask_absent_classes=self.mask_absent_classes,
+            absent_class_fill=self.absent_class_fill,
         )
 
 

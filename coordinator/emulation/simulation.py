@@ -136,6 +136,7 @@ def simulation_fleet(
         "local_epochs": train.epochs,
         "batch_size": train.batch_size,
         "mask_absent_classes": train.mask_absent_classes,
+        "absent_class_fill": train.absent_class_fill,
     }
     if train.optimizer == "momentum":
         training["momentum"] = train.momentum

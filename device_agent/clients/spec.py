@@ -62,6 +62,7 @@ class TrainConfig(BaseModel):
     batch_size: PositiveInt = 32
     seed: int = 0
     mask_absent_classes: bool = True
+    absent_class_fill: Literal["-inf", "zero"] = "-inf"
 
     @model_validator(mode="after")
     def _momentum_only_with_momentum(self) -> TrainConfig:

@@ -85,7 +85,7 @@ MODELS: dict[str, ModelCard] = {
             ("patch_embed.*", "head"),
             1,
             28,
-            "ViT (patch 4, dim 128, depth 6, 4 heads, 1.2 M) for 28x28 Fashion-MNIST: a FedLoRA base for CPU",
+            "ViT (patch 7, dim 128, depth 6, 4 heads, 1.2 M) for 28x28 Fashion-MNIST: a FedLoRA base for CPU",
         ),
         ModelCard(
             "vit_small",

@@ -54,7 +54,7 @@ class ViTConfig:
 
 VIT_CONFIGS = {
     "vit_tiny": ViTConfig(image_size=8, patch_size=2, dim=64, depth=4, heads=4),
-    "vit_fmnist": ViTConfig(image_size=28, patch_size=4, dim=128, depth=6, heads=4),
+    "vit_fmnist": ViTConfig(image_size=28, patch_size=7, dim=128, depth=6, heads=4),
     "vit_small": ViTConfig(image_size=224, patch_size=16, dim=384, depth=12, heads=6),
 }
 """vit_tiny: 8x8 inputs (digits) on CPU; vit_fmnist: 28x28 inputs (Fashion-MNIST), 1.2 M parameters, a

@@ -54,9 +54,16 @@ def absent_class_mask(labels: Tensor, num_classes: int) -> Tensor:
     return mask
 
 
-def masked_cross_entropy(logits: Tensor, labels: Tensor, absent: Tensor | None) -> Tensor:
+def masked_cross_entropy(logits: Tensor, labels: Tensor, absent: Tensor | None, fill: str = "-inf") -> Tensor:
+    """Cross-entropy with the logits of ``absent`` classes replaced by ``fill``.
+
+    "-inf" takes absent classes out of the softmax, so a client holding one class has zero loss and
+    learns nothing; "zero" (HeteroFL's and FedHM's reference code) holds them at a constant 0, so that
+    client still raises its own class against them (the FedLoRA paper's Dirichlet 0.01 setting needs it).
+    """
     if absent is not None and bool(absent.any()):
-        logits = logits.masked_fill(absent.to(logits.device), float("-inf"))
+        value = float("-inf") if fill == "-inf" else 0.0
+        logits = logits.masked_fill(absent.to(logits.device), value)
     return F.cross_entropy(logits, labels)
 
 
@@ -114,7 +121,8 @@ def train_local(
             for batch in torch.randperm(len(y), generator=generator).split(config.batch_size):
                 with step() if step is not None else nullcontext():
                     optimizer.zero_grad(set_to_none=True)
-                    loss = masked_cross_entropy(model(x[batch].to(device)), y[batch].to(device), absent)
+                    logits = model(x[batch].to(device))
+                    loss = masked_cross_entropy(logits, y[batch].to(device), absent, config.absent_class_fill)
                     extra = program.regularizer()
                     total = loss if extra is None else loss + extra
                     total.backward()

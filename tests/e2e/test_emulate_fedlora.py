@@ -22,6 +22,7 @@ from coordinator.strategies.fedlora import FedLoRA
 from coordinator.transport.broker.base import free_port
 from coordinator.transport.broker.mosquitto import find_mosquitto
 from device_agent.clients import build_program
+from device_agent.data.datasets import FASHION_MNIST_DIR
 from device_agent.wire.codec import encode_tensors
 from tests.paths import REPO_ROOT
 
@@ -31,6 +32,7 @@ EXAMPLE = ROOT / "examples" / "fedlora.yaml"
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto is not installed"),
+    pytest.mark.skipif(not FASHION_MNIST_DIR.is_dir(), reason="Debian's dataset-fashion-mnist is not installed"),
 ]
 
 
@@ -44,12 +46,14 @@ def _coordinator(*args: str, timeout: float) -> None:
 
 def test_fedlora_trains_four_ranks_uploads_only_adapters_and_sends_the_base_once(tmp_path: Path) -> None:
     base = tmp_path / "base.safetensors"
-    # A short pre-training: what is checked here is what travels, not how good the base is.
-    _coordinator("pretrain", "--arch", "vit_tiny", "--classes", "0-4", "--epochs", "3", "--out", str(base), timeout=120)
-
     fleet = yaml.safe_load(EXAMPLE.read_text())
+    # A short pre-training: what is checked here is what travels, not how good the base is.
+    pretrain = ["pretrain", "--arch", fleet["model"]["arch"], "--dataset", fleet["dataset"]["name"], "--classes", "0-4"]
+    _coordinator(*pretrain, "--samples", "300", "--epochs", "1", "--out", str(base), timeout=120)
+
     fleet["broker"]["port"] = free_port()
     fleet["rounds"] = 2
+    fleet["dataset"]["samples_per_device"] = 200
     fleet["strategy"]["params"]["base_checkpoint"] = str(base)
     fleet_file = tmp_path / "fleet.yaml"
     fleet_file.write_text(yaml.safe_dump(fleet, sort_keys=False))
@@ -58,7 +62,7 @@ def test_fedlora_trains_four_ranks_uploads_only_adapters_and_sends_the_base_once
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
     assert leftovers == [], "agents left running after the emulation ended"
 
-    model = ModelSpec("vit_tiny", 10, 1, 8)
+    model = ModelSpec(fleet["model"]["arch"], 10, 1, 28)
     strategy = build_strategy("fedlora", model, fleet["strategy"]["params"], seed=fleet["dataset"]["seed"])
     assert isinstance(strategy, FedLoRA)
     base_bytes = len(encode_tensors(strategy.base))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from coordinator.cli.app import main
-from coordinator.run.pretrain import class_subset, linear_probe, pretrain
+from coordinator.run.pretrain import augment_batch, class_subset, linear_probe, pretrain
 from device_agent.data.datasets import LabeledData, load_dataset
 
 
@@ -49,3 +49,18 @@ def test_classes_outside_the_data_set_are_named(tmp_path: Path, capsys, flag: st
     argv = ["pretrain", "--arch", "vit_tiny", "--epochs", "1", flag, "8-12", "--out", str(tmp_path / "b.safetensors")]
     assert main(argv) == 2
     assert f"{flag} [10, 11, 12] not in 0-9" in capsys.readouterr().err
+
+
+def test_augmentation_mirrors_and_shifts_each_batch_without_changing_its_shape() -> None:
+    x = torch.arange(2 * 16, dtype=torch.float32).reshape(2, 1, 4, 4)
+    mirrored = augment_batch(x, shift=0)
+    assert all(torch.equal(m, o) or torch.equal(m, o.flip(-1)) for m, o in zip(mirrored, x, strict=True))
+    shifted = torch.stack([augment_batch(x, shift=1) for _ in range(20)])
+    assert shifted.shape[1:] == x.shape and not all(torch.equal(s, shifted[0]) for s in shifted)
+
+
+def test_anaugment_batch_pretraining_is_deterministic_for_a_seed() -> None:
+    source = class_subset(load_dataset("digits", 8, 1), range(5))
+    x, y = source.train_x[:200], source.train_y[:200]
+    first, second = (pretrain("vit_tiny", x, y, 10, epochs=1, seed=3, augment=True) for _ in range(2))
+    assert all(torch.equal(first[k], second[k]) for k in first)

@@ -20,6 +20,20 @@ def test_masked_cross_entropy_ignores_absent_classes_and_has_finite_gradients():
     assert torch.all(logits.grad[:, absent] == 0)
 
 
+def test_a_one_class_batch_learns_only_when_absent_logits_are_held_at_zero():
+    labels = torch.tensor([1, 1, 1])
+    absent = torch.tensor([True, False, True])
+    logits = torch.tensor([[0.5, 0.2, -0.3]] * 3, requires_grad=True)
+
+    assert masked_cross_entropy(logits, labels, absent, "-inf").item() == 0  # nothing to tell apart
+
+    zero = masked_cross_entropy(logits, labels, absent, "zero")
+    expected = nn.functional.cross_entropy(torch.tensor([[0.0, 0.2, 0.0]] * 3), labels)
+    assert torch.allclose(zero, expected)
+    zero.backward()
+    assert torch.all(logits.grad[:, 1] < 0) and torch.all(logits.grad[:, absent] == 0)  # own class raised
+
+
 SPEC = FedFacSpec(strategy="fedfac", model=ModelSpec("linear", 3, 1, 2), level=1.0)
 
 
