@@ -57,6 +57,9 @@ SUITE: tuple[Benchmark, ...] = (
         ("--dataset", "fashion_mnist", "--scenario", "all", "--seeds", "3", "--jobs", "2"),
         timeout_s=4 * 3600,
     ),
+    # FedLoRA on a ViT pre-trained on Fashion-MNIST 0-4 (cached; 12 epochs, about 15 minutes on a core the
+    # first time), fine-tuned on 5-9: 26 cells of about 1.5 minutes, about 25 minutes with --jobs 2.
+    Benchmark("fedlora", ("--scenario", "fedlora", "--seeds", "3", "--jobs", "2"), module="compare", timeout_s=7200),
     Benchmark("export", ("--repeats", "10")),
     # 300 packed agents on Fashion-MNIST shards (200 images each): about 18 minutes on the 2-core dev machine.
     Benchmark(

@@ -96,6 +96,21 @@ def _compare(result: dict[str, Any]) -> list[str]:
     return out
 
 
+def _fedlora(result: dict[str, Any]) -> list[str]:
+    """The base's probe, each entry's accuracy (mean over seeds) and upload, and the paper's two checks."""
+    out = [f"`probe_accuracy` {fmt(result.get('probe_accuracy'))} (pixels {fmt(result.get('pixel_probe_accuracy'))})"]
+    for setting, rows in result.items():
+        if setting.startswith("fedlora/") and isinstance(rows, dict):
+            figures = [
+                f"{name} {fmt(row['accuracy']['mean'])} ({fmt(row['upload_bytes_per_round'] / 1024)} KiB up)"
+                for name, row in rows.items()
+            ]
+            out.append(f"{setting} accuracy: " + ", ".join(figures))
+    checks = result.get("checks", {})
+    out += [f"{name}: {'PASS' if ok else 'FAIL'}" for name, ok in checks.items()]
+    return out
+
+
 def _scale(result: dict[str, Any]) -> list[str]:
     out = [f"`max_devices` {result.get('max_devices')}"]
     for run in result.get("runs", []):
@@ -150,6 +165,7 @@ def _bad_inputs(result: dict[str, Any]) -> list[str]:
 FIGURES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "emulation": _emulation,
     "compare": _compare,
+    "fedlora": _fedlora,
     "emulation_scale": _scale,
     "process_peak": _process_peak,
     "faults": _faults,

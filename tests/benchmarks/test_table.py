@@ -62,6 +62,20 @@ def test_each_strategy_is_shown_on_its_papers_metric_with_the_claims_tally():
     assert "papers' claims: 2 PASS, 1 FAIL" in table
 
 
+def test_the_fedlora_row_shows_the_bases_probe_each_entry_and_the_papers_checks():
+    entry = {"accuracy": {"mean": 0.8771, "std": 0.01}, "upload_bytes_per_round": 2048.0}
+    fedlora = {
+        "probe_accuracy": 0.893,
+        "pixel_probe_accuracy": 0.939,
+        "fedlora/dirichlet-0.1": {"ft": entry, "lora_r2": entry},
+        "checks": {"base_transfers": True, "fedlora_at_least_homogeneous_lora_at_smallest_r": False},
+    }
+    row = next(line for line in render(results(fedlora=fedlora)).splitlines() if line.startswith("| fedlora"))
+    assert "`probe_accuracy` 0.893 (pixels 0.939)" in row
+    assert "fedlora/dirichlet-0.1 accuracy: ft 0.877 (2 KiB up), lora_r2 0.877 (2 KiB up)" in row
+    assert "base_transfers: PASS; fedlora_at_least_homogeneous_lora_at_smallest_r: FAIL" in row
+
+
 def test_the_table_replaces_only_what_lies_between_the_markers():
     readme = f"intro\n{BEGIN}\nold figures\n{END}\noutro\n"
     assert replace_table(readme, f"{BEGIN}\nnew\n{END}") == f"intro\n{BEGIN}\nnew\n{END}\noutro\n"
