@@ -102,7 +102,7 @@ def _fedlora(result: dict[str, Any]) -> list[str]:
     for setting, rows in result.items():
         if setting.startswith("fedlora/") and isinstance(rows, dict):
             figures = [
-                f"{name} {fmt(row['accuracy']['mean'])} ({fmt(row['upload_bytes_per_round'] / 1024)} KiB up)"
+                f"{name} {fmt(row['accuracy']['mean'])} ({row['upload_bytes_per_round'] / 1024:,.0f} KiB up)"
                 for name, row in rows.items()
             ]
             out.append(f"{setting} accuracy: " + ", ".join(figures))
