@@ -51,6 +51,13 @@ def partition_text(partition: Partition) -> str:
     return partition.text
 
 
+def _samples(fleet: Fleet, device: Device) -> int | None:
+    """The training samples fleet.yaml sizes ``device`` at, if it does: the emulated agent trains on that many."""
+    if device.overrides.samples is None and fleet.dataset.samples_per_device is None:
+        return None
+    return fleet.samples_for(device)
+
+
 def predicted_step_seconds(fleet: Fleet, device: Device, profile: DeviceClass) -> dict[float, float]:
     """Seconds of one training step of ``device`` at every level it may be assigned, as the planner predicts.
 
@@ -141,6 +148,7 @@ def write_agent_specs(
             index,
             len(fleet.devices),
             None if dataset.path is None else str(dataset.path),
+            _samples(fleet, device),
         )
         kit = None if kits is None else (kits / device.id).resolve()
         variable = password_env(index if packed else None)
@@ -206,13 +214,6 @@ class Emulation:
         """``workers``, ``devices_per_worker``, ``pack_above``: how devices are spread over processes (packing.py)."""
         device_limits(fleet, catalog, host_gflops, threads)  # fail before anything starts
         self.slices = pack(len(fleet.devices), workers, devices_per_worker, pack_above)
-        sized = [d.id for d in fleet.devices if d.overrides.samples is not None]
-        if fleet.dataset.samples_per_device is not None or sized:
-            log.warning(
-                "emulated devices train on shard i of %d of the whole training set; dataset.samples_per_device "
-                "and overrides.samples only inform planning here",
-                len(fleet.devices),
-            )
         self.fleet = fleet
         self.catalog = catalog
         self.host_gflops = host_gflops

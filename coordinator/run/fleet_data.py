@@ -7,6 +7,7 @@ import torch
 from coordinator.config.fleet import Fleet
 from coordinator.strategies import ModelSpec
 from device_agent.data.datasets import LabeledData, load_dataset, source_of
+from device_agent.models import model_card
 
 
 def no_server_data(fleet: Fleet) -> LabeledData | None:
@@ -24,9 +25,15 @@ def no_server_data(fleet: Fleet) -> LabeledData | None:
 
 
 def fleet_data(fleet: Fleet) -> tuple[ModelSpec, LabeledData]:
-    """The model spec and the coordinator's copy of the data (held-out test split + BN calibration)."""
+    """The model spec and the coordinator's copy of the data (held-out test split + BN calibration).
+
+    Images come at ``model.image_size``, else at the card's size for a model that takes no other
+    (a ViT), else at the data set's own size.
+    """
     source = source_of(fleet.dataset.name, fleet.dataset.path)
-    data = no_server_data(fleet) or load_dataset(source, fleet.model.image_size, fleet.model.in_channels)
+    card = model_card(fleet.model.arch)
+    size = fleet.model.image_size or (card.image_size if card.fixed_size else None)
+    data = no_server_data(fleet) or load_dataset(source, size, fleet.model.in_channels)
     return ModelSpec(fleet.model.arch, fleet.model.num_classes, data.in_channels, data.image_size), data
 
 

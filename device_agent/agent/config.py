@@ -105,6 +105,8 @@ class DataConfig(_Section):
     seed: int = 0
     index: int | None = Field(default=None, ge=0)
     count: int | None = Field(default=None, ge=1)
+    samples: int | None = Field(default=None, ge=1)
+    """Train on at most this many samples of the share, drawn once with ``seed`` (an emulated device's size)."""
 
     @field_validator("partition")
     @classmethod

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 from device_agent import __version__
@@ -110,6 +111,10 @@ class LocalData:
                 test = client_shard(data.test_x, data.test_y, spec, index, data.num_classes)
             if len(train[1]) == 0:
                 raise DatasetError(f"data share {self._config.index} of {self._config.count} is empty")
+            if self._config.samples is not None and len(train[1]) > self._config.samples:
+                generator = torch.Generator().manual_seed(self._config.seed * 1_000_003 + (self._config.index or 0))
+                keep = torch.randperm(len(train[1]), generator=generator)[: self._config.samples]
+                train = (train[0][keep], train[1][keep])
             self._cache[key] = (train, test)
         return self._cache[key]
 

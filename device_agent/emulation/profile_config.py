@@ -106,9 +106,11 @@ class DataShare:
     index: int
     count: int
     path: str | None = None
+    samples: int | None = None
+    """At most this many training samples of the shard (fleet.yaml's samples_per_device or overrides.samples)."""
 
     def as_config(self) -> dict[str, Any]:
-        return {
+        config = {
             "dataset": self.dataset,
             "path": self.path,
             "partition": self.partition,
@@ -116,6 +118,7 @@ class DataShare:
             "index": self.index,
             "count": self.count,
         }
+        return config if self.samples is None else {**config, "samples": self.samples}
 
 
 def shipped_profile_dir() -> Path | None:

@@ -26,6 +26,8 @@ class ModelCard:
     in_channels: int
     image_size: int
     summary: str
+    fixed_size: bool = False
+    """The model takes ``image_size`` inputs only (a ViT's position embeddings): data is resized to it."""
 
 
 MODELS: dict[str, ModelCard] = {
@@ -78,6 +80,7 @@ MODELS: dict[str, ModelCard] = {
             1,
             8,
             "Tiny ViT (patch 2, dim 64, depth 4, 4 heads) for 8x8 digits: FedLoRA on CPU",
+            fixed_size=True,
         ),
         ModelCard(
             "vit_fmnist",
@@ -86,6 +89,7 @@ MODELS: dict[str, ModelCard] = {
             1,
             28,
             "ViT (patch 7, dim 128, depth 6, 4 heads, 1.2 M) for 28x28 Fashion-MNIST: a FedLoRA base for CPU",
+            fixed_size=True,
         ),
         ModelCard(
             "vit_small",
@@ -94,6 +98,7 @@ MODELS: dict[str, ModelCard] = {
             3,
             224,
             "ViT-S/16 (dim 384, depth 12, 6 heads): FedLoRA's pre-trained model (timm/HF checkpoints)",
+            fixed_size=True,
         ),
     )
 }

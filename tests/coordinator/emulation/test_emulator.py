@@ -5,9 +5,11 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 from coordinator.config.fleet import load_fleet
@@ -15,6 +17,7 @@ from coordinator.emulation.emulator import Emulation, EmulatorError, agent_url, 
 from coordinator.planning.planner import effective_profile, level_cost
 from coordinator.transport.broker.credentials import Credentials
 from device_agent.agent.config import load_config
+from device_agent.agent.runtime import LocalData
 from device_agent.data.datasets import load_dataset
 from device_agent.data.partition import partition
 from device_agent.emulation.launcher import AgentGroup
@@ -118,6 +121,20 @@ def test_data_shards_are_disjoint_and_cover_the_training_set(tmp_path: Path, sch
         shards.append(partition(labels, split)[index])  # exactly what the agent computes for itself
     together = np.concatenate(shards)
     assert len(together) == len(np.unique(together)) == len(labels)
+
+
+def test_an_agent_trains_on_as_many_samples_as_the_fleet_sizes_its_device(tmp_path: Path) -> None:
+    extra = "  - {id: sized, profile: raspberry-pi-4, overrides: {samples: 40}}\n"
+    fleet, catalog = load_fleet(_fleet_file(tmp_path, extra_device=extra))
+    specs = write_agent_specs(fleet, catalog, tmp_path / "run", "mqtt://127.0.0.1:18999", _passwords(fleet), 50.0)
+    samples = {spec.device: load_config(spec.config).data.samples for spec in specs}
+    assert samples == {"pi4-a": None, "pi4-slow": None, "pi5-a": None, "nano-a": None, "laptop-a": None, "sized": 40}
+
+    data = LocalData(SimpleNamespace(data=load_config(specs[-1].config).data))
+    (x, y), (test_x, _) = data.for_model(8, 1, 10)
+    assert len(y) == 40 and len(x) == 40 and len(test_x) > 0
+    again = LocalData(SimpleNamespace(data=load_config(specs[-1].config).data)).for_model(8, 1, 10)[0]
+    assert torch.equal(again[1], y)  # the same draw every time the agent starts
 
 
 def test_a_device_without_a_profile_cannot_be_emulated(tmp_path: Path) -> None:
