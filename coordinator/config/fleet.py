@@ -123,7 +123,9 @@ class ModelConfig(_Strict):
     arch: str = Field("resnet18", description=f"one of: {', '.join(sorted(MODELS))}")
     num_classes: PositiveInt = Field(10, description="output classes")
     in_channels: PositiveInt | None = Field(None, description="input channels; default: the data set's")
-    image_size: int | None = Field(None, ge=8, description="input height and width; default: the data set's")
+    image_size: int | None = Field(
+        None, ge=8, description="input height and width; default: the data set's (a ViT's own size for ViT cards)"
+    )
 
     @field_validator("arch")
     @classmethod
