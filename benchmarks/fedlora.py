@@ -14,7 +14,8 @@ Entries: ``ft`` (full fine-tuning, its Adam learning rate tuned on seed 0 over `
 ``fedlora``, ``hetlora`` and ``flora`` (ranks 16, 8, 4, 2, a quarter of the clients each: the same
 clients under three heterogeneous aggregation rules). LoRA runs use the paper's Adam at 2e-3. Every run
 masks the logits of classes a client does not hold with zeros, as the paper does (HeteroFL's masked
-cross-entropy, the reference's fill 0): fedlora 0.617 against 0.587 unmasked (seed 0).
+cross-entropy, the reference's fill 0): fedlora 0.617 against 0.587 unmasked (seed 0,
+2-epoch base).
 """
 
 from __future__ import annotations
