@@ -32,6 +32,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from benchmarks.cell_cache import CellCache
 from coordinator.emulation.simulation import SimClient, simulate
@@ -124,8 +125,6 @@ def target_data(train: int, test: int) -> LabeledData:
 
 def probes(bed: Bed, base: Path) -> dict[str, float]:
     """The base's head-only probe on the target task, and the same probe on raw pixels for scale."""
-    from safetensors.torch import load_file
-
     target = target_data(bed.target_train, bed.target_test)
     flat = [t.flatten(1) for t in (target.train_x, target.test_x)]
     return {
@@ -156,7 +155,7 @@ def run_cell(entry: str, seed: int, lr: float, bed: Bed, base: Path) -> dict:
         )
         for i in range(bed.clients)
     ]
-    shards = [shard for shard in shards if len(shard[0][1])]  # Dirichlet(0.01) leaves some clients empty
+    shards = [shard for shard in shards if len(shard[0][1])]  # a skewed Dirichlet split can leave clients empty
     clients = [SimClient(f"client-{i}", tiers[i * len(tiers) // len(shards)], *s) for i, s in enumerate(shards)]
     strategy = build_strategy(name, model, {**params, "base_checkpoint": str(base)}, seed)
     train = TrainConfig(

@@ -112,7 +112,7 @@ class LocalData:
             if len(train[1]) == 0:
                 raise DatasetError(f"data share {self._config.index} of {self._config.count} is empty")
             if self._config.samples is not None and len(train[1]) > self._config.samples:
-                generator = torch.Generator().manual_seed(self._config.seed * 1_000_003 + (self._config.index or 0))
+                generator = torch.Generator().manual_seed(self._config.seed)  # shards are disjoint already
                 keep = torch.randperm(len(train[1]), generator=generator)[: self._config.samples]
                 train = (train[0][keep], train[1][keep])
             self._cache[key] = (train, test)
