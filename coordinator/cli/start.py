@@ -25,7 +25,7 @@ from coordinator.run.rundir import RunDir, RunDirError
 from coordinator.run.storage import out_of_space_message
 from coordinator.strategies import build_strategy
 from coordinator.transport.allocator import keep_freed_buffers
-from coordinator.transport.broker.base import BrokerError, BrokerSettings
+from coordinator.transport.broker.base import BrokerError, BrokerSettings, queue_limits
 from coordinator.transport.broker.credentials import COORDINATOR_USER, Credentials
 from coordinator.transport.broker.factory import ExternalBroker, external_broker, make_broker
 from coordinator.transport.broker.kit import KitBroker
@@ -118,7 +118,12 @@ def _broker(fleet: Fleet, credentials: dict[str, Credentials], kits: Kits):
     # mosquitto drops root to its own user: the work dir must be reachable by it (not under a 0700 home).
     workdir = scratch_dir(f"fedfleet-{fleet.fleet}-broker-")
     broker_settings = BrokerSettings(
-        fleet.fleet, workdir, {COORDINATOR_USER: coordinator, **credentials}, host=settings.host, port=settings.port
+        fleet.fleet,
+        workdir,
+        {COORDINATOR_USER: coordinator, **credentials},
+        host=settings.host,
+        port=settings.port,
+        **queue_limits(len(fleet.devices)),
     )
     return make_broker(broker_settings, prefer="amqtt" if settings.mode == "amqtt" else "auto")
 

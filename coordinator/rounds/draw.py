@@ -23,6 +23,10 @@ Planner = Callable[
 """Who trains at which level: :func:`~coordinator.planning.planner.plan_fleet` for a fleet; fixed in a simulation."""
 
 
+LIST_UP_TO = 20
+"""Fleets up to this size get every device's part in the round's plan line; larger ones a summary."""
+
+
 class ParticipantDraw:
     """Plans every device, draws ``participation`` of the eligible ones, and steps devices down after OOM."""
 
@@ -65,10 +69,23 @@ class ParticipantDraw:
                 parts.append(f"{device} out ({plan.reason})")
             else:
                 parts.append(f"{device} out (not drawn)")
-        line = "; ".join(parts)
+        line = "; ".join(parts) if len(parts) <= LIST_UP_TO else summarize_plan(parts)
         if (round_, line) != self._last_plan:  # re-planned while waiting: say it again only if it changed
             log.info("round %d: %s", round_, line)
         self._last_plan = (round_, line)
+
+
+def summarize_plan(parts: list[str]) -> str:
+    """A large fleet's plan in one readable line: devices counted per level, those left out named per reason."""
+    groups: dict[str, list[str]] = {}
+    for part in parts:
+        device, _, what = part.partition(" ")
+        groups.setdefault(what, []).append(device)
+    out = []
+    for what, devices in sorted(groups.items(), key=lambda item: (item[0].startswith("out"), item[0])):
+        named = "" if what.startswith("at") else ": " + ", ".join(devices[:5]) + (" ..." if len(devices) > 5 else "")
+        out.append(f"{len(devices)} {what}{named}")
+    return f"{len(parts)} devices: " + "; ".join(out)
 
 
 __all__ = ["ParticipantDraw", "Planner"]

@@ -209,6 +209,7 @@ class RoundEngine:
         self._await_answers(progress)
         if self.stopping.is_set():
             return False
+        self.link.close_round(round_)
         self.admission.screen_round(self.open, lambda: self.strategy.open_round(round_, slots))
         self.last = self.closer.close(self.open, self._quorum(), pushed)
         self.rundir.complete_round(round_, self.strategy.state_dict(), self.last)

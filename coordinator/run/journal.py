@@ -68,6 +68,9 @@ class RoundJournal:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        # The devices journaled and the highest file number, read from the index once, then kept as uploads
+        # are appended: reading the index back for every upload made a 1,000-device round quadratic.
+        self._appended: tuple[set[str], int] | None = None
 
     def entries(self) -> list[JournalEntry]:
         """The accepted uploads, first device entry each; a missing committed file is an error."""
@@ -114,12 +117,15 @@ class RoundJournal:
     ) -> bool:
         """Append one accepted upload (its file first, then its index line: the commit point)."""
         journal = self.path
-        entries = self.entries()
-        if any(entry.device == device for entry in entries):
+        if self._appended is None:
+            entries = self.entries()
+            # Numbered past the highest entry, not by count: a dropped corrupt entry leaves a gap.
+            self._appended = {entry.device for entry in entries}, max((int(e.path.stem) for e in entries), default=0)
+        devices, highest = self._appended
+        if device in devices:
             return False
         journal.mkdir(parents=True, exist_ok=True)
-        # Numbered past the highest entry, not by count: a dropped corrupt entry leaves a gap.
-        name = f"{max((int(entry.path.stem) for entry in entries), default=0) + 1:06d}.safetensors"
+        name = f"{highest + 1:06d}.safetensors"
         atomic_write(journal / name, data)
         line = {
             "round": round_,
@@ -132,6 +138,8 @@ class RoundJournal:
             "meta": dict(meta or {}),
         }
         append_line(journal / INDEX_FILE, json.dumps(line, sort_keys=True))
+        devices.add(device)
+        self._appended = devices, highest + 1
         return True
 
     @staticmethod

@@ -171,6 +171,7 @@ class RunDir:
         self._run = run
         self._retention = retention
         self._writing = threading.Lock()  # uploads may be accepted from the transport's thread
+        self._journal: RoundJournal | None = None  # the open round's, while uploads are accepted into it
 
     # ---- opening -------------------------------------------------------------------------------
 
@@ -417,7 +418,9 @@ class RunDir:
                 done = self.last_completed_round
                 raise RoundNotOpen(f"round {round_} is not open (last completed round is {done})")
             data = payload if isinstance(payload, bytes) else _tensor_bytes(payload)
-            return RoundJournal(self.journal_path(round_)).accept(round_, device, transfer_id, data, meta, verified)
+            if self._journal is None or self._journal.path != self.journal_path(round_):
+                self._journal = RoundJournal(self.journal_path(round_))  # kept: it knows what it appended
+            return self._journal.accept(round_, device, transfer_id, data, meta, verified)
 
     def journal_entries(self, round_: int) -> list[JournalEntry]:
         """The uploads accepted into ``round_`` so far, in journal order."""
@@ -434,6 +437,7 @@ class RunDir:
         run goes on without it, and the evidence stays for a person. Returns the reason file's path.
         """
         with self._writing:
+            self._journal = None  # its index loses a line: read it again
             return RoundJournal(entry.path.parent).quarantine(entry, self.path / QUARANTINE_DIR, reason, _now())
 
     def save_participants(self, round_: int, participants: Mapping[str, float]) -> None:

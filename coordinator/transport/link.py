@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
+from device_agent.common.threads import favour_io_threads
 from device_agent.wire.guard import InboundGuard, InboundLimits
 from device_agent.wire.messages import Manifest, Message
 from device_agent.wire.session import BrokerAddress, Delivery, Session, coordinator_session
@@ -58,6 +60,11 @@ class Link(Protocol):
         """Whether the last payload sent to ``device`` is still on its way (neither acked nor failed)."""
         ...
 
+    def close_round(self, round_: int) -> None:
+        """Round ``round_`` and those before it are closed: stop what still travels for them, both ways, so
+        it cannot hold up the next round's assignments and uploads."""
+        ...
+
     def bytes_up(self, device: str) -> int:
         """Bytes received from ``device`` so far (payloads and control, framing included)."""
         ...
@@ -65,6 +72,10 @@ class Link(Protocol):
     def bytes_down(self, device: str) -> int:
         """Bytes sent to ``device`` so far."""
         ...
+
+
+def _of_closed_round(closed: int, manifest: Manifest) -> bool:
+    return manifest.round <= closed
 
 
 def _by_device(handler: Callable[[str, Any], None], what: str) -> Callable[[str, Any], None]:
@@ -111,6 +122,7 @@ class MqttLink:
         on_refused: RefusalHandler = _ignore_refusal,
         timeout: float = 30.0,
     ) -> None:
+        favour_io_threads()  # one network thread reads every device's frames
         self.session = coordinator_session(
             self.fleet,
             self.broker,
@@ -144,6 +156,16 @@ class MqttLink:
     def payload_in_flight(self, device: str) -> bool:
         delivery = self._deliveries.get(device)
         return delivery is not None and not delivery.done and delivery.error is None
+
+    def close_round(self, round_: int) -> None:
+        """Models still on their way to devices stop; a device's update for a closed round is refused at its
+        manifest, before its chunks reach the coordinator, and the agent stops sending it (no receipt to wait for)."""
+        session = self._session()
+        closed = partial(_of_closed_round, round_)
+        stopped = session.cancel(closed, f"round {round_} closed")
+        dropped = session.refuse(closed, f"round {round_} is closed; its updates are no longer taken")
+        if stopped or dropped:
+            log.info("round %d closed: %d downloads stopped, %d unfinished uploads dropped", round_, stopped, dropped)
 
     def bytes_up(self, device: str) -> int:
         return self._session().stats.bytes_in.get(self.topics(device).up, 0)

@@ -68,6 +68,7 @@ class InProcessLink:
         self._down: Counter[str] = Counter()
         self._payloads: dict[str, bytes] = {}
         self._jobs: queue.Queue[tuple[str, Assignment] | None] = queue.Queue()
+        self._closed = -1
         self._worker: threading.Thread | None = None
         self._on_message: MessageHandler = lambda _d, _m: None
         self._on_payload: PayloadHandler = lambda _d, _c: None
@@ -106,6 +107,10 @@ class InProcessLink:
         """Payloads are handed over at once in process."""
         return False
 
+    def close_round(self, round_: int) -> None:
+        """Assignments of closed rounds still queued are not trained (a device would be told its update is late)."""
+        self._closed = max(self._closed, round_)
+
     def bytes_up(self, device: str) -> int:
         return self._up[device]
 
@@ -120,9 +125,12 @@ class InProcessLink:
         while (job := self._jobs.get()) is not None:
             device_id, assignment = job
             device = self.devices[device_id]
+            payload = self._payloads.pop(assignment.download)
+            if assignment.round <= self._closed:
+                continue
             outcome = run_assignment(
                 assignment,
-                self._payloads.pop(assignment.download),
+                payload,
                 device.shards,
                 device,
                 torch.device(self.torch_device),

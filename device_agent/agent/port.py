@@ -29,7 +29,12 @@ class Upload(Protocol):
 
     @property
     def error(self) -> str | None:
-        """Why the transfer failed, once it has (the agent then sends it again)."""
+        """Why the transfer failed, once it has (the agent then sends it again, unless it was refused)."""
+        ...
+
+    @property
+    def refused(self) -> bool:
+        """The coordinator answered the transfer with an error: it will not take these bytes."""
         ...
 
 
@@ -51,6 +56,10 @@ class CoordinatorPort(Protocol):
 
         With ``sign`` the payload is hashed first and its meta signed over the digest before anything is sent.
         """
+        ...
+
+    def cancel(self, transfer: str) -> None:
+        """Stop sending the payload of ``transfer`` (its round is over); its upload fails as cancelled."""
         ...
 
     @property
@@ -114,6 +123,9 @@ class MqttPort:
         manifest = make_manifest(payload, config.chunk_size, limits=config.limits, **fields)
         manifest = manifest.model_copy(update={"meta": sign(manifest.digest, manifest.meta)})  # type: ignore[arg-type]
         return session.send(self.topics.up, payload, manifest=manifest, transfer=fields.get("transfer"))
+
+    def cancel(self, transfer: str) -> None:
+        self._started().cancel(lambda manifest: manifest.transfer == transfer, "superseded by a newer round")
 
     @property
     def connects(self) -> int:

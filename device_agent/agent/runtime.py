@@ -68,6 +68,8 @@ from device_agent.wire.transfer import new_transfer_id
 log = logging.getLogger("fedfleet.agent")
 
 RECEIPT_TIMEOUT_S = 30.0
+IDLE_POLL_S = 1.0
+"""How often an agent with nothing to do checks its connection, heartbeat and receipts (messages wake it at once)."""
 
 
 class AgentError(RuntimeError):
@@ -82,6 +84,14 @@ class _Sent:
     transfer: str
     upload: Upload
     since: float
+    resends: int = 0
+    """How many times this update was sent again before: each waits twice as long for its receipt."""
+
+    def due(self, now: float) -> bool:
+        """Whether to send it again: its transfer failed (not refused), or no receipt came in time."""
+        if self.upload.error is not None:
+            return not self.upload.refused  # a refusal also comes as an Error message, which settles it
+        return now - self.since > RECEIPT_TIMEOUT_S * 2**self.resends
 
 
 Split = tuple[Tensor, Tensor]
@@ -178,7 +188,7 @@ class Agent:
                 if fatal is not None:
                     raise AgentError(fatal)
                 try:
-                    event = self._events.get(timeout=0.2)
+                    event = self._events.get(timeout=IDLE_POLL_S)
                 except queue.Empty:
                     event = None
                 if event is not None:
@@ -231,6 +241,7 @@ class Agent:
 
     def _on_assignment(self, assignment: Assignment) -> None:
         key = (assignment.run, assignment.round)
+        self._drop_older(assignment)
         stored = [item for item in self.outbox.pending() if (item.run, item.round) == key]
         if stored:
             # A restarted coordinator re-assigns the open round: send what was trained, do not retrain.
@@ -240,6 +251,19 @@ class Agent:
             return
         self._assignments[assignment.download] = assignment
         self._try_train(assignment.download)
+
+    def _drop_older(self, assignment: Assignment) -> None:
+        """A newer round of the run has begun, so older ones are closed: their updates would only be answered
+        late, and sending them would slow this round's transfers (the device's own and, fleet-wide, everyone's)."""
+        for item in self.outbox.pending():
+            if item.run == assignment.run and item.round < assignment.round:
+                sent = self._sent.pop((item.run, item.round), None)
+                if sent is not None:
+                    self.port.cancel(sent.transfer)
+                self.outbox.discard(item)
+                log.info(
+                    "%s: round %d update dropped: round %d has begun", self.config.device, item.round, assignment.round
+                )
 
     def _on_payload(self, transfer: str, payload: bytes) -> None:
         self._payloads[transfer] = payload
@@ -293,7 +317,7 @@ class Agent:
         self.port.publish(failure.to_message(assignment))
         self._set_state("idle", f"round {assignment.round} failed: {failure.reason}")
 
-    def _send(self, item: OutboxItem) -> None:
+    def _send(self, item: OutboxItem, resends: int = 0) -> None:
         try:
             payload = self.outbox.payload(item)
         except OutboxCorrupt as exc:
@@ -312,7 +336,7 @@ class Agent:
             meta=dict(item.meta),
             transfer=transfer,
         )
-        self._sent[(item.run, item.round)] = _Sent(item, transfer, upload, time.monotonic())
+        self._sent[(item.run, item.round)] = _Sent(item, transfer, upload, time.monotonic(), resends)
 
     def _signer(self, item: OutboxItem, transfer: str) -> Signer | None:
         """Signs an upload's meta over the digest of the transfer as sent; None when this device does not sign."""
@@ -334,8 +358,7 @@ class Agent:
     def _check_receipts(self, now: float) -> None:
         """Resend an update whose transfer failed, or that got no receipt in time (a coordinator restart)."""
         for key, sent in list(self._sent.items()):
-            failed = sent.upload.error is not None
-            if failed or now - sent.since > RECEIPT_TIMEOUT_S:
+            if sent.due(now):
                 if key not in {(i.run, i.round) for i in self.outbox.pending()}:
                     del self._sent[key]
                     continue
@@ -345,7 +368,7 @@ class Agent:
                     key[1],
                     sent.upload.error or "no receipt",
                 )
-                self._send(sent.item)
+                self._send(sent.item, sent.resends + 1)
 
 
 def run_agent(config: AgentConfig, profile: DeviceProfile | None = None, hooks: HooksFor | None = None) -> int:

@@ -84,6 +84,8 @@ ChunkHook = Callable[[int], object]
 _Inbound = tuple[str, Manifest | bytes, float]
 # A chunk frame parsed and handed to the verifier pool: (topic, transfer, index, chunk, digest, verdict, time, size).
 _Verifying = tuple[str, str, int, memoryview, bytes, Future[bool], float, int]
+IDLE_TICK_S = 1.0
+"""How often a session with no transfer on its way checks its timers (one with transfers: ``tick_s``)."""
 _INBOUND_FRAMES = 256
 # Chunks hashed at once: one per core (hashing is CPU-bound), at least two so one slow chunk never idles the rest.
 _VERIFIERS = max(2, min(8, os.cpu_count() or 1))
@@ -188,6 +190,8 @@ class Delivery:
         self.transfer = transfer
         self._event = threading.Event()
         self.error: str | None = None
+        self.refused = False
+        """The receiver answered with an error (it will not take these bytes): sending them again is pointless."""
 
     @property
     def done(self) -> bool:
@@ -244,6 +248,7 @@ class Session:
         self._connected = threading.Event()
         self._refused = threading.Event()
         self._refusal = ""
+        self._stale: tuple[Callable[[Manifest], bool], str] | None = None
         self._unreachable_said = False
         self._stopping = threading.Event()
         self._events: queue.Queue[Callable[[], None] | None] = queue.Queue()
@@ -416,6 +421,8 @@ class Session:
 
     def _publish_all(self, frames: Iterable[tuple[str, bytes]], transfer: str | None = None) -> None:
         for topic, data in frames:
+            if transfer is not None and transfer not in self._outgoing:
+                return  # cancelled, refused or failed on the way: the rest would only be dropped
             self._publish(topic, data, transfer=transfer)
 
     # ---- paho callbacks (network thread) ---------------------------------------------------
@@ -606,19 +613,44 @@ class Session:
         self._publish_all([(topic, frame) for frame in frames], transfer=outgoing.transfer)
 
     def _fail(self, transfer: str, error: str) -> None:
+        """The receiver refused ``transfer``."""
         with self._lock:
             entry = self._outgoing.pop(transfer, None)
         if entry is not None:
+            entry[2].refused = True
             entry[2]._settle(error)
 
+    def cancel(self, stale: Callable[[Manifest], bool], why: str) -> int:
+        """Stop sending every outgoing transfer whose manifest is ``stale`` (no more chunks, re-announcements
+        or repairs); their deliveries fail with ``why``. How many were cancelled."""
+        with self._lock:
+            cancelled = [tid for tid, (_t, outgoing, _d) in self._outgoing.items() if stale(outgoing.manifest)]
+            entries = [self._outgoing.pop(tid) for tid in cancelled]
+        for _topic, _outgoing, delivery in entries:
+            delivery._settle(f"cancelled: {why}")
+        return len(entries)
+
+    def refuse(self, stale: Callable[[Manifest], bool], why: str) -> int:
+        """From now on answer every new inbound transfer whose manifest is ``stale`` with an error saying ``why``,
+        before any of its chunks is kept, and drop the unfinished ones already open (replaces the last rule).
+        How many unfinished transfers were dropped."""
+        with self._lock:
+            self._stale = stale, why
+            return sum(len(transfers.drop_where(stale)) for transfers in self._incoming.values())
+
     def _tick_loop(self) -> None:
-        while not self._stopping.wait(self.config.tick_s):
+        # An idle session (nothing on its way either way) looks again only every IDLE_TICK_S: a worker hosts
+        # hundreds of sessions, and each wake-up costs its process the GIL.
+        while not self._stopping.wait(self.config.tick_s if self._busy() else max(self.config.tick_s, IDLE_TICK_S)):
             if not self._connected.is_set():
                 continue
             try:
                 self._tick(time.monotonic())
             except Exception:
                 log.exception("%s: error in the transfer timer (it keeps running)", self.config.client_id)
+
+    def _busy(self) -> bool:
+        return bool(self._outgoing) or any(transfers.pending_bytes() for transfers in self._incoming.values())
 
     def _tick(self, now: float) -> None:
         frames: list[tuple[str, str | None, bytes]] = []
@@ -687,8 +719,13 @@ class Session:
         self, topic: str, receiver: IncomingTransfers, manifest: Manifest, now: float
     ) -> tuple[list[Message], Completed | None]:
         """A new transfer past the guard's bounds is refused before the receiver allocates anything for it."""
-        refusal = self._transfer_refusal(topic, receiver, manifest)
+        refusal = self._stale_refusal(manifest) or self._transfer_refusal(topic, receiver, manifest)
         return ([refusal], None) if refusal is not None else receiver.on_manifest(manifest, now)
+
+    def _stale_refusal(self, manifest: Manifest) -> Error | None:
+        if self._stale is None or not self._stale[0](manifest):
+            return None
+        return Error(code="rejected", transfer=manifest.transfer, detail=self._stale[1])
 
     def _receive(self, topic: str, step: Callable[[IncomingTransfers], tuple[list[Message], Completed | None]]) -> None:
         """One step of ``topic``'s incoming transfers under the lock; replies and hand-over outside it."""

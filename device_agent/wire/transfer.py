@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +46,8 @@ FRAME_VERSION = 2
 _HEADER = struct.Struct(">4sB16sI32s")
 HEADER_SIZE = _HEADER.size
 DEFAULT_CHUNK_SIZE = 256 * 1024
+MAX_BACKOFF = 8
+"""The longest silence a sender waits before re-announcing, in units of its ``resend_after``."""
 # Room for the MQTT fixed header, topic and properties when checking a frame against a packet limit.
 PACKET_OVERHEAD = 512
 
@@ -171,9 +173,10 @@ class OutgoingTransfer:
     """The sender's side of one transfer: what to (re)publish, and when it is done.
 
     ``resend_after``: seconds of silence from the receiver (no ack/nack) after which the manifest is
-    re-announced; the session also calls ``touch`` whenever the broker confirms one of our frames,
-    so a slow link that is still draining does not count as silence. After ``max_attempts``
-    re-announcements without any answer the transfer fails.
+    re-announced, then twice as long after each unanswered one (at most :data:`MAX_BACKOFF` times); the
+    session also calls ``touch`` whenever the broker confirms one of our frames, so a slow link that is
+    still draining does not count as silence. After ``max_attempts`` re-announcements without any
+    answer the transfer fails.
 
     An unsealed ``manifest`` is sealed as ``start`` goes: each chunk is hashed just before its frame
     is built, and the seal follows the last chunk.
@@ -273,8 +276,14 @@ class OutgoingTransfer:
         return [] if self.done or self.failed else [encode(self.manifest)]
 
     def poll(self, now: float) -> list[bytes]:
-        """Called periodically: re-announce after silence, give up after too many tries."""
-        if self.done or self.failed or now - self._last_heard < self._resend_after:
+        """Called periodically: re-announce after silence, give up after too many tries.
+
+        Each unanswered re-announcement doubles the silence before the next (up to
+        :data:`MAX_BACKOFF` times ``resend_after``): a receiver that is behind, not gone, is not flooded
+        with repeats by every sender at once, which would only put it further behind.
+        """
+        silence = self._resend_after * min(2**self._attempts, MAX_BACKOFF)
+        if self.done or self.failed or now - self._last_heard < silence:
             return []
         self._attempts += 1
         if self._attempts > self._max_attempts:
@@ -369,6 +378,9 @@ class IncomingTransfers:
     stats: ReceiverStats = field(default_factory=ReceiverStats)
     _open: dict[str, _Incoming] = field(default_factory=dict)
     _done: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    # Running totals of the open transfers: a coordinator asks them of every peer for every manifest.
+    _open_bytes: int = 0
+    _open_chunks: int = 0
 
     def pending(self) -> list[str]:
         return list(self._open)
@@ -378,7 +390,7 @@ class IncomingTransfers:
         return transfer in self._open or transfer in self._done
 
     def pending_bytes(self) -> int:
-        return sum(t.manifest.size for t in self._open.values())
+        return self._open_bytes
 
     def oldest(self) -> tuple[float, str] | None:
         """(last activity, id) of the unfinished transfer heard from least recently, or None."""
@@ -386,7 +398,25 @@ class IncomingTransfers:
 
     def drop(self, transfer: str) -> None:
         """Forget an unfinished transfer (the sender re-announces it if it is still alive)."""
-        self._open.pop(transfer, None)
+        incoming = self._open.pop(transfer, None)
+        if incoming is not None:
+            self._closed(incoming)
+
+    def drop_where(self, stale: Callable[[Manifest], bool]) -> list[str]:
+        """Forget every unfinished transfer whose manifest is ``stale``; their ids."""
+        dropped = [tid for tid, incoming in self._open.items() if stale(incoming.manifest)]
+        for tid in dropped:
+            self.drop(tid)
+        return dropped
+
+    def _opened(self, incoming: _Incoming) -> None:
+        self._open[incoming.manifest.transfer] = incoming
+        self._open_bytes += incoming.manifest.size
+        self._open_chunks += incoming.manifest.chunk_count
+
+    def _closed(self, incoming: _Incoming) -> None:
+        self._open_bytes -= incoming.manifest.size
+        self._open_chunks -= incoming.manifest.chunk_count
 
     def on_manifest(self, manifest: Manifest, now: float) -> tuple[list[Message], Completed | None]:
         """Start, seal or resume a transfer; answers a repeated manifest with what the sender needs.
@@ -405,12 +435,12 @@ class IncomingTransfers:
             if manifest.size > self.max_payload_bytes:
                 detail = f"{manifest.size} bytes exceed the receiver's {self.max_payload_bytes}-byte limit"
                 return [Error(code="too_large", transfer=tid, detail=detail)], None
-            pending = sum(t.manifest.size for t in self._open.values())
+            pending = self._open_bytes
             if pending + manifest.size > self.max_pending_bytes:
                 detail = f"receiver already holds {pending} bytes of unfinished transfers"
                 return [Error(code="too_large", transfer=tid, detail=detail)], None
             count = manifest.chunk_count
-            open_chunks = sum(t.manifest.chunk_count for t in self._open.values())
+            open_chunks = self._open_chunks
             if open_chunks + count > self.max_pending_chunks:
                 detail = (
                     f"{count} chunks of {manifest.chunk_size} bytes exceed the receiver's "
@@ -418,7 +448,7 @@ class IncomingTransfers:
                 )
                 return [Error(code="too_large", transfer=tid, detail=detail)], None
             current = _Incoming(manifest, [None] * count, [None] * count, set(range(count)), now, now)
-            self._open[tid] = current
+            self._opened(current)
             if manifest.sealed:
                 current.adopt(manifest)
             return self._finish(current) if self._complete(current) else ([], None)
@@ -493,7 +523,7 @@ class IncomingTransfers:
         out: list[Message] = []
         for tid, incoming in list(self._open.items()):
             if now - incoming.last_seen > self.abandon_after:
-                del self._open[tid]
+                self.drop(tid)
                 self.stats.expired += 1
                 detail = f"transfer {tid} expired after {self.abandon_after:g} s without a chunk or its seal"
                 out.append(Error(code="unknown_transfer", transfer=tid, detail=f"{detail}; send it again"))
@@ -525,7 +555,7 @@ class IncomingTransfers:
         manifest = incoming.manifest
         digest = manifest.digest
         assert digest is not None, "only a sealed transfer is complete"
-        del self._open[manifest.transfer]
+        self.drop(manifest.transfer)
         self._done[manifest.transfer] = digest
         while len(self._done) > self.remember_done:
             self._done.popitem(last=False)

@@ -50,6 +50,16 @@ class BrokerSettings:
         return self.credentials[COORDINATOR_USER]
 
 
+def queue_limits(devices: int) -> dict[str, int]:
+    """``max_queued_messages`` and ``max_queued_bytes`` for a fleet of ``devices``.
+
+    The coordinator's one session is sent every device's update of a round at once (a manifest, its chunks and
+    its seal each): a queue sized for a handful of clients drops the excess, every sender then waits out its
+    silence and sends again, and a 1,000-device round never completes. 16 messages and 1 MiB per device.
+    """
+    return {"max_queued_messages": max(1000, 16 * devices), "max_queued_bytes": max(256, devices) * 2**20}
+
+
 class BrokerProcess:
     """What the brokers fedfleet runs as a child process share: that process, for the supervisor."""
 

@@ -47,3 +47,41 @@ def test_an_upload_over_the_fleets_max_upload_bytes_is_refused_and_a_smaller_one
         link.stop()
     assert set(refused) == {("dev-a", "transfer_refused")}  # its announcement and its seal
     assert arrived == [("dev-a", 32 << 10)]
+
+
+def test_closing_a_round_stops_its_downloads_and_refuses_its_late_uploads(mosquitto: TestBroker) -> None:
+    """What still travels for a closed round cannot hold up the next: a model still on its way to a device
+    stops, and the device's update for that round is refused at its manifest, before any chunk is taken."""
+    fleet = parse_fleet(
+        {"fleet": mosquitto.fleet, "broker": {"mode": "managed"}, "devices": [{"id": "dev-a", "profile": "reported"}]}
+    )
+    arrived: list[int] = []
+    done = threading.Event()
+
+    def on_payload(_device: str, completed: Completed) -> None:
+        arrived.append(completed.manifest.round)
+        done.set()
+
+    release = threading.Event()
+    link = MqttLink.of(fleet, mosquitto.address())
+    link.start(lambda _device, _message: None, on_payload)
+    # A device whose link holds every inbound chunk until released: round 1's model is still on its way.
+    device, topics = device_session(
+        mosquitto.fleet, "dev-a", mosquitto.address("dev-a"), after_chunk_in=lambda _size: release.wait(10)
+    )
+    device.start()
+    try:
+        model = os.urandom(3 << 20)
+        link.send_payload("dev-a", model, link.prepare(model, round=1, kind="assignment"))
+        assert link.payload_in_flight("dev-a")
+        link.close_round(1)
+        assert not link.payload_in_flight("dev-a")
+        release.set()
+        with pytest.raises(TransferError, match="round 1 is closed"):
+            device.send(topics.up, os.urandom(32 << 10), round=1, kind="update").wait(10)
+        device.send(topics.up, os.urandom(32 << 10), round=2, kind="update").wait(10)
+        assert done.wait(10)
+    finally:
+        device.stop()
+        link.stop()
+    assert arrived == [2]

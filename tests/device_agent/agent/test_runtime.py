@@ -112,7 +112,10 @@ class FakeCoordinator:
 
     def send(self, payload: bytes, sign: Signer | None = None, **fields: Any) -> Any:
         self.heard.put(fields)
-        return SimpleNamespace(error=None)
+        return SimpleNamespace(error=None, refused=False)  # never acked: the agent waits for its receipt
+
+    def cancel(self, transfer: str) -> None:
+        self.heard.put({"cancelled": transfer})
 
     def fatal(self) -> str | None:
         return None
@@ -159,3 +162,41 @@ def test_a_program_raising_type_error_fails_its_round_and_the_same_agent_trains_
     assert (failed.round, failed.reason, failed.detail) == (1, "error", f"TypeError: {BUG}")
     assert (update["round"], update["kind"]) == (2, "update")
     assert alive
+
+
+@pytest.mark.slow
+def test_a_newer_rounds_assignment_stops_the_older_update_still_on_its_way(tmp_path: Path) -> None:
+    """Round 1 closed while its update was still uploading: the agent cancels that transfer and drops the
+    update (it could only be late), then trains round 2; its outbox keeps nothing of round 1."""
+    config = parse_config(
+        {"device": DEVICE, "fleet": "test", "broker": {"url": "mqtt://127.0.0.1:1"}, "state_dir": str(tmp_path)}
+    )
+    sent = build_strategy("fedavg", CNN, {}, seed=0).configure(1, [ClientSlot(DEVICE, 1.0, 100)])[DEVICE]
+    coordinator = FakeCoordinator()
+    agent = Agent(config, reported_profile(), port=coordinator)
+    serving = threading.Thread(target=agent.run, daemon=True)
+    serving.start()
+
+    def assign(round_: int) -> None:
+        transfer = f"{round_:032x}"
+        coordinator.deliver(transfer, encode_tensors(sent.tensors))
+        coordinator.assign(
+            Assignment(run="r1", round=round_, deadline_s=60, download=transfer, spec=sent.spec, train=TrainConfig())
+        )
+
+    try:
+        coordinator.next(Hello)
+        assign(1)
+        first = coordinator.next(dict)
+        assign(2)
+        cancelled = coordinator.next(dict)
+        second = coordinator.next(dict)
+        pending = [(item.run, item.round) for item in agent.outbox.pending()]
+    finally:
+        agent.stop()
+        serving.join(30)
+
+    assert first["round"] == 1
+    assert cancelled == {"cancelled": first["transfer"]}
+    assert second["round"] == 2
+    assert pending == [("r1", 2)]

@@ -20,7 +20,15 @@ from device_agent.wire.session import (
     device_session,
 )
 from device_agent.wire.topics import fleet_uplinks
-from device_agent.wire.transfer import Limits, PayloadTooLarge, is_chunk_frame, make_manifest, parse_chunk_frame
+from device_agent.wire.transfer import (
+    DEFAULT_CHUNK_SIZE,
+    Limits,
+    PayloadTooLarge,
+    TransferError,
+    is_chunk_frame,
+    make_manifest,
+    parse_chunk_frame,
+)
 
 
 class Inbox:
@@ -336,4 +344,50 @@ def test_uploads_are_verified_on_the_verifier_pool_never_on_paho_s_thread(mosqui
         assert all(name.startswith(f"fedfleet-verify-fedfleet-{mosquitto.fleet}-coordinator") for name in hashed_on)
     finally:
         coord.stop()
+        dev.stop()
+
+
+def test_a_receiver_refuses_transfers_of_closed_rounds_at_their_manifest(mosquitto):
+    received = Inbox()
+    dev, topics = device_session(mosquitto.fleet, "dev-a", mosquitto.address("dev-a"))
+    coord = coordinator_session(mosquitto.fleet, mosquitto.address(), on_payload=received.on_payload)
+    dev.start()
+    coord.start()
+    try:
+        assert coord.refuse(lambda manifest: manifest.round <= 1, "round 1 is closed") == 0
+        late = dev.send(topics.up, os.urandom(3 * DEFAULT_CHUNK_SIZE), round=1)
+        with pytest.raises(TransferError, match="round 1 is closed"):
+            late.wait(30)
+        assert late.refused
+        dev.send(topics.up, os.urandom(1000), round=2).wait(30)
+    finally:
+        coord.stop()
+        dev.stop()
+    [(_topic, completed)] = received.payloads
+    assert completed.manifest.round == 2
+
+
+def test_a_cancelled_transfer_stops_sending_and_fails_without_counting_as_refused(mosquitto):
+    release = threading.Event()
+    dev, topics = device_session(
+        mosquitto.fleet,
+        "dev-a",
+        mosquitto.address("dev-a"),
+        before_chunk_out=lambda _size: release.wait(10),  # a link that holds every chunk until released
+        chunk_size=64 * 1024,
+    )
+    dev.start()
+    try:
+        deliveries: list = []
+        sending = threading.Thread(target=lambda: deliveries.append(dev.send(topics.up, os.urandom(8 * 64 * 1024))))
+        sending.start()
+        time.sleep(0.5)
+        assert dev.cancel(lambda manifest: manifest.round == 0, "superseded") == 1
+        release.set()
+        sending.join(10)
+        [delivery] = deliveries
+        with pytest.raises(TransferError, match="cancelled: superseded"):
+            delivery.wait(1)
+        assert not delivery.refused and dev.stats.bytes_out[topics.up] < 3 * 64 * 1024
+    finally:
         dev.stop()

@@ -130,13 +130,24 @@ def test_a_finished_transfer_is_re_acked_and_never_delivered_twice():
     assert len(completed) == 1
 
 
-def test_a_silent_receiver_gets_the_manifest_again_then_the_sender_gives_up():
+def test_a_silent_receiver_gets_the_manifest_again_less_often_then_the_sender_gives_up():
     payload = os.urandom(2 * CHUNK)
     sender = OutgoingTransfer(make_manifest(payload, CHUNK), payload, 0.0, resend_after=1.0, max_attempts=3)
     sender.start()
-    announcements = [sender.poll(t) for t in (0.5, 1.0, 2.0, 3.0, 4.0)]
-    assert [len(a) for a in announcements] == [0, 1, 1, 1, 0]
-    assert sender.failed and "3 re-announcements" in sender.failed
+    times = (0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 7.0)  # silences of 1, 2, 4 s between re-announcements
+    announcements = [sender.poll(t) for t in times]
+    assert [len(a) for a in announcements] == [0, 1, 0, 1, 0, 0, 1]
+    assert not sender.failed
+    assert sender.poll(15.0) == [] and sender.failed and "3 re-announcements" in sender.failed
+
+
+def test_an_answer_resets_the_back_off():
+    payload = os.urandom(2 * CHUNK)
+    sender = OutgoingTransfer(make_manifest(payload, CHUNK), payload, 0.0, resend_after=1.0, max_attempts=5)
+    sender.start()
+    assert [len(sender.poll(t)) for t in (1.0, 3.0)] == [1, 1]  # silences of 1 then 2 s
+    sender.on_nack(Nack(transfer=sender.transfer, missing=[]), 3.5)
+    assert len(sender.poll(4.5)) == 1  # 1 s again after an answer
 
 
 def test_a_receiver_refuses_a_manifest_beyond_its_limit():
@@ -228,3 +239,17 @@ def test_a_large_loss_is_repaired_batch_by_batch_without_waiting_for_the_timer()
         resend = deliver(resend, receiver, sender, 1.0, completed)
     assert sender.done and completed[0].data == payload
     assert receiver.stats.nacks == 5  # 300 chunks in batches of 64
+
+
+def test_dropping_the_transfers_of_closed_rounds_frees_their_pending_bytes():
+    receiver = IncomingTransfers()
+    payload = os.urandom(3 * CHUNK)
+    old, new = (make_manifest(payload, CHUNK, round=r) for r in (1, 2))
+    for manifest in (old, new):
+        receiver.on_manifest(manifest, 0.0)
+    assert receiver.pending_bytes() == 6 * CHUNK
+    assert receiver.drop_where(lambda manifest: manifest.round <= 1) == [old.transfer]
+    assert receiver.pending() == [new.transfer] and receiver.pending_bytes() == 3 * CHUNK
+    frame = OutgoingTransfer(old, payload, 0.0).frame(0)
+    replies, completed = receiver.on_chunk(*parse_chunk_frame(frame), 1.0)
+    assert (replies, completed) == ([], None) and receiver.stats.orphans == 1
