@@ -202,7 +202,8 @@ def scale(
     rounds: int = ROUNDS,
     peer: str | None = None,
 ) -> dict:
-    """Sizes in increasing order until one does not complete; ``max_devices``: the largest that did.
+    """Sizes in increasing order until one does not complete (with a ``peer``, every size); ``max_devices``:
+    the largest that did.
 
     Each size reports its compute floor (:func:`benchmarks.scale_task.compute_floor`). With ``peer="flower"``
     the fleet runs FedAvg and each size is run again by Flower's simulation engine right after
@@ -225,8 +226,8 @@ def scale(
             ours, theirs = run["median_round_seconds"], flower["median_round_seconds"]
             ratios[f"ratio_vs_flower_{devices}"] = round(ours / theirs, 3) if ours and theirs else None
         runs.append(run)
-        if not run["completed"]:
-            break
+        if not run["completed"] and peer is None:
+            break  # a ladder stops at its first failure; side by side, every size is compared
     done = [r["devices"] for r in runs if r["completed"]]
     return {"max_devices": max(done, default=0), "rounds": rounds, "strategy": strategy, **ratios, "runs": runs}
 

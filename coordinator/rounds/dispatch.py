@@ -23,9 +23,10 @@ log = logging.getLogger("fedfleet.engine")
 class Dispatcher:
     """Pushes a round's assignments and owns the re-send policy.
 
-    An idle report at least ``resend_after_s`` after the last assignment gets it sent again; one that
-    comes sooner schedules the re-send for when it falls due (a "downloading" or "training" status
-    cancels it), since the device may not say idle again before the round closes.
+    An idle report at least ``resend_after_s`` after the last assignment, and as long after its model
+    arrived, gets it sent again; one that comes sooner schedules the re-send for when it falls due (a
+    "downloading" or "training" status cancels it), since the device may not say idle again before the
+    round closes.
     """
 
     def __init__(
@@ -107,6 +108,12 @@ class Dispatcher:
         self._due.pop(device, None)
         if now >= open_.deadline or self.link.payload_in_flight(device):
             return  # a slow download still under way: the device is idle until its assignment message follows
+        delivered = self.link.delivered_ago(device)
+        if delivered is not None and delivered < self.resend_after_s:
+            # Its model has just arrived: an idle report from before then is stale (a busy coordinator reads its
+            # statuses late), and re-sending every such device doubled a 1,000-device round's downloads.
+            self._due[device] = now + self.resend_after_s - delivered
+            return
         transfer = self.link.send_payload(device, payload, manifest)
         again = assignment.model_copy(update={"download": transfer, "deadline_s": max(1.0, open_.deadline - now)})
         self.link.send_control(device, again)

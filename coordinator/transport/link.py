@@ -10,6 +10,7 @@ core as ``coordinator start``.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
@@ -58,6 +59,10 @@ class Link(Protocol):
 
     def payload_in_flight(self, device: str) -> bool:
         """Whether the last payload sent to ``device`` is still on its way (neither acked nor failed)."""
+        ...
+
+    def delivered_ago(self, device: str) -> float | None:
+        """Seconds since ``device`` acked the last payload sent to it; None while it is on its way or failed."""
         ...
 
     def close_round(self, round_: int) -> None:
@@ -156,6 +161,12 @@ class MqttLink:
     def payload_in_flight(self, device: str) -> bool:
         delivery = self._deliveries.get(device)
         return delivery is not None and not delivery.done and delivery.error is None
+
+    def delivered_ago(self, device: str) -> float | None:
+        delivery = self._deliveries.get(device)
+        if delivery is None or not delivery.done or delivery.settled_at is None:
+            return None
+        return time.monotonic() - delivery.settled_at
 
     def close_round(self, round_: int) -> None:
         """Models still on their way to devices stop; a device's update for a closed round is refused at its

@@ -107,6 +107,10 @@ class InProcessLink:
         """Payloads are handed over at once in process."""
         return False
 
+    def delivered_ago(self, device: str) -> float | None:
+        """In process a payload is handed over as it is sent: no device is ever waiting on one."""
+        return None
+
     def close_round(self, round_: int) -> None:
         """Assignments of closed rounds still queued are not trained (a device would be told its update is late)."""
         self._closed = max(self._closed, round_)

@@ -29,7 +29,6 @@ from device_agent.agent.probe import probe_device, resolve_device
 from device_agent.agent.runtime import Agent, AgentError
 from device_agent.agent.stopping import stop_on_signals
 from device_agent.common.profile import DeviceProfile
-from device_agent.common.threads import favour_io_threads
 from device_agent.data.datasets import DatasetError, check_source
 from device_agent.emulation.limits import EmulatedDevice, limit_threads
 from device_agent.emulation.slots import ComputeSlots
@@ -76,7 +75,6 @@ class Worker:
         if not configs:
             raise ValueError("a worker needs at least one device")
         limit_threads(threads)
-        favour_io_threads()  # every device's network thread, beside the one that trains
         self.slot = ComputeSlots(slots)
         device = resolve_device(configs[0].device_type)
         # Measured once: every device's hooks replace what emulation holds them to (compute, memory, link).

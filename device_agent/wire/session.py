@@ -190,6 +190,8 @@ class Delivery:
         self.transfer = transfer
         self._event = threading.Event()
         self.error: str | None = None
+        self.settled_at: float | None = None
+        """When the receiver acked it or it failed (``time.monotonic()``)."""
         self.refused = False
         """The receiver answered with an error (it will not take these bytes): sending them again is pointless."""
 
@@ -199,6 +201,7 @@ class Delivery:
 
     def _settle(self, error: str | None = None) -> None:
         self.error = error
+        self.settled_at = time.monotonic()
         self._event.set()
 
     def wait(self, timeout: float | None = None) -> None:

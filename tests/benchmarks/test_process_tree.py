@@ -29,3 +29,17 @@ def test_a_tree_that_is_gone_leaves_the_figures_as_they_were() -> None:
         "tree_cpu_seconds": 0.0,
         "tree_processes": 0,
     }
+
+
+def test_memory_is_read_at_most_every_memory_every_s_while_cpu_is_read_every_sample() -> None:
+    sampler = TreeSampler(os.getpid(), memory_every_s=3600)
+    sampler.sample()
+    first_peak, first_cpu = sampler.peak_bytes, sampler.cpu[os.getpid()]
+    grown = b"x" * (64 * 2**20)  # 64 MiB more, every page written
+    sum(i * i for i in range(300_000))
+    sampler.sample()
+    assert sampler.peak_bytes == first_peak and sampler.cpu[os.getpid()] > first_cpu
+    sampler.memory_every_s = 0
+    sampler.sample()
+    assert sampler.peak_bytes >= first_peak + 60 * 2**20
+    del grown

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,30 @@ class EarlyIdleLink(LossyLink):
     """
 
     idle_after_s = 0.05
+
+
+class JustDeliveredLink(LossyLink):
+    """``b``'s idle report is read just as its model is acked: the report may predate it (a busy coordinator
+    reads statuses late), so the re-send waits ``resend_after_s`` from that delivery."""
+
+    idle_after_s = 1.2
+
+    def __init__(self, devices: list[LocalDevice]) -> None:
+        super().__init__(devices)
+        self.sent_at: list[float] = []
+        self.b_delivered: float | None = None
+
+    def send_control(self, device: str, message: Message) -> None:
+        if isinstance(message, Assignment) and device == "b":
+            self.sent_at.append(time.monotonic())
+            if len(self.sent_at) == 1:
+                self.b_delivered = time.monotonic() + self.idle_after_s
+        super().send_control(device, message)
+
+    def delivered_ago(self, device: str) -> float | None:
+        if device != "b" or self.b_delivered is None:
+            return None
+        return max(0.0, time.monotonic() - self.b_delivered)
 
 
 class RefusedOnceLink(RecordingLink):
@@ -161,6 +186,16 @@ def test_a_device_idle_mid_round_gets_its_assignment_again_and_is_accepted(tmp_p
 def test_an_idle_report_too_soon_after_the_assignment_still_gets_it_sent_again_once_due(tmp_path: Path) -> None:
     engine, link = run_round(tmp_path, EarlyIdleLink, resend_after_s=1.0)
     assert sorted(link.assignments) == ["a", "b", "b"]
+    assert {d: m.status for d, m in engine.last.devices.items()} == {"a": "accepted", "b": "accepted"}
+
+
+@pytest.mark.slow
+def test_an_idle_report_read_just_after_the_model_arrived_waits_before_the_assignment_goes_again(
+    tmp_path: Path,
+) -> None:
+    engine, link = run_round(tmp_path, JustDeliveredLink, resend_after_s=1.0)
+    first, again = link.sent_at
+    assert again - first >= JustDeliveredLink.idle_after_s + 0.9  # not at the idle report, a second after
     assert {d: m.status for d, m in engine.last.devices.items()} == {"a": "accepted", "b": "accepted"}
 
 
