@@ -72,8 +72,25 @@ class ClientProgram(ABC):
             raise TypeError(f"{type(self).__name__} consumes {self.Spec.__name__}, got {type(spec).__name__}")
         self.spec = spec
         self.local_classes: torch.Tensor | None = None
-        self.model = self.build_model(spec)
+        self.model = self._uninitialized(spec) if type(self).load is ClientProgram.load else self.build_model(spec)
         self.load(tensors, local)
+
+    def _uninitialized(self, spec: SpecBase) -> nn.Module:
+        """The model without drawing initial weights the assignment overwrites anyway.
+
+        :meth:`load` writes every parameter and buffer but the norm statistics, which start as a fresh model's.
+        Drawing the initial weights (and, for a factorized model, the SVD of each layer) was a quarter of a
+        1,000-device worker's time (py-spy). A model with buffers outside its state dict is built as usual.
+        """
+        with torch.device("meta"):
+            model = self.build_model(spec)
+        if set(dict(model.named_buffers())) != set(model.state_dict()) - {n for n, _ in model.named_parameters()}:
+            return self.build_model(spec)
+        model = model.to_empty(device="cpu")
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._NormBase):
+                module.reset_running_stats()
+        return model
 
     def load(self, tensors: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor] | None) -> None:
         """Put the assignment (and what the device kept) into ``self.model``, refusing what does not fit.

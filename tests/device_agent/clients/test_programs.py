@@ -62,3 +62,22 @@ def test_specs_that_do_not_fit_are_named():
     spec = parse_spec({"strategy": "fedavg", "model": MODEL, "level": 1.0, "scaler": False, "send_classes": False})
     with pytest.raises(BadAssignment, match=r"missing 'bn1.bias', 'bn1.weight', .* and 6 more"):
         build_program(spec, {})
+
+
+@pytest.mark.parametrize("level", [0.5, 1.0])
+def test_a_program_holds_exactly_its_assignment_without_drawing_initial_weights(level):
+    """The model is built on the meta device and filled by the assignment; norm statistics the assignment leaves
+    out start as a fresh model's (zero mean, unit variance)."""
+    sent = {k: v for k, v in hybrid("cnn", level).state_dict().items() if "running" not in k}
+    spec = parse_spec(
+        {"strategy": "fedhm", "model": MODEL, "level": level, "frobenius_decay": 0.0, "send_classes": False}
+    )
+    state = build_program(spec, sent).model.state_dict()
+    for name, tensor in sent.items():
+        assert torch.equal(state[name], tensor), name
+    for name, tensor in state.items():
+        if name.endswith("running_mean"):
+            assert torch.equal(tensor, torch.zeros_like(tensor))
+        elif name.endswith("running_var"):
+            assert torch.equal(tensor, torch.ones_like(tensor))
+    assert all(t.device.type == "cpu" for t in state.values())
