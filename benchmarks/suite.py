@@ -68,6 +68,9 @@ SUITE: tuple[Benchmark, ...] = (
         module="emulation",
         timeout_s=3600,
     ),
+    # fedfleet's emulation and Flower's simulation (Ray) side by side at 300 and 1,000 devices, FedAvg on digits:
+    # about 11 minutes on the 2-core dev machine. Needs the optional extra: pip install 'fedfleet[flower]'.
+    Benchmark("emulation_flower", ("--scale", "--sizes", "300,1000", "--peer", "flower"), module="emulation"),
     Benchmark("process_peak", ("--memory",), module="emulation"),
     Benchmark("faults", ("--repeats", "1")),  # runs benchmarks.bad_inputs too (key bad_inputs)
     Benchmark("json_bounds"),

@@ -126,7 +126,17 @@ def _scale(result: dict[str, Any]) -> list[str]:
             + "".join(f"{part}, " for part in learned)
             + f"coordinator {fmt(run['coordinator_rss_per_device_mib'])} MiB/device, "
             f"workers {fmt(run['workers_rss_per_device_mib'])} MiB/device"
+            + (f", process tree peak {round(run['tree_peak_pss_mib'])} MiB PSS" if "tree_peak_pss_mib" in run else "")
         )
+        if "flower" in run:
+            flower = run["flower"]
+            out.append(
+                f"Flower {flower['flwr']} on the same task, {run['devices']} clients: rounds "
+                f"{'/'.join(fmt(s) for s in flower['round_seconds'])} s, updates "
+                f"{'/'.join(str(n) for n in flower['updates_per_round'])}, accuracy "
+                f"{'/'.join(fmt(a) for a in flower['accuracy'])}, "
+                f"process tree peak {round(flower['tree_peak_pss_mib'])} MiB PSS"
+            )
     ratios = {key: value for key, value in result.items() if key.startswith("ratio_vs_flower_")}
     out += [f"`{key}` {fmt(value)} (fedfleet / Flower median round)" for key, value in ratios.items()]
     return out
@@ -167,6 +177,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "compare": _compare,
     "fedlora": _fedlora,
     "emulation_scale": _scale,
+    "emulation_flower": _scale,
     "process_peak": _process_peak,
     "faults": _faults,
     "bad_inputs": _bad_inputs,

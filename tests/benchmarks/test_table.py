@@ -128,6 +128,14 @@ def test_the_reliability_and_scale_benchmarks_have_their_own_summaries() -> None
                             "slowest_predicted_round_seconds": 0.04,
                             "coordinator_rss_per_device_mib": 2.2,
                             "workers_rss_per_device_mib": 9.4,
+                            "tree_peak_pss_mib": 1827.9,
+                            "flower": {
+                                "flwr": "1.42.0",
+                                "round_seconds": [23.6, 10.8],
+                                "updates_per_round": [300, 300],
+                                "accuracy": [0.1226, 0.2312],
+                                "tree_peak_pss_mib": 1734.0,
+                            },
                         }
                     ],
                 },
@@ -141,5 +149,7 @@ def test_the_reliability_and_scale_benchmarks_have_their_own_summaries() -> None
     assert "1/2 faults survived, 2 updates lost; bad inputs refused 1/2, round unaffected 2/2" in text
     assert "`max_devices` 300; 300 devices completed: rounds 49.8/32.1 s (deadline 60 s" in text
     assert "updates 300/299, accuracy 0.545/0.631 on fashion_mnist, coordinator 2.2 MiB/device" in text
-    assert "workers 9.4 MiB/device" in text
+    assert "workers 9.4 MiB/device, process tree peak 1828 MiB PSS" in text
+    assert "Flower 1.42.0 on the same task, 300 clients: rounds 23.6/10.8 s, updates 300/300" in text
+    assert "accuracy 0.123/0.231, process tree peak 1734 MiB PSS" in text
     assert "`ratio_vs_flower_300` 0.82 (fedfleet / Flower median round)" in text
