@@ -1,8 +1,12 @@
 """Update norms in the full-rank space, clipping that keeps a factor pair's shapes, the direction reference,
 the direction sketches of the peer check, and the buffered rules."""
 
+import statistics
+
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from coordinator.algorithms.robust import (
     DirectionReference,
@@ -172,3 +176,22 @@ def test_the_cut_follows_the_round_so_a_converged_rounds_noise_is_not_refused() 
     cut = peer_cut(converged, -0.1, 3.0)
     assert cut < -0.15 and direction_outliers(converged, cut) == []  # honest noise around 0: nobody refused
     assert peer_cut(converged, -0.1, 0.0) == -0.1  # spread 0: the floor alone, as before
+
+
+@given(
+    rounds=st.lists(
+        st.lists(st.floats(0, 1e6, allow_nan=False), max_size=12),
+        min_size=1,
+        max_size=6,
+    ),
+    window=st.integers(1, 3),
+)
+def test_the_history_median_is_the_median_of_the_norms_in_its_window(rounds, window) -> None:
+    history = NormHistory(rounds=window, min_updates=1)
+    for number, norms in enumerate(rounds):
+        if number:
+            history.next_round()
+        for norm in norms:
+            history.add({"w": norm})
+        kept = [norm for round_ in rounds[max(0, number + 1 - window) : number + 1] for norm in round_]
+        assert history.median("w") == (statistics.median(kept) if kept else None)
