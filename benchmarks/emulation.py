@@ -253,6 +253,14 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import emulation_scale
 
         sizes = [args.devices] if args.devices else [int(x) for x in args.sizes.split(",")]
+        images = emulation_scale.TRAIN_IMAGES[args.scale_dataset]
+        if max(sizes) > images:
+            print(
+                f"--scale-dataset {args.scale_dataset} has {images} training images: {max(sizes)} devices would leave "
+                f"{max(sizes) - images} of them without data (their rounds fail); use --scale-dataset fashion_mnist",
+                file=sys.stderr,
+            )
+            return 2
         try:
             check_source(args.scale_dataset)
         except DatasetError as error:

@@ -48,3 +48,10 @@ def test_the_scale_fleet_takes_a_longer_round_deadline_when_asked() -> None:
 
     assert parse_fleet(scale_fleet(30, 18999, "fashion_mnist", 300.0), source="scale").round_deadline_s == 300
     assert scale_fleet(30, 18999)["round_deadline_s"] == 60  # the demo's, unless asked
+
+
+def test_a_fleet_larger_than_the_data_set_is_refused_before_anything_starts(capsys) -> None:
+    assert main(["--scale", "--devices", "2000"]) == 2
+    assert (
+        "digits has 1437 training images: 2000 devices would leave 563 of them without data" in capsys.readouterr().err
+    )
