@@ -22,6 +22,7 @@ from torch import Tensor
 
 from device_agent.clients.assignment_check import BadAssignment
 from device_agent.clients.base import KeptStateMissing
+from device_agent.data.datasets import DatasetError
 from device_agent.training.local_round import TrainedRound, train_assignment
 from device_agent.training.oom import free_memory, is_out_of_memory
 from device_agent.wire.codec import CodecError, decode_tensors
@@ -141,7 +142,9 @@ def run_assignment(
         return trained
     except Exception as exc:
         failure = classify(exc)
-        if failure.reason == "error":
+        if isinstance(exc, DatasetError):  # a named problem of this device's data: its message says it all
+            log.error("round %d of run %s: %s", assignment.round, assignment.run, failure.detail)
+        elif failure.reason == "error":
             log.exception("round %d of run %s: %s", assignment.round, assignment.run, failure.detail)
     # Out of the except block the exception and its traceback are gone, and with them the round's tensors.
     if failure.reason == "out_of_memory":

@@ -130,12 +130,14 @@ def test_a_payload_that_is_not_safetensors_is_a_bad_assignment() -> None:
     assert isinstance(failed, RoundFailure) and (failed.reason, failed.error_type) == ("bad_assignment", "CodecError")
 
 
-def test_unreadable_data_fails_the_round_as_an_error() -> None:
+def test_unreadable_data_fails_the_round_as_an_error_logged_without_a_traceback(caplog) -> None:
     def no_data(_assignment: Assignment) -> tuple[Split, Split]:
         raise DatasetError("data share 3 of 2 is empty")
 
     failed = run_assignment(*fedavg_round(1), no_data, NothingKept())
     assert failed == RoundFailure("error", "DatasetError", "data share 3 of 2 is empty")
+    [record] = [r for r in caplog.records if "data share 3 of 2 is empty" in r.getMessage()]
+    assert record.levelname == "ERROR" and record.exc_info is None
 
 
 @pytest.mark.parametrize(
