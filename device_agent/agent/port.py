@@ -33,6 +33,11 @@ class Upload(Protocol):
         ...
 
     @property
+    def done(self) -> bool:
+        """The coordinator acked every byte (its receipt, accepted or not, follows)."""
+        ...
+
+    @property
     def refused(self) -> bool:
         """The coordinator answered the transfer with an error: it will not take these bytes."""
         ...

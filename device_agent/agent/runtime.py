@@ -68,6 +68,8 @@ from device_agent.wire.transfer import new_transfer_id
 log = logging.getLogger("fedfleet.agent")
 
 RECEIPT_TIMEOUT_S = 30.0
+ACKED_RECEIPT_TIMEOUT_S = 120.0
+"""How long an update whose transfer the coordinator acked waits for its receipt before it is sent again."""
 IDLE_POLL_S = 1.0
 """How often an agent with nothing to do checks its connection, heartbeat and receipts (messages wake it at once)."""
 
@@ -77,7 +79,7 @@ class AgentError(RuntimeError):
 
 
 @dataclass
-class _Sent:
+class SentUpdate:
     """An outbox update on the wire, waiting for the coordinator's receipt."""
 
     item: OutboxItem
@@ -91,7 +93,10 @@ class _Sent:
         """Whether to send it again: its transfer failed (not refused), or no receipt came in time."""
         if self.upload.error is not None:
             return not self.upload.refused  # a refusal also comes as an Error message, which settles it
-        return now - self.since > RECEIPT_TIMEOUT_S * 2**self.resends
+        # Acked, the coordinator holds the bytes and a busy one answers late; one that restarts assigns the open
+        # round again, which sends the stored update at once. Sending it again sooner only adds to its load.
+        timeout = ACKED_RECEIPT_TIMEOUT_S if self.upload.done else RECEIPT_TIMEOUT_S
+        return now - self.since > timeout * 2**self.resends
 
 
 Split = tuple[Tensor, Tensor]
@@ -159,7 +164,7 @@ class Agent:
         self._assignments: dict[str, Assignment] = {}
         self._payloads: dict[str, bytes] = {}
         self._done: set[tuple[str, int]] = set()
-        self._sent: dict[tuple[str, int], _Sent] = {}
+        self._sent: dict[tuple[str, int], SentUpdate] = {}
         self._state = "idle"
         self._connects = 0
         self.port = port or MqttPort(config, self.hooks.before_chunk_out, self.hooks.after_chunk_in)
@@ -336,7 +341,7 @@ class Agent:
             meta=dict(item.meta),
             transfer=transfer,
         )
-        self._sent[(item.run, item.round)] = _Sent(item, transfer, upload, time.monotonic(), resends)
+        self._sent[(item.run, item.round)] = SentUpdate(item, transfer, upload, time.monotonic(), resends)
 
     def _signer(self, item: OutboxItem, transfer: str) -> Signer | None:
         """Signs an upload's meta over the digest of the transfer as sent; None when this device does not sign."""

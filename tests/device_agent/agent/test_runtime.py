@@ -16,7 +16,7 @@ import torch
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
 from device_agent.agent.config import parse_config
 from device_agent.agent.port import Signer
-from device_agent.agent.runtime import Agent
+from device_agent.agent.runtime import ACKED_RECEIPT_TIMEOUT_S, RECEIPT_TIMEOUT_S, Agent, SentUpdate
 from device_agent.clients import PROGRAMS
 from device_agent.clients.spec import TrainConfig
 from device_agent.wire.codec import encode_tensors
@@ -112,7 +112,7 @@ class FakeCoordinator:
 
     def send(self, payload: bytes, sign: Signer | None = None, **fields: Any) -> Any:
         self.heard.put(fields)
-        return SimpleNamespace(error=None, refused=False)  # never acked: the agent waits for its receipt
+        return SimpleNamespace(error=None, refused=False, done=False)  # never acked: the agent waits for its receipt
 
     def cancel(self, transfer: str) -> None:
         self.heard.put({"cancelled": transfer})
@@ -200,3 +200,17 @@ def test_a_newer_rounds_assignment_stops_the_older_update_still_on_its_way(tmp_p
     assert cancelled == {"cancelled": first["transfer"]}
     assert second["round"] == 2
     assert pending == [("r1", 2)]
+
+
+def test_when_an_update_is_sent_again() -> None:
+    """A failed transfer at once unless the coordinator refused it; an unanswered one after the receipt
+    timeout, an acked one (the coordinator has the bytes) after a longer one, each doubling per re-send."""
+
+    def sent(resends: int = 0, **upload: Any) -> SentUpdate:
+        state = {"error": None, "refused": False, "done": False} | upload
+        return SentUpdate(None, "t", SimpleNamespace(**state), since=0.0, resends=resends)  # type: ignore[arg-type]
+
+    assert sent(error="no answer").due(1.0) and not sent(error="rejected", refused=True).due(1e9)
+    assert not sent().due(RECEIPT_TIMEOUT_S) and sent().due(RECEIPT_TIMEOUT_S + 1)
+    assert not sent(1).due(2 * RECEIPT_TIMEOUT_S) and sent(1).due(2 * RECEIPT_TIMEOUT_S + 1)
+    assert not sent(done=True).due(ACKED_RECEIPT_TIMEOUT_S) and sent(done=True).due(ACKED_RECEIPT_TIMEOUT_S + 1)
