@@ -23,10 +23,10 @@ log = logging.getLogger("fedfleet.engine")
 class Dispatcher:
     """Pushes a round's assignments and owns the re-send policy.
 
-    An idle report at least ``resend_after_s`` after the last assignment, and as long after its model
-    arrived, gets it sent again; one that comes sooner schedules the re-send for when it falls due (a
-    "downloading" or "training" status cancels it), since the device may not say idle again before the
-    round closes.
+    An idle report at least ``resend_after_s`` after the last assignment gets it sent again, unless it
+    arrived less than that after the device acked its model (stale); one that comes sooner schedules the
+    re-send for when it falls due (a "downloading" or "training" status cancels it), since the device may
+    not say idle again before the round closes.
     """
 
     def __init__(
@@ -40,7 +40,7 @@ class Dispatcher:
         self.resend_after_s = resend_after_s
         # device -> (payload, its manifest, the assignment, when it was last sent), for re-sending it.
         self._assigned: dict[str, tuple[bytes, Manifest, Assignment, float]] = {}
-        self._due: dict[str, float] = {}
+        self._due: dict[str, tuple[float, float | None]] = {}  # device -> (when, when its idle report arrived)
 
     def clear(self) -> None:
         self._assigned.clear()
@@ -88,11 +88,12 @@ class Dispatcher:
         """The device is downloading or training: no deferred re-send."""
         self._due.pop(device, None)
 
-    def resend(self, device: str, open_: OpenRound | None) -> None:
+    def resend(self, device: str, open_: OpenRound | None, reported_at: float | None = None) -> None:
         """A participant that says it is idle mid-round without an accepted update gets its assignment again.
 
         It missed it (offline, or another connection with its login took it), or its upload was refused:
-        either way it may still train this round. After a refusal, once.
+        either way it may still train this round. After a refusal, once. ``reported_at``: when the idle report
+        arrived (``time.monotonic()``); one that arrived before the device could act on its model is stale.
         """
         sent = self._assigned.get(device)
         participant = open_.participants.get(device) if open_ is not None else None
@@ -103,16 +104,16 @@ class Dispatcher:
         payload, manifest, assignment, at = sent
         now = time.monotonic()
         if now - at < self.resend_after_s:
-            self._due[device] = at + self.resend_after_s
+            self._due[device] = (at + self.resend_after_s, reported_at)
             return
         self._due.pop(device, None)
         if now >= open_.deadline or self.link.payload_in_flight(device):
             return  # a slow download still under way: the device is idle until its assignment message follows
         delivered = self.link.delivered_ago(device)
-        if delivered is not None and delivered < self.resend_after_s:
-            # Its model has just arrived: an idle report from before then is stale (a busy coordinator reads its
-            # statuses late), and re-sending every such device doubled a 1,000-device round's downloads.
-            self._due[device] = now + self.resend_after_s - delivered
+        if delivered is not None and reported_at is not None and reported_at < now - delivered + self.resend_after_s:
+            # Sent before the device could act on the model it has since acked: a busy coordinator reads statuses
+            # late, and re-sending on such reports doubled a 1,000-device round's downloads. A device that is
+            # really idle says so again with its next heartbeat.
             return
         transfer = self.link.send_payload(device, payload, manifest)
         again = assignment.model_copy(update={"download": transfer, "deadline_s": max(1.0, open_.deadline - now)})
@@ -124,8 +125,8 @@ class Dispatcher:
 
     def resend_due(self, open_: OpenRound | None) -> None:
         now = time.monotonic()
-        for device in [d for d, due in self._due.items() if due <= now]:
-            self.resend(device, open_)
+        for device, (_when, reported_at) in [(d, due) for d, due in self._due.items() if due[0] <= now]:
+            self.resend(device, open_, reported_at)
 
 
 __all__ = ["Dispatcher"]

@@ -1,7 +1,7 @@
 """The round engine: any strategy's rounds over any :class:`~coordinator.transport.link.Link`, durable across restarts.
 
-One thread owns every piece of round state. The link's threads only enqueue events (hello,
-status, uploads, failures) and the engine's loop applies them in order, so validation, journaling,
+One thread owns every piece of round state. The link's threads only enqueue events (hello, status, uploads,
+failures; a message with its arrival time) and the engine's loop applies them in order, so validation, journaling,
 folding and answering an upload happen as one step and need no locks. One round core for MQTT
 (``coordinator start``) and for in-process devices (the simulation, ``benchmarks.compare``).
 
@@ -15,9 +15,8 @@ assignment leaves, every accepted upload is journaled before it is folded and be
 is sent, and closing a round is ``RunDir.complete_round``'s atomic commit. A restart on the same
 run directory reloads the last global state, re-opens the same round with the same participants,
 folds the journal back in and re-sends the assignments; devices that already trained re-send
-their stored update instead of training again.
-
-Personalized strategies: the global model is only a reference; see ``personalized_accuracy``.
+their stored update instead of training again. Personalized strategies: the global model is only a reference;
+see ``personalized_accuracy``.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.config.fleet import Fleet
@@ -117,7 +117,7 @@ class RoundEngine:
     def run(self, progress: Callable[[RoundEngine], None] = lambda _e: None) -> bool:
         """Run until every round is done (True) or :meth:`stop` (False). The link is stopped on return."""
         self.link.start(
-            on_message=lambda device, m: self._events.put(lambda: self._on_message(device, m)),
+            on_message=lambda device, m: self._events.put(partial(self._on_message, device, m, time.monotonic())),
             on_payload=lambda device, c: self._events.put(lambda: self._on_payload(device, c)),
             on_refused=lambda device, reason: self._events.put(lambda: self._on_transport_refusal(device, reason)),
         )
@@ -246,7 +246,7 @@ class RoundEngine:
         assert self.open is not None
         return max(1, math.ceil(self.fleet.quorum * len(self.open.participants)))
 
-    def _on_message(self, device: str, message: Message) -> None:
+    def _on_message(self, device: str, message: Message, arrived: float | None = None) -> None:
         if device not in self.devices:
             log.warning("message from %r, which is not in the fleet; ignored", device)
             return
@@ -256,7 +256,7 @@ class RoundEngine:
             if not self.roster.status(device, message):
                 return
             if message.state in ("idle", "online"):
-                self.dispatch.resend(device, self.open)
+                self.dispatch.resend(device, self.open, arrived)
             else:
                 self.dispatch.cancel(device)
         elif isinstance(message, RoundFailed):
