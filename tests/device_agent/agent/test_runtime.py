@@ -6,6 +6,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, TypeVar
@@ -120,6 +122,14 @@ class FakeCoordinator:
     def fatal(self) -> str | None:
         return None
 
+    def assign_round(self, round_: int, sent: Any) -> None:
+        """Send ``sent`` (a strategy's ClientAssignment) as round ``round_``: its model, then its assignment."""
+        transfer = f"{round_:032x}"
+        self.deliver(transfer, encode_tensors(sent.tensors))
+        self.assign(
+            Assignment(run="r1", round=round_, deadline_s=60, download=transfer, spec=sent.spec, train=TrainConfig())
+        )
+
     def next(self, kind: type[Heard]) -> Heard:
         deadline = time.monotonic() + 60
         while not isinstance(got := self.heard.get(timeout=max(0.0, deadline - time.monotonic())), kind):
@@ -127,37 +137,37 @@ class FakeCoordinator:
         return got
 
 
+@contextmanager
+def agent_beside(
+    coordinator: FakeCoordinator, state: Path
+) -> Iterator[tuple[Agent, FakeCoordinator, threading.Thread]]:
+    """An agent serving on its own thread with ``coordinator`` as its port; stopped on the way out."""
+    config = parse_config(
+        {"device": DEVICE, "fleet": "test", "broker": {"url": "mqtt://127.0.0.1:1"}, "state_dir": str(state)}
+    )
+    agent = Agent(config, reported_profile(), port=coordinator)
+    serving = threading.Thread(target=agent.run, daemon=True)
+    serving.start()
+    try:
+        yield agent, coordinator, serving
+    finally:
+        agent.stop()
+        serving.join(30)
+
+
 @pytest.mark.slow
 def test_a_program_raising_type_error_fails_its_round_and_the_same_agent_trains_the_next(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = parse_config(
-        {"device": DEVICE, "fleet": "test", "broker": {"url": "mqtt://127.0.0.1:1"}, "state_dir": str(tmp_path)}
-    )
     sent = build_strategy("fedavg", CNN, {}, seed=0).configure(1, [ClientSlot(DEVICE, 1.0, 100)])[DEVICE]
     monkeypatch.setitem(PROGRAMS, "fedavg", with_first_upload_bug(PROGRAMS["fedavg"]))
-    coordinator = FakeCoordinator()
-    agent = Agent(config, reported_profile(), port=coordinator)
-    serving = threading.Thread(target=agent.run, daemon=True)
-    serving.start()
-
-    def assign(round_: int) -> None:
-        transfer = f"{round_:032x}"
-        coordinator.deliver(transfer, encode_tensors(sent.tensors))
-        coordinator.assign(
-            Assignment(run="r1", round=round_, deadline_s=60, download=transfer, spec=sent.spec, train=TrainConfig())
-        )
-
-    try:
+    with agent_beside(FakeCoordinator(), tmp_path) as (_agent, coordinator, serving):
         coordinator.next(Hello)
-        assign(1)
+        coordinator.assign_round(1, sent)
         failed = coordinator.next(RoundFailed)
-        assign(2)
+        coordinator.assign_round(2, sent)
         update = coordinator.next(dict)
         alive = serving.is_alive()
-    finally:
-        agent.stop()
-        serving.join(30)
 
     assert (failed.round, failed.reason, failed.detail) == (1, "error", f"TypeError: {BUG}")
     assert (update["round"], update["kind"]) == (2, "update")
@@ -168,33 +178,15 @@ def test_a_program_raising_type_error_fails_its_round_and_the_same_agent_trains_
 def test_a_newer_rounds_assignment_stops_the_older_update_still_on_its_way(tmp_path: Path) -> None:
     """Round 1 closed while its update was still uploading: the agent cancels that transfer and drops the
     update (it could only be late), then trains round 2; its outbox keeps nothing of round 1."""
-    config = parse_config(
-        {"device": DEVICE, "fleet": "test", "broker": {"url": "mqtt://127.0.0.1:1"}, "state_dir": str(tmp_path)}
-    )
     sent = build_strategy("fedavg", CNN, {}, seed=0).configure(1, [ClientSlot(DEVICE, 1.0, 100)])[DEVICE]
-    coordinator = FakeCoordinator()
-    agent = Agent(config, reported_profile(), port=coordinator)
-    serving = threading.Thread(target=agent.run, daemon=True)
-    serving.start()
-
-    def assign(round_: int) -> None:
-        transfer = f"{round_:032x}"
-        coordinator.deliver(transfer, encode_tensors(sent.tensors))
-        coordinator.assign(
-            Assignment(run="r1", round=round_, deadline_s=60, download=transfer, spec=sent.spec, train=TrainConfig())
-        )
-
-    try:
+    with agent_beside(FakeCoordinator(), tmp_path) as (agent, coordinator, _serving):
         coordinator.next(Hello)
-        assign(1)
+        coordinator.assign_round(1, sent)
         first = coordinator.next(dict)
-        assign(2)
+        coordinator.assign_round(2, sent)
         cancelled = coordinator.next(dict)
         second = coordinator.next(dict)
         pending = [(item.run, item.round) for item in agent.outbox.pending()]
-    finally:
-        agent.stop()
-        serving.join(30)
 
     assert first["round"] == 1
     assert cancelled == {"cancelled": first["transfer"]}
