@@ -147,12 +147,16 @@ class WidthRound(RosterRound):
         rows = self._classifier_rows(extras)
         weight = float(num_samples) if strategy.weighting == "samples" else 1.0
         for key in self.sums:
-            grid = _grid(index[key], self.sums[key].shape)
             value = tensors[key].to(torch.float64) * weight
             mask = torch.full_like(value, weight)
             if rows is not None and key in strategy.classifier_keys:
                 mask[~rows] = 0
                 value = value * (mask != 0)
+            if all(kept is None for kept in index[key]):  # the whole tensor (FedAvg, a full-width client): no scatter
+                self.sums[key] += value
+                self.counts[key] += mask
+                continue
+            grid = _grid(index[key], self.sums[key].shape)
             self.sums[key].index_put_(grid, value, accumulate=True)
             self.counts[key].index_put_(grid, mask, accumulate=True)
         self.received.append(client_id)
