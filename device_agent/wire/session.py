@@ -653,7 +653,8 @@ class Session:
                 log.exception("%s: error in the transfer timer (it keeps running)", self.config.client_id)
 
     def _busy(self) -> bool:
-        return bool(self._outgoing) or any(transfers.pending_bytes() for transfers in self._incoming.values())
+        with self._lock:  # the receive thread adds a receiver for each new peer
+            return bool(self._outgoing) or any(transfers.pending_bytes() for transfers in self._incoming.values())
 
     def _tick(self, now: float) -> None:
         frames: list[tuple[str, str | None, bytes]] = []
