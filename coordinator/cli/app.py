@@ -13,6 +13,7 @@ from coordinator.run import pretrain
 from coordinator.run.exporting import open_trained_run
 from device_agent import __version__
 from device_agent.cli.errors import DEBUG_FLAG, DEBUG_HELP
+from device_agent.common.threads import favour_io_threads
 from device_agent.models import MODELS
 from export import cli as export_cli
 
@@ -104,6 +105,7 @@ def _models(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    favour_io_threads()  # the coordinator's one network thread reads every device's frames
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

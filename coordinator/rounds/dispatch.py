@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from coordinator.config.fleet import Fleet
 from coordinator.rounds.roster import Roster
@@ -18,6 +19,24 @@ from device_agent.wire.messages import Assignment, Manifest
 from device_agent.wire.protocol import ASSIGNMENT_KIND, round_seed
 
 log = logging.getLogger("fedfleet.engine")
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """What a device was last sent, kept for sending it again."""
+
+    payload: bytes
+    manifest: Manifest
+    assignment: Assignment
+    at: float  # time.monotonic() when it was sent
+
+
+@dataclass(frozen=True)
+class _Due:
+    """A re-send deferred until ``when``, on an idle report that arrived at ``reported_at``."""
+
+    when: float
+    reported_at: float | None
 
 
 class Dispatcher:
@@ -38,9 +57,8 @@ class Dispatcher:
         self.rundir = rundir
         self.fleet = fleet
         self.resend_after_s = resend_after_s
-        # device -> (payload, its manifest, the assignment, when it was last sent), for re-sending it.
-        self._assigned: dict[str, tuple[bytes, Manifest, Assignment, float]] = {}
-        self._due: dict[str, tuple[float, float | None]] = {}  # device -> (when, when its idle report arrived)
+        self._assigned: dict[str, _Sent] = {}
+        self._due: dict[str, _Due] = {}
 
     def clear(self) -> None:
         self._assigned.clear()
@@ -82,7 +100,7 @@ class Dispatcher:
                 train=self.fleet.training.for_device(device, seed),
             )
             self.link.send_control(slot.client_id, message)
-            self._assigned[slot.client_id] = (payload, manifests[payload], message, time.monotonic())
+            self._assigned[slot.client_id] = _Sent(payload, manifests[payload], message, time.monotonic())
 
     def cancel(self, device: str) -> None:
         """The device is downloading or training: no deferred re-send."""
@@ -101,10 +119,9 @@ class Dispatcher:
             return
         if participant.status != "assigned" and (participant.status != "rejected" or participant.retried):
             return
-        payload, manifest, assignment, at = sent
         now = time.monotonic()
-        if now - at < self.resend_after_s:
-            self._due[device] = (at + self.resend_after_s, reported_at)
+        if now - sent.at < self.resend_after_s:
+            self._due[device] = _Due(sent.at + self.resend_after_s, reported_at)
             return
         self._due.pop(device, None)
         if now >= open_.deadline or self.link.payload_in_flight(device):
@@ -115,18 +132,18 @@ class Dispatcher:
             # late, and re-sending on such reports doubled a 1,000-device round's downloads. A device that is
             # really idle says so again with its next heartbeat.
             return
-        transfer = self.link.send_payload(device, payload, manifest)
-        again = assignment.model_copy(update={"download": transfer, "deadline_s": max(1.0, open_.deadline - now)})
+        transfer = self.link.send_payload(device, sent.payload, sent.manifest)
+        again = sent.assignment.model_copy(update={"download": transfer, "deadline_s": max(1.0, open_.deadline - now)})
         self.link.send_control(device, again)
-        self._assigned[device] = (payload, manifest, again, now)
+        self._assigned[device] = _Sent(sent.payload, sent.manifest, again, now)
         if participant.status == "rejected":  # expected to answer again: the refusal grace no longer applies
             participant.status, participant.retried = "assigned", True
         log.info("round %d: %s is idle without an update; its assignment was sent again", open_.round, device)
 
     def resend_due(self, open_: OpenRound | None) -> None:
         now = time.monotonic()
-        for device, (_when, reported_at) in [(d, due) for d, due in self._due.items() if due[0] <= now]:
-            self.resend(device, open_, reported_at)
+        for device, due in [(d, due) for d, due in self._due.items() if due.when <= now]:
+            self.resend(device, open_, due.reported_at)
 
 
 __all__ = ["Dispatcher"]

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
-from device_agent.common.threads import favour_io_threads
 from device_agent.wire.guard import InboundGuard, InboundLimits
 from device_agent.wire.messages import Manifest, Message
 from device_agent.wire.session import BrokerAddress, Delivery, Session, coordinator_session
@@ -127,7 +126,6 @@ class MqttLink:
         on_refused: RefusalHandler = _ignore_refusal,
         timeout: float = 30.0,
     ) -> None:
-        favour_io_threads()  # one network thread reads every device's frames
         self.session = coordinator_session(
             self.fleet,
             self.broker,

@@ -644,11 +644,12 @@ class Session:
     def _tick_loop(self) -> None:
         # An idle session (nothing on its way either way) looks again only every IDLE_TICK_S: a worker hosts
         # hundreds of sessions, and each wake-up costs its process the GIL.
-        while not self._stopping.wait(self.config.tick_s if self._busy() else max(self.config.tick_s, IDLE_TICK_S)):
-            if not self._connected.is_set():
-                continue
+        wait = self.config.tick_s
+        while not self._stopping.wait(wait):
             try:
-                self._tick(time.monotonic())
+                if self._connected.is_set():
+                    self._tick(time.monotonic())
+                wait = self.config.tick_s if self._busy() else max(self.config.tick_s, IDLE_TICK_S)
             except Exception:
                 log.exception("%s: error in the transfer timer (it keeps running)", self.config.client_id)
 

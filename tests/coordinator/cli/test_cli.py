@@ -53,3 +53,15 @@ def test_console_script_runs():
         pytest.skip("coordinator console script not installed")
     done = subprocess.run([script, "models", "--arch", "cnn", "--json"], capture_output=True, text=True, check=True)
     assert json.loads(done.stdout)[0]["ratio"] == 1.0
+
+
+def test_the_coordinator_command_favours_its_one_socket_thread_for_the_gil(capsys):
+    from device_agent.common.threads import IO_SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    try:
+        assert main(["profiles"]) == 0
+        assert sys.getswitchinterval() == pytest.approx(IO_SWITCH_INTERVAL_S, rel=0.05)
+    finally:
+        sys.setswitchinterval(before)
