@@ -1,4 +1,6 @@
 import gzip
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -10,6 +12,8 @@ import torch
 from device_agent.data import datasets
 from device_agent.data.datasets import DatasetError, check_source, decode_data_pickle, load_dataset, read_idx
 
+_ROOT = Path(__file__).resolve().parents[3]
+
 
 def test_digits_fit_to_model_input():
     data = load_dataset("digits", image_size=16, in_channels=3)
@@ -17,6 +21,25 @@ def test_digits_fit_to_model_input():
     assert len(data.train_y) + len(data.test_y) == 1797
     assert float(data.train_x.min()) >= 0 and float(data.train_x.max()) <= 1
     assert load_dataset("digits").test_y.tolist() == data.test_y.tolist()  # a fixed split
+
+
+def test_digits_are_read_from_scikit_learns_file_without_importing_scikit_learn():
+    """scikit-learn imports SciPy (~100 MiB a process): a worker reads the table it ships instead."""
+    code = (
+        "import sys; from device_agent.data.datasets import check_source, load_dataset; "
+        "check_source('digits'); data = load_dataset('digits'); "
+        "print(len(data.train_y) + len(data.test_y), 'sklearn' in sys.modules, 'scipy' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=_ROOT)
+    assert out.stdout.split() == ["1797", "False", "False"]
+
+
+def test_digits_from_the_file_are_scikit_learns_load_digits():
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    table = np.loadtxt(datasets.digits_file(), delimiter=",")
+    assert np.array_equal(table[:, :-1], x) and np.array_equal(table[:, -1], y)
 
 
 def test_npz_with_and_without_a_test_split(tmp_path):
