@@ -27,4 +27,3 @@ def test_favour_io_threads_keeps_an_interval_already_set_shorter() -> None:
     sys.setswitchinterval(0.0001)
     favour_io_threads()
     assert sys.getswitchinterval() == pytest.approx(0.0001, rel=0.05)
-
