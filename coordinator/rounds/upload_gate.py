@@ -46,11 +46,11 @@ from coordinator.algorithms.robust import (
     clip_layer,
     dense_updates,
     direction_outliers,
+    layer_norms,
     layers_of,
     peer_cosines,
     peer_cut,
     sketch,
-    update_norms,
 )
 from coordinator.config.limits import GateSettings
 from device_agent.common.profile import DeviceProfile
@@ -270,13 +270,14 @@ class UploadGate:
         directed = self.settings.direction_min_cosine is not None or self.settings.peer_min_cosine is not None
         if sent is None or (self.settings.update_bound_factor is None and not directed):
             return Screened(dict(upload), value)
-        updates = update_norms(upload, sent)
+        direction = dense_updates(upload, sent)
+        updates = layer_norms(direction)
         over: dict[str, float] = {}
         if self.settings.update_bound_factor is not None:
             bounds = update_bounds(updates, sent, self.history, self.settings)
             over = {name: bounds[name] for name in updates if updates[name] > bounds[name] * (1 + 1e-6)}
         if not over:
-            return self._directed(Screened(dict(upload), value, updates), sent)
+            return self._directed(Screened(dict(upload), value, updates), direction)
         if self.settings.update_bound_action == "refuse":
             name = max(over, key=lambda n: updates[n] / max(over[n], 1e-30))
             raise UploadRefused(
@@ -287,14 +288,14 @@ class UploadGate:
         layers = layers_of(upload)
         steps = {name: clip_layer(upload, sent, layers[name], bound) for name, bound in over.items()}
         clipped = apply_steps(upload, sent, steps)
-        return self._directed(Screened(clipped, value, update_norms(clipped, sent), steps), sent)
+        direction = dense_updates(clipped, sent)
+        return self._directed(Screened(clipped, value, layer_norms(direction), steps), direction)
 
-    def _directed(self, screened: Screened, sent: Mapping[str, Tensor]) -> Screened:
+    def _directed(self, screened: Screened, direction: dict[str, Tensor]) -> Screened:
         """The direction check: refuse an update pointing away from the fleet's (module doc); sketch it for the
-        peer check."""
+        peer check. ``direction``: the screened upload's :func:`dense_updates`."""
         if self.settings.direction_min_cosine is None and self.settings.peer_min_cosine is None:
             return screened
-        direction = dense_updates(screened.upload, sent)
         peer = None if self.settings.peer_min_cosine is None else sketch(direction)
         if self.settings.direction_min_cosine is None:
             return replace(screened, sketch=peer)

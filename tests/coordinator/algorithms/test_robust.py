@@ -141,6 +141,18 @@ def test_sketch_dot_products_estimate_the_cosines_of_the_full_updates() -> None:
     assert float(sketch({k: 100 * v for k, v in shared.items()}) @ sketch(shared)) == pytest.approx(1.0, abs=0.05)
 
 
+def test_hash_tables_are_drawn_once_within_their_budget_and_hash_alike_past_it() -> None:
+    from coordinator.algorithms.robust import _HashTables
+
+    tables = _HashTables(budget=16 * 100)
+    small = tables.get("small:(100,)", 100, 64)
+    assert tables.get("small:(100,)", 100, 64) is small  # kept: the budget holds its 100 elements
+    big = tables.get("big:(1000,)", 1000, 64)
+    again = tables.get("big:(1000,)", 1000, 64)
+    assert again is not big  # over the budget: drawn again, the same way
+    assert torch.equal(again[0], big[0]) and torch.equal(again[1], big[1])
+
+
 def test_layers_of_other_names_or_shapes_do_not_meet_in_a_sketch() -> None:
     weight = torch.randn(32, 16)
     assert abs(float(sketch({"a": weight}) @ sketch({"b": weight}))) < 0.1
