@@ -212,9 +212,14 @@ class Screened:
 def update_bounds(
     norms: Mapping[str, float], sent: Mapping[str, Tensor], history: NormHistory, settings: GateSettings
 ) -> dict[str, float]:
-    """Per layer, how far its update may go: k x the fleet median, else a share of the warm-up bound."""
+    """Per layer, how far its update may go: k x the fleet median, else a share of the warm-up bound.
+
+    A layer the fleet lately left unchanged (median 0: BatchNorm biases of devices whose one image gives no
+    gradient) has no scale to judge by: k x 0 clipped every update of it to nothing, so the warm-up bound
+    applies to it instead.
+    """
     factor = settings.update_bound_factor or math.inf
-    bounds = {name: factor * median for name in norms if (median := history.median(name)) is not None}
+    bounds = {name: factor * median for name in norms if (median := history.median(name))}
     warm = [name for name in norms if name not in bounds]
     if warm:
         layers = layers_of(sent)

@@ -61,6 +61,19 @@ def test_before_any_median_the_update_may_move_as_far_as_the_weights_sent() -> N
     assert screened.update_norms["w"] == pytest.approx(float(SENT["w"].norm()), rel=1e-4)  # warm-up factor 1
 
 
+def test_a_layer_the_fleet_left_unchanged_falls_back_to_the_warm_up_bound_not_to_zero() -> None:
+    gate = UploadGate(GateSettings())
+    for i in range(3):  # three devices whose uploads never move "b" (no gradient reaches it)
+        gate.sent(f"h{i}", squared_norms(SENT), SENT)
+        gate.accepted(1.0, gate.norm(f"h{i}", 1.0, {"w": honest(i)["w"], "b": SENT["b"]}))
+    assert gate.history.median("b") == 0
+    gate.sent("d", squared_norms(SENT), SENT)
+    moved = {"w": honest(9)["w"], "b": SENT["b"] + 0.05}
+    screened = gate.norm("d", 1.0, moved)
+    assert "b" not in screened.steps  # k x 0 would have clipped it to nothing
+    assert torch.equal(screened.upload["b"], moved["b"])
+
+
 def test_the_bound_can_be_turned_off_and_the_sample_weight_is_capped() -> None:
     gate = warmed_gate(GateSettings(update_bound_factor=None))
     assert gate.norm("bad", 1.0, {k: -9.5 * v for k, v in SENT.items()}).steps == {}
