@@ -260,8 +260,9 @@ def finished_run_status(rounds: list[RoundMetrics], quorum: float) -> int:
         return 0
     listed = ", ".join(map(str, failed[:20])) + (f" and {len(failed) - 20} more" if len(failed) > 20 else "")
     print(
-        f"coordinator: {len(failed)} of {len(rounds)} rounds failed (no update, or fewer than the quorum of "
-        f"{quorum:g} of the devices asked): round {listed}; see the refusals and failures in the log",
+        f"coordinator: {len(failed)} of {len(rounds)} rounds failed (no update, or accepted updates from fewer "
+        f"than the quorum, {quorum:.0%} of the devices asked): round {listed}; "
+        "see the refusals and failures in the log",
         file=sys.stderr,
     )
     return 1
