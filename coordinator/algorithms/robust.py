@@ -67,11 +67,6 @@ def dense_updates(upload: Mapping[str, Tensor], sent: Mapping[str, Tensor]) -> d
     return updates
 
 
-def update_norms(upload: Mapping[str, Tensor], sent: Mapping[str, Tensor]) -> dict[str, float]:
-    """Per layer, the L2 norm of upload minus sent in the full-rank space (see :func:`dense_updates`)."""
-    return layer_norms(dense_updates(upload, sent))
-
-
 def layer_norms(updates: Mapping[str, Tensor]) -> dict[str, float]:
     """Per layer, the L2 norm of :func:`dense_updates`' result (computed once, then also sketched)."""
     return {name: float(torch.linalg.vector_norm(u)) for name, u in updates.items()}

@@ -293,7 +293,7 @@ class UploadGate:
         layers = layers_of(upload)
         steps = {name: clip_layer(upload, sent, layers[name], bound) for name, bound in over.items()}
         clipped = apply_steps(upload, sent, steps)
-        direction = dense_updates(clipped, sent)
+        direction |= dense_updates({key: clipped[key] for name in steps for key in layers[name]}, sent)
         return self._directed(Screened(clipped, value, layer_norms(direction), steps), direction)
 
     def _directed(self, screened: Screened, direction: dict[str, Tensor]) -> Screened:

@@ -17,15 +17,20 @@ from coordinator.algorithms.robust import (
     cosine,
     dense_updates,
     direction_outliers,
+    layer_norms,
     layers_of,
     multi_krum,
     peer_cosines,
     peer_cut,
     sketch,
     trimmed_mean,
-    update_norms,
 )
 from device_agent.layers.factorized import factors_to_matrices
+
+
+def update_norms(upload: dict[str, torch.Tensor], sent: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per layer, the norm of upload minus sent in the full-rank space, as the upload gate measures it."""
+    return layer_norms(dense_updates(upload, sent))
 
 
 def factor_pair(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:

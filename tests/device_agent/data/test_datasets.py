@@ -11,8 +11,7 @@ import torch
 
 from device_agent.data import datasets
 from device_agent.data.datasets import DatasetError, check_source, decode_data_pickle, load_dataset, read_idx
-
-_ROOT = Path(__file__).resolve().parents[3]
+from tests.paths import REPO_ROOT
 
 
 def test_digits_fit_to_model_input():
@@ -30,7 +29,7 @@ def test_digits_are_read_from_scikit_learns_file_without_importing_scikit_learn(
         "check_source('digits'); data = load_dataset('digits'); "
         "print(len(data.train_y) + len(data.test_y), 'sklearn' in sys.modules, 'scipy' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=_ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT)
     assert out.stdout.split() == ["1797", "False", "False"]
 
 
