@@ -42,6 +42,10 @@ class GateSettings:
     """Rounds of accepted update norms the median is taken over."""
     update_history_min: int = 3
     """Accepted norms a layer needs before its median counts; until then the warm-up bound applies."""
+    update_still_ratio: float = 1e-3
+    """A layer whose update is at most this share of the norm it was sent is still (no gradient reached it: a
+    device whose one image or one class gives zero loss moves only by weight decay) and is left out of the
+    median, so a majority of still devices cannot clip every informative update to nothing."""
     update_warmup_factor: float = 1.0
     """Warm-up: the layers without a median move by at most this many times the norm of what was sent."""
     direction_min_cosine: float | None = None
@@ -71,6 +75,8 @@ class GateSettings:
             raise ValueError(f"update_bound_factor must be >= 1 (or None), got {self.update_bound_factor}")
         if self.update_history_rounds < 1 or self.update_history_min < 1:
             raise ValueError("update_history_rounds and update_history_min must be >= 1")
+        if not 0 <= self.update_still_ratio < 1:
+            raise ValueError(f"update_still_ratio must be in [0, 1), got {self.update_still_ratio}")
         if self.update_warmup_factor <= 0:
             raise ValueError(f"update_warmup_factor must be > 0, got {self.update_warmup_factor}")
         if self.peer_min_cosine is not None and not -1 <= self.peer_min_cosine < 1:
@@ -128,6 +134,13 @@ class FleetLimits(BaseModel):
     )
     update_history_rounds: PositiveInt = Field(
         GateSettings.update_history_rounds, description="rounds of accepted update norms the median is taken over"
+    )
+    update_still_ratio: float = Field(
+        GateSettings.update_still_ratio,
+        ge=0,
+        lt=1,
+        description="a layer whose update is at most this share of its norm as sent did not learn (no gradient "
+        "reached it) and is left out of the median",
     )
     update_warmup_factor: PositiveFloat = Field(
         GateSettings.update_warmup_factor,
@@ -188,6 +201,7 @@ class FleetLimits(BaseModel):
             update_bound_factor=self.update_bound_factor,
             update_bound_action=self.update_bound_action,
             update_history_rounds=self.update_history_rounds,
+            update_still_ratio=self.update_still_ratio,
             update_warmup_factor=self.update_warmup_factor,
             direction_min_cosine=self.direction_min_cosine,
             peer_min_cosine=self.peer_min_cosine,

@@ -44,6 +44,7 @@ from coordinator.algorithms.robust import (
     NormHistory,
     apply_steps,
     clip_layer,
+    dense,
     dense_updates,
     direction_outliers,
     layer_norms,
@@ -198,7 +199,7 @@ class Screened:
     norm: float
     """L2 norm of the upload as sent (the reference of :func:`norm_reference`)."""
     update_norms: dict[str, float] = field(default_factory=dict)
-    """Per layer, the norm of the update as folded (after clipping)."""
+    """Per moving layer (:meth:`UploadGate._moving`), the norm of the update as folded (after clipping)."""
     steps: dict[str, float] = field(default_factory=dict)
     """Layers clipped, with the fraction of their update kept."""
     cosine: float | None = None
@@ -242,9 +243,12 @@ class UploadGate:
         self.history = NormHistory(self.settings.update_history_rounds, self.settings.update_history_min)
         self.direction = DirectionReference()
         self._sketches: dict[str, Tensor] = {}
+        self._sent_layer_norms: dict[int, dict[str, float]] = {}
+        """Per payload sent this round (by id: the tensors are shared and held in ``_sent_tensors``), layer norms."""
 
     def open_round(self) -> None:
         self._sent.clear()
+        self._sent_layer_norms.clear()
         self._sketches.clear()
         self._sent_tensors.clear()
         self._accepted.clear()
@@ -282,7 +286,7 @@ class UploadGate:
             bounds = update_bounds(updates, sent, self.history, self.settings)
             over = {name: bounds[name] for name in updates if updates[name] > bounds[name] * (1 + 1e-6)}
         if not over:
-            return self._directed(Screened(dict(upload), value, updates), direction)
+            return self._directed(Screened(dict(upload), value, self._moving(updates, sent)), direction)
         if self.settings.update_bound_action == "refuse":
             name = max(over, key=lambda n: updates[n] / max(over[n], 1e-30))
             raise UploadRefused(
@@ -294,7 +298,19 @@ class UploadGate:
         steps = {name: clip_layer(upload, sent, layers[name], bound) for name, bound in over.items()}
         clipped = apply_steps(upload, sent, steps)
         direction |= dense_updates({key: clipped[key] for name in steps for key in layers[name]}, sent)
-        return self._directed(Screened(clipped, value, layer_norms(direction), steps), direction)
+        folded = self._moving(layer_norms(direction), sent)
+        return self._directed(Screened(clipped, value, folded, steps), direction)
+
+    def _moving(self, updates: dict[str, float], sent: Mapping[str, Tensor]) -> dict[str, float]:
+        """The layers of ``updates`` that moved more than ``update_still_ratio`` x their norm as sent: only these
+        enter the fleet's median (a still layer says nothing of how far an informative update goes)."""
+        sent_norms = self._sent_layer_norms.get(id(sent))
+        if sent_norms is None:  # once per payload: a round's devices share a few
+            layers = layers_of(sent).items()
+            sent_norms = {name: float(torch.linalg.vector_norm(dense(sent, keys))) for name, keys in layers}
+            self._sent_layer_norms[id(sent)] = sent_norms
+        ratio = self.settings.update_still_ratio
+        return {name: norm for name, norm in updates.items() if norm > ratio * sent_norms.get(name, 0.0)}
 
     def _directed(self, screened: Screened, direction: dict[str, Tensor]) -> Screened:
         """The direction check: refuse an update pointing away from the fleet's (module doc); sketch it for the

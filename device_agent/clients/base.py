@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from device_agent.clients.assignment_check import check_assignment
+from device_agent.clients.pool import MODELS, Pooled
 from device_agent.clients.registry import PROGRAMS, literal_names
 from device_agent.clients.spec import SpecBase
 
@@ -72,8 +73,36 @@ class ClientProgram(ABC):
             raise TypeError(f"{type(self).__name__} consumes {self.Spec.__name__}, got {type(spec).__name__}")
         self.spec = spec
         self.local_classes: torch.Tensor | None = None
-        self.model = self._uninitialized(spec) if type(self).load is ClientProgram.load else self.build_model(spec)
+        self._pooled: Pooled | None = None
+        if type(self).load is ClientProgram.load:
+            self._pooled = MODELS.take(self._pool_key()) or Pooled.fresh(self._uninitialized(spec))
+            self.model = self._pooled.model
+        else:
+            self.model = self.build_model(spec)
         self.load(tensors, local)
+
+    def _pool_key(self) -> tuple[type, SpecBase] | None:
+        """Models of the same program and spec are interchangeable once loaded; None: a spec that cannot key."""
+        try:
+            hash(self.spec)
+        except TypeError:
+            return None
+        return type(self), self.spec
+
+    def release(self, sent: Mapping[str, torch.Tensor]) -> None:
+        """The round is over: give the model back for the next program of this spec (see :mod:`.pool`).
+
+        ``sent`` is what the round produced (upload, extras, kept state); a model sharing memory with any
+        of it is not reused. ``self.model`` must not be used after this.
+        """
+        pooled, key = self._pooled, self._pool_key()
+        self._pooled = None
+        if pooled is None or key is None:
+            return
+        own = {t.untyped_storage().data_ptr() for t in (*pooled.model.parameters(), *pooled.model.buffers())}
+        if any(t.untyped_storage().data_ptr() in own for t in sent.values()):
+            return
+        MODELS.give(key, pooled)
 
     def _uninitialized(self, spec: SpecBase) -> nn.Module:
         """The model without drawing initial weights the assignment overwrites anyway.

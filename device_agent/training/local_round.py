@@ -59,8 +59,9 @@ def train_assignment(
     result = train_local(program, shard, train, device, step=step)
     with compute():
         local_accuracy = evaluate_local(program, test, device, calibration=shard[0]) if len(test[1]) else None
-    upload = pack_upload(program.upload(), program.extras())
-    return TrainedRound(upload, program.keep(), result, local_accuracy, received)
+    upload, keep = pack_upload(program.upload(), program.extras()), program.keep()
+    program.release({**upload, **keep})
+    return TrainedRound(upload, keep, result, local_accuracy, received)
 
 
 __all__ = ["TrainedRound", "train_assignment"]

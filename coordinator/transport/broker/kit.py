@@ -48,7 +48,17 @@ class KitBroker(BrokerProcess):
         return self.address.with_login(credentials.username, credentials.password)
 
     def start(self, timeout: float = 10.0) -> None:
-        for host, port in listeners(self.config_file.read_text()):
+        found = listeners(self.config_file.read_text())
+        ports = sorted({port for _host, port in found})
+        if self.address.port not in ports:
+            # Kits provisioned before fleet.yaml's broker.port changed: mosquitto would listen elsewhere and
+            # the health check would only say "connection refused".
+            raise BrokerError(
+                f"{self.config_file} listens on port {', '.join(map(str, ports)) or '(none)'}, not on the fleet's "
+                f"broker port {self.address.port}: these kits were provisioned for another broker address. Provision "
+                f"the fleet again (coordinator provision --fleet FLEET --out {self.config_file.parent.parent})"
+            )
+        for host, port in found:
             check_port_free(host, port)
         config = self._reachable_config()
         with open(self.log_file, "ab") as log_out:

@@ -246,6 +246,14 @@ def test_a_taken_port_is_one_clear_line(kit_fleet: tuple) -> None:
     assert isinstance(second, KitBroker) and not second.running
 
 
+def test_kits_provisioned_for_another_port_name_the_mismatch(kit_fleet: tuple) -> None:
+    fleet, kits, _, _ = kit_fleet
+    moved = kit_broker(fleet.model_copy(update={"broker": fleet.broker.model_copy(update={"port": 1})}), kits)
+    with pytest.raises(BrokerError, match=rf"listens on port {fleet.broker.port}, not on the fleet's broker port 1"):
+        moved.start()
+    assert not moved.running
+
+
 def test_check_port_free_accepts_a_free_port() -> None:
     check_port_free("127.0.0.1", 0)
 

@@ -66,12 +66,31 @@ def test_a_layer_the_fleet_left_unchanged_falls_back_to_the_warm_up_bound_not_to
     for i in range(3):  # three devices whose uploads never move "b" (no gradient reaches it)
         gate.sent(f"h{i}", squared_norms(SENT), SENT)
         gate.accepted(1.0, gate.norm(f"h{i}", 1.0, {"w": honest(i)["w"], "b": SENT["b"]}))
-    assert gate.history.median("b") == 0
+    assert gate.history.median("b") is None  # a still layer is left out of the median
     gate.sent("d", squared_norms(SENT), SENT)
     moved = {"w": honest(9)["w"], "b": SENT["b"] + 0.05}
     screened = gate.norm("d", 1.0, moved)
     assert "b" not in screened.steps  # k x 0 would have clipped it to nothing
     assert torch.equal(screened.upload["b"], moved["b"])
+
+
+def test_a_majority_of_still_devices_does_not_clip_the_ones_that_learn() -> None:
+    """1,000 devices over 1,437 digits: most hold one image (one class, masked loss 0) and move only by weight decay."""
+    gate = UploadGate(GateSettings())
+    decayed = {k: v * (1 - 0.05 * 5e-4) for k, v in SENT.items()}  # one step of weight decay, no gradient
+    for i in range(7):
+        gate.sent(f"still{i}", squared_norms(SENT), SENT)
+        gate.accepted(1.0, gate.norm(f"still{i}", 1.0, decayed))
+    for i in range(3):
+        gate.sent(f"h{i}", squared_norms(SENT), SENT)
+        gate.accepted(1.0, gate.norm(f"h{i}", 1.0, honest(i)))
+    gate.sent("d", squared_norms(SENT), SENT)
+    learned = honest(9)
+    screened = gate.norm("d", 1.0, learned)
+    assert screened.steps == {} and torch.equal(screened.upload["w"], learned["w"])
+    assert gate.history.median("w") == pytest.approx(float((honest(1)["w"] - SENT["w"]).norm()), rel=0.3)
+    with pytest.raises(ValueError, match=r"update_still_ratio must be in \[0, 1\)"):
+        GateSettings(update_still_ratio=1.0)
 
 
 def test_the_bound_can_be_turned_off_and_the_sample_weight_is_capped() -> None:
