@@ -31,7 +31,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -163,6 +163,10 @@ class SessionConfig:
     nack_after_s: float = 2.0
     max_attempts: int = 20
     tick_s: float = 0.2
+    send_window_bytes: int = 32 * 2**20
+    """Most bytes of chunk frames handed to paho and not yet confirmed by the broker (PUBACK); later frames
+    wait their turn. Without it a coordinator pushing a model to 1,000 devices built every device's frames at
+    once: ~500 MB queued in paho (and in the broker) before the first device had its model."""
 
 
 @dataclass
@@ -258,6 +262,16 @@ class Session:
         # Bounded: when hashing falls behind, paho's thread waits here and TCP pushes back on the broker.
         self._inbound: queue.Queue[_Inbound | None] = queue.Queue(maxsize=_INBOUND_FRAMES)
         self._threads: list[threading.Thread] = []
+        # The send window (SessionConfig.send_window_bytes): transfers' first frames wait in the backlog, in order.
+        self._window_lock = threading.Lock()
+        self._backlog: collections.deque[tuple[str, str, Iterator[bytes]]] = collections.deque()
+        self._in_window = 0
+        self._frame_sizes: dict[int, int] = {}
+        """Per mid handed to paho, its bytes in the window (0: outside it); popped at its PUBACK."""
+        self._acked_early: set[int] = set()
+        """PUBACKs whose publish had not returned its mid yet (a fast broker answers before paho returns)."""
+        self._pump_due = threading.Event()
+        self._pumping = threading.Lock()
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fedfleet-hash-{config.client_id}")
         self._verifier = ThreadPoolExecutor(_VERIFIERS, thread_name_prefix=f"fedfleet-verify-{config.client_id}")
         self._client = self._make_client(will)
@@ -337,6 +351,7 @@ class Session:
     def stop(self) -> None:
         """Disconnect cleanly (the broker then discards the will) and stop every thread."""
         self._stopping.set()
+        self._pump_due.set()
         self._client.disconnect()
         self._client.loop_stop()
         self._events.put(None)
@@ -401,8 +416,40 @@ class Session:
         delivery = Delivery(manifest.transfer)
         with self._lock:
             self._outgoing[manifest.transfer] = (topic, outgoing, delivery)
-        self._publish_all(((topic, frame) for frame in outgoing.start(self._hasher)), transfer=manifest.transfer)
+        with self._window_lock:
+            self._backlog.append((topic, manifest.transfer, outgoing.start(self._hasher)))
+        self._pump()
         return delivery
+
+    def _pump(self) -> None:
+        """Publish backlog frames while the window has room (never from paho's thread: a link hook may block).
+
+        One thread pumps at a time, so a transfer's frames leave in order (a seal overtaking the last chunk
+        would draw a nack and a repair); a caller that finds another pumping leaves the rest to the timer thread.
+        """
+        if not self._pumping.acquire(blocking=False):
+            self._pump_due.set()
+            return
+        try:
+            window = self.config.send_window_bytes
+            while True:
+                with self._window_lock:
+                    if not self._backlog or self._in_window >= window:
+                        return
+                    topic, transfer, frames = self._backlog[0]
+                    frame = next(frames, None) if transfer in self._outgoing else None
+                    if frame is None:  # finished, or cancelled, refused or failed on the way
+                        self._backlog.popleft()
+                        continue
+                    self._in_window += len(frame)
+                self._publish(topic, frame, transfer=transfer, windowed=True)
+        finally:
+            self._pumping.release()
+
+    @property
+    def in_window(self) -> int:
+        """Bytes of chunk frames handed to paho and not yet confirmed by the broker."""
+        return self._in_window
 
     def _check_packet(self, size: int, what: str) -> None:
         if size + 512 > self.config.limits.max_packet_bytes:
@@ -411,16 +458,40 @@ class Session:
                 "maximum packet size; nothing was sent"
             )
 
-    def _publish(self, topic: str, data: bytes, retain: bool = False, transfer: str | None = None) -> None:
-        # Never called with self._lock held: paho holds its own message lock while it runs
-        # on_publish, which takes self._lock; publishing under self._lock would deadlock.
-        self._check_packet(len(data), "message")
-        if self._before_chunk_out is not None and transfer is not None and is_chunk_frame(data):
-            self._before_chunk_out(len(data))
-        self.stats.bytes_out[topic] = self.stats.bytes_out.get(topic, 0) + len(data)
-        info = self._client.publish(topic, data, qos=1, retain=retain)
+    def _publish(
+        self, topic: str, data: bytes, retain: bool = False, transfer: str | None = None, windowed: bool = False
+    ) -> None:
+        # Never called with self._lock or self._window_lock held: paho holds its own message lock while it
+        # runs on_publish, which takes them; publishing under either would deadlock.
+        try:
+            self._check_packet(len(data), "message")
+            if self._before_chunk_out is not None and transfer is not None and is_chunk_frame(data):
+                self._before_chunk_out(len(data))
+            self.stats.bytes_out[topic] = self.stats.bytes_out.get(topic, 0) + len(data)
+            info = self._client.publish(topic, data, qos=1, retain=retain)
+        except BaseException:
+            if windowed:
+                self._settle_window(len(data))
+            raise
         if transfer is not None and info.mid:
             self._mids[info.mid] = transfer
+        size = len(data) if windowed else 0
+        with self._window_lock:
+            if info.mid in self._acked_early:
+                self._acked_early.discard(info.mid)
+            else:
+                self._frame_sizes[info.mid] = size
+                size = 0
+        if size:
+            self._settle_window(size)
+
+    def _settle_window(self, size: int) -> None:
+        """``size`` bytes left the window: the backlog may go on (on the timer thread, see :meth:`_pump`)."""
+        with self._window_lock:
+            self._in_window -= size
+            more = bool(self._backlog)
+        if more:
+            self._pump_due.set()
 
     def _publish_all(self, frames: Iterable[tuple[str, bytes]], transfer: str | None = None) -> None:
         for topic, data in frames:
@@ -502,6 +573,12 @@ class Session:
 
     def _handle_publish(self, _client: mqtt.Client, _userdata: Any, mid: int, reason: Any, _props: Any) -> None:
         transfer = self._mids.pop(mid, None)
+        with self._window_lock:
+            size = self._frame_sizes.pop(mid, None)
+            if size is None:
+                self._acked_early.add(mid)
+        if size:
+            self._settle_window(size)
         if reason.is_failure:
             self.stats.publish_denied += 1
             log.warning("%s: broker refused a publish: %s", self.config.client_id, reason)
@@ -643,13 +720,22 @@ class Session:
 
     def _tick_loop(self) -> None:
         # An idle session (nothing on its way either way) looks again only every IDLE_TICK_S: a worker hosts
-        # hundreds of sessions, and each wake-up costs its process the GIL.
-        wait = self.config.tick_s
-        while not self._stopping.wait(wait):
+        # hundreds of sessions, and each wake-up costs its process the GIL. Frames the window let go wake it early.
+        wait, due = self.config.tick_s, time.monotonic() + self.config.tick_s
+        while not self._stopping.is_set():
+            self._pump_due.wait(max(0.0, due - time.monotonic()))
+            if self._stopping.is_set():
+                return
             try:
-                if self._connected.is_set():
-                    self._tick(time.monotonic())
-                wait = self.config.tick_s if self._busy() else max(self.config.tick_s, IDLE_TICK_S)
+                if self._pump_due.is_set():
+                    self._pump_due.clear()
+                    self._pump()
+                now = time.monotonic()
+                if now >= due:
+                    if self._connected.is_set():
+                        self._tick(now)
+                    wait = self.config.tick_s if self._busy() else max(self.config.tick_s, IDLE_TICK_S)
+                    due = now + wait
             except Exception:
                 log.exception("%s: error in the transfer timer (it keeps running)", self.config.client_id)
 
@@ -660,8 +746,12 @@ class Session:
     def _tick(self, now: float) -> None:
         frames: list[tuple[str, str | None, bytes]] = []
         failed: list[tuple[OutgoingTransfer, Delivery]] = []
+        with self._window_lock:  # a transfer still waiting for the window is waiting for us, not for its receiver
+            waiting = {transfer for _topic, transfer, _frames in self._backlog}
         with self._lock:
             for tid, (topic, outgoing, delivery) in list(self._outgoing.items()):
+                if tid in waiting:
+                    outgoing.touch(now)
                 frames += [(topic, tid, frame) for frame in outgoing.poll(now)]
                 if outgoing.failed:
                     del self._outgoing[tid]

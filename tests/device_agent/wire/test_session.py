@@ -110,25 +110,27 @@ class FaultySession(Session):
     seen: set
     held: list
 
-    def _publish(self, topic, data, retain=False, transfer=None):
+    def _publish(self, topic, data, retain=False, transfer=None, windowed=False):
         if not is_chunk_frame(data):
-            return super()._publish(topic, data, retain, transfer)
+            return super()._publish(topic, data, retain, transfer, windowed)
         _, index, _, _ = parse_chunk_frame(data)
         first = index not in self.seen
         self.seen.add(index)
         fault = index % 5 if first else None
         if fault == 0:
-            return None  # lost
+            if windowed:
+                self._settle_window(len(data))  # lost on the wire after the broker took it
+            return None
         if fault == 1:
             super()._publish(topic, data, retain, transfer)  # duplicated
         if fault == 2:
-            self.held.append(data)  # sent after the next chunk: reordered
+            self.held.append((data, windowed))  # sent after the next chunk: reordered
             return None
         if fault == 3:
             data = data[:-1] + bytes([data[-1] ^ 0xFF])  # corrupted
-        super()._publish(topic, data, retain, transfer)
-        for late in self.held:
-            super()._publish(topic, late, retain, transfer)
+        super()._publish(topic, data, retain, transfer, windowed)
+        for late, late_windowed in self.held:
+            super()._publish(topic, late, retain, transfer, late_windowed)
         self.held.clear()
         return None
 
@@ -307,6 +309,43 @@ def test_one_manifest_hashed_beforehand_serves_several_devices(mosquitto):
         coord.stop()
         dev_a.stop()
         dev_b.stop()
+
+
+def test_a_push_to_many_devices_holds_at_most_the_send_window_in_flight(mosquitto):
+    """A coordinator sending a model to every device builds frames only as the broker confirms earlier ones."""
+    window, chunk = 256 * 1024, 64 * 1024
+    coord, dev_a, inbox_a, topics_a = pair(mosquitto, device="dev-a", send_window_bytes=window, chunk_size=chunk)
+    inbox_b = Inbox()
+    dev_b, topics_b = device_session(
+        mosquitto.fleet, "dev-b", mosquitto.address("dev-b"), on_payload=inbox_b.on_payload, chunk_size=chunk
+    )
+    dev_b.start()
+    peak, done = [0], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], coord.in_window)
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        payload = os.urandom(2 * 2**20 + 7)
+        manifest = make_manifest(payload, chunk_size=chunk, kind="model")
+        deliveries = [coord.send(t.down, payload, manifest=manifest) for t in (topics_a, topics_b)]
+        for delivery in deliveries:
+            delivery.wait(30)
+        for inbox in (inbox_a, inbox_b):
+            assert inbox.arrived.wait(10)
+            assert [c.data == payload for _, c in inbox.payloads] == [True]
+    finally:
+        done.set()
+        watcher.join()
+        coord.stop()
+        dev_a.stop()
+        dev_b.stop()
+    assert 0 < peak[0] < window + chunk + 200  # the window plus the one frame that crossed it
+    assert coord.in_window == 0  # every frame confirmed, none counted twice
 
 
 def test_session_sockets_send_small_packets_without_waiting_for_nagle(mosquitto):
