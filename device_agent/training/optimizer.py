@@ -20,6 +20,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from device_agent.clients.base import ClientProgram
 from device_agent.clients.spec import TrainConfig
+from device_agent.training.sgd import SGD
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,15 @@ def _scaled_convolutions(model: nn.Module, scale: float) -> Iterator[None]:
             handle.remove()
 
 
-def make_optimizer(program: ClientProgram, config: TrainConfig) -> torch.optim.Optimizer:
-    """The optimizer fleet.yaml asked for, over the program's parameter groups (L2 where the program wants it)."""
+def make_optimizer(program: ClientProgram, config: TrainConfig) -> SGD | torch.optim.Adam:
+    """The optimizer fleet.yaml asked for, over the program's parameter groups (L2 where the program wants it).
+
+    SGD and momentum are :class:`~device_agent.training.sgd.SGD` (``torch.optim`` imports the compiler stack).
+    """
     groups = program.param_groups(config.weight_decay)
     if config.optimizer == "adam":
         return torch.optim.Adam(groups, lr=config.lr)
-    return torch.optim.SGD(groups, lr=config.lr, momentum=config.effective_momentum)
+    return SGD(groups, lr=config.lr, momentum=config.effective_momentum)
 
 
 def train_local(

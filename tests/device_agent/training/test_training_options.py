@@ -17,6 +17,7 @@ from device_agent.clients.spec import FedHMSpec, ModelSpec, TrainConfig, WidthSp
 from device_agent.layers.hybrid import hybrid
 from device_agent.models import build_model
 from device_agent.training.optimizer import make_optimizer, train_local
+from device_agent.training.sgd import SGD
 from device_agent.wire.messages import Assignment, encode, parse_message
 
 CNN = ModelSpec("cnn", 10, 1, 8)
@@ -81,7 +82,7 @@ def test_every_option_arrives_on_the_device_with_per_device_overrides() -> None:
 
 @pytest.mark.parametrize(
     ("optimizer", "kind", "momentum"),
-    [("sgd", torch.optim.SGD, 0.0), ("momentum", torch.optim.SGD, 0.9), ("adam", torch.optim.Adam, None)],
+    [("sgd", SGD, 0.0), ("momentum", SGD, 0.9), ("adam", torch.optim.Adam, None)],
 )
 def test_the_optimizer_is_the_one_asked_for(optimizer: str, kind: type, momentum: float | None) -> None:
     train = delivered({"optimizer": optimizer, "weight_decay": 2e-3})
