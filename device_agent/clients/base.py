@@ -75,7 +75,9 @@ class ClientProgram(ABC):
         self.local_classes: torch.Tensor | None = None
         self._pooled: Pooled | None = None
         if type(self).load is ClientProgram.load:
-            self._pooled = MODELS.take(self._pool_key()) or Pooled.fresh(self._uninitialized(spec))
+            key = self._pool_key()
+            reused = MODELS.take(key) if key is not None else None
+            self._pooled = reused or Pooled.fresh(self._uninitialized(spec))
             self.model = self._pooled.model
         else:
             self.model = self.build_model(spec)
