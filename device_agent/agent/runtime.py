@@ -198,6 +198,7 @@ class Agent:
                     event = None
                 if event is not None:
                     event()
+                    event = None  # nothing it captured (a payload) outlives it
                 now = time.monotonic()
                 if self.port.connects != self._connects:
                     self._connects = self.port.connects
@@ -272,23 +273,27 @@ class Agent:
 
     def _on_payload(self, transfer: str, payload: bytes) -> None:
         self._payloads[transfer] = payload
-        self._try_train(transfer)
+        # Trained as its own event: this one (and its reference to the payload) is gone by then (see _try_train).
+        self._events.put(lambda: self._try_train(transfer))
 
     # ---- one round -----------------------------------------------------------------------------
 
     def _try_train(self, transfer: str) -> None:
         assignment = self._assignments.get(transfer)
-        payload = self._payloads.get(transfer)
-        if assignment is None or payload is None:
+        if assignment is None or transfer not in self._payloads:
             if assignment is not None:
                 self._set_state("downloading", f"round {assignment.round}")
             return
-        del self._assignments[transfer], self._payloads[transfer]
+        del self._assignments[transfer]
         self._done.add((assignment.run, assignment.round))
         # Drop payloads of assignments that never came (superseded rounds) so memory stays bounded.
-        self._payloads.clear()
+        for other in [t for t in self._payloads if t != transfer]:
+            del self._payloads[other]
         self._set_state("training", f"round {assignment.round} at level {assignment.spec.level:g}")
-        outcome = run_assignment(assignment, payload, self._shards, self.kept, self.device, self.hooks)
+        # The payload goes to run_assignment as its only reference, which frees it once decoded.
+        outcome = run_assignment(
+            assignment, self._payloads.pop(transfer), self._shards, self.kept, self.device, self.hooks
+        )
         if isinstance(outcome, RoundFailure):
             self._fail(assignment, outcome)
         else:

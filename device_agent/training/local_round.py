@@ -54,6 +54,7 @@ def train_assignment(
     take turns there, so their evaluations do not all hold activations at once.
     """
     program = build_program(spec, tensors, local)
+    del tensors  # loaded into the program: the caller may hold the only other reference (run_assignment does not)
     with compute():
         received = evaluate_received(program, test, shard[0], device)
     result = train_local(program, shard, train, device, step=step)

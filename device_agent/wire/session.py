@@ -868,6 +868,7 @@ class Session:
                 event()
             except Exception:
                 log.exception("%s: error in a message handler (the session keeps running)", self.config.client_id)
+            event = None  # a delivered payload is its receiver's now, not kept until the next message
 
 
 def _answered_on(topic: str) -> str:

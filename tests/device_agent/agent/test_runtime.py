@@ -3,9 +3,11 @@ agent takes the next one."""
 
 from __future__ import annotations
 
+import gc
 import queue
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +23,7 @@ from device_agent.agent.port import Signer
 from device_agent.agent.runtime import ACKED_RECEIPT_TIMEOUT_S, RECEIPT_TIMEOUT_S, Agent, SentUpdate
 from device_agent.clients import PROGRAMS
 from device_agent.clients.spec import TrainConfig
+from device_agent.training import driver
 from device_agent.wire.codec import encode_tensors
 from device_agent.wire.messages import Assignment, Hello, Message, RoundFailed
 from device_agent.wire.session import coordinator_session
@@ -192,6 +195,33 @@ def test_a_newer_rounds_assignment_stops_the_older_update_still_on_its_way(tmp_p
     assert cancelled == {"cancelled": first["transfer"]}
     assert second["round"] == 2
     assert pending == [("r1", 2)]
+
+
+@pytest.mark.slow
+def test_no_copy_of_the_received_model_is_held_while_it_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's devices are all mid-round at once: none may keep its received payload (or a queued event's
+    reference to it) through training."""
+    sent = build_strategy("fedavg", CNN, {}, seed=0).configure(1, [ClientSlot(DEVICE, 1.0, 100)])[DEVICE]
+    size = len(encode_tensors(sent.tensors))
+    large_blocks: list[int] = []
+    real = driver.train_assignment
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        gc.collect()
+        large_blocks.append(sum(1 for trace in tracemalloc.take_snapshot().traces if trace.size >= size))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(driver, "train_assignment", spy)
+    tracemalloc.start()
+    try:
+        with agent_beside(FakeCoordinator(), tmp_path) as (_agent, coordinator, _serving):
+            coordinator.next(Hello)
+            coordinator.assign_round(1, sent)  # the payload bytes (traced) exist only in the agent from here
+            update = coordinator.next(dict)
+    finally:
+        tracemalloc.stop()
+    assert update["round"] == 1
+    assert large_blocks == [0]
 
 
 def test_when_an_update_is_sent_again() -> None:
