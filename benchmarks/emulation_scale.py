@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -52,10 +53,48 @@ DATASETS = ("digits", "fashion_mnist")
 TRAIN_IMAGES = {"digits": 1437, "fashion_mnist": 60_000}
 
 
+@dataclass(frozen=True)
+class ScaleData:
+    """Where the scale fleet's shards come from: a data set, at most ``samples`` training images per device
+    (fleet.yaml's ``samples_per_device``; None: the set split evenly) and the images' side (None: the set's own).
+
+    Why a cap and a smaller side: Fashion-MNIST's 60,000 at 28x28 split over 1,000 devices is 0.69 s of host
+    compute per device-round on one thread, a 343 s compute floor on 2 cores, so no engine rounds it within a
+    minute. ``recipe`` gives each set its scale default: Fashion-MNIST at 14x14, 8 images a device (a 38 s floor at
+    1,000 devices), which keeps the accuracy after the rounds about learning on real images.
+    """
+
+    name: str = "digits"
+    samples: int | None = None
+    image_size: int | None = None
+
+    @classmethod
+    def recipe(cls, name: str, samples: int | None = None, image_size: int | None = None) -> ScaleData:
+        """``name``'s scale default, ``samples`` (0: the set split evenly) and ``image_size`` replacing its values."""
+        default = cls(name, 8, 14) if name == "fashion_mnist" else cls(name)
+        return cls(
+            name,
+            default.samples if samples is None else samples or None,
+            image_size or default.image_size,
+        )
+
+    def images_per_device(self, devices: int) -> int:
+        share = TRAIN_IMAGES[self.name] // devices
+        return share if self.samples is None else min(share, self.samples)
+
+    def args(self) -> list[str]:
+        """The flags that give another process (Flower's side of ``--peer flower``) this data."""
+        flags = ["--dataset", self.name, "--samples-per-device", str(self.samples or 0)]
+        return flags if self.image_size is None else [*flags, "--image-size", str(self.image_size)]
+
+
+DIGITS = ScaleData()
+
+
 def scale_fleet(
     devices: int,
     port: int,
-    dataset: str = "digits",
+    data: ScaleData = DIGITS,
     deadline_s: float | None = None,
     rounds: int = ROUNDS,
     strategy: str = "fedhm",
@@ -69,9 +108,13 @@ def scale_fleet(
     fleet = yaml.safe_load(_DEMO.read_text())
     if deadline_s is not None:
         fleet["round_deadline_s"] = deadline_s
-    if dataset != "digits":
-        fleet["dataset"]["name"] = dataset
+    if data.name != "digits":
+        fleet["dataset"]["name"] = data.name
         fleet["model"] |= {"in_channels": 1, "image_size": 28}
+    if data.image_size is not None:
+        fleet["model"]["image_size"] = data.image_size
+    if data.samples is not None:
+        fleet["dataset"]["samples_per_device"] = data.samples
     classes = [fleet["devices"][i] for i in (0, 3, 6)]  # orin, pi5 (max 1/2), pi4 (max 1/4)
     fleet["broker"]["port"] = port
     fleet["rounds"] = rounds
@@ -115,7 +158,7 @@ def _sample(process: psutil.Process, peaks: dict[str, dict[int, int]]) -> None:
 def run_size(
     devices: int,
     timeout: float = 1200,
-    dataset: str = "digits",
+    data: ScaleData = DIGITS,
     device_type: str = "cpu",
     deadline_s: float | None = None,
     rounds: int = ROUNDS,
@@ -124,7 +167,7 @@ def run_size(
     """One emulated fleet of ``devices``; what it took and whether every round completed."""
     from coordinator.transport.broker.base import free_port
 
-    fleet = scale_fleet(devices, free_port(), dataset, deadline_s, rounds, strategy)
+    fleet = scale_fleet(devices, free_port(), data, deadline_s, rounds, strategy)
     with tempfile.TemporaryDirectory(prefix="fedfleet-bench-scale-") as folder:
         path, run_dir = Path(folder) / "fleet.yaml", Path(folder) / "run"
         path.write_text(yaml.safe_dump(fleet, sort_keys=False))
@@ -166,10 +209,11 @@ def run_size(
     workers_rss = sum(peaks["workers"].values())
     result = {
         "devices": devices,
-        "dataset": dataset,
+        "dataset": data.name,
+        "image_size": fleet["model"].get("image_size", 8),
         "strategy": strategy,
         "device_type": device_type,
-        "train_images_per_device": TRAIN_IMAGES[dataset] // devices,
+        "train_images_per_device": data.images_per_device(devices),
         "completed": completed,
         "exit_code": emulate.returncode,
         "rounds_closed": len(records),
@@ -196,7 +240,7 @@ def run_size(
 
 def scale(
     sizes: list[int],
-    dataset: str = "digits",
+    data: ScaleData = DIGITS,
     device_type: str = "cpu",
     deadline_s: float | None = None,
     rounds: int = ROUNDS,
@@ -216,13 +260,13 @@ def scale(
     runs, ratios = [], {}
     for devices in sorted(sizes):
         run = run_size(
-            devices, dataset=dataset, device_type=device_type, deadline_s=deadline_s, rounds=rounds, strategy=strategy
+            devices, data=data, device_type=device_type, deadline_s=deadline_s, rounds=rounds, strategy=strategy
         )
-        run |= compute_floor(ScaleTask.build(devices, dataset, rounds, deadline_s))
+        run |= compute_floor(ScaleTask.build(devices, data, rounds, deadline_s))
         if peer == "flower":
             from benchmarks import flower_peer
 
-            run["flower"] = flower = flower_peer.run_size(devices, dataset, rounds, deadline_s)
+            run["flower"] = flower = flower_peer.run_size(devices, data, rounds, deadline_s)
             ours, theirs = run["median_round_seconds"], flower["median_round_seconds"]
             ratios[f"ratio_vs_flower_{devices}"] = round(ours / theirs, 3) if ours and theirs else None
         runs.append(run)
@@ -238,7 +282,7 @@ def describe(result: dict) -> list[str]:
     for run in result["runs"]:
         lines.append(
             f"{run['devices']} devices on {run['device_type']} "
-            f"({run['train_images_per_device']} {run['dataset']} images each): "
+            f"({run['train_images_per_device']} {run['dataset']} images each, {run['image_size']} px): "
             f"{'completed' if run['completed'] else 'FAILED'}; accuracy per round {run['accuracy']}; rounds "
             f"{run['round_seconds']} s (slowest device predicted {run['slowest_predicted_round_seconds']} s, "
             f"deadline {run['deadline_seconds']:g} s, compute floor {run['compute_floor_seconds']} s); "

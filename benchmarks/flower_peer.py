@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.emulation_scale import ROUNDS
+from benchmarks.emulation_scale import DIGITS, ROUNDS, ScaleData
 from benchmarks.process_tree import TreeSampler
 from benchmarks.scale_task import ScaleTask
 
@@ -60,9 +60,9 @@ def require_flower() -> dict[str, str]:
 
 
 @functools.cache
-def _task(devices: int, dataset: str, rounds: int, deadline_s: float | None) -> ScaleTask:
+def _task(devices: int, data: ScaleData, rounds: int, deadline_s: float | None) -> ScaleTask:
     """One per process (a Ray actor serves many clients): the data set loads once, as in a fedfleet worker."""
-    return ScaleTask.build(devices, dataset, rounds, deadline_s)
+    return ScaleTask.build(devices, data, rounds, deadline_s)
 
 
 @functools.cache
@@ -84,16 +84,16 @@ def _client_class() -> type:
 
 @dataclass(frozen=True)
 class ClientFactory:
-    """Flower's ``client_fn``: a picklable callable, so Ray's actors rebuild the task from four numbers."""
+    """Flower's ``client_fn``: a picklable callable, so Ray's actors rebuild the task from a few numbers."""
 
     devices: int
-    dataset: str
+    data: ScaleData
     rounds: int
     deadline_s: float | None
 
     def numpy_client(self, index: int) -> Any:
         """Client ``index`` as a Flower NumPyClient (a test calls its ``fit`` directly, without Ray)."""
-        return _client_class()(_task(self.devices, self.dataset, self.rounds, self.deadline_s), index)
+        return _client_class()(_task(self.devices, self.data, self.rounds, self.deadline_s), index)
 
     def __call__(self, context: Any) -> Any:
         torch.set_num_threads(1)  # in a Ray actor of one core, as each emulated agent trains on one thread
@@ -138,14 +138,14 @@ def _strategy(task: ScaleTask) -> Any:
     return TimedFedAvg()
 
 
-def simulate(devices: int, dataset: str = "digits", rounds: int = ROUNDS, deadline_s: float | None = None) -> dict:
+def simulate(devices: int, data: ScaleData = DIGITS, rounds: int = ROUNDS, deadline_s: float | None = None) -> dict:
     """Flower's ``run_simulation`` on the task in this process: per-round figures and the versions."""
     versions = require_flower()
     from flwr.client import ClientApp
     from flwr.server import ServerApp, ServerAppComponents, ServerConfig
     from flwr.simulation import run_simulation
 
-    task = _task(devices, dataset, rounds, deadline_s)
+    task = _task(devices, data, rounds, deadline_s)
     strategy = _strategy(task)
     config = ServerConfig(num_rounds=rounds, round_timeout=task.fleet.round_deadline_s)
     actors = len(os.sched_getaffinity(0))
@@ -155,7 +155,7 @@ def simulate(devices: int, dataset: str = "digits", rounds: int = ROUNDS, deadli
 
     run_simulation(
         server_app=ServerApp(server_fn=server_fn),
-        client_app=ClientApp(client_fn=ClientFactory(devices, dataset, rounds, deadline_s)),
+        client_app=ClientApp(client_fn=ClientFactory(devices, data, rounds, deadline_s)),
         num_supernodes=devices,
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"num_cpus": actors}},
     )
@@ -163,12 +163,16 @@ def simulate(devices: int, dataset: str = "digits", rounds: int = ROUNDS, deadli
 
 
 def run_size(
-    devices: int, dataset: str = "digits", rounds: int = ROUNDS, deadline_s: float | None = None, timeout: float = 1200
+    devices: int,
+    data: ScaleData = DIGITS,
+    rounds: int = ROUNDS,
+    deadline_s: float | None = None,
+    timeout: float = 1200,
 ) -> dict:
     """:func:`simulate` in a process of its own, its tree sampled every 0.5 s: the Flower half of one size."""
     with tempfile.TemporaryDirectory(prefix="fedfleet-bench-flower-") as folder:
         out, log = Path(folder) / "flower.json", Path(folder) / "flower.log"
-        command = [sys.executable, "-m", "benchmarks.flower_peer", "--devices", str(devices), "--dataset", dataset]
+        command = [sys.executable, "-m", "benchmarks.flower_peer", "--devices", str(devices), *data.args()]
         command += ["--rounds", str(rounds), "--out", str(out)]
         if deadline_s is not None:
             command += ["--deadline-s", str(deadline_s)]
@@ -222,12 +226,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.flower_peer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, required=True, help="clients (the scale fleet's devices)")
     parser.add_argument("--dataset", default="digits", help="digits (default) or fashion_mnist")
+    parser.add_argument(
+        "--samples-per-device", type=int, default=0, help="training images per device (default 0: the set split evenly)"
+    )
+    parser.add_argument("--image-size", type=int, help="images resized to this side (default: the set's own)")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds (default: {ROUNDS})")
     parser.add_argument("--deadline-s", type=float, help="round deadline (default: the demo's 60 s)")
     parser.add_argument("--out", type=Path, help="write the JSON here instead of printing it")
     args = parser.parse_args(argv)
     try:
-        outcome = simulate(args.devices, args.dataset, args.rounds, args.deadline_s)
+        data = ScaleData(args.dataset, args.samples_per_device or None, args.image_size)
+        outcome = simulate(args.devices, data, args.rounds, args.deadline_s)
     except FlowerMissing as error:
         print(error, file=sys.stderr)
         return 2

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from benchmarks.emulation_scale import ROUNDS, scale_fleet
+from benchmarks.emulation_scale import DIGITS, ROUNDS, ScaleData, scale_fleet
 from coordinator.config.fleet import Fleet, parse_fleet
 from coordinator.rounds.evaluation import evaluate_global
 from coordinator.rounds.settings import EngineSettings
@@ -31,7 +31,7 @@ from coordinator.strategies import ModelSpec, build_strategy
 from coordinator.strategies.base import ClientSlot, Strategy
 from device_agent.clients.spec import SpecBase
 from device_agent.data.datasets import LabeledData
-from device_agent.data.partition import PartitionSpec, client_shard
+from device_agent.data.partition import PartitionSpec, capped, client_shard
 from device_agent.training.local_round import train_assignment
 from device_agent.wire.protocol import round_seed
 
@@ -55,9 +55,9 @@ class ScaleTask:
 
     @classmethod
     def build(
-        cls, devices: int, dataset: str = "digits", rounds: int = ROUNDS, deadline_s: float | None = None
+        cls, devices: int, data: ScaleData = DIGITS, rounds: int = ROUNDS, deadline_s: float | None = None
     ) -> ScaleTask:
-        fleet = parse_fleet(scale_fleet(devices, _PORT, dataset, deadline_s, rounds, "fedavg"), source="scale")
+        fleet = parse_fleet(scale_fleet(devices, _PORT, data, deadline_s, rounds, "fedavg"), source="scale")
         model, data = fleet_data(fleet)
         split = fleet.dataset.partition.spec(devices, fleet.dataset.seed)
         strategy = build_strategy(fleet.strategy.name, model, fleet.strategy.params, seed=fleet.dataset.seed)
@@ -78,8 +78,9 @@ class ScaleTask:
         """Device ``index``'s (train, test) shards, as its agent loads them."""
         if index not in self._shards:
             data, classes = self.data, self.data.num_classes
+            train = client_shard(data.train_x, data.train_y, self.split, index, classes)
             self._shards[index] = (
-                client_shard(data.train_x, data.train_y, self.split, index, classes),
+                capped(train, self.fleet.dataset.samples_per_device, self.fleet.dataset.seed),
                 client_shard(data.test_x, data.test_y, self.split, index, classes),
             )
         return self._shards[index]

@@ -64,7 +64,7 @@ SUITE: tuple[Benchmark, ...] = (
     # 300 packed agents on Fashion-MNIST shards (200 images each): about 18 minutes on the 2-core dev machine.
     Benchmark(
         "emulation_scale",
-        ("--scale", "--devices", "300", "--scale-dataset", "fashion_mnist", "--deadline-s", "400"),
+        ("--scale", "--devices", "300", "--samples-per-device", "0", "--image-size", "28", "--deadline-s", "400"),
         module="emulation",
         timeout_s=3600,
     ),

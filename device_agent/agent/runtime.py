@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
 from device_agent import __version__
@@ -47,7 +46,7 @@ from device_agent.agent.speed import measured_profile
 from device_agent.agent.stopping import stop_on_signals
 from device_agent.common.profile import DeviceProfile
 from device_agent.data.datasets import DatasetError, check_source, load_dataset
-from device_agent.data.partition import client_shard
+from device_agent.data.partition import capped, client_shard
 from device_agent.training.driver import RoundFailure, run_assignment
 from device_agent.training.local_round import TrainedRound
 from device_agent.wire.messages import (
@@ -126,11 +125,7 @@ class LocalData:
                 test = client_shard(data.test_x, data.test_y, spec, index, data.num_classes)
             if len(train[1]) == 0:
                 raise DatasetError(f"data share {self._config.index} of {self._config.count} is empty")
-            if self._config.samples is not None and len(train[1]) > self._config.samples:
-                generator = torch.Generator().manual_seed(self._config.seed)  # shards are disjoint already
-                keep = torch.randperm(len(train[1]), generator=generator)[: self._config.samples]
-                train = (train[0][keep], train[1][keep])
-            self._cache[key] = (train, test)
+            self._cache[key] = (capped(train, self._config.samples, self._config.seed), test)
         return self._cache[key]
 
 

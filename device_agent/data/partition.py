@@ -122,3 +122,14 @@ def client_shard(
     if spec.permute_labels:
         labels = label_permutation(num_classes or int(y.max()) + 1, spec.seed, client)[labels]
     return x[index], labels
+
+
+def capped(split: tuple[Tensor, Tensor], samples: int | None, seed: int) -> tuple[Tensor, Tensor]:
+    """At most ``samples`` of a shard, drawn with ``seed`` (shards are disjoint already, so one seed serves all).
+
+    fleet.yaml's ``samples_per_device``: the emulated agent and any engine compared with it keep the same images.
+    """
+    if samples is None or len(split[1]) <= samples:
+        return split
+    keep = torch.randperm(len(split[1]), generator=torch.Generator().manual_seed(seed))[:samples]
+    return split[0][keep], split[1][keep]

@@ -34,24 +34,40 @@ def test_emulated_devices_take_the_predicted_training_time_unless_the_host_is_sl
 
 
 def test_the_scale_fleet_draws_fashion_mnist_shards_at_28x28() -> None:
-    from benchmarks.emulation_scale import scale_fleet
+    from benchmarks.emulation_scale import ScaleData, scale_fleet
     from coordinator.config.fleet import parse_fleet
 
-    fleet = parse_fleet(scale_fleet(1000, 18999, "fashion_mnist"), source="scale")
+    fleet = parse_fleet(scale_fleet(1000, 18999, ScaleData("fashion_mnist")), source="scale")
     assert fleet.dataset.name == "fashion_mnist" and (fleet.model.in_channels, fleet.model.image_size) == (1, 28)
     assert fleet.samples_for(fleet.devices[-1]) == 60  # the planner's share of the 60,000 at 1,000 devices
 
 
-def test_the_scale_fleet_takes_a_longer_round_deadline_when_asked() -> None:
-    from benchmarks.emulation_scale import scale_fleet
+def test_fashion_mnist_at_scale_is_eight_14x14_images_a_device_unless_told_otherwise() -> None:
+    from benchmarks.emulation_scale import ScaleData, scale_fleet
     from coordinator.config.fleet import parse_fleet
 
-    assert parse_fleet(scale_fleet(30, 18999, "fashion_mnist", 300.0), source="scale").round_deadline_s == 300
+    recipe = ScaleData.recipe("fashion_mnist")
+    fleet = parse_fleet(scale_fleet(2000, 18999, recipe), source="scale")
+    assert (fleet.model.image_size, fleet.dataset.samples_per_device) == (14, 8)
+    assert recipe.images_per_device(2000) == 8
+    assert ScaleData.recipe("fashion_mnist", 0, 28).images_per_device(2000) == 30  # 0: the 60,000 split evenly
+    assert ScaleData.recipe("digits") == ScaleData("digits")  # digits stay whole, at their own 8x8
+    assert ScaleData.recipe("fashion_mnist", 16).args() == [
+        "--dataset", "fashion_mnist", "--samples-per-device", "16", "--image-size", "14"
+    ]  # fmt: skip
+
+
+def test_the_scale_fleet_takes_a_longer_round_deadline_when_asked() -> None:
+    from benchmarks.emulation_scale import ScaleData, scale_fleet
+    from coordinator.config.fleet import parse_fleet
+
+    data = ScaleData("fashion_mnist")
+    assert parse_fleet(scale_fleet(30, 18999, data, 300.0), source="scale").round_deadline_s == 300
     assert scale_fleet(30, 18999)["round_deadline_s"] == 60  # the demo's, unless asked
 
 
 def test_a_fleet_larger_than_the_data_set_is_refused_before_anything_starts(capsys) -> None:
-    assert main(["--scale", "--devices", "2000"]) == 2
+    assert main(["--scale", "--scale-dataset", "digits", "--devices", "2000"]) == 2
     assert (
         "digits has 1437 training images: 2000 devices would leave 563 of them without data" in capsys.readouterr().err
     )

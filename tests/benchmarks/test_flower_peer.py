@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks.emulation import main
-from benchmarks.emulation_scale import scale_fleet
+from benchmarks.emulation_scale import DIGITS, scale_fleet
 from benchmarks.flower_peer import ClientFactory, FlowerMissing, require_flower
 from benchmarks.scale_task import ScaleTask
 from coordinator.config.fleet import parse_fleet
@@ -40,8 +40,8 @@ def test_the_fedavg_scale_fleet_trains_the_full_model_on_every_class() -> None:
 
 @needs_flower
 def test_the_flower_client_trains_what_a_fedfleet_device_trains() -> None:
-    factory = ClientFactory(devices=3, dataset="digits", rounds=1, deadline_s=None)
-    task = ScaleTask.build(3, "digits", rounds=1)
+    factory = ClientFactory(devices=3, data=DIGITS, rounds=1, deadline_s=None)
+    task = ScaleTask.build(3, DIGITS, rounds=1)
     start = task.global_arrays()
     trainable = task.strategy.trainable()
     updates = []

@@ -1,4 +1,5 @@
 import gzip
+import os
 import subprocess
 import sys
 import threading
@@ -54,6 +55,17 @@ def test_npz_with_and_without_a_test_split(tmp_path):
         y_test=np.array([0, 1, 1]),
     )
     assert load_dataset(tmp_path / "b.npz").test_y.tolist() == [0, 1, 1]
+
+
+def test_a_set_fitted_to_the_model_is_kept_until_its_file_changes(tmp_path):
+    # a worker's hundreds of devices each ask for the same resized set: it is resized once
+    np.savez(tmp_path / "a.npz", x=np.zeros((20, 6, 6), dtype=np.uint8), y=np.arange(20) % 4)
+    first = load_dataset(tmp_path / "a.npz", image_size=3)
+    assert load_dataset(tmp_path / "a.npz", image_size=3) is first and first.image_size == 3
+    assert load_dataset(tmp_path / "a.npz").image_size == 6  # another fit is another entry
+    np.savez(tmp_path / "a.npz", x=np.full((20, 6, 6), 255, dtype=np.uint8), y=np.arange(20) % 4)
+    os.utime(tmp_path / "a.npz", ns=(1, 1))  # a rewrite within the clock's tick still changes the key
+    assert load_dataset(tmp_path / "a.npz", image_size=3).train_x.max() == 1.0
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,14 @@ import numpy as np
 import pytest
 import torch
 
-from device_agent.data.partition import PartitionSpec, client_shard, domain_classes, label_permutation, partition
+from device_agent.data.partition import (
+    PartitionSpec,
+    capped,
+    client_shard,
+    domain_classes,
+    label_permutation,
+    partition,
+)
 
 LABELS = np.repeat(np.arange(10), 30)
 
@@ -64,3 +71,12 @@ def test_bad_specs_say_what_is_wrong():
         PartitionSpec("dirichlet", alpha=0)
     with pytest.raises(ValueError, match=r"client index must be in \[0, 2\)"):
         client_shard(torch.zeros(4, 1), torch.zeros(4, dtype=torch.long), PartitionSpec("iid", 2), 2)
+
+
+def test_a_capped_shard_keeps_the_same_images_for_a_seed_and_no_more_than_asked():
+    x, y = torch.arange(40.0).reshape(20, 2), torch.arange(20)
+    first, again = capped((x, y), 8, seed=3), capped((x, y), 8, seed=3)
+    assert len(first[1]) == 8 and torch.equal(first[1], again[1]) and torch.equal(first[0], x[first[1]])
+    assert len(set(first[1].tolist())) == 8  # drawn without replacement
+    assert not torch.equal(capped((x, y), 8, seed=4)[1], first[1])
+    assert capped((x, y), 50, seed=3) == (x, y) and capped((x, y), None, seed=3) == (x, y)
