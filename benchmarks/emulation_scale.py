@@ -1,25 +1,24 @@
 """How large an emulated fleet one host runs: ``coordinator emulate`` on the demo model at growing sizes.
 
 Each size is a fleet of the demo's three device classes in turn (Jetson Orin Nano 8 GB at gamma 1,
-Raspberry Pi 5 capped at 1/2, Pi 4 at 1/4, as examples/demo.yaml), digits split iid (1437 training
-images: ~5 per device at 300), 3 rounds over the managed mosquitto, devices packed into workers as
-``coordinator emulate`` chooses. A size *completes* when all 3 rounds close with every device's update
-accepted within the demo's round deadline. While it runs, the RSS of the coordinator process and
-of every worker is sampled (psutil, every 0.5 s) for their peaks. Reported per size: wall time of
-each round next to the slowest device's predicted round time (the planner's estimate), and memory
-per device. The ladder stops at the first size that does not complete; ``max_devices`` is the
-largest that did.
+Raspberry Pi 5 capped at 1/2, Pi 4 at 1/4, as examples/demo.yaml), split iid, 3 rounds over the managed
+mosquitto, devices packed into workers as ``coordinator emulate`` chooses. The shards come from
+Fashion-MNIST by default (Debian's dataset-fashion-mnist), 8 training images per device at 14x14
+(:class:`ScaleData`: what 2 cores can train for 1,000 devices within a minute), so the accuracy after each
+round says something about learning at that scale; ``--scale-dataset digits`` takes scikit-learn's 1,437
+instead (~1 per device at 1,000), ``--samples-per-device 0 --image-size 28`` the whole 60,000 at 28x28.
+A size *completes* when all 3 rounds close with every device's update accepted within the round
+deadline. While it runs, the RSS of the coordinator process and of every worker is sampled (psutil, every
+0.5 s) for their peaks. Reported per size: wall time of each round next to the slowest device's predicted
+round time (the planner's estimate), and memory per device. The ladder stops at the first size that does
+not complete; ``max_devices`` is the largest that did.
 
-``--scale-dataset fashion_mnist`` draws the shards from Fashion-MNIST's 60,000 training images
-instead (Debian's dataset-fashion-mnist; 60 per device at 1,000 devices), so the accuracy after each
-round (reported beside the timings) says something about learning at that scale.
-
-    python -m benchmarks.emulation --scale --json               the ladder (--sizes)
+    python -m benchmarks.emulation --scale --json               the ladder (--sizes, default 300,1000,2000)
     python -m benchmarks.emulation --scale --devices 300        one size
-    python -m benchmarks.emulation --scale --devices 1000 --scale-dataset fashion_mnist --json
-    python -m benchmarks.emulation --scale --devices 300 --scale-dataset fashion_mnist --deadline-s 300
+    python -m benchmarks.emulation --scale --devices 300 --samples-per-device 0 --image-size 28 --deadline-s 400
     python -m benchmarks.emulation --scale --devices 1000 --device-type cuda --json   (CUDA workers)
-    python -m benchmarks.emulation --scale --sizes 300,1000 --peer flower --json   (Flower beside it)
+    python -m benchmarks.emulation --scale --peer flower --deadline-s 240 --json   (Flower beside it)
+    python -m benchmarks.emulation --scale --scale-dataset digits --sizes 300,1000 --peer flower --json
 
 Every size also reports the median round, the rounds within the deadline, the peak PSS and CPU-seconds of
 the whole process tree (:mod:`benchmarks.process_tree`) and the compute floor (N x one device's round

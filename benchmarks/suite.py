@@ -70,7 +70,19 @@ SUITE: tuple[Benchmark, ...] = (
     ),
     # fedfleet's emulation and Flower's simulation (Ray) side by side at 300 and 1,000 devices, FedAvg on digits:
     # about 11 minutes on the 2-core dev machine. Needs the optional extra: pip install 'fedfleet[flower]'.
-    Benchmark("emulation_flower", ("--scale", "--sizes", "300,1000", "--peer", "flower"), module="emulation"),
+    Benchmark(
+        "emulation_flower",
+        ("--scale", "--scale-dataset", "digits", "--sizes", "300,1000", "--peer", "flower"),
+        module="emulation",
+    ),
+    # The same side by side on Fashion-MNIST (8 images a device at 14x14) at 300, 1,000 and 2,000 devices, with a
+    # 240 s round deadline (2,000 devices are a 76 s compute floor on 2 cores): about 45 minutes.
+    Benchmark(
+        "emulation_flower_fashion",
+        ("--scale", "--peer", "flower", "--deadline-s", "240"),
+        module="emulation",
+        timeout_s=3 * 3600,
+    ),
     Benchmark("process_peak", ("--memory",), module="emulation"),
     Benchmark("faults", ("--repeats", "1")),  # runs benchmarks.bad_inputs too (key bad_inputs)
     Benchmark("json_bounds"),

@@ -118,7 +118,11 @@ def _scale(result: dict[str, Any]) -> list[str]:
         if run.get("accepted_per_round"):
             learned.append(f"updates {'/'.join(str(n) for n in run['accepted_per_round'])}")
         if run.get("accuracy"):
-            learned.append(f"accuracy {'/'.join(fmt(a) for a in run['accuracy'])} on {run.get('dataset', 'digits')}")
+            share = f", {run['train_images_per_device']} images/device" if "train_images_per_device" in run else ""
+            px = f" at {run['image_size']} px" if "image_size" in run else ""
+            learned.append(
+                f"accuracy {'/'.join(fmt(a) for a in run['accuracy'])} on {run.get('dataset', 'digits')}{px}{share}"
+            )
         out.append(
             f"{run['devices']} devices {'completed' if run['completed'] else 'missed'}: rounds "
             f"{'/'.join(fmt(s) for s in run['round_seconds'])} s (deadline {fmt(run['deadline_seconds'])} s, "
@@ -178,6 +182,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "fedlora": _fedlora,
     "emulation_scale": _scale,
     "emulation_flower": _scale,
+    "emulation_flower_fashion": _scale,
     "process_peak": _process_peak,
     "faults": _faults,
     "bad_inputs": _bad_inputs,

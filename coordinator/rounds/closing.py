@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+
+import torch
 
 from coordinator.config.fleet import Fleet
 from coordinator.rounds.evaluation import evaluate_global, federated_evaluation, personalized_accuracy
@@ -17,6 +21,23 @@ from device_agent.data.datasets import LabeledData
 from device_agent.wire.protocol import ReceivedEvaluation
 
 log = logging.getLogger("fedfleet.engine")
+
+
+@contextmanager
+def every_core() -> Iterator[None]:
+    """Torch on all of this host's cores for a while, then as it was.
+
+    A round is evaluated between its close and the next round's push, while the devices wait. An emulating
+    coordinator keeps torch to one thread (its cores train the emulated devices), so without this the
+    evaluation of Fashion-MNIST's 10,000 test images took 4.1 s on one core with the other idle.
+    """
+    threads = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(threads, cores))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class RoundCloser:
@@ -58,7 +79,8 @@ class RoundCloser:
         loss: float | None = None
         if self.fleet.evaluation.server:
             calibration = self.data.train_x[: self.calibration_samples]
-            acc, loss = evaluate_global(self.strategy, (self.data.test_x, self.data.test_y), calibration)
+            with every_core():
+                acc, loss = evaluate_global(self.strategy, (self.data.test_x, self.data.test_y), calibration)
         evaluated = time.monotonic()
         devices = {d: self.device_metrics(d, p) for d, p in open_.participants.items()}
         phases = {

@@ -52,6 +52,9 @@ class BrokerConfig(_Section):
     cert_file: str | None = None
     key_file: str | None = None
     protocol: Literal["5", "3.1.1"] = "5"
+    keepalive_s: int = Field(30, ge=5, le=3600)
+    """MQTT keepalive: the broker drops a session it has heard nothing from in 1.5x this. Emulated agents get
+    120 s (see :data:`device_agent.emulation.profile_config.EMULATED_KEEPALIVE_S`)."""
 
     @field_validator("url")
     @classmethod

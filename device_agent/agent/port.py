@@ -95,6 +95,7 @@ class MqttPort:
             key_file=broker.key_file,
         )
         self.fleet, self.device, self.protocol = config.fleet, config.device, broker.protocol
+        self.keepalive_s = broker.keepalive_s
         self.topics = DeviceTopics(config.fleet, config.device)
         self._hooks = before_chunk_out, after_chunk_in
         self._session: Session | None = None
@@ -109,6 +110,7 @@ class MqttPort:
             before_chunk_out=self._hooks[0],
             after_chunk_in=self._hooks[1],
             protocol=self.protocol,
+            keepalive_s=self.keepalive_s,
         )
         self._session.start(timeout=timeout)
 

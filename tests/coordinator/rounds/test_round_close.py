@@ -138,3 +138,20 @@ def test_a_poisoned_journal_entry_is_quarantined_on_resume_and_the_run_goes_on(t
     assert kept["device"] == "pi-0" and "global_loss=1.7e+308 is outside" in kept["reason"]
     assert note.with_suffix(".safetensors").is_file()
     assert any("quarantined in" in r.getMessage() and "pi-0" in r.getMessage() for r in caplog.records)
+
+
+def test_every_core_lends_torch_all_cores_for_the_evaluation_then_gives_them_back(monkeypatch) -> None:
+    import torch
+
+    from coordinator.rounds import closing
+
+    seen = []
+    monkeypatch.setattr(closing.os, "sched_getaffinity", lambda _pid: {0, 1, 2}, raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as coordinator emulate leaves it, so the cores train the devices
+    try:
+        with closing.every_core():
+            seen.append(torch.get_num_threads())
+        assert seen == [3] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

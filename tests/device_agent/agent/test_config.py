@@ -61,6 +61,7 @@ def test_flags_alone_are_enough() -> None:
         ({"device": "a", "fleet": "f", "data": {"partition": "dirichlet(-1)"}}, "data.partition"),
         ({"device": "a", "fleet": "f", "broker": {"password": "hunter2"}}, "broker.password"),
         ({"device": "a", "fleet": "f", "emulation": {"slowdown": 0.5}}, "emulation.slowdown"),
+        ({"device": "a", "fleet": "f", "broker": {"keepalive_s": 0}}, "broker.keepalive_s"),
         ({"device": "a", "fleet": "f", "data": {"dataset": "npz"}}, "data"),
         ({"device": "a", "fleet": "f", "colour": "red"}, "colour"),
     ],

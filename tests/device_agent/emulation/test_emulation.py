@@ -67,8 +67,9 @@ def test_bad_profiles_are_named(tmp_path: Path) -> None:
         find_profile(str(bad))
 
 
-def test_agent_config_round_trips_through_the_agent_schema(tmp_path: Path) -> None:
-    from device_agent.agent.config import load_config
+def test_agent_config_round_trips_through_the_agent_schema(tmp_path: Path, monkeypatch) -> None:
+    from device_agent.agent.config import load_config, parse_config
+    from device_agent.agent.port import MqttPort
 
     limits = limits_for(find_profile("jetson-nano"), host_gflops=472.0)
     share = DataShare("digits", "dirichlet(0.5)", 7, index=2, count=8)
@@ -79,6 +80,10 @@ def test_agent_config_round_trips_through_the_agent_schema(tmp_path: Path) -> No
     config = load_config(path)
     assert config.device == "nano-02" and config.fleet == "demo"
     assert config.broker.password == "env:FEDFLEET_PASSWORD"
+    assert config.broker.keepalive_s == 120  # a loaded emulation host, not the device, may keep it silent
+    assert parse_config({"device": "d", "fleet": "f"}).broker.keepalive_s == 30  # a real device's default
+    monkeypatch.setenv("FEDFLEET_PASSWORD", "pw")
+    assert MqttPort(config).keepalive_s == 120  # what its session connects with
     assert (config.data.index, config.data.count, config.data.seed) == (2, 8, 7)
     spec = config.data.partition_spec()
     assert spec is not None and spec.scheme == "dirichlet" and spec.alpha == 0.5
