@@ -28,6 +28,7 @@ engine on the same task (:mod:`benchmarks.flower_peer`), reporting ``ratio_vs_fl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import subprocess
@@ -154,6 +155,26 @@ def _sample(process: psutil.Process, peaks: dict[str, dict[int, int]]) -> None:
             continue
 
 
+def _stop_tree(emulate: subprocess.Popen, process: psutil.Process, grace_s: float = 60) -> None:
+    """Stop a run past its time, and everything it started: a coordinator too loaded to stop within ``grace_s``
+    (2,000 devices on 2 cores) is killed with its broker and workers, and the sizes measured before it are kept."""
+    if emulate.poll() is not None:
+        return
+    try:
+        children = process.children(recursive=True)
+    except psutil.NoSuchProcess:
+        children = []
+    emulate.terminate()
+    try:
+        emulate.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        emulate.kill()
+        emulate.wait()
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+
+
 def run_size(
     devices: int,
     timeout: float = 1200,
@@ -181,18 +202,12 @@ def run_size(
             peaks: dict[str, dict[int, int]] = {"coordinator": {}, "workers": {}}
             tree = TreeSampler(emulate.pid)
             try:
-                while emulate.poll() is None:
-                    if time.monotonic() - start > timeout:
-                        emulate.terminate()
-                        emulate.wait(60)
-                        break
+                while emulate.poll() is None and time.monotonic() - start <= timeout:
                     _sample(process, peaks)
                     tree.sample()
                     time.sleep(0.5)
             finally:
-                if emulate.poll() is None:
-                    emulate.kill()
-                    emulate.wait()
+                _stop_tree(emulate, process)
         wall = time.monotonic() - start
         metrics = run_dir / "metrics.jsonl"
         records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []

@@ -71,3 +71,32 @@ def test_a_fleet_larger_than_the_data_set_is_refused_before_anything_starts(caps
     assert (
         "digits has 1437 training images: 2000 devices would leave 563 of them without data" in capsys.readouterr().err
     )
+
+
+def test_a_run_past_its_time_is_stopped_with_everything_it_started() -> None:
+    import contextlib
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from benchmarks.emulation_scale import _stop_tree
+
+    # a coordinator too loaded to stop on SIGTERM, with a worker of its own
+    script = (
+        "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); time.sleep(120)"
+    )
+    emulate = subprocess.Popen([sys.executable, "-c", script])
+    process = psutil.Process(emulate.pid)
+    deadline = time.monotonic() + 30
+    while not process.children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    worker = process.children()[0]
+    _stop_tree(emulate, process, grace_s=0.5)
+    assert emulate.returncode is not None
+    with contextlib.suppress(psutil.TimeoutExpired):
+        worker.wait(timeout=10)
+    with contextlib.suppress(psutil.NoSuchProcess):
+        assert worker.status() == psutil.STATUS_ZOMBIE  # killed; its new parent may not have reaped it yet
