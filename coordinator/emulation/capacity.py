@@ -4,10 +4,10 @@ An emulated device trains for real on the host; only the pacing (sleeping to its
 is free. So a round needs at least the host time of every device's training, spread over the host's
 cores. A device's step costs on this host what the cost model predicts on its profile, scaled by its
 profile's fp32 GFLOPS over the host's per-core GFLOPS (the same ratio ``--pace host-ratio`` uses);
-its steps per round are its shard (the training set split over the fleet) over its batch, times the
-local epochs. Evaluation, encoding and the transport come on top, so the figure is a lower bound.
-A fleet beyond it would close rounds at the deadline with few or no updates; the operator is told so
-before the run, with what to change.
+its steps per round are its samples (``samples_per_device``, its ``overrides.samples``, else the training
+set split over the fleet) over its batch, times the local epochs. Evaluation, encoding and the transport
+come on top, so the figure is a lower bound. A fleet beyond it would close rounds at the deadline with few
+or no updates; the operator is told so before the run, with what to change.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from coordinator.config.fleet import DATASET_SIZES, Fleet
+from coordinator.config.fleet import Fleet
 from coordinator.emulation.emulator import predicted_step_seconds
 from coordinator.planning.planner import effective_profile
 from profiles.schema import DeviceClass
@@ -67,14 +67,13 @@ def host_load(fleet: Fleet, catalog: Mapping[str, DeviceClass], gflops_per_core:
     """The fleet's training per round on a host of ``cores`` cores of ``gflops_per_core`` fp32 GFLOPS each."""
     if gflops_per_core <= 0 or cores < 1:
         raise ValueError(f"host: expected positive GFLOPS and cores, got {gflops_per_core} and {cores}")
-    samples = max(1, DATASET_SIZES[fleet.dataset.name] // len(fleet.devices))
     smallest = min(fleet.ratios)
     totals = {smallest: 0.0, 1.0: 0.0}
     for device in fleet.devices:
         profile = effective_profile(device, catalog[device.profile], None)
         assert profile is not None  # emulated devices have static profiles (checked by device_limits)
         train = fleet.training.for_device(device, seed=0)
-        steps = math.ceil(samples / train.batch_size) * train.epochs
+        steps = math.ceil(fleet.samples_for(device) / train.batch_size) * train.epochs
         speedup = profile.compute.fp32_gflops / gflops_per_core
         step = predicted_step_seconds(fleet, device, profile)
         for level in totals:

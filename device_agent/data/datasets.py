@@ -111,7 +111,7 @@ def load_dataset(source: str | Path, image_size: int | None = None, in_channels:
     6.2 GB at once, then 1.7 GB); behind the lock the first decodes and the others hit the cache.
     What is cached is the set as fitted to the model: resizing Fashion-MNIST's 70,000 images once per
     device was most of a 300-device worker's first round, and the raw 28x28 copy (220 MB) is not kept.
-    A file or folder is read again once it has changed (its modification time is part of the key).
+    A file is read again once rewritten, a folder once its entries change (modification time is in the key).
     """
     path = Path(source)
     changed = path.stat().st_mtime_ns if path.exists() else None

@@ -52,6 +52,14 @@ def iid_partition(num_samples: int, num_clients: int, seed: int) -> list[np.ndar
     return [np.sort(part) for part in np.array_split(order, num_clients)]
 
 
+def iid_shard(num_samples: int, num_clients: int, seed: int, client: int) -> np.ndarray:
+    """``iid_partition(num_samples, num_clients, seed)[client]`` without splitting and sorting the others."""
+    order = np.random.default_rng(seed).permutation(num_samples)
+    size, extra = divmod(num_samples, num_clients)  # np.array_split: the first ``extra`` shards hold one more
+    start = client * size + min(client, extra)
+    return np.sort(order[start : start + size + (client < extra)])
+
+
 def dirichlet_partition(labels: np.ndarray, num_clients: int, alpha: float, seed: int) -> list[np.ndarray]:
     """Per class, shares ~ Dirichlet(alpha) over clients (FedHM's non-IID split).
 
@@ -117,7 +125,10 @@ def client_shard(
     """One client's (inputs, labels), with its label permutation applied when the spec asks for one."""
     if not 0 <= client < spec.num_clients:
         raise ValueError(f"client index must be in [0, {spec.num_clients}), got {client}")
-    index = torch.from_numpy(partition(y, spec)[client]).long()
+    if spec.scheme == "iid":  # one shard, not all of them: each of 1,000 devices sorted 1,000 shards in round 1
+        index = torch.from_numpy(iid_shard(len(y), spec.num_clients, spec.seed, client)).long()
+    else:
+        index = torch.from_numpy(partition(y, spec)[client]).long()
     labels = y[index]
     if spec.permute_labels:
         labels = label_permutation(num_classes or int(y.max()) + 1, spec.seed, client)[labels]

@@ -12,15 +12,18 @@ from coordinator.emulation.capacity import host_load
 DEVICES = 40
 
 
-def fleet_file(tmp_path: Path, dataset: str = "fashion_mnist", deadline_s: int = 60) -> Path:
+def fleet_file(
+    tmp_path: Path, dataset: str = "fashion_mnist", deadline_s: int = 60, samples_per_device: int | None = None
+) -> Path:
     devices = "\n".join(
         f"  - {{id: dev-{i:02d}, profile: {('raspberry-pi-5', 'jetson-orin-nano-8gb')[i % 2]}}}" for i in range(DEVICES)
     )
+    cap = "" if samples_per_device is None else f", samples_per_device: {samples_per_device}"
     path = tmp_path / "fleet.yaml"
     path.write_text(
         "fleet: lab\nbroker: {mode: managed, port: 18999}\n"
         "model: {arch: cnn, num_classes: 10, in_channels: 1, image_size: 28}\n"
-        f"dataset: {{name: {dataset}, partition: iid}}\nratios: [1, 1/2, 1/4]\n"
+        f"dataset: {{name: {dataset}, partition: iid{cap}}}\nratios: [1, 1/2, 1/4]\n"
         f"round_deadline_s: {deadline_s}\ndevices:\n{devices}\n"
     )
     return path
@@ -37,6 +40,9 @@ def test_the_host_load_scales_with_the_data_the_host_speed_and_its_cores(tmp_pat
     digits, _ = load_fleet(fleet_file(tmp_path, dataset="digits"))
     # 60,000 training images over the fleet against 1,797: the same devices train ~33x longer per round.
     assert host_load(digits, catalog, 50.0, cores=1).full_s < one_core.full_s / 20
+    # ... and what each device trains on when the fleet caps it (1,500 images each here, half of them)
+    capped, _ = load_fleet(fleet_file(tmp_path, samples_per_device=750))
+    assert host_load(capped, catalog, 50.0, cores=1).full_s == pytest.approx(one_core.full_s / 2, rel=0.05)
 
 
 def test_the_operator_is_told_what_to_change_when_even_the_smallest_levels_miss_the_deadline(tmp_path: Path) -> None:

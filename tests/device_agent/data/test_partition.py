@@ -7,6 +7,8 @@ from device_agent.data.partition import (
     capped,
     client_shard,
     domain_classes,
+    iid_partition,
+    iid_shard,
     label_permutation,
     partition,
 )
@@ -80,3 +82,10 @@ def test_a_capped_shard_keeps_the_same_images_for_a_seed_and_no_more_than_asked(
     assert len(set(first[1].tolist())) == 8  # drawn without replacement
     assert not torch.equal(capped((x, y), 8, seed=4)[1], first[1])
     assert capped((x, y), 50, seed=3) == (x, y) and capped((x, y), None, seed=3) == (x, y)
+
+
+@pytest.mark.parametrize(("samples", "clients"), [(60_000, 1000), (1437, 300), (10, 3), (5, 8)])
+def test_one_iid_shard_is_that_client_of_the_whole_partition(samples, clients):
+    whole = iid_partition(samples, clients, seed=11)
+    for client in {0, 1, clients // 2, clients - 1}:
+        np.testing.assert_array_equal(iid_shard(samples, clients, 11, client), whole[client])
