@@ -158,18 +158,15 @@ def _sample(process: psutil.Process, peaks: dict[str, dict[int, int]]) -> None:
 def _stop_tree(emulate: subprocess.Popen, process: psutil.Process, grace_s: float = 60) -> None:
     """Stop a run past its time, and everything it started: a coordinator too loaded to stop within ``grace_s``
     (2,000 devices on 2 cores) is killed with its broker and workers, and the sizes measured before it are kept."""
+    from coordinator.transport.broker.base import terminate
+
     if emulate.poll() is not None:
         return
     try:
         children = process.children(recursive=True)
     except psutil.NoSuchProcess:
         children = []
-    emulate.terminate()
-    try:
-        emulate.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        emulate.kill()
-        emulate.wait()
+    terminate(emulate, grace_s)
     for child in children:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
