@@ -69,8 +69,10 @@ log = logging.getLogger("fedfleet.agent")
 RECEIPT_TIMEOUT_S = 30.0
 ACKED_RECEIPT_TIMEOUT_S = 120.0
 """How long an update whose transfer the coordinator acked waits for its receipt before it is sent again."""
-IDLE_POLL_S = 1.0
-"""How often an agent with nothing to do checks its connection, heartbeat and receipts (messages wake it at once)."""
+IDLE_POLL_S = 5.0
+"""Longest an agent with nothing to do sleeps before it checks its connection and receipts (messages wake it at
+once, its heartbeat is kept to the second). A worker hosts hundreds of agents: a poll every second each cost its
+process more than the devices' own messages."""
 
 
 class AgentError(RuntimeError):
@@ -181,14 +183,14 @@ class Agent:
         except ConnectionError as exc:
             raise AgentError(str(exc)) from None
         log.info("%s: connecting to fleet %s at %s", self.config.device, self.config.fleet, self.config.broker.url)
-        last_beat = 0.0
+        last_beat, beat = 0.0, self.config.heartbeat_s
         try:
             while not self._stopping.is_set():
                 fatal = self.port.fatal()
                 if fatal is not None:
                     raise AgentError(fatal)
                 try:
-                    event = self._events.get(timeout=IDLE_POLL_S)
+                    event = self._events.get(timeout=max(0.0, min(IDLE_POLL_S, last_beat + beat - time.monotonic())))
                 except queue.Empty:
                     event = None
                 if event is not None:
@@ -199,7 +201,7 @@ class Agent:
                     self._connects = self.port.connects
                     self._on_connected()
                     last_beat = now
-                elif now - last_beat >= self.config.heartbeat_s:
+                elif now - last_beat >= beat:
                     self._set_state(self._state)
                     last_beat = now
                 self._check_receipts(now)
@@ -208,6 +210,7 @@ class Agent:
 
     def stop(self) -> None:
         self._stopping.set()
+        self._events.put(lambda: None)  # wakes the loop now, not at its next poll
 
     def _on_connected(self) -> None:
         # Retained: a coordinator that (re)subscribes later still learns who is in the fleet.

@@ -31,6 +31,7 @@ from device_agent.agent.stopping import stop_on_signals
 from device_agent.common.profile import DeviceProfile
 from device_agent.data.datasets import DatasetError, check_source
 from device_agent.emulation.limits import EmulatedDevice, limit_threads
+from device_agent.emulation.packing import MAX_DEVICES_PER_WORKER
 from device_agent.emulation.slots import ComputeSlots
 
 log = logging.getLogger("fedfleet.worker")
@@ -49,6 +50,11 @@ def read_agent_list(path: Path) -> list[AgentConfig]:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(entries, list) or not entries or not all(isinstance(e, str) for e in entries):
         raise ConfigError(f"{path}: expected a non-empty list of agent.yaml paths")
+    if len(entries) > MAX_DEVICES_PER_WORKER:
+        raise ConfigError(
+            f"{path}: {len(entries)} devices, more than the {MAX_DEVICES_PER_WORKER} one worker can hold (each "
+            "device's MQTT connection takes 3 file descriptors, and paho-mqtt cannot watch one above 1023)"
+        )
     configs = [load_config(Path(path).parent / entry) for entry in entries]
     devices = [config.device for config in configs]
     repeated = sorted({d for d in devices if devices.count(d) > 1})

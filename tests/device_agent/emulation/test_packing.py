@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from device_agent.emulation.packing import DEVICES_PER_WORKER, PACK_ABOVE, PackingError, describe, pack
+from device_agent.emulation.packing import (
+    DEVICES_PER_WORKER,
+    MAX_DEVICES_PER_WORKER,
+    PACK_ABOVE,
+    PackingError,
+    describe,
+    pack,
+)
 
 
 def test_small_fleets_get_a_process_per_device_with_hard_caps() -> None:
@@ -39,6 +46,13 @@ def test_workers_or_devices_per_worker_override_the_choice() -> None:
         (10, 0, None, r"--workers must be >= 1, got 0"),
         (10, None, -1, r"--devices-per-worker must be >= 1, got -1"),
         (0, None, None, r"nothing to emulate"),
+        (
+            1000,
+            2,
+            None,
+            r"--workers: 500 devices per worker, more than the 320 one worker can hold.*--workers 4 or more",
+        ),
+        (1000, None, 500, r"--devices-per-worker: 500 devices per worker, more than the 320"),
     ],
 )
 def test_impossible_packings_are_refused_naming_the_flag(
@@ -46,3 +60,10 @@ def test_impossible_packings_are_refused_naming_the_flag(
 ) -> None:
     with pytest.raises(PackingError, match=message):
         pack(count, workers, per_worker)
+
+
+def test_the_default_packing_stays_within_what_one_worker_can_hold() -> None:
+    assert DEVICES_PER_WORKER <= MAX_DEVICES_PER_WORKER == 320
+    slices = pack(2000)
+    assert slices is not None and len(slices) == 8 and max(map(len, slices)) == DEVICES_PER_WORKER
+    assert max(map(len, pack(1000, workers=4) or [])) == 250

@@ -76,3 +76,7 @@ def test_bad_agent_lists_are_named(tmp_path: Path) -> None:
         read_agent_list(tmp_path / "empty.yaml")
     with pytest.raises(ConfigError, match="cannot read"):
         read_agent_list(tmp_path / "missing.yaml")
+    crowded = tmp_path / "crowded.yaml"
+    crowded.write_text(yaml.safe_dump([f"dev-{i}/agent.yaml" for i in range(321)]))
+    with pytest.raises(ConfigError, match=r"321 devices, more than the 320 one worker can hold"):
+        read_agent_list(crowded)

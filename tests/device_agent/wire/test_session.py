@@ -430,3 +430,116 @@ def test_a_cancelled_transfer_stops_sending_and_fails_without_counting_as_refuse
         assert not delivery.refused and dev.stats.bytes_out[topics.up] < 3 * 64 * 1024
     finally:
         dev.stop()
+
+
+def _until(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+class SealLosingSession(Session):
+    """Loses the first seal it sends: only the receiver's timer (a nack after silence) can finish that transfer."""
+
+    lost = False
+
+    def _publish(self, topic, data, retain=False, transfer=None, windowed=False):
+        if not self.lost and not is_chunk_frame(data) and b'"chunks":["' in data:
+            self.lost = True
+            return None
+        return super()._publish(topic, data, retain, transfer, windowed)
+
+
+def test_an_idle_session_s_timer_sleeps_until_a_transfer_starts_and_repairs_it_at_once(fresh_mosquitto):
+    # A broker of its own: what earlier tests left queued for these client ids would keep them busy.
+    # resend_after_s 10: the transfer finishes within 5 s only if the idle receiver's timer wakes for it and nacks.
+    coord, dev, inbox, topics = pair(
+        fresh_mosquitto, session_class=SealLosingSession, tick_s=0.1, nack_after_s=0.3, resend_after_s=10
+    )
+    ticks = []
+    tick = dev._tick
+    dev._tick = lambda now: (ticks.append(now), tick(now))
+    try:
+        assert _until(lambda: dev._idle and coord._idle), "the sessions never went idle"
+        ticks.clear()
+        time.sleep(1.0)
+        assert ticks == []  # 10 ticks at tick_s if it kept ticking while idle
+        payload = os.urandom(300_000)
+        coord.send(topics.down, payload).wait(5)
+        assert inbox.arrived.wait(5) and inbox.payloads[0][1].data == payload
+        assert coord.lost and dev._incoming[topics.up].stats.nacks >= 1 and ticks
+        assert _until(lambda: dev._idle and coord._idle), "the sessions stayed busy after the transfer"
+    finally:
+        coord.stop()
+        dev.stop()
+
+
+def test_an_idle_connection_s_network_thread_wakes_at_a_quarter_of_its_keepalive(fresh_mosquitto):
+    coord, dev, inbox, topics = pair(fresh_mosquitto, keepalive_s=40)
+    wakes = []
+    loop_misc = dev._client.loop_misc
+    dev._client.loop_misc = lambda: (wakes.append(time.monotonic()), loop_misc())[1]
+    try:
+        assert dev._client.idle_s == 10.0 and coord._client.idle_s == 10.0
+        time.sleep(0.5)  # past the connect's packets
+        wakes.clear()
+        time.sleep(2.5)
+        assert len(wakes) <= 1  # paho's loop_start wakes every second
+        from device_agent.wire.messages import Status
+
+        sent = time.monotonic()
+        coord.publish(topics.down, Status(device="dev-a", state="idle"))
+        assert _until(lambda: inbox.messages, 5)
+        assert wakes and wakes[0] - sent < 1.0  # a publish from another thread still wakes it at once
+    finally:
+        coord.stop()
+        dev.stop()
+
+
+def test_a_timer_that_finds_a_shaped_link_pumping_waits_for_its_next_tick_instead_of_spinning(fresh_mosquitto):
+    inbox = Inbox()
+    dev, topics = device_session(
+        fresh_mosquitto.fleet,
+        "dev-a",
+        fresh_mosquitto.address("dev-a"),
+        before_chunk_out=lambda _size: time.sleep(0.1),  # a slow uplink: 8 chunks take 0.8 s
+        chunk_size=64 * 1024,
+    )
+    coord = coordinator_session(fresh_mosquitto.fleet, fresh_mosquitto.address(), on_payload=inbox.on_payload)
+    dev.start()
+    coord.start()
+    pumps = []
+    pump = dev._pump
+    dev._pump = lambda retry=True: (pumps.append(retry), pump(retry))[1]
+    try:
+        assert _until(lambda: dev._idle), "the device session never went idle"
+        dev.send(topics.up, os.urandom(8 * 64 * 1024)).wait(30)
+        assert inbox.arrived.wait(10)
+        assert len(pumps) < 50  # the first send pumps; the timer tries once per tick (0.2 s), not thousands of times
+    finally:
+        coord.stop()
+        dev.stop()
+
+
+def test_a_session_whose_socket_lands_past_descriptor_1023_never_connects(mosquitto):
+    # Why a worker holds at most MAX_DEVICES_PER_WORKER devices: paho's select() cannot watch such a socket, and
+    # paho takes the ValueError for a lost connection, retrying forever without a word.
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if max(soft, hard if hard != resource.RLIM_INFINITY else soft) < 1100:
+        pytest.skip(f"this process may open at most {soft} files")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1100), hard))
+    filler = []
+    try:
+        while (fd := os.open(os.devnull, os.O_RDONLY)) < 1030:
+            filler.append(fd)
+        filler.append(fd)
+        dev, _ = device_session(mosquitto.fleet, "dev-a", mosquitto.address("dev-a"))
+        with pytest.raises(ConnectionError, match="could not connect"):
+            dev.start(timeout=3)
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
