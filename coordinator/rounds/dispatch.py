@@ -71,6 +71,7 @@ class Dispatcher:
         manifests: dict[bytes, Manifest] = {}
         norms: dict[bytes, dict[str, float]] = {}
         shared: dict[bytes, bytes] = {}
+        encoded: dict[tuple[tuple[str, int], ...], bytes] = {}
         order = sorted(roster.devices)
         for slot in slots:
             participant = open_.participants[slot.client_id]
@@ -80,8 +81,13 @@ class Dispatcher:
             if participant.status == "accepted":
                 continue
             assignment = assignments[slot.client_id]
-            payload = encode_tensors(assignment.tensors)
-            payload = shared.setdefault(payload, payload)  # one copy per distinct payload is kept for re-sends
+            # Devices given the same tensor objects (one level of FedAvg, HeteroFL or FedHM) get the same bytes:
+            # encoded once. Identities are safe keys here: ``assignments`` keeps every tensor alive.
+            held = tuple((key, id(tensor)) for key, tensor in assignment.tensors.items())
+            if held not in encoded:
+                payload = encode_tensors(assignment.tensors)
+                encoded[held] = shared.setdefault(payload, payload)  # one copy per distinct payload, for re-sends
+            payload = encoded[held]
             if payload not in manifests:
                 manifests[payload] = self.link.prepare(
                     payload, run=self.rundir.run_id, round=open_.round, kind=ASSIGNMENT_KIND

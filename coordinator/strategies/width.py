@@ -230,9 +230,14 @@ class WidthStrategy(Strategy):
 
     def configure(self, round: int, clients: Sequence[ClientSlot]) -> dict[str, Assignment]:
         out = {}
+        # One copy per level, shared by its devices (index_for is a function of round and level): 1,000 FedAvg
+        # devices were 1,000 copies of the model, each encoded on its own by the dispatcher.
+        sub_models: dict[float, dict[str, Tensor]] = {}
         for slot in clients:
             level = self.client_level(slot)
-            index = self.index_for(round, level)
+            if level not in sub_models:
+                index = self.index_for(round, level)
+                sub_models[level] = {k: extract(v, index[k]) for k, v in self._global.items()}
             spec = self.program.Spec(
                 strategy=self.name,
                 model=self.model,
@@ -241,7 +246,7 @@ class WidthStrategy(Strategy):
                 send_classes=self.label_masked,
                 **self.spec_fields(),
             )
-            out[slot.client_id] = Assignment(spec, {k: extract(v, index[k]) for k, v in self._global.items()})
+            out[slot.client_id] = Assignment(spec, sub_models[level])
         return out
 
     def open_round(self, round: int, clients: Sequence[ClientSlot]) -> RoundAggregate:

@@ -163,6 +163,8 @@ class Agent:
         self._done: set[tuple[str, int]] = set()
         self._sent: dict[tuple[str, int], SentUpdate] = {}
         self._state = "idle"
+        self._said = 0.0
+        """When the last status went out (``time.monotonic()``)."""
         self._connects = 0
         self.port = port or MqttPort(config, self.hooks.before_chunk_out, self.hooks.after_chunk_in)
 
@@ -183,14 +185,14 @@ class Agent:
         except ConnectionError as exc:
             raise AgentError(str(exc)) from None
         log.info("%s: connecting to fleet %s at %s", self.config.device, self.config.fleet, self.config.broker.url)
-        last_beat, beat = 0.0, self.config.heartbeat_s
+        beat = self.config.heartbeat_s
         try:
             while not self._stopping.is_set():
                 fatal = self.port.fatal()
                 if fatal is not None:
                     raise AgentError(fatal)
                 try:
-                    event = self._events.get(timeout=max(0.0, min(IDLE_POLL_S, last_beat + beat - time.monotonic())))
+                    event = self._events.get(timeout=max(0.0, min(IDLE_POLL_S, self._said + beat - time.monotonic())))
                 except queue.Empty:
                     event = None
                 if event is not None:
@@ -200,10 +202,8 @@ class Agent:
                 if self.port.connects != self._connects:
                     self._connects = self.port.connects
                     self._on_connected()
-                    last_beat = now
-                elif now - last_beat >= beat:
+                elif now - self._said >= beat:
                     self._set_state(self._state)
-                    last_beat = now
                 self._check_receipts(now)
         finally:
             self.port.stop()
@@ -221,7 +221,8 @@ class Agent:
                 self._send(item)
 
     def _set_state(self, state: str, detail: str = "") -> None:
-        self._state = state
+        """Publish the device's state; any status is a heartbeat, so a busy device sends no extra one."""
+        self._state, self._said = state, time.monotonic()
         self.port.publish(Status(device=self.config.device, state=state, detail=detail), retain=True)
 
     # ---- messages ------------------------------------------------------------------------------

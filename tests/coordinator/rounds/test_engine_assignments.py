@@ -254,3 +254,18 @@ def test_a_program_raising_type_error_in_process_fails_that_round_with_the_reaso
     assert sorted(row["status"] for row in first.values()) == ["accepted", "failed"]
     assert failed[0]["error"] == f"error: TypeError: {BUG}"
     assert {d: row["status"] for d, row in second.items()} == {"a": "accepted", "b": "accepted"}
+
+
+def test_devices_assigned_the_same_model_get_it_encoded_once_per_round(tmp_path: Path, monkeypatch) -> None:
+    import coordinator.rounds.dispatch as dispatch
+
+    encodes: list[int] = []
+
+    def counted(tensors):
+        encodes.append(len(tensors))
+        return encode_tensors(tensors)
+
+    monkeypatch.setattr(dispatch, "encode_tensors", counted)
+    _engine, link = run_round(tmp_path, RecordingLink, rounds=2)
+    assert sorted(link.assignments) == ["a", "a", "b", "b"]
+    assert len(encodes) == 2  # one FedAvg model a round, for both devices

@@ -119,3 +119,18 @@ def test_fedavg_small_opened_before_it_is_configured_aggregates_the_small_model(
         aggregate.add(slot.client_id, sent[slot.client_id].tensors, slot.num_samples)
     strategy.close_round(aggregate)
     assert strategy.global_state()["conv1.weight"].shape[0] == 12
+
+
+@pytest.mark.parametrize("name", ["fedavg", "heterofl", "fedrolex"])
+def test_devices_at_one_level_share_one_copy_of_their_sub_model(name):
+    strategy = build_strategy(name, SPEC, {} if name == "fedavg" else {"label_masked_classifier": False})
+    levels = (1.0, 1.0, 1.0) if name == "fedavg" else (1.0, 0.5, 0.5, 1.0)
+    sent = strategy.configure(3, slots(*levels))
+    by_level = {}
+    for assignment in sent.values():
+        by_level.setdefault(assignment.spec.level, set()).add(id(assignment.tensors))
+    assert all(len(copies) == 1 for copies in by_level.values())
+    assert len(by_level) == len(set(levels))
+    full = strategy.global_state()["conv1.weight"]
+    shared = sent["c0"].tensors["conv1.weight"]
+    assert torch.equal(shared, full) and shared.data_ptr() != full.data_ptr()  # a copy, not the global tensor

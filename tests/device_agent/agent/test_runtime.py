@@ -236,3 +236,35 @@ def test_when_an_update_is_sent_again() -> None:
     assert not sent().due(RECEIPT_TIMEOUT_S) and sent().due(RECEIPT_TIMEOUT_S + 1)
     assert not sent(1).due(2 * RECEIPT_TIMEOUT_S) and sent(1).due(2 * RECEIPT_TIMEOUT_S + 1)
     assert not sent(done=True).due(ACKED_RECEIPT_TIMEOUT_S) and sent(done=True).due(ACKED_RECEIPT_TIMEOUT_S + 1)
+
+
+def test_any_status_counts_as_the_heartbeat_and_a_silent_agent_still_beats(tmp_path: Path) -> None:
+    from device_agent.wire.messages import Status
+
+    config = parse_config(
+        {
+            "device": DEVICE,
+            "fleet": "test",
+            "broker": {"url": "mqtt://127.0.0.1:1"},
+            "state_dir": str(tmp_path),
+            "heartbeat_s": 0.4,
+        }
+    )
+    coordinator = FakeCoordinator()
+    agent = Agent(config, reported_profile(), port=coordinator)
+    serving = threading.Thread(target=agent.run, daemon=True)
+    serving.start()
+    try:
+        coordinator.next(Hello)
+        for _ in range(10):  # a status every 0.15 s, as a device in the middle of a round says what it does
+            agent._events.put(lambda: agent._set_state("training", "busy"))
+            time.sleep(0.15)
+        busy = [m for m in list(coordinator.heard.queue) if isinstance(m, Status)]
+        time.sleep(1.0)  # silent: heartbeats again
+        beats = [m for m in list(coordinator.heard.queue)[len(busy) :] if isinstance(m, Status)]
+    finally:
+        agent.stop()
+        serving.join(10)
+    during = [m for m in busy if m.detail != "busy"][1:]  # the first is the status sent on connecting
+    assert during == [] and len([m for m in busy if m.detail == "busy"]) == 10
+    assert 1 <= len(beats) <= 3 and all(m.state == "training" for m in beats)
