@@ -28,6 +28,9 @@ MAX_DEVICES_PER_WORKER = (1024 - 64) // 3
 takes no file descriptor above 1023, and each device holds three (its TLS socket and paho's wake-up socket pair;
 64 are left to the process). A device past the limit never connects, silently: paho reads select's ValueError
 as a lost connection and retries forever (measured: 340 of 500 devices per worker connected)."""
+WORKER_LIMIT_REASON = (
+    "each device's MQTT connection takes 3 file descriptors, and paho-mqtt cannot watch one above 1023"
+)
 
 
 class PackingError(ValueError):
@@ -67,8 +70,8 @@ def pack(
         flag = "--devices-per-worker" if per_worker is not None else "--workers"
         raise PackingError(
             f"{flag}: {math.ceil(count / workers)} devices per worker, more than the {MAX_DEVICES_PER_WORKER} one "
-            "worker can hold (each device's MQTT connection takes 3 file descriptors, and paho-mqtt cannot watch "
-            f"one above 1023); use --workers {math.ceil(count / MAX_DEVICES_PER_WORKER)} or more"
+            f"worker can hold ({WORKER_LIMIT_REASON}); use --workers {math.ceil(count / MAX_DEVICES_PER_WORKER)} "
+            "or more"
         )
     size, extra = divmod(count, workers)
     slices, start = [], 0

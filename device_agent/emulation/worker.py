@@ -31,7 +31,7 @@ from device_agent.agent.stopping import stop_on_signals
 from device_agent.common.profile import DeviceProfile
 from device_agent.data.datasets import DatasetError, check_source
 from device_agent.emulation.limits import EmulatedDevice, limit_threads
-from device_agent.emulation.packing import MAX_DEVICES_PER_WORKER
+from device_agent.emulation.packing import MAX_DEVICES_PER_WORKER, WORKER_LIMIT_REASON
 from device_agent.emulation.slots import ComputeSlots
 
 log = logging.getLogger("fedfleet.worker")
@@ -52,8 +52,8 @@ def read_agent_list(path: Path) -> list[AgentConfig]:
         raise ConfigError(f"{path}: expected a non-empty list of agent.yaml paths")
     if len(entries) > MAX_DEVICES_PER_WORKER:
         raise ConfigError(
-            f"{path}: {len(entries)} devices, more than the {MAX_DEVICES_PER_WORKER} one worker can hold (each "
-            "device's MQTT connection takes 3 file descriptors, and paho-mqtt cannot watch one above 1023)"
+            f"{path}: {len(entries)} devices, more than the {MAX_DEVICES_PER_WORKER} one worker can hold "
+            f"({WORKER_LIMIT_REASON})"
         )
     configs = [load_config(Path(path).parent / entry) for entry in entries]
     devices = [config.device for config in configs]
