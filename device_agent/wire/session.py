@@ -92,6 +92,21 @@ _INBOUND_FRAMES = 256
 _VERIFIERS = max(2, min(8, os.cpu_count() or 1))
 # How far the receive thread runs ahead of the oldest unverified chunk: enough to keep every verifier busy.
 _AHEAD = 2 * _VERIFIERS
+_hashing: ThreadPoolExecutor | None = None
+_hashing_lock = threading.Lock()
+
+
+def _hashing_pool() -> ThreadPoolExecutor:
+    """The process's one pool hashing chunks for every session, both ways.
+
+    An emulation worker hosts hundreds of sessions: a pool each (three threads per device on 2 cores) cost
+    the worker ~750 idle threads per 250 devices, and their stacks, for work that fits ``_VERIFIERS`` threads.
+    """
+    global _hashing
+    with _hashing_lock:
+        if _hashing is None:
+            _hashing = ThreadPoolExecutor(_VERIFIERS, thread_name_prefix="fedfleet-sha256")
+        return _hashing
 
 
 @dataclass(frozen=True)
@@ -269,6 +284,9 @@ class Session:
         self._lock = threading.RLock()
         self._outgoing: dict[str, tuple[str, OutgoingTransfer, Delivery]] = {}
         self._incoming: dict[str, IncomingTransfers] = {}
+        self._open: dict[str, IncomingTransfers] = {}
+        """The receivers with an unfinished transfer (kept by :meth:`_track`): a coordinator's timer and guard ask
+        these, not all of its 1,000 peers, several times a second."""
         self._mids: dict[int, str] = {}
         self._connected = threading.Event()
         self._refused = threading.Event()
@@ -292,8 +310,7 @@ class Session:
         self._idle = False
         """The timer thread sleeps until woken (set and read under ``self._lock``, see :meth:`_busy`)."""
         self._pumping = threading.Lock()
-        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"fedfleet-hash-{config.client_id}")
-        self._verifier = ThreadPoolExecutor(_VERIFIERS, thread_name_prefix=f"fedfleet-verify-{config.client_id}")
+        self._hashing = _hashing_pool()
         self._client = self._make_client(will)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -381,8 +398,6 @@ class Session:
         for thread in self._threads:
             thread.join(timeout=5)
         self._threads.clear()
-        self._hasher.shutdown(wait=False, cancel_futures=True)
-        self._verifier.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> Session:
         return self
@@ -402,7 +417,7 @@ class Session:
     def receiving(self) -> list[str]:
         """Ids of inbound transfers started but not yet complete."""
         with self._lock:
-            return [tid for transfers in self._incoming.values() for tid in transfers.pending()]
+            return [tid for transfers in self._open.values() for tid in transfers.pending()]
 
     def wait_connected(self, timeout: float) -> bool:
         return self._connected.wait(timeout)
@@ -439,7 +454,7 @@ class Session:
         with self._lock:
             self._outgoing[manifest.transfer] = (topic, outgoing, delivery)
         with self._window_lock:
-            self._backlog.append((topic, manifest.transfer, outgoing.start(self._hasher)))
+            self._backlog.append((topic, manifest.transfer, outgoing.start(self._hashing)))
         self._wake()
         self._pump()
         return delivery
@@ -564,7 +579,7 @@ class Session:
             ]
             frames += [
                 (None, answered_on, encode(transfers.resume(tid, now)))
-                for answered_on, transfers in self._incoming.items()
+                for answered_on, transfers in self._open.items()
                 for tid in transfers.pending()
             ]
         for transfer, topic, frame in frames:
@@ -688,6 +703,13 @@ class Session:
             self._incoming[key] = transfers
         return transfers
 
+    def _track(self, key: str, transfers: IncomingTransfers) -> None:
+        """Keep :attr:`_open` current after ``transfers`` changed (called under ``self._lock``)."""
+        if transfers.pending():
+            self._open[key] = transfers
+        else:
+            self._open.pop(key, None)
+
     def _reply(self, topic: str, replies: list[Message]) -> None:
         for reply in replies:
             self._publish(topics.reply_topic(topic), encode(reply))
@@ -742,7 +764,11 @@ class Session:
         How many unfinished transfers were dropped."""
         with self._lock:
             self._stale = stale, why
-            return sum(len(transfers.drop_where(stale)) for transfers in self._incoming.values())
+            dropped = 0
+            for key, transfers in list(self._open.items()):
+                dropped += len(transfers.drop_where(stale))
+                self._track(key, transfers)
+            return dropped
 
     def _tick_loop(self) -> None:
         # An idle session (nothing on its way either way) sleeps up to IDLE_TICK_S: a worker hosts hundreds of
@@ -771,7 +797,7 @@ class Session:
     def _busy(self) -> bool:
         """Whether a transfer is on its way either way; the timer thread is idle until one starts if not."""
         with self._lock:  # the receive thread adds a receiver for each new peer
-            busy = bool(self._outgoing) or any(transfers.pending_bytes() for transfers in self._incoming.values())
+            busy = bool(self._outgoing) or bool(self._open)
             self._idle = not busy
         return busy
 
@@ -795,8 +821,9 @@ class Session:
                 if outgoing.failed:
                     del self._outgoing[tid]
                     failed.append((outgoing, delivery))
-            for answered_on, transfers in self._incoming.items():
+            for answered_on, transfers in list(self._open.items()):
                 frames += [(answered_on, None, encode(reply)) for reply in transfers.poll(now)]
+                self._track(answered_on, transfers)
         for outgoing, delivery in failed:
             log.warning("%s: transfer %s failed: %s", self.config.client_id, outgoing.transfer, outgoing.failed)
             delivery._settle(outgoing.failed)
@@ -830,7 +857,7 @@ class Session:
                 else:
                     log.warning("%s: rejected a message on %s: %s", self.config.client_id, topic, exc)
                 continue
-            verdict = self._verifier.submit(chunk_is_intact, chunk, digest)
+            verdict = self._hashing.submit(chunk_is_intact, chunk, digest)
             verifying.append((topic, transfer, index, chunk, digest, verdict, now, len(what)))
             if len(verifying) >= _AHEAD:
                 self._settle_chunk(verifying.popleft())
@@ -867,7 +894,8 @@ class Session:
             with self._lock:
                 receiver = self._receiver(topic)
                 replies, completed = step(receiver)
-                opened = self._idle and receiver.pending_bytes() > 0
+                self._track(_answered_on(topic), receiver)
+                opened = self._idle and bool(self._open)
             if opened:
                 self._wake()
             self._reply(topic, replies)
@@ -890,7 +918,7 @@ class Session:
             return None
         now = time.monotonic()
         problem = guard.manifest_problem(manifest)
-        held = sum(t.pending_bytes() for t in self._incoming.values())
+        held = sum(t.pending_bytes() for t in self._open.values())
         if problem is None and held + manifest.size > guard.limits.max_total_pending_bytes:
             problem = (
                 f"the receiver holds {held} bytes of unfinished transfers from all peers (at most "

@@ -20,6 +20,7 @@ from device_agent.wire.session import (
     device_session,
 )
 from device_agent.wire.topics import fleet_uplinks
+from tests.transport_fixtures import DEVICES
 from device_agent.wire.transfer import (
     DEFAULT_CHUNK_SIZE,
     Limits,
@@ -378,9 +379,9 @@ def test_uploads_are_verified_on_the_verifier_pool_never_on_paho_s_thread(mosqui
         assert inbox.arrived.wait(10)
         [(_, completed)] = inbox.payloads
         assert completed.data == payload
-        # One hash per chunk, each on a verifier thread of the receiving session.
+        # One hash per chunk, each on the process's hashing pool.
         assert len(hashed_on) == completed.manifest.chunk_count
-        assert all(name.startswith(f"fedfleet-verify-fedfleet-{mosquitto.fleet}-coordinator") for name in hashed_on)
+        assert all(name.startswith("fedfleet-sha256") for name in hashed_on)
     finally:
         coord.stop()
         dev.stop()
@@ -543,3 +544,67 @@ def test_a_session_whose_socket_lands_past_descriptor_1023_never_connects(mosqui
         for fd in filler:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_timer_polls_only_the_peers_with_a_transfer_on_its_way(fresh_mosquitto):
+    # A coordinator hears from 1,000 devices; its timer ticks five times a second while any upload is open.
+    inbox = Inbox()
+    coord = coordinator_session(fresh_mosquitto.fleet, fresh_mosquitto.address(), on_payload=inbox.on_payload)
+    done, topics_a = device_session(fresh_mosquitto.fleet, "dev-a", fresh_mosquitto.address("dev-a"))
+    held = threading.Event()
+    slow, topics_b = device_session(
+        fresh_mosquitto.fleet,
+        "dev-b",
+        fresh_mosquitto.address("dev-b"),
+        before_chunk_out=lambda _size: held.wait(10),  # dev-b's link stalls: its upload stays open
+        chunk_size=64 * 1024,
+    )
+    for session in (coord, done, slow):
+        session.start()
+    try:
+        done.send(topics_a.up, os.urandom(1000)).wait(10)
+        sending = threading.Thread(target=lambda: slow.send(topics_b.up, os.urandom(4 * 64 * 1024)))
+        sending.start()
+        assert _until(lambda: coord.receiving()), "dev-b's upload never opened"
+        polls = {key: [] for key in coord._incoming}
+        for key, receiver in coord._incoming.items():
+            poll = receiver.poll
+            receiver.poll = lambda now, poll=poll, key=key: (polls[key].append(now), poll(now))[1]
+        time.sleep(0.6)
+        assert polls[topics_a.down] == [] and polls[topics_b.down]
+        held.set()
+        sending.join(10)
+        assert _until(lambda: len(inbox.payloads) == 2)
+        assert _until(lambda: coord._idle and not coord.receiving())
+    finally:
+        held.set()
+        for session in (coord, done, slow):
+            session.stop()
+
+
+def test_sessions_in_one_process_hash_on_one_shared_pool(fresh_mosquitto):
+    # An emulation worker hosts hundreds of sessions: a pool each would cost it three idle threads per device.
+    from device_agent.wire.session import _VERIFIERS
+
+    inbox = Inbox()
+    coord = coordinator_session(fresh_mosquitto.fleet, fresh_mosquitto.address(), on_payload=inbox.on_payload)
+    devices = [
+        device_session(fresh_mosquitto.fleet, name, fresh_mosquitto.address(name), chunk_size=64 * 1024)
+        for name in DEVICES
+    ]
+    coord.start()
+    for session, _topics in devices:
+        session.start()
+    try:
+        payload = os.urandom(4 * 64 * 1024)
+        for session, topics in devices:  # unsealed: the sender hashes its chunks as it sends them
+            session.send(topics.up, payload)
+        assert _until(lambda: len(inbox.payloads) == len(devices))
+        assert all(completed.data == payload for _topic, completed in inbox.payloads)
+        hashing = [t for t in threading.enumerate() if t.name.startswith("fedfleet-sha256")]
+        assert 0 < len(hashing) <= _VERIFIERS
+        assert not [t for t in threading.enumerate() if "hash-" in t.name or "verify-" in t.name]
+    finally:
+        coord.stop()
+        for session, _topics in devices:
+            session.stop()
