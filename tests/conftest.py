@@ -6,14 +6,23 @@ without failing on a loaded 2-core machine's scheduling. ``HYPOTHESIS_PROFILE=ex
 examples (run it locally to look for new failures, then pin each with ``@example``).
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 from hypothesis import settings
 
+from device_agent.data.mapped import CACHE_ENV
 from tests.transport_fixtures import amqtt, fresh_mosquitto, mosquitto
 
 settings.register_profile("ci", derandomize=True, deadline=10_000, database=None)
 settings.register_profile("explore", deadline=10_000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# Emulation maps fitted data sets from a cache folder (device_agent.data.mapped): the suite's own, not ~/.cache.
+if CACHE_ENV not in os.environ:
+    os.environ[CACHE_ENV] = tempfile.mkdtemp(prefix="fedfleet-data-cache-")
+    atexit.register(shutil.rmtree, os.environ[CACHE_ENV], True)
 
 __all__ = ["amqtt", "fresh_mosquitto", "mosquitto"]

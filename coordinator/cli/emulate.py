@@ -13,6 +13,7 @@ from coordinator.config.fleet import FleetError, load_fleet
 from coordinator.emulation.capacity import host_load
 from coordinator.emulation.emulator import AGENTS_DIR, Emulation, EmulatorError
 from coordinator.provision import default_kits
+from device_agent.data.mapped import share_fitted_sets
 from device_agent.emulation.packing import PackingError, add_packing_arguments, describe
 from device_agent.emulation.profile_config import measure_host_gflops
 
@@ -109,6 +110,7 @@ def _emulate(args: argparse.Namespace) -> int:
     # small model) gains little from OpenMP, whose idle workers spin between its ops: 14 % of a 2-core host at
     # 1,000 devices (perf). One thread leaves the cores to the devices.
     torch.set_num_threads(1)
+    share_fitted_sets()  # the coordinator and every agent process map one copy of the data set
     args.min_devices = args.min_devices or len(fleet.devices)
     args.kits = args.kits or default_kits(args.fleet, fleet)
     emulation.kits = args.kits

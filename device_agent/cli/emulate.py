@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from device_agent.common.paths import anchor, anchor_secret
+from device_agent.data.mapped import share_fitted_sets
 from device_agent.emulation.launcher import AgentExit, AgentGroup, AgentSpec, pack_specs, worker_command
 from device_agent.emulation.packing import PackingError, add_packing_arguments, describe, pack
 from device_agent.emulation.profile_config import (
@@ -197,6 +198,7 @@ def _emulate(args: argparse.Namespace) -> int:
         print(exit_.describe(), file=sys.stderr, flush=True)
 
     signal.signal(signal.SIGTERM, lambda *_: done.set())
+    share_fitted_sets()  # every agent process maps one copy of the data set
     group = AgentGroup(lambda agent_list: worker_command(agent_list, args.threads)) if slices else AgentGroup()
     with group as agents:
         for spec in specs:

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from device_agent.data import mapped
+
 SPLIT_SEED = 0
 TEST_FRACTION = 0.2
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm", ".pgm")
@@ -112,6 +114,7 @@ def load_dataset(source: str | Path, image_size: int | None = None, in_channels:
     What is cached is the set as fitted to the model: resizing Fashion-MNIST's 70,000 images once per
     device was most of a 300-device worker's first round, and the raw 28x28 copy (220 MB) is not kept.
     A file is read again once rewritten, a folder once its entries change (modification time is in the key).
+    With ``FEDFLEET_DATA_CACHE`` set, the processes of a host map one copy (:mod:`device_agent.data.mapped`).
     """
     path = Path(source)
     changed = path.stat().st_mtime_ns if path.exists() else None
@@ -120,7 +123,26 @@ def load_dataset(source: str | Path, image_size: int | None = None, in_channels:
 
 
 @functools.lru_cache(maxsize=2)
-def _load(source: str | Path, image_size: int | None, in_channels: int | None, _changed: int | None) -> LabeledData:
+def _load(source: str | Path, image_size: int | None, in_channels: int | None, changed: int | None) -> LabeledData:
+    folder = mapped.cache_folder()
+    if folder is None:
+        return _read_fitted(source, image_size, in_channels)
+
+    def build() -> mapped.Built:
+        data = _read_fitted(source, image_size, in_channels)
+        tensors = {name: getattr(data, name) for name in _TENSORS}
+        return tensors, {"num_classes": data.num_classes}
+
+    where = str(Path(source).resolve()) if Path(source).exists() else str(source)
+    key = {"source": where, "changed": changed, "image_size": image_size, "in_channels": in_channels}
+    tensors, meta = mapped.load_or_build(folder, key, build)
+    return LabeledData(**tensors, num_classes=int(meta["num_classes"]))
+
+
+_TENSORS = ("train_x", "train_y", "test_x", "test_y")
+
+
+def _read_fitted(source: str | Path, image_size: int | None, in_channels: int | None) -> LabeledData:
     if str(source) == "digits":
         data = _digits()
     elif str(source) == FASHION_MNIST:

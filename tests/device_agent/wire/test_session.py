@@ -20,7 +20,6 @@ from device_agent.wire.session import (
     device_session,
 )
 from device_agent.wire.topics import fleet_uplinks
-from tests.transport_fixtures import DEVICES
 from device_agent.wire.transfer import (
     DEFAULT_CHUNK_SIZE,
     Limits,
@@ -30,6 +29,7 @@ from device_agent.wire.transfer import (
     make_manifest,
     parse_chunk_frame,
 )
+from tests.transport_fixtures import DEVICES
 
 
 class Inbox:
