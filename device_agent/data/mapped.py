@@ -86,8 +86,12 @@ def load_or_build(folder: Path, key: Mapping[str, Any], build: Callable[[], Buil
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    import fcntl  # POSIX: where emulation runs
-
+    """One builder at a time across processes; without POSIX locks two may build, and the rename keeps one."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
     with open(path, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
