@@ -122,6 +122,10 @@ def load_dataset(source: str | Path, image_size: int | None = None, in_channels:
         return _load(source, image_size, in_channels, changed)
 
 
+_TENSORS = ("train_x", "train_y", "test_x", "test_y")
+"""The tensors of a :class:`LabeledData`, as the data cache stores them."""
+
+
 @functools.lru_cache(maxsize=2)
 def _load(source: str | Path, image_size: int | None, in_channels: int | None, changed: int | None) -> LabeledData:
     folder = mapped.cache_folder()
@@ -137,9 +141,6 @@ def _load(source: str | Path, image_size: int | None, in_channels: int | None, c
     key = {"source": where, "changed": changed, "image_size": image_size, "in_channels": in_channels}
     tensors, meta = mapped.load_or_build(folder, key, build)
     return LabeledData(**tensors, num_classes=int(meta["num_classes"]))
-
-
-_TENSORS = ("train_x", "train_y", "test_x", "test_y")
 
 
 def _read_fitted(source: str | Path, image_size: int | None, in_channels: int | None) -> LabeledData:

@@ -73,15 +73,28 @@ def load_or_build(folder: Path, key: Mapping[str, Any], build: Callable[[], Buil
             folder.mkdir(parents=True, exist_ok=True)
             with _locked(folder / f"{entry.name}.lock"):
                 if not (entry / _META).exists():
-                    built = build()
+                    built = _build(build)
                     _write(entry, *built)
-                    _prune(folder, keep=entry)
+                    _prune(folder, current=entry)
         return _map(entry)
+    except _BuildFailed as failed:
+        raise failed.__cause__ from None  # the data set's own error (a bad file), not the cache's
     except (OSError, ValueError) as exc:
         if isinstance(exc, ValueError):  # a damaged file: the next process builds the entry again
             shutil.rmtree(entry, ignore_errors=True)
         log.warning("data cache %s unusable (%s); this process keeps its own copy of the data set", entry, exc)
         return built if built is not None else build()
+
+
+class _BuildFailed(Exception):
+    """``build`` raised: its error goes to the caller as it is, the set is not built a second time."""
+
+
+def _build(build: Callable[[], Built]) -> Built:
+    try:
+        return build()
+    except Exception as exc:
+        raise _BuildFailed from exc
 
 
 @contextlib.contextmanager
@@ -122,9 +135,9 @@ def _map(entry: Path) -> Built:
     return tensors, meta
 
 
-def _prune(folder: Path, keep: Path) -> None:
+def _prune(folder: Path, current: Path) -> None:
     entries = sorted(
-        (p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".") and p != keep),
+        (p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".") and p != current),
         key=lambda p: p.stat().st_mtime,
         reverse=True,
     )

@@ -691,9 +691,8 @@ class Session:
 
     # ---- transfer plumbing -----------------------------------------------------------------
 
-    def _receiver(self, topic: str) -> IncomingTransfers:
-        """The incoming transfers of ``topic``'s device: one receiver per peer, keyed by where it is answered."""
-        key = _answered_on(topic)
+    def _receiver(self, key: str) -> IncomingTransfers:
+        """The incoming transfers of one peer, keyed by where it is answered (:func:`_answered_on` of its topic)."""
         transfers = self._incoming.get(key)
         if transfers is None:
             if self._guard_in is not None:
@@ -891,10 +890,11 @@ class Session:
     def _receive(self, topic: str, step: Callable[[IncomingTransfers], tuple[list[Message], Completed | None]]) -> None:
         """One step of ``topic``'s incoming transfers under the lock; replies and hand-over outside it."""
         try:
+            key = _answered_on(topic)
             with self._lock:
-                receiver = self._receiver(topic)
+                receiver = self._receiver(key)
                 replies, completed = step(receiver)
-                self._track(_answered_on(topic), receiver)
+                self._track(key, receiver)
                 opened = self._idle and bool(self._open)
             if opened:
                 self._wake()

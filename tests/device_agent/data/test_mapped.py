@@ -117,3 +117,15 @@ def test_emulation_turns_sharing_on_unless_the_operator_chose_a_folder(tmp_path,
     assert share_fitted_sets() == tmp_path / "fedfleet" / "datasets" == Path(os.environ[CACHE_ENV])
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mine"))
     assert share_fitted_sets() == tmp_path / "mine"
+
+
+def test_a_set_that_cannot_be_read_fails_once_with_its_own_error(tmp_path, caplog):
+    calls = []
+
+    def build():
+        calls.append(1)
+        raise datasets.DatasetError("set.npz: expected arrays 'x' and 'y'")
+
+    with pytest.raises(datasets.DatasetError, match="expected arrays"):
+        load_or_build(tmp_path, {"k": 1}, build)
+    assert len(calls) == 1 and "unusable" not in caplog.text  # not blamed on the cache, not read twice
