@@ -183,6 +183,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "emulation_scale": _scale,
     "emulation_flower": _scale,
     "emulation_flower_fashion": _scale,
+    "emulation_scale_cuda": _scale,
     "process_peak": _process_peak,
     "faults": _faults,
     "bad_inputs": _bad_inputs,

@@ -11,6 +11,7 @@ Where each is called:
 - :meth:`RuntimeHooks.memory_guard` around a round's work (building, training, evaluating, packing);
 - :meth:`RuntimeHooks.before_training` once before local training, with the level it trains;
 - :meth:`RuntimeHooks.step` around every optimizer step (forward, backward, update);
+- :meth:`RuntimeHooks.run_compute` runs each step's body and each evaluation (inside ``step``/``compute``);
 - :meth:`RuntimeHooks.after_training` once local training ends, then :meth:`RuntimeHooks.held_seconds`;
 - :meth:`RuntimeHooks.before_upload` before an update is offered to the coordinator;
 - :meth:`RuntimeHooks.before_chunk_out` / :meth:`RuntimeHooks.after_chunk_in` by the transport's
@@ -21,10 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from typing import TypeVar
 
 import torch
 
 from device_agent.common.profile import DeviceProfile
+
+T = TypeVar("T")
 
 
 class RuntimeHooks:
@@ -48,6 +52,10 @@ class RuntimeHooks:
     def compute(self) -> AbstractContextManager[object]:
         """A context around the round's other compute (evaluating the received and the trained model)."""
         return nullcontext()
+
+    def run_compute(self, work: Callable[[], T]) -> T:
+        """Runs one piece of the round's tensor work and returns its result (a packed GPU worker picks the thread)."""
+        return work()
 
     def after_training(self) -> float:
         """Called when local training ends; returns extra seconds it spent that count as training time."""

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -48,6 +49,8 @@ from device_agent.emulation.accounting import MemoryAccount, MemoryCapExceeded
 from device_agent.emulation.shaping import TokenBucket
 from device_agent.emulation.slots import ComputeSlots
 from device_agent.training.oom import is_out_of_memory
+
+T = TypeVar("T")
 
 _THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
@@ -264,6 +267,7 @@ class EmulatedDevice(RuntimeHooks):
             else MemoryAccount(emulation.memory_bytes, emulation.peak_bytes, device, shared=compute_slot is not None)
         )
         self._started = 0.0
+        self._compute_slot = compute_slot
         self._slot = None if compute_slot is None else compute_slot.turn(lambda: self._started)
         # A throttle on a GPU must time the kernels, not their asynchronous launch.
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
@@ -321,6 +325,10 @@ class EmulatedDevice(RuntimeHooks):
     def compute(self) -> AbstractContextManager[object]:
         # Unpaced (evaluation is not in the cost model's step time), but in turn with the worker's other devices.
         return self._slot or nullcontext()
+
+    def run_compute(self, work: Callable[[], T]) -> T:
+        # Inside step()/compute(), so this device holds a turn; a packed GPU worker runs it on the turn's thread.
+        return work() if self._compute_slot is None else self._compute_slot.run(work)
 
     def after_training(self) -> float:
         """Sleep off the slowdown still owed; the sleep is training time, as on the slow device."""

@@ -81,8 +81,9 @@ class Worker:
         if not configs:
             raise ValueError("a worker needs at least one device")
         limit_threads(threads)
-        self.slot = ComputeSlots(slots)
         device = resolve_device(configs[0].device_type)
+        # On a GPU every thread that computes holds its own cuBLAS/cuDNN handle and workspace: only the slots' do.
+        self.slot = ComputeSlots(slots, own_threads=device.type == "cuda")
         # Measured once: every device's hooks replace what emulation holds them to (compute, memory, link).
         measured = profile or probe_device(0.2, configs[0].device_type)
         self.agents = [
@@ -108,6 +109,7 @@ class Worker:
             agent.stop()
         for thread in self._threads:
             thread.join()
+        self.slot.close()
 
     def stop(self) -> None:
         self._stopping.set()

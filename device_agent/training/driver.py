@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -31,6 +31,7 @@ from device_agent.wire.messages import Assignment, FailureReason, RoundFailed
 log = logging.getLogger("fedfleet.round")
 
 Split = tuple[Tensor, Tensor]
+T = TypeVar("T")
 
 
 class KeptState(Protocol):
@@ -52,6 +53,8 @@ class RoundHooks(Protocol):
 
     def compute(self) -> AbstractContextManager[object]: ...
 
+    def run_compute(self, work: Callable[[], T]) -> T: ...
+
 
 class NoHooks:
     """A round as it runs on real hardware: nothing paced, nothing capped."""
@@ -67,6 +70,9 @@ class NoHooks:
 
     def compute(self) -> AbstractContextManager[object]:
         return nullcontext()
+
+    def run_compute(self, work: Callable[[], T]) -> T:
+        return work()
 
 
 @dataclass(frozen=True)
@@ -142,6 +148,7 @@ def run_assignment(
                 device,
                 step=hooks.step,
                 compute=hooks.compute,
+                run=hooks.run_compute,
             )
         kept.save(assignment.run, trained.keep)
         return trained

@@ -18,7 +18,7 @@ from torch import Tensor
 from device_agent.clients import build_program
 from device_agent.clients.spec import ClientSpec, TrainConfig
 from device_agent.training.federated_evaluation import evaluate_received
-from device_agent.training.optimizer import TrainResult, evaluate_local, train_local
+from device_agent.training.optimizer import Runner, TrainResult, evaluate_local, run_here, train_local
 from device_agent.wire.protocol import ReceivedEvaluation, pack_upload
 
 Split = tuple[Tensor, Tensor]
@@ -47,20 +47,25 @@ def train_assignment(
     device: torch.device | str = "cpu",
     step: Callable[[], AbstractContextManager[object]] | None = None,
     compute: Callable[[], AbstractContextManager[object]] = nullcontext,
+    run: Runner = run_here,
 ) -> TrainedRound:
     """Build the spec's program from the assignment (and what the device kept), evaluate it, train, evaluate, pack.
 
     ``step`` wraps each training step and ``compute`` each evaluation: devices packed into one worker
-    take turns there, so their evaluations do not all hold activations at once.
+    take turns there, so their evaluations do not all hold activations at once. ``run`` runs each step's
+    body, each evaluation and the packing inside those (a packed GPU worker runs them on its compute threads).
     """
     program = build_program(spec, tensors, local)
     del tensors  # loaded into the program: the caller may hold the only other reference (run_assignment does not)
     with compute():
-        received = evaluate_received(program, test, shard[0], device)
-    result = train_local(program, shard, train, device, step=step)
+        received = run(lambda: evaluate_received(program, test, shard[0], device))
+    result = train_local(program, shard, train, device, step=step, run=run)
     with compute():
-        local_accuracy = evaluate_local(program, test, device, calibration=shard[0]) if len(test[1]) else None
-    upload, keep = pack_upload(program.upload(), program.extras()), program.keep()
+        local_accuracy = (
+            run(lambda: evaluate_local(program, test, device, calibration=shard[0])) if len(test[1]) else None
+        )
+    with compute():
+        upload, keep = run(lambda: (pack_upload(program.upload(), program.extras()), program.keep()))
     program.release({**upload, **keep})
     return TrainedRound(upload, keep, result, local_accuracy, received)
 

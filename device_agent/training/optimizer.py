@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,19 @@ from torch.utils.data import Dataset, TensorDataset
 from device_agent.clients.base import ClientProgram
 from device_agent.clients.spec import TrainConfig
 from device_agent.training.sgd import SGD
+
+T = TypeVar("T")
+
+
+class Runner(Protocol):
+    """Where a round's tensor work runs: called with the work, returns its result."""
+
+    def __call__(self, work: Callable[[], T], /) -> T: ...
+
+
+def run_here(work: Callable[[], T]) -> T:
+    """Runs ``work`` on the calling thread: where a round's tensor work runs unless a packed GPU worker moves it."""
+    return work()
 
 
 @dataclass(frozen=True)
@@ -103,10 +118,12 @@ def train_local(
     config: TrainConfig,
     device: torch.device | str = "cpu",
     step: Callable[[], AbstractContextManager[object]] | None = None,
+    run: Runner = run_here,
 ) -> TrainResult:
     """Train ``program.model`` in place for ``config.epochs`` local epochs.
 
-    ``step``, if given, makes a context that wraps every optimizer step (an emulated device's throttle).
+    ``step``, if given, makes a context that wraps every optimizer step (an emulated device's throttle);
+    ``run`` runs each step's body inside it (forward, backward, update) and returns the step's loss.
     """
     x, y = as_tensors(data)
     model = program.model.to(device)
@@ -117,6 +134,18 @@ def train_local(
     absent = absent_class_mask(y, num_classes) if config.mask_absent_classes else None
     optimizer = make_optimizer(program, config)
     generator = torch.Generator().manual_seed(config.seed)
+
+    def one_step(batch: Tensor) -> Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(x[batch].to(device))
+        loss = masked_cross_entropy(logits, y[batch].to(device), absent, config.absent_class_fill)
+        extra = program.regularizer()
+        total = loss if extra is None else loss + extra
+        total.backward()
+        program.after_backward()
+        optimizer.step()
+        return loss.detach()
+
     steps, loss_sum = 0, 0.0
     start = time.perf_counter()
     model.train()
@@ -124,16 +153,9 @@ def train_local(
         for _ in range(config.epochs):
             for batch in torch.randperm(len(y), generator=generator).split(config.batch_size):
                 with step() if step is not None else nullcontext():
-                    optimizer.zero_grad(set_to_none=True)
-                    logits = model(x[batch].to(device))
-                    loss = masked_cross_entropy(logits, y[batch].to(device), absent, config.absent_class_fill)
-                    extra = program.regularizer()
-                    total = loss if extra is None else loss + extra
-                    total.backward()
-                    program.after_backward()
-                    optimizer.step()
+                    loss = run(partial(one_step, batch))
                 steps += 1
-                loss_sum += float(loss.detach())
+                loss_sum += float(loss)
     return TrainResult(
         samples=len(y), steps=steps, seconds=time.perf_counter() - start, mean_loss=loss_sum / max(steps, 1)
     )

@@ -18,7 +18,11 @@ def fake_runs(monkeypatch):
         return {"command": command, "result": {"benchmark": benchmark.name, "score": len(runs)}, "seconds": 0.1}
 
     monkeypatch.setattr(suite, "run_one", run_one)
+    monkeypatch.setattr(suite, "describe", lambda: CPU_HOST)
     return runs
+
+
+CPU_HOST = {"cpu": "test", "cores": 2, "ram_gib": 8.0, "torch": "2.13.0+cpu", "gpu": None}
 
 
 def test_the_suite_records_each_benchmark_with_its_command_machine_and_date(tmp_path, fake_runs):
@@ -29,7 +33,7 @@ def test_the_suite_records_each_benchmark_with_its_command_machine_and_date(tmp_
     run_suite([b.name for b in SUITE], results_path, readme, timeout_s=10)
 
     results = json.loads(results_path.read_text())
-    assert list(results["benchmarks"]) == [b.name for b in SUITE] == fake_runs
+    assert list(results["benchmarks"]) == [b.name for b in SUITE if not b.gpu_only] == fake_runs
     transport = results["benchmarks"]["transport"]
     assert transport["command"].startswith("python -m benchmarks.transport --json --size-mib")
     assert {"cpu", "cores", "ram_gib", "torch", "gpu"} <= set(transport["machine"])
@@ -46,6 +50,20 @@ def test_only_reruns_some_and_keeps_the_others(tmp_path, fake_runs):
     entries = json.loads(results_path.read_text())["benchmarks"]
     assert entries["refactorize"]["result"]["score"] == 1
     assert entries["export"]["result"]["score"] == 3
+
+
+def test_a_gpu_only_benchmark_keeps_its_figures_on_a_host_without_a_gpu_and_runs_with_cuda_on_one(
+    tmp_path, fake_runs, monkeypatch
+):
+    results_path = tmp_path / "results.json"
+    gpu_only = next(b.name for b in SUITE if b.gpu_only)
+    monkeypatch.setattr(suite, "describe", lambda: CPU_HOST | {"gpu": "NVIDIA H200"})
+    run_suite([gpu_only], results_path, None, timeout_s=10)
+    monkeypatch.setattr(suite, "describe", lambda: CPU_HOST)
+    run_suite([gpu_only], results_path, None, timeout_s=10)
+    entry = json.loads(results_path.read_text())["benchmarks"][gpu_only]
+    assert fake_runs == [gpu_only] and entry["device"] == "cuda" and entry["machine"]["gpu"] == "NVIDIA H200"
+    assert entry["command"].endswith("--device-type cuda")
 
 
 def test_unknown_benchmarks_and_broken_results_files_get_one_clear_line(tmp_path, fake_runs, capsys):

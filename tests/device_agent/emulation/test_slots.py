@@ -74,3 +74,18 @@ def test_two_slots_serve_two_devices_at_once_and_zero_is_refused() -> None:
     assert slots.free == 2
     with pytest.raises(ValueError, match="at least one compute slot"):
         ComputeSlots(0)
+
+
+def test_slots_with_their_own_threads_run_the_work_there_and_hand_back_its_result_or_its_error() -> None:
+    """A packed GPU worker's devices compute on the slots' threads: CUDA keeps a handle per computing thread."""
+    slots = ComputeSlots(2, own_threads=True)
+    try:
+        with slots.turn(lambda: 1.0):
+            ran_on = slots.run(lambda: threading.current_thread().name)
+            with pytest.raises(ZeroDivisionError):
+                slots.run(lambda: 1 / 0)
+    finally:
+        slots.close()
+    assert ran_on.startswith("fedfleet-compute") and ran_on != threading.current_thread().name
+    in_place = ComputeSlots(1)
+    assert in_place.run(lambda: threading.current_thread().name) == threading.current_thread().name

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
-from device_agent.agent.config import ConfigError
+from device_agent.agent.config import ConfigError, EmulationConfig
 from device_agent.emulation.launcher import AgentSpec, pack_specs, worker_command, write_agent_list
+from device_agent.emulation.limits import EmulatedDevice
 from device_agent.emulation.profile_config import DataShare, agent_config, password_env, write_agent_config
+from device_agent.emulation.slots import ComputeSlots
 from device_agent.emulation.worker import read_agent_list
+from device_agent.training.driver import run_assignment
+from device_agent.training.local_round import TrainedRound
+from tests.device_agent.training.test_driver import NothingKept, digits, fedavg_round
 
 
 def _agent(tmp_path: Path, index: int, device_type: str = "cpu") -> AgentSpec:
@@ -80,3 +87,73 @@ def test_bad_agent_lists_are_named(tmp_path: Path) -> None:
     crowded.write_text(yaml.safe_dump([f"dev-{i}/agent.yaml" for i in range(321)]))
     with pytest.raises(ConfigError, match=r"321 devices, more than the 320 one worker can hold"):
         read_agent_list(crowded)
+
+
+def test_devices_of_a_worker_whose_slots_own_threads_compute_only_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a CUDA worker does (its slots own the threads), shown on CPU: every forward pass runs on a slot's thread."""
+    slots = ComputeSlots(1, own_threads=True)
+    ran_on: set[str] = set()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda *_: ran_on.add(threading.current_thread().name)
+    )
+    try:
+        rounds = []
+        devices = [EmulatedDevice(EmulationConfig(), torch.device("cpu"), slots) for _ in range(3)]
+        threads = [
+            threading.Thread(
+                target=lambda h=hooks: rounds.append(run_assignment(*fedavg_round(1), digits, NothingKept(), hooks=h))
+            )
+            for hooks in devices
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        handle.remove()
+        slots.close()
+    assert len(rounds) == 3 and all(isinstance(trained, TrainedRound) for trained in rounds)
+    assert len(ran_on) == 1 and next(iter(ran_on)).startswith("fedfleet-compute")
+
+
+def _gpu_bytes_used_by_devices(devices: int, slots: ComputeSlots | None) -> int:
+    """GPU memory the process gains while ``devices`` threads each run a conv and a linear step, all alive at once."""
+    cuda = torch.device("cuda")
+    conv, linear = torch.nn.Conv2d(1, 8, 3).to(cuda), torch.nn.Linear(8 * 12 * 12, 10).to(cuda)
+
+    def work() -> None:
+        linear(conv(torch.randn(16, 1, 14, 14, device=cuda)).flatten(1)).sum().backward()
+
+    all_alive = threading.Barrier(devices)
+
+    def device() -> None:
+        if slots is None:
+            work()
+        else:
+            with slots.turn(lambda: 0.0):
+                slots.run(work)
+        all_alive.wait()
+
+    work()  # the kernels load and this thread's handles are made before measuring
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    threads = [threading.Thread(target=device) for _ in range(devices)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    torch.cuda.synchronize()
+    return free_before - torch.cuda.mem_get_info()[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_workers_devices_share_the_slots_library_handles_instead_of_one_set_each() -> None:
+    slots = ComputeSlots(1, own_threads=True)
+    try:
+        through_slots = _gpu_bytes_used_by_devices(16, slots)
+    finally:
+        slots.close()
+    each_their_own = _gpu_bytes_used_by_devices(16, None)
+    mib = 2**20
+    print(f"16 devices: {through_slots / mib:.0f} MiB via one slot thread, {each_their_own / mib:.0f} MiB on their own")
+    assert each_their_own > 4 * max(through_slots, 2**20)

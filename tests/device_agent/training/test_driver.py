@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from typing import TypeVar
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from tests.program_bugs import BUG, with_first_upload_bug
 
 CNN = ModelSpec("cnn", 10, 1, 8)
 Split = tuple[Tensor, Tensor]
+T = TypeVar("T")
 
 
 class NothingKept:
@@ -66,29 +68,36 @@ def test_a_program_raising_type_error_fails_its_round_with_type_and_message_and_
 
 
 class Turns(NoHooks):
-    """Records what a round computes inside each hook (a packed device takes its turn there)."""
+    """Records each turn a round takes (a packed device computes only in one) and the work it runs there."""
 
     def __init__(self) -> None:
         self.turns: list[str] = []
+        self._in: str | None = None
 
     @contextmanager
-    def step(self) -> Iterator[None]:
-        self.turns.append("step")
+    def _turn(self, name: str) -> Iterator[None]:
+        self._in = name
         yield
+        self._in = None
 
-    @contextmanager
-    def compute(self) -> Iterator[None]:
-        self.turns.append("compute")
-        yield
+    def step(self) -> AbstractContextManager[object]:
+        return self._turn("step")
+
+    def compute(self) -> AbstractContextManager[object]:
+        return self._turn("compute")
+
+    def run_compute(self, work: Callable[[], T]) -> T:
+        assert self._in is not None, "tensor work ran outside a turn"
+        self.turns.append(self._in)
+        return work()
 
 
-def test_a_rounds_evaluations_run_inside_the_compute_hook_around_its_training_steps() -> None:
+def test_a_rounds_work_runs_in_turns_evaluations_around_its_training_steps_then_the_packing() -> None:
     hooks = Turns()
     trained = run_assignment(*fedavg_round(1), digits, NothingKept(), hooks=hooks)
     assert isinstance(trained, TrainedRound)
     assert trained.received is not None and trained.local_accuracy is not None
-    assert hooks.turns[0] == hooks.turns[-1] == "compute" and hooks.turns.count("compute") == 2
-    assert hooks.turns[1:-1] == ["step"] * trained.result.steps
+    assert hooks.turns == ["compute"] + ["step"] * trained.result.steps + ["compute", "compute"]
 
 
 class OutOfMemoryOnce(NoHooks):
