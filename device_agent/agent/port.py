@@ -115,7 +115,17 @@ class MqttPort:
         self._session.start(timeout=timeout)
 
     def stop(self) -> None:
+        """Leave the fleet: a clean disconnect discards the ``offline`` will, so say it, and take back the hello.
+
+        Both were retained: left as they were, a coordinator that subscribes later (a restart, the next run
+        on the same broker) would count a stopped device online, plan it, and wait for it until the deadline.
+        """
         if self._session is not None:
+            if self._session.connected:
+                self._session.publish(
+                    self.topics.status, Status(device=self.device, state="offline", detail="stopped"), True
+                )
+                self._session.retract(self.topics.up)
             self._session.stop()
 
     def publish(self, message: Message, retain: bool = False) -> None:

@@ -428,6 +428,10 @@ class Session:
         """Publish one control message at QoS 1 (queued by paho while disconnected)."""
         self._publish(topic, encode(message), retain=retain)
 
+    def retract(self, topic: str) -> None:
+        """Clear ``topic``'s retained message (an empty retained publish): later subscribers get none."""
+        self._publish(topic, b"", retain=True)
+
     def send(self, topic: str, payload: bytes, manifest: Manifest | None = None, **manifest_fields: Any) -> Delivery:
         """Start a verified chunked transfer of ``payload`` to ``topic``; refuse it now if it breaks a limit.
 

@@ -55,7 +55,7 @@ def test_only_a_coordinator_that_cannot_read_this_agent_stops_it(
     coordinator = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
     login = mosquitto.address()
     coordinator.username_pw_set(login.username, login.password)
-    coordinator.on_message = lambda _c, _u, msg: answers.append(json.loads(msg.payload))
+    coordinator.on_message = lambda _c, _u, msg: answers.append(json.loads(msg.payload)) if msg.payload else None
     coordinator.connect(login.host, login.port)
     coordinator.subscribe(topics.up, qos=1)
     coordinator.loop_start()

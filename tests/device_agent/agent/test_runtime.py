@@ -14,8 +14,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
+import paho.mqtt.client as mqtt
 import pytest
 import torch
+from paho.mqtt.enums import CallbackAPIVersion
 
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
 from device_agent.agent.config import parse_config
@@ -25,9 +27,9 @@ from device_agent.clients import PROGRAMS
 from device_agent.clients.spec import TrainConfig
 from device_agent.training import driver
 from device_agent.wire.codec import encode_tensors
-from device_agent.wire.messages import Assignment, Hello, Message, RoundFailed
+from device_agent.wire.messages import Assignment, Hello, Message, RoundFailed, Status, parse_message
 from device_agent.wire.session import coordinator_session
-from device_agent.wire.topics import DeviceTopics
+from device_agent.wire.topics import DeviceTopics, fleet_uplinks
 from device_agent.wire.transfer import Completed
 from tests.device_profiles import reported_profile
 from tests.program_bugs import BUG, with_first_upload_bug
@@ -268,3 +270,53 @@ def test_any_status_counts_as_the_heartbeat_and_a_silent_agent_still_beats(tmp_p
     during = [m for m in busy if m.detail != "busy"][1:]  # the first is the status sent on connecting
     assert during == [] and len([m for m in busy if m.detail == "busy"]) == 10
     assert 1 <= len(beats) <= 3 and all(m.state == "training" for m in beats)
+
+
+@pytest.mark.slow
+def test_a_stopped_agent_leaves_itself_offline_for_a_coordinator_that_comes_later(
+    fresh_mosquitto: TestBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A clean disconnect discards the will: without this, the next run's coordinator counted the device online."""
+    broker = fresh_mosquitto
+    monkeypatch.setenv("FEDFLEET_TEST_DEV_A", broker.credentials[DEVICE].password)
+    config = parse_config(
+        {
+            "device": DEVICE,
+            "fleet": broker.fleet,
+            "broker": {"url": broker.address(DEVICE).url, "password": "env:FEDFLEET_TEST_DEV_A"},
+            "device_type": "cpu",
+            "state_dir": str(tmp_path / "agent"),
+        }
+    )
+
+    def retained() -> list[Message]:
+        """The retained messages a coordinator subscribing now would get first (a fresh, clean subscriber)."""
+        heard: list[Message] = []
+        address = broker.address()
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"probe-{time.monotonic_ns()}")
+        client.username_pw_set(address.username, address.password)
+        client.on_message = lambda _c, _u, msg: heard.append(parse_message(msg.payload)) if msg.retain else None
+        client.connect(address.host, address.port)
+        client.subscribe(fleet_uplinks(broker.fleet), qos=1)
+        client.loop_start()
+        time.sleep(1.0)
+        client.disconnect()
+        client.loop_stop()
+        return heard
+
+    agent = Agent(config, reported_profile())
+    serving = threading.Thread(target=agent.run, kwargs={"connect_timeout": 10}, daemon=True)
+    serving.start()
+    deadline = time.monotonic() + 30
+    running = retained()
+    while not any(isinstance(m, Hello) for m in running) and time.monotonic() < deadline:
+        running = retained()
+    agent.stop()
+    serving.join(30)
+    after = retained()
+
+    assert any(isinstance(m, Hello) for m in running)
+    # "stopped", or the will's "connection lost": about one clean stop in five still has the broker publish the will
+    # after it (seen with a bare session too, DISCONNECT sent; not explained yet). Either way: offline.
+    assert [m.state for m in after if isinstance(m, Status)] == ["offline"]
+    assert not any(isinstance(m, Hello) for m in after)
