@@ -845,25 +845,30 @@ class Session:
                 continue
             if item is None:
                 return
-            topic, what, now = item
-            if isinstance(what, Manifest):
-                while verifying:  # the chunks before it first, in arrival order
-                    self._settle_chunk(verifying.popleft())
-                self._receive(topic, lambda r, m=what, t=now, s=topic: self._admit_manifest(s, r, m, t))
-                continue
-            try:
-                transfer, index, chunk, digest = parse_chunk_frame(what)
-            except ProtocolError as exc:
-                self.stats.rejected += 1
-                if self._guard_in is not None:
-                    self._guard_in.refuse(topics.device_of(topic) or topic, "malformed", f"on {topic}: {exc}", now)
-                else:
-                    log.warning("%s: rejected a message on %s: %s", self.config.client_id, topic, exc)
-                continue
-            verdict = self._hashing.submit(chunk_is_intact, chunk, digest)
-            verifying.append((topic, transfer, index, chunk, digest, verdict, now, len(what)))
-            if len(verifying) >= _AHEAD:
+            self._take(item, verifying)
+            # Not held while blocked: each of a worker's 250 devices kept its last chunk frame until the next round.
+            item = None
+
+    def _take(self, item: _Inbound, verifying: collections.deque[_Verifying]) -> None:
+        topic, what, now = item
+        if isinstance(what, Manifest):
+            while verifying:  # the chunks before it first, in arrival order
                 self._settle_chunk(verifying.popleft())
+            self._receive(topic, lambda r, m=what, t=now, s=topic: self._admit_manifest(s, r, m, t))
+            return
+        try:
+            transfer, index, chunk, digest = parse_chunk_frame(what)
+        except ProtocolError as exc:
+            self.stats.rejected += 1
+            if self._guard_in is not None:
+                self._guard_in.refuse(topics.device_of(topic) or topic, "malformed", f"on {topic}: {exc}", now)
+            else:
+                log.warning("%s: rejected a message on %s: %s", self.config.client_id, topic, exc)
+            return
+        verdict = self._hashing.submit(chunk_is_intact, chunk, digest)
+        verifying.append((topic, transfer, index, chunk, digest, verdict, now, len(what)))
+        if len(verifying) >= _AHEAD:
+            self._settle_chunk(verifying.popleft())
 
     def _settle_chunk(self, item: _Verifying) -> None:
         topic, transfer, index, chunk, digest, verdict, now, size = item
