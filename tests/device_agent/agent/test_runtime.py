@@ -20,7 +20,7 @@ import torch
 from paho.mqtt.enums import CallbackAPIVersion
 
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
-from device_agent.agent.config import parse_config
+from device_agent.agent.config import AgentConfig, parse_config
 from device_agent.agent.port import Signer
 from device_agent.agent.runtime import ACKED_RECEIPT_TIMEOUT_S, RECEIPT_TIMEOUT_S, Agent, SentUpdate
 from device_agent.clients import PROGRAMS
@@ -40,13 +40,10 @@ CNN = ModelSpec("cnn", 10, 1, 8)
 Heard = TypeVar("Heard")
 
 
-@pytest.mark.slow
-def test_a_bad_assignment_fails_its_round_named_and_the_next_round_trains(
-    fresh_mosquitto: TestBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    broker = fresh_mosquitto
+def agent_config(broker: TestBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AgentConfig:
+    """dev-a of ``broker``'s fleet, its password in the environment, its state under ``tmp_path``."""
     monkeypatch.setenv("FEDFLEET_TEST_DEV_A", broker.credentials[DEVICE].password)
-    config = parse_config(
+    return parse_config(
         {
             "device": DEVICE,
             "fleet": broker.fleet,
@@ -55,6 +52,14 @@ def test_a_bad_assignment_fails_its_round_named_and_the_next_round_trains(
             "state_dir": str(tmp_path / "agent"),
         }
     )
+
+
+@pytest.mark.slow
+def test_a_bad_assignment_fails_its_round_named_and_the_next_round_trains(
+    fresh_mosquitto: TestBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broker = fresh_mosquitto
+    config = agent_config(broker, tmp_path, monkeypatch)
     heard: queue.Queue[Message | Completed] = queue.Queue()
     coordinator = coordinator_session(
         broker.fleet,
@@ -277,34 +282,23 @@ def test_a_stopped_agent_leaves_itself_offline_for_a_coordinator_that_comes_late
     fresh_mosquitto: TestBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A clean disconnect discards the will: without this, the next run's coordinator counted the device online."""
-    broker = fresh_mosquitto
-    monkeypatch.setenv("FEDFLEET_TEST_DEV_A", broker.credentials[DEVICE].password)
-    config = parse_config(
-        {
-            "device": DEVICE,
-            "fleet": broker.fleet,
-            "broker": {"url": broker.address(DEVICE).url, "password": "env:FEDFLEET_TEST_DEV_A"},
-            "device_type": "cpu",
-            "state_dir": str(tmp_path / "agent"),
-        }
-    )
 
     def retained() -> list[Message]:
         """The retained messages a coordinator subscribing now would get first (a fresh, clean subscriber)."""
         heard: list[Message] = []
-        address = broker.address()
+        address = fresh_mosquitto.address()
         client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"probe-{time.monotonic_ns()}")
         client.username_pw_set(address.username, address.password)
         client.on_message = lambda _c, _u, msg: heard.append(parse_message(msg.payload)) if msg.retain else None
         client.connect(address.host, address.port)
-        client.subscribe(fleet_uplinks(broker.fleet), qos=1)
+        client.subscribe(fleet_uplinks(fresh_mosquitto.fleet), qos=1)
         client.loop_start()
         time.sleep(1.0)
         client.disconnect()
         client.loop_stop()
         return heard
 
-    agent = Agent(config, reported_profile())
+    agent = Agent(agent_config(fresh_mosquitto, tmp_path, monkeypatch), reported_profile())
     serving = threading.Thread(target=agent.run, kwargs={"connect_timeout": 10}, daemon=True)
     serving.start()
     deadline = time.monotonic() + 30
