@@ -8,10 +8,11 @@ host delivers the updates it can carry, in time, and the rest late. A device sle
 time (:class:`~device_agent.emulation.limits.Throttle`) holds no slot, so slowed devices still overlap.
 
 On a GPU the slots also own the threads the work runs on (``own_threads``): CUDA libraries keep a handle
-and a workspace per calling thread (cuBLAS, cuDNN), so a worker whose 250 device threads each ran their own
-steps held 250 of them (3-7 GB of GPU memory per worker of 64 at 1,000 devices on an H100, and the GPU
-filled up). A device still waits for its turn on its own thread, then hands the step's body to a slot's
-thread and waits for the result. On a CPU the hop would only add latency, so the body runs in place.
+and a workspace per calling thread (cuBLAS, cuDNN), so a worker whose device threads each ran their own
+steps held one set per device (3-7 GB of GPU memory per worker of 64 at 1,000 devices on an H100, and the
+GPU filled up; about 97 MiB a thread on an H200). A device still waits for its turn on its own thread,
+then hands the step's body to a slot's thread and waits for the result. On a CPU the hop would only add
+latency, so the body runs in place.
 """
 
 from __future__ import annotations
