@@ -54,8 +54,9 @@ class Roster:
         note = release_note(message.agent_version)
         if note is not None and state.agent_version != message.agent_version:
             log.warning("%s: %s", device, note)
+        # Not online by itself: a hello is retained, and one a crashed agent left beside its will's offline status
+        # would count it online whichever the broker delivered last. The status the agent sends after it says so.
         state.agent_version, state.refused = message.agent_version, None
-        self.set_online(state, True, "hello")
 
     def status(self, device: str, message: Status) -> bool:
         """Apply a status; False when it names another device (and is ignored)."""

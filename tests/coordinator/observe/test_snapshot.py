@@ -6,7 +6,7 @@ from pathlib import Path
 
 from coordinator.observe.snapshot import FleetWatch, RoundView
 from coordinator.run.metrics import RoundMetrics
-from device_agent.wire.messages import Hello, incompatible
+from device_agent.wire.messages import Hello, Status, incompatible
 from tests.coordinator.observe.conftest import ROUNDS, WatchedRun
 from tests.coordinator.rounds.test_engine_diagnostics import idle_engine
 from tests.device_agent.agent.test_misconfiguration import PROFILE
@@ -62,6 +62,7 @@ def test_a_device_of_another_protocol_version_shows_as_refused_with_why_until_it
         assert (device["refused_because"], device["online"]) == (incompatible(4).detail, False)
 
         engine._on_message("laptop-01", Hello(device="laptop-01", agent_version="0.1.0", profile=PROFILE))
+        engine._on_message("laptop-01", Status(device="laptop-01", state="idle"))  # what an agent sends after its hello
         watch.update(engine)
         snapshot = watch.snapshot
         assert snapshot is not None
