@@ -267,7 +267,6 @@ class EmulatedDevice(RuntimeHooks):
             else MemoryAccount(emulation.memory_bytes, emulation.peak_bytes, device, shared=compute_slot is not None)
         )
         self._started = 0.0
-        self._compute_slot = compute_slot
         self._slot = None if compute_slot is None else compute_slot.turn(lambda: self._started)
         # A throttle on a GPU must time the kernels, not their asynchronous launch.
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
@@ -328,7 +327,7 @@ class EmulatedDevice(RuntimeHooks):
 
     def run_compute(self, work: Callable[[], T]) -> T:
         # Inside step()/compute(), so this device holds a turn; a packed GPU worker runs it on the turn's thread.
-        return work() if self._compute_slot is None else self._compute_slot.run(work)
+        return work() if self._slot is None else self._slot.run(work)
 
     def after_training(self) -> float:
         """Sleep off the slowdown still owed; the sleep is training time, as on the slow device."""

@@ -110,6 +110,10 @@ class Turn:
     def __enter__(self) -> None:
         self._slots.acquire(self._priority())
 
+    def run(self, work: Callable[[], T]) -> T:
+        """``work`` where this turn's slots run it (see :meth:`ComputeSlots.run`); call it inside the turn."""
+        return self._slots.run(work)
+
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
     ) -> None:
