@@ -123,7 +123,7 @@ class _Burst:
 
 @dataclass
 class InboundGuard:
-    """The admission decisions of one receiving session; thread-safe (paho's and the receive thread call it)."""
+    """The admission decisions of one receiving session; thread-safe (paho's thread and the session's timer call it)."""
 
     limits: InboundLimits = field(default_factory=InboundLimits)
     on_refused: RefusalHandler | None = None

@@ -14,11 +14,12 @@ What this layer guarantees on top of paho:
 
 Callbacks given by the user run on one dispatcher thread, never on paho's network thread, so a slow
 or failing handler cannot stall or kill the connection. Inbound manifests and chunks are reassembled
-on a receive thread, in arrival order: paho's thread only enqueues a chunk frame as it came, so it
-goes back to reading the socket (and acking to the broker, which paho does after the callback) at
-once. The receive thread parses each frame and hands its chunk to a pool of verifier threads, running
-ahead of the oldest unverified chunk, so chunks (from many devices at once) are hashed in parallel
-(hashlib releases the GIL on large buffers); it then takes each chunk's verdict in order.
+on paho's network thread, in arrival order: each chunk is parsed, hashed (hashlib releases the GIL, so
+the dispatcher and the timer go on meanwhile) and filed where it arrives. Handing frames to another
+thread cost more than it saved: each hop is a wake-up and a GIL hand-over per 256 KiB chunk, and the
+coordinator's ingest of many devices at once ran at 0.74 of a raw paho subscriber hashing inline. While
+paho's thread hashes it does not read, so TCP pushes back on the broker, which is what a receiver that
+cannot keep up should do; a link hook (``after_chunk_in``) that sleeps slows the reading the same way.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ import os
 import queue
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
@@ -40,7 +42,7 @@ from urllib.parse import unquote, urlsplit
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
+from paho.mqtt.properties import MQTTException, Properties, VariableByteIntegers
 
 from device_agent.wire import topics
 from device_agent.wire.guard import RETAINED_KINDS, InboundGuard
@@ -80,18 +82,12 @@ MessageHandler = Callable[[str, Message], None]
 PayloadHandler = Callable[[str, Completed], None]
 # Told the size of each chunk frame (bytes on the wire); may block, which is how a link is shaped.
 ChunkHook = Callable[[int], object]
-# What paho's thread hands the receive thread: (topic, a manifest or a chunk frame as received, arrival time).
-_Inbound = tuple[str, Manifest | bytes, float]
-# A chunk frame parsed and handed to the verifier pool: (topic, transfer, index, chunk, digest, verdict, time, size).
-_Verifying = tuple[str, str, int, memoryview, bytes, Future[bool], float, int]
 IDLE_TICK_S = 30.0
 """Longest sleep of an idle session's timer thread: a transfer that starts wakes it at once (one with transfers
 ticks every ``tick_s``). A worker hosts hundreds of sessions, and each wake-up costs its process the GIL."""
-_INBOUND_FRAMES = 256
-# Chunks hashed at once: one per core (hashing is CPU-bound), at least two so one slow chunk never idles the rest.
+# Outgoing chunks hashed at once: one per core (hashing is CPU-bound), at least two so one slow chunk never idles
+# the rest.
 _VERIFIERS = max(2, min(8, os.cpu_count() or 1))
-# How far the receive thread runs ahead of the oldest unverified chunk: enough to keep every verifier busy.
-_AHEAD = 2 * _VERIFIERS
 _hashing: ThreadPoolExecutor | None = None
 _hashing_lock = threading.Lock()
 
@@ -197,11 +193,17 @@ class SessionStats:
 
 
 class _Client(mqtt.Client):
-    """paho's client whose network thread sleeps up to ``idle_s`` between packets (``loop_start``'s: 1 s).
+    """paho's client, leaner on the two paths every session runs all day (paho-mqtt 2.x internals).
 
-    The thread wakes on every packet and on every publish from another thread (paho's socket pair), so the
-    timeout only paces the keepalive check. At 1,000 emulated devices on 2 cores, the 1 s wake-ups of
-    idle connections took more CPU than the devices' MQTT traffic.
+    - its network thread sleeps up to ``idle_s`` between packets (``loop_start``'s: 1 s). The thread wakes
+      on every packet and on every publish from another thread (paho's socket pair), so the timeout only
+      paces the keepalive check. At 1,000 emulated devices on 2 cores, the 1 s wake-ups of idle connections
+      took more CPU than the devices' MQTT traffic;
+    - a QoS 1 PUBLISH is decoded without copying its payload: the message carries a read-only view of the
+      packet buffer that paho reads into and then drops (it starts a fresh one for the next packet). paho's
+      own decoder copies a 256 KiB chunk frame four times; on a coordinator taking uploads from many devices
+      at once those copies were a third of the network thread's time. Anything else (QoS 0 or 2, a packet
+      too short to decode) goes through paho's decoder, which also reports malformed packets its own way.
     """
 
     idle_s = 1.0
@@ -211,6 +213,38 @@ class _Client(mqtt.Client):
             self.loop_forever(timeout=self.idle_s, retry_first_connection=True)
         finally:
             self._thread = None
+
+    def _handle_publish(self) -> mqtt.MQTTErrorCode:  # paho's handler of an inbound PUBLISH (paho-mqtt 2.x)
+        message = self._qos1_message(self._in_packet["command"], self._in_packet["packet"])
+        if message is None:
+            return super()._handle_publish()
+        self._handle_on_message(message)
+        return mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS if self._manual_ack else self._send_puback(message.mid)
+
+    def _qos1_message(self, header: int, packet: bytearray) -> mqtt.MQTTMessage | None:
+        """The message of a QoS 1 PUBLISH whose payload is a view of ``packet``; None for paho's decoder."""
+        if (header & 0x06) >> 1 != 1:
+            return None
+        view = memoryview(packet).toreadonly()
+        topic_end = 2 + int.from_bytes(view[:2], "big")
+        start = topic_end + 2
+        if len(view) < start:
+            return None
+        message = mqtt.MQTTMessage(mid=int.from_bytes(view[topic_end:start], "big"), topic=bytes(view[2:topic_end]))
+        message.dup, message.qos, message.retain = bool(header & 0x08), 1, bool(header & 0x01)
+        if self._protocol == MQTTProtocolVersion.MQTTv5:
+            try:
+                length, length_size = VariableByteIntegers.decode(view[start : start + 4])
+                message.properties = Properties(PacketTypes.PUBLISH)
+                start += length_size + length
+                if len(view) < start:
+                    return None
+                message.properties.unpack(bytes(view[start - length_size - length : start]))
+            except (MQTTException, ValueError, IndexError, KeyError, struct.error):
+                return None
+        message.payload = view[start:]
+        message.timestamp = time.monotonic()
+        return message
 
 
 class LoginRefused(ConnectionError):
@@ -256,8 +290,9 @@ class Session:
     ``on_payload(topic, completed)`` gets every complete, verified payload exactly once.
     ``will`` is published by the broker if this client vanishes without a clean ``stop``.
     ``before_chunk_out(n)`` runs before each outgoing chunk frame of ``n`` bytes is published (first
-    sends and repairs alike), ``after_chunk_in(n)`` after each inbound chunk frame is verified; both
-    may block, so a token bucket behind them shapes the link chunk by chunk (emulated devices).
+    sends and repairs alike), ``after_chunk_in(n)`` after each inbound chunk frame is verified (on paho's
+    thread, which then reads no more until it returns, as a slow downlink would); both may block, so a token
+    bucket behind them shapes the link chunk by chunk (emulated devices).
     ``guard`` (a receiver facing untrusted peers: the coordinator) admits inbound frames per peer first;
     its limits bound the receiver's transfers too.
     """
@@ -295,8 +330,6 @@ class Session:
         self._unreachable_said = False
         self._stopping = threading.Event()
         self._events: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        # Bounded: when hashing falls behind, paho's thread waits here and TCP pushes back on the broker.
-        self._inbound: queue.Queue[_Inbound | None] = queue.Queue(maxsize=_INBOUND_FRAMES)
         self._threads: list[threading.Thread] = []
         # The send window (SessionConfig.send_window_bytes): transfers' first frames wait in the backlog, in order.
         self._window_lock = threading.Lock()
@@ -370,7 +403,6 @@ class Session:
         for target, name in (
             (self._dispatch_loop, "dispatch"),
             (self._tick_loop, "tick"),
-            (self._receive_loop, "receive"),
         ):
             thread = threading.Thread(target=target, name=f"fedfleet-{name}-{cfg.client_id}", daemon=True)
             thread.start()
@@ -394,7 +426,6 @@ class Session:
         self._client.disconnect()
         self._client.loop_stop()
         self._events.put(None)
-        self._inbound.put(None)
         for thread in self._threads:
             thread.join(timeout=5)
         self._threads.clear()
@@ -650,7 +681,7 @@ class Session:
         try:
             if is_chunk_frame(data):
                 if guard is None or guard.admit_message(peer, None, msg.retain, now):
-                    self._inbound.put((msg.topic, data, now))  # parsed and hashed off this thread
+                    self._take_chunk(msg.topic, data, now)
                 elif msg.retain:
                     self._publish(msg.topic, b"", retain=True)
                 return
@@ -672,7 +703,7 @@ class Session:
                 self._publish(msg.topic, b"", retain=True)  # clear it: no later subscriber gets it either
             return
         if isinstance(message, Manifest):
-            self._inbound.put((msg.topic, message, now))  # behind the chunks already queued, in order
+            self._receive(msg.topic, lambda r: self._admit_manifest(msg.topic, r, message, now))
         elif isinstance(message, Ack | Nack):
             self._on_transfer_answer(message, now, msg.topic)
         else:
@@ -799,7 +830,7 @@ class Session:
 
     def _busy(self) -> bool:
         """Whether a transfer is on its way either way; the timer thread is idle until one starts if not."""
-        with self._lock:  # the receive thread adds a receiver for each new peer
+        with self._lock:  # paho's thread adds a receiver for each new peer
             busy = bool(self._outgoing) or bool(self._open)
             self._idle = not busy
         return busy
@@ -833,31 +864,10 @@ class Session:
         for topic, tid, frame in frames:
             self._publish(topic, frame, transfer=tid)
 
-    def _receive_loop(self) -> None:
-        """Takes inbound frames in order; chunks are verified on the pool while later frames are taken."""
-        verifying: collections.deque[_Verifying] = collections.deque()
-        while True:
-            try:
-                # Block only when nothing is being verified; otherwise settle the oldest chunk when idle.
-                item = self._inbound.get(block=not verifying)
-            except queue.Empty:
-                self._settle_chunk(verifying.popleft())
-                continue
-            if item is None:
-                return
-            self._take(item, verifying)
-            # Not held while blocked: each of a worker's 250 devices kept its last chunk frame until the next round.
-            item = None
-
-    def _take(self, item: _Inbound, verifying: collections.deque[_Verifying]) -> None:
-        topic, what, now = item
-        if isinstance(what, Manifest):
-            while verifying:  # the chunks before it first, in arrival order
-                self._settle_chunk(verifying.popleft())
-            self._receive(topic, lambda r, m=what, t=now, s=topic: self._admit_manifest(s, r, m, t))
-            return
+    def _take_chunk(self, topic: str, frame: bytes, now: float) -> None:
+        """Parse, verify and file one chunk frame, on paho's thread (hashed outside ``self._lock``)."""
         try:
-            transfer, index, chunk, digest = parse_chunk_frame(what)
+            transfer, index, chunk, digest = parse_chunk_frame(frame)
         except ProtocolError as exc:
             self.stats.rejected += 1
             if self._guard_in is not None:
@@ -865,24 +875,13 @@ class Session:
             else:
                 log.warning("%s: rejected a message on %s: %s", self.config.client_id, topic, exc)
             return
-        verdict = self._hashing.submit(chunk_is_intact, chunk, digest)
-        verifying.append((topic, transfer, index, chunk, digest, verdict, now, len(what)))
-        if len(verifying) >= _AHEAD:
-            self._settle_chunk(verifying.popleft())
-
-    def _settle_chunk(self, item: _Verifying) -> None:
-        topic, transfer, index, chunk, digest, verdict, now, size = item
-        try:
-            intact = verdict.result()
-        except Exception:
-            log.exception("%s: error verifying a chunk on %s (it is dropped)", self.config.client_id, topic)
-            return
+        intact = chunk_is_intact(chunk, digest)
         self._receive(topic, lambda r: r.on_chunk(transfer, index, chunk, digest, now, intact))
         if not intact and self._guard_in is not None:
             detail = f"chunk {index} of transfer {transfer} does not match its digest; asked for again"
             self._guard_in.refuse(topics.device_of(topic) or topic, "corrupt_chunk", detail, now)
         if self._after_chunk_in is not None:
-            self._after_chunk_in(size)
+            self._after_chunk_in(len(frame))
 
     def _admit_manifest(
         self, topic: str, receiver: IncomingTransfers, manifest: Manifest, now: float
