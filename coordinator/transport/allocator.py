@@ -6,6 +6,9 @@ go back to the kernel, so the next upload faults on every 4 KiB page it writes. 
 benchmark (8 devices x 4 MiB, 2 cores) that was ~6,000 minor faults per round of uploads. With both
 thresholds raised the faults drop to a few hundred and the ingest rate rises ~10-20 %. The cost is
 that up to ``trim_bytes`` of freed memory stays with the process instead of going back to the OS.
+64 MiB holds a fan-in round's buffers (8 x 4 MiB of chunks and their joins): the fan-in is as fast as
+with 256 MiB, which made a coordinator taking 1,000 emulated devices' uploads of ~190 KB peak at 870-900
+MiB of RSS against 710 MiB (freed upload buffers, kept).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ _MMAP_THRESHOLD_MAX = 32 * 2**20
 """glibc's ceiling for M_MMAP_THRESHOLD on 64-bit (half its arena heap size); larger values are refused."""
 
 
-def keep_freed_buffers(trim_bytes: int = 256 * 2**20, mmap_bytes: int = _MMAP_THRESHOLD_MAX) -> bool:
+def keep_freed_buffers(trim_bytes: int = 64 * 2**20, mmap_bytes: int = _MMAP_THRESHOLD_MAX) -> bool:
     """Raise glibc's trim and mmap thresholds for this process; False where the C library is not glibc."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
