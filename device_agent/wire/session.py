@@ -87,21 +87,21 @@ IDLE_TICK_S = 30.0
 ticks every ``tick_s``). A worker hosts hundreds of sessions, and each wake-up costs its process the GIL."""
 # Outgoing chunks hashed at once: one per core (hashing is CPU-bound), at least two so one slow chunk never idles
 # the rest.
-_VERIFIERS = max(2, min(8, os.cpu_count() or 1))
+_HASHERS = max(2, min(8, os.cpu_count() or 1))
 _hashing: ThreadPoolExecutor | None = None
 _hashing_lock = threading.Lock()
 
 
 def _hashing_pool() -> ThreadPoolExecutor:
-    """The process's one pool hashing chunks for every session, both ways.
+    """The process's one pool hashing outgoing chunks for every session.
 
     An emulation worker hosts hundreds of sessions: a pool each (three threads per device on 2 cores) cost
-    the worker ~750 idle threads per 250 devices, and their stacks, for work that fits ``_VERIFIERS`` threads.
+    the worker ~750 idle threads per 250 devices, and their stacks, for work that fits ``_HASHERS`` threads.
     """
     global _hashing
     with _hashing_lock:
         if _hashing is None:
-            _hashing = ThreadPoolExecutor(_VERIFIERS, thread_name_prefix="fedfleet-sha256")
+            _hashing = ThreadPoolExecutor(_HASHERS, thread_name_prefix="fedfleet-sha256")
         return _hashing
 
 
@@ -864,7 +864,7 @@ class Session:
         for topic, tid, frame in frames:
             self._publish(topic, frame, transfer=tid)
 
-    def _take_chunk(self, topic: str, frame: bytes, now: float) -> None:
+    def _take_chunk(self, topic: str, frame: bytes | memoryview, now: float) -> None:
         """Parse, verify and file one chunk frame, on paho's thread (hashed outside ``self._lock``)."""
         try:
             transfer, index, chunk, digest = parse_chunk_frame(frame)

@@ -69,7 +69,7 @@ def transfer_digest(chunk_digests: list[str]) -> str:
     return hashlib.sha256(b"".join(bytes.fromhex(d) for d in chunk_digests)).hexdigest()
 
 
-def is_chunk_frame(data: bytes) -> bool:
+def is_chunk_frame(data: bytes | memoryview) -> bool:
     return data[:4] == CHUNK_MAGIC
 
 
@@ -79,7 +79,7 @@ def chunk_frame(transfer: str, index: int, data: bytes | memoryview, digest: byt
     return _HEADER.pack(CHUNK_MAGIC, FRAME_VERSION, bytes.fromhex(transfer), index, digest) + data
 
 
-def parse_chunk_frame(frame: bytes) -> tuple[str, int, memoryview, bytes]:
+def parse_chunk_frame(frame: bytes | memoryview) -> tuple[str, int, memoryview, bytes]:
     """(transfer id, chunk index, chunk bytes, their claimed sha256) of a frame, or ``ProtocolError``."""
     # Magic and version first: a frame of another version may have another header length.
     if frame[:4] != CHUNK_MAGIC:

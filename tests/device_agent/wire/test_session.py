@@ -585,7 +585,7 @@ def test_the_timer_polls_only_the_peers_with_a_transfer_on_its_way(fresh_mosquit
 
 def test_sessions_in_one_process_hash_on_one_shared_pool(fresh_mosquitto):
     # An emulation worker hosts hundreds of sessions: a pool each would cost it three idle threads per device.
-    from device_agent.wire.session import _VERIFIERS
+    from device_agent.wire.session import _HASHERS
 
     inbox = Inbox()
     coord = coordinator_session(fresh_mosquitto.fleet, fresh_mosquitto.address(), on_payload=inbox.on_payload)
@@ -603,7 +603,7 @@ def test_sessions_in_one_process_hash_on_one_shared_pool(fresh_mosquitto):
         assert _until(lambda: len(inbox.payloads) == len(devices))
         assert all(completed.data == payload for _topic, completed in inbox.payloads)
         hashing = [t for t in threading.enumerate() if t.name.startswith("fedfleet-sha256")]
-        assert 0 < len(hashing) <= _VERIFIERS
+        assert 0 < len(hashing) <= _HASHERS
         assert not [t for t in threading.enumerate() if "hash-" in t.name or "verify-" in t.name]
     finally:
         coord.stop()
