@@ -13,12 +13,11 @@ What this layer guarantees on top of paho:
 - a malformed or unknown-version message is logged and dropped; the session carries on.
 
 Callbacks given by the user run on one dispatcher thread, never on paho's network thread, so a slow
-or failing handler cannot stall or kill the connection. Inbound manifests and chunks are reassembled
-on paho's network thread, in arrival order: each chunk is parsed, hashed (hashlib releases the GIL, so
-the dispatcher and the timer go on meanwhile) and filed where it arrives. Handing frames to another
-thread cost more than it saved: each hop is a wake-up and a GIL hand-over per 256 KiB chunk, and the
-coordinator's ingest of many devices at once ran at 0.74 of a raw paho subscriber hashing inline. While
-paho's thread hashes it does not read, so TCP pushes back on the broker, which is what a receiver that
+or failing handler cannot stall or kill the connection. Inbound frames are decoded and parsed on paho's
+network thread; each chunk is then verified and filed on the process's hashing pool (``hashing``) while
+that thread reads the next frame, and a manifest waits for its transfer's chunks still being verified,
+so a seal right after the last chunk finds them filed. The pool bounds the bytes waiting for it: past
+the bound paho's thread stops reading and TCP pushes back on the broker, which is what a receiver that
 cannot keep up should do; a link hook (``after_chunk_in``) that sleeps slows the reading the same way.
 """
 
@@ -26,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import queue
 import socket
 import ssl
@@ -34,7 +32,6 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 from urllib.parse import unquote, urlsplit
@@ -46,6 +43,7 @@ from paho.mqtt.properties import MQTTException, Properties, VariableByteIntegers
 
 from device_agent.wire import topics
 from device_agent.wire.guard import RETAINED_KINDS, InboundGuard
+from device_agent.wire.hashing import shared_pool
 from device_agent.wire.messages import (
     Ack,
     Error,
@@ -85,24 +83,6 @@ ChunkHook = Callable[[int], object]
 IDLE_TICK_S = 30.0
 """Longest sleep of an idle session's timer thread: a transfer that starts wakes it at once (one with transfers
 ticks every ``tick_s``). A worker hosts hundreds of sessions, and each wake-up costs its process the GIL."""
-# Outgoing chunks hashed at once: one per core (hashing is CPU-bound), at least two so one slow chunk never idles
-# the rest.
-_HASHERS = max(2, min(8, os.cpu_count() or 1))
-_hashing: ThreadPoolExecutor | None = None
-_hashing_lock = threading.Lock()
-
-
-def _hashing_pool() -> ThreadPoolExecutor:
-    """The process's one pool hashing outgoing chunks for every session.
-
-    An emulation worker hosts hundreds of sessions: a pool each (three threads per device on 2 cores) cost
-    the worker ~750 idle threads per 250 devices, and their stacks, for work that fits ``_HASHERS`` threads.
-    """
-    global _hashing
-    with _hashing_lock:
-        if _hashing is None:
-            _hashing = ThreadPoolExecutor(_HASHERS, thread_name_prefix="fedfleet-sha256")
-        return _hashing
 
 
 @dataclass(frozen=True)
@@ -291,9 +271,9 @@ class Session:
     ``on_payload(topic, completed)`` gets every complete, verified payload exactly once.
     ``will`` is published by the broker if this client vanishes without a clean ``stop``.
     ``before_chunk_out(n)`` runs before each outgoing chunk frame of ``n`` bytes is published (first
-    sends and repairs alike), ``after_chunk_in(n)`` after each inbound chunk frame is verified (on paho's
-    thread, which then reads no more until it returns, as a slow downlink would); both may block, so a token
-    bucket behind them shapes the link chunk by chunk (emulated devices).
+    sends and repairs alike), ``after_chunk_in(n)`` after each inbound chunk frame is read (on paho's thread,
+    which then reads no more until it returns, as a slow downlink would); both may block, so a token bucket
+    behind them shapes the link chunk by chunk (emulated devices).
     ``guard`` (a receiver facing untrusted peers: the coordinator) admits inbound frames per peer first;
     its limits bound the receiver's transfers too.
     """
@@ -344,7 +324,10 @@ class Session:
         self._idle = False
         """The timer thread sleeps until woken (set and read under ``self._lock``, see :meth:`_busy`)."""
         self._pumping = threading.Lock()
-        self._hashing = _hashing_pool()
+        self._hashing = shared_pool()
+        self._verifying: collections.Counter[str] = collections.Counter()
+        """Per transfer, its chunks handed to the hashing pool and not yet filed."""
+        self._filed = threading.Condition()
         self._client = self._make_client(will)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -718,6 +701,7 @@ class Session:
                 self._publish(msg.topic, b"", retain=True)  # clear it: no later subscriber gets it either
             return
         if isinstance(message, Manifest):
+            self._await_chunks(message.transfer)
             self._receive(msg.topic, lambda r: self._admit_manifest(msg.topic, r, message, now))
         elif isinstance(message, Ack | Nack):
             self._on_transfer_answer(message, now, msg.topic)
@@ -880,7 +864,7 @@ class Session:
             self._publish(topic, frame, transfer=tid)
 
     def _take_chunk(self, topic: str, frame: bytes | memoryview, now: float) -> None:
-        """Parse, verify and file one chunk frame, on paho's thread (hashed outside ``self._lock``)."""
+        """Parse one chunk frame on paho's thread and hand it to the hashing pool to verify and file."""
         try:
             transfer, index, chunk, digest = parse_chunk_frame(frame)
         except ProtocolError as exc:
@@ -890,13 +874,35 @@ class Session:
             else:
                 log.warning("%s: rejected a message on %s: %s", self.config.client_id, topic, exc)
             return
-        intact = chunk_is_intact(chunk, digest)
-        self._receive(topic, lambda r: r.on_chunk(transfer, index, chunk, digest, now, intact))
-        if not intact and self._guard_in is not None:
-            detail = f"chunk {index} of transfer {transfer} does not match its digest; asked for again"
-            self._guard_in.refuse(topics.device_of(topic) or topic, "corrupt_chunk", detail, now)
+        with self._filed:
+            self._verifying[transfer] += 1
+        self._hashing.verify(len(chunk), lambda: self._file_chunk(topic, transfer, index, chunk, digest, now))
         if self._after_chunk_in is not None:
             self._after_chunk_in(len(frame))
+
+    def _file_chunk(self, topic: str, transfer: str, index: int, chunk: memoryview, digest: bytes, now: float) -> None:
+        """Verify one chunk and file it (on a hashing thread; hashed outside ``self._lock``)."""
+        try:
+            if self._stopping.is_set():
+                return
+            intact = chunk_is_intact(chunk, digest)
+            self._receive(topic, lambda r: r.on_chunk(transfer, index, chunk, digest, now, intact))
+            if not intact and self._guard_in is not None:
+                detail = f"chunk {index} of transfer {transfer} does not match its digest; asked for again"
+                self._guard_in.refuse(topics.device_of(topic) or topic, "corrupt_chunk", detail, now)
+        finally:
+            with self._filed:
+                self._verifying[transfer] -= 1
+                if not self._verifying[transfer]:
+                    del self._verifying[transfer]
+                    self._filed.notify_all()
+
+    def _await_chunks(self, transfer: str) -> None:
+        """Wait (on paho's thread) until ``transfer``'s chunks read before its manifest are filed: a seal that
+        found its last chunks still being verified would nack them, and its sender would send them again."""
+        with self._filed:
+            while self._verifying[transfer]:
+                self._filed.wait()
 
     def _admit_manifest(
         self, topic: str, receiver: IncomingTransfers, manifest: Manifest, now: float

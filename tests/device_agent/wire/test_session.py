@@ -381,29 +381,31 @@ def test_session_sockets_send_small_packets_without_waiting_for_nagle(mosquitto)
         dev.stop()
 
 
-def test_uploads_are_verified_once_per_chunk_where_they_arrive_on_paho_s_thread(mosquitto, monkeypatch):
-    # A hop to another thread per chunk cost more than the digest's work it spread (fan-in benchmark).
+def test_uploads_are_verified_once_per_chunk_on_the_hashing_pool_and_the_seal_waits_for_them(mosquitto, monkeypatch):
+    # paho's thread reads on while the pool hashes; a seal that overtook its chunks would nack them for nothing.
     from device_agent.wire import session as session_module
 
     hashed_on: list[str] = []
 
-    def recording_check(data, digest):
+    def slow_check(data, digest):
         hashed_on.append(threading.current_thread().name)
+        time.sleep(0.02)  # hashing slower than the link: the seal arrives while chunks wait for the pool
         return hashlib.sha256(data).digest() == digest
 
-    monkeypatch.setattr(session_module, "chunk_is_intact", recording_check)
+    monkeypatch.setattr(session_module, "chunk_is_intact", slow_check)
     inbox = Inbox()
     coord = coordinator_session(mosquitto.fleet, mosquitto.address(), on_payload=inbox.on_payload).start()
     dev, topics = device_session(mosquitto.fleet, "dev-a", mosquitto.address("dev-a"))
     dev.start()
     try:
         payload = os.urandom(3 * 2**20 + 5)
-        dev.send(topics.up, payload).wait(30)
+        dev.send(topics.up, payload, run="r", kind="update").wait(30)  # unsealed: the seal follows the chunks
         assert inbox.arrived.wait(10)
         [(_, completed)] = inbox.payloads
         assert completed.data == payload
         assert len(hashed_on) == completed.manifest.chunk_count
-        assert set(hashed_on) == {f"paho-mqtt-client-{coord.config.client_id}"}
+        assert all(name.startswith("fedfleet-sha256") for name in hashed_on)
+        assert dev.stats.published == completed.manifest.chunk_count + 2  # manifest, chunks, seal: none twice
     finally:
         coord.stop()
         dev.stop()
@@ -606,7 +608,7 @@ def test_the_timer_polls_only_the_peers_with_a_transfer_on_its_way(fresh_mosquit
 
 def test_sessions_in_one_process_hash_on_one_shared_pool(fresh_mosquitto):
     # An emulation worker hosts hundreds of sessions: a pool each would cost it three idle threads per device.
-    from device_agent.wire.session import _HASHERS
+    from device_agent.wire.hashing import THREADS
 
     inbox = Inbox()
     coord = coordinator_session(fresh_mosquitto.fleet, fresh_mosquitto.address(), on_payload=inbox.on_payload)
@@ -624,7 +626,7 @@ def test_sessions_in_one_process_hash_on_one_shared_pool(fresh_mosquitto):
         assert _until(lambda: len(inbox.payloads) == len(devices))
         assert all(completed.data == payload for _topic, completed in inbox.payloads)
         hashing = [t for t in threading.enumerate() if t.name.startswith("fedfleet-sha256")]
-        assert 0 < len(hashing) <= _HASHERS
+        assert 0 < len(hashing) <= THREADS
         assert not [t for t in threading.enumerate() if "hash-" in t.name or "verify-" in t.name]
     finally:
         coord.stop()
