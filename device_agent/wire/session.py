@@ -24,6 +24,7 @@ cannot keep up should do; a link hook (``after_chunk_in``) that sleeps slows the
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import queue
 import socket
@@ -172,6 +173,9 @@ class SessionStats:
     bytes_out: dict[str, int] = field(default_factory=dict)
 
 
+_NO_PUBLISH_PROPERTIES = Properties(PacketTypes.PUBLISH)
+
+
 class _Client(mqtt.Client):
     """paho's client, leaner on the two paths every session runs all day (paho-mqtt 2.x internals).
 
@@ -184,7 +188,11 @@ class _Client(mqtt.Client):
       own decoder copies a 256 KiB chunk frame four times; on a coordinator taking uploads from many devices
       at once, its decoder held about half of the network thread's time with the GIL (py-spy). Anything else
       (QoS 0 or 2, a packet too short to decode) goes through paho's decoder, which also reports malformed
-      packets its own way.
+      packets its own way. A PUBLISH without properties (every one fedfleet sends) gets a copy of an empty
+      ``Properties`` instead of a fresh one unpacked: paho builds its tables of property names per instance;
+    - a packet queued on the network thread itself (the PUBACK of each inbound PUBLISH) does not wake that
+      thread through paho's socket pair: it goes out on the loop's next turn, which selects for writing
+      while packets wait. paho's wake-up cost each inbound chunk a send, a select and a recv.
     """
 
     idle_s = 1.0
@@ -194,6 +202,24 @@ class _Client(mqtt.Client):
             self.loop_forever(timeout=self.idle_s, retry_first_connection=True)
         finally:
             self._thread = None
+
+    def _packet_queue(
+        self, command: int, packet: bytes | bytearray, mid: int, qos: int, info: mqtt.MQTTMessageInfo | None = None
+    ) -> mqtt.MQTTErrorCode:  # paho's queue of outgoing packets (paho-mqtt 2.x)
+        if self._thread is None or threading.current_thread() is not self._thread:
+            return super()._packet_queue(command, packet, mid, qos, info)
+        self._out_packet.append(
+            {
+                "command": command,
+                "mid": mid,
+                "qos": qos,
+                "pos": 0,
+                "to_process": len(packet),
+                "packet": packet,
+                "info": info,
+            }
+        )
+        return mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
 
     def _handle_publish(self) -> mqtt.MQTTErrorCode:  # paho's handler of an inbound PUBLISH (paho-mqtt 2.x)
         message = self._qos1_message(self._in_packet["command"], self._in_packet["packet"])
@@ -216,11 +242,12 @@ class _Client(mqtt.Client):
         if self._protocol == MQTTProtocolVersion.MQTTv5:
             try:
                 length, length_size = VariableByteIntegers.decode(view[start : start + 4])
-                message.properties = Properties(PacketTypes.PUBLISH)
+                message.properties = copy.copy(_NO_PUBLISH_PROPERTIES)
                 start += length_size + length
                 if len(view) < start:
                     return None
-                message.properties.unpack(bytes(view[start - length_size - length : start]))
+                if length:
+                    message.properties.unpack(bytes(view[start - length_size - length : start]))
             except (MQTTException, ValueError, IndexError, KeyError, struct.error):
                 return None
         message.payload = view[start:]

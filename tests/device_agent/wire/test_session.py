@@ -251,6 +251,37 @@ def test_the_same_delivery_works_on_the_amqtt_fallback(amqtt):
         dev.stop()
 
 
+def test_packets_queued_on_the_network_thread_go_out_without_waking_it_through_paho_s_socket_pair(mosquitto):
+    inbox = Inbox()
+    dev, topics = device_session(
+        mosquitto.fleet, "dev-a", mosquitto.address("dev-a"), on_payload=inbox.on_payload, chunk_size=64 * 1024
+    )
+    coord = coordinator_session(mosquitto.fleet, mosquitto.address(), chunk_size=64 * 1024)
+    dev.start()
+    coord.start()
+    pair, wakes = dev._client._sockpairW, []
+
+    class Recorder:  # paho writes a byte here to wake its network thread out of select()
+        def send(self, data: bytes) -> int:
+            wakes.append(threading.current_thread().name)
+            return pair.send(data)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(pair, name)
+
+    dev._client._sockpairW = Recorder()
+    try:
+        payload = os.urandom(8 * 64 * 1024)
+        coord.send(topics.down, payload).wait(30)  # each chunk PUBACKed by the device's network thread
+        assert inbox.arrived.wait(10)
+        assert inbox.payloads[0][1].data == payload
+    finally:
+        coord.stop()
+        dev.stop()
+    assert wakes  # the device's ack, published from another thread, still wakes it
+    assert f"paho-mqtt-client-{dev.config.client_id}" not in wakes
+
+
 def test_chunk_hooks_see_every_chunk_frame_both_ways_so_a_token_bucket_shapes_each_chunk(mosquitto):
     sent, received = [], []
     inbox = Inbox()
