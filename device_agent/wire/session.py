@@ -174,6 +174,8 @@ class SessionStats:
 
 
 _NO_PUBLISH_PROPERTIES = Properties(PacketTypes.PUBLISH)
+_PREALLOCATE = 16 * 2**20
+"""Largest packet body received into a buffer allocated whole up front; a larger one grows as it arrives."""
 
 
 class _Client(mqtt.Client):
@@ -190,6 +192,8 @@ class _Client(mqtt.Client):
       (QoS 0 or 2, a packet too short to decode) goes through paho's decoder, which also reports malformed
       packets its own way. A PUBLISH without properties (every one fedfleet sends) gets a copy of an empty
       ``Properties`` instead of a fresh one unpacked: paho builds its tables of property names per instance;
+    - a packet's body is received straight into a buffer of its size (``recv_into``): paho receives it piece by
+      piece and appends each piece to a growing buffer, a second copy of every byte received;
     - a packet queued on the network thread itself (the PUBACK of each inbound PUBLISH) does not wake that
       thread through paho's socket pair: it goes out on the loop's next turn, which selects for writing
       while packets wait. paho's wake-up cost each inbound chunk a send, a select and a recv.
@@ -220,6 +224,84 @@ class _Client(mqtt.Client):
             }
         )
         return mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS
+
+    def _packet_read(self) -> mqtt.MQTTErrorCode:  # paho's reader of inbound packets (paho-mqtt 2.x)
+        state = self._in_packet
+        if not hasattr(self._sock, "recv_into") or (
+            state["have_remaining"] and len(state["packet"]) != state["remaining_length"]
+        ):
+            return super()._packet_read()  # a socket without recv_into, or a body past _PREALLOCATE
+        try:
+            while not state["have_remaining"]:
+                byte = self._sock_recv(1)
+                if not byte:
+                    return mqtt.MQTTErrorCode.MQTT_ERR_CONN_LOST
+                if state["command"] == 0:
+                    state["command"] = byte[0]
+                    continue
+                state["remaining_count"].append(byte[0])
+                if len(state["remaining_count"]) > 4:
+                    return mqtt.MQTTErrorCode.MQTT_ERR_PROTOCOL
+                state["remaining_length"] += (byte[0] & 127) * state["remaining_mult"]
+                state["remaining_mult"] *= 128
+                if not byte[0] & 128:
+                    state["have_remaining"] = 1
+                    state["to_process"] = state["remaining_length"]
+                    if state["remaining_length"] > _PREALLOCATE:
+                        return super()._packet_read()
+                    state["packet"] = bytearray(state["remaining_length"])
+            with memoryview(state["packet"]) as body:
+                for _ in range(100):  # as paho: a huge packet does not hold the loop
+                    if not state["to_process"]:
+                        break
+                    received = self._sock_recv_into(body[len(body) - state["to_process"] :])
+                    if not received:
+                        return mqtt.MQTTErrorCode.MQTT_ERR_CONN_LOST
+                    state["to_process"] -= received
+                    with self._msgtime_mutex:
+                        self._last_bytes_received = time.monotonic()
+            if state["to_process"]:
+                return mqtt.MQTTErrorCode.MQTT_ERR_AGAIN
+        except BlockingIOError:
+            return mqtt.MQTTErrorCode.MQTT_ERR_AGAIN
+        except OSError as err:
+            self._easy_log(mqtt.MQTT_LOG_ERR, "failed to receive on socket: %s", err)
+            return mqtt.MQTTErrorCode.MQTT_ERR_CONN_LOST
+        return self._handle_read_packet()
+
+    def _handle_read_packet(self) -> mqtt.MQTTErrorCode:
+        """The end of paho's ``_packet_read``: handle the whole packet, then start the next one afresh."""
+        self._in_packet["pos"] = 0
+        try:
+            rc = self._packet_handle()
+        except mqtt.MalformedPacket as exc:
+            self._easy_log(mqtt.MQTT_LOG_DEBUG, "Received malformed packet: %s", exc)
+            rc = mqtt.MQTTErrorCode.MQTT_ERR_PROTOCOL
+        self._in_packet = {
+            "command": 0,
+            "have_remaining": 0,
+            "remaining_count": [],
+            "remaining_mult": 1,
+            "remaining_length": 0,
+            "packet": bytearray(),
+            "to_process": 0,
+            "pos": 0,
+        }
+        with self._msgtime_mutex:
+            self._last_bytes_received = time.monotonic()
+        return rc
+
+    def _sock_recv_into(self, view: memoryview) -> int:
+        """paho's ``_sock_recv``, into ``view``."""
+        if self._sock is None:
+            raise ConnectionError("self._sock is None")
+        try:
+            return self._sock.recv_into(view)
+        except ssl.SSLWantReadError as err:
+            raise BlockingIOError() from err
+        except ssl.SSLWantWriteError as err:
+            self._call_socket_register_write()
+            raise BlockingIOError() from err
 
     def _handle_publish(self) -> mqtt.MQTTErrorCode:  # paho's handler of an inbound PUBLISH (paho-mqtt 2.x)
         message = self._qos1_message(self._in_packet["command"], self._in_packet["packet"])
