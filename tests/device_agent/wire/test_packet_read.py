@@ -1,4 +1,4 @@
-"""The session's client reads packets off its socket as paho does, each body received straight into its buffer."""
+"""The sessions' client reads packets off its socket as paho does, each body received straight into its buffer."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
-from device_agent.wire import session
-from device_agent.wire.session import _Client
+from device_agent.wire import client as client_module
+from device_agent.wire.client import LeanClient
 
 
 class Trickle:
@@ -85,26 +85,26 @@ packets = st.lists(
 )
 
 
-@pytest.mark.parametrize("preallocate", [session._PREALLOCATE, 300], ids=["whole-body", "past-the-limit-too"])
+@pytest.mark.parametrize("preallocate", [client_module._PREALLOCATE, 300], ids=["whole-body", "past-the-limit-too"])
 @settings(max_examples=150, deadline=None)
 @given(packets=packets, pieces=st.lists(st.integers(1, 70_000), max_size=12))
 def test_packets_read_in_any_pieces_are_what_paho_reads(packets, pieces, preallocate):
     stream = b"".join(packet(command, body) for command, body in packets)
-    with patch.object(session, "_PREALLOCATE", preallocate):
-        ours = read_all(_Client, stream, pieces)
+    with patch.object(client_module, "_PREALLOCATE", preallocate):
+        ours = read_all(LeanClient, stream, pieces)
     assert ours == read_all(mqtt.Client, stream, pieces)
     assert ours[0] == packets
 
 
 def test_a_remaining_length_of_more_than_four_bytes_is_a_protocol_error_as_in_paho():
     stream = bytes([0x30, 0xFF, 0xFF, 0xFF, 0xFF, 0x7F])
-    ours = read_all(_Client, stream, [])
+    ours = read_all(LeanClient, stream, [])
     assert ours[1][0] == mqtt.MQTTErrorCode.MQTT_ERR_PROTOCOL
     assert ours[1][0] == read_all(mqtt.Client, stream, [])[1][0]
 
 
 def test_a_body_arriving_a_byte_at_a_time_gives_the_loop_back_after_100_reads_as_in_paho():
     stream = packet(0x30, bytes(250))
-    handled, returned = read_all(_Client, stream, [], per_call=1)
+    handled, returned = read_all(LeanClient, stream, [], per_call=1)
     assert returned.count(mqtt.MQTTErrorCode.MQTT_ERR_AGAIN) == 2
     assert (handled, returned) == read_all(mqtt.Client, stream, [], per_call=1)

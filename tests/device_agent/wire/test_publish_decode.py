@@ -1,4 +1,4 @@
-"""The session's client decodes a QoS 1 PUBLISH as paho does, without copying the payload."""
+"""The sessions' client decodes a QoS 1 PUBLISH as paho does, without copying the payload."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from device_agent.wire.session import _Client
+from device_agent.wire.client import LeanClient
 
 PUBLISH = 0x30
 
 
-def client(protocol: MQTTProtocolVersion, kind: type[mqtt.Client] = _Client) -> mqtt.Client:
+def client(protocol: MQTTProtocolVersion, kind: type[mqtt.Client] = LeanClient) -> mqtt.Client:
     return kind(CallbackAPIVersion.VERSION2, client_id="decode-test", protocol=protocol, manual_ack=True)
 
 
@@ -48,6 +48,10 @@ def v5_properties(expiry: int | None, user: list[tuple[str, str]]) -> Properties
     return properties
 
 
+# What MQTT allows in a UTF-8 string: no surrogates, no null, no byte order mark (paho refuses a packet holding one).
+mqtt_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00\ufeff"), max_size=8)
+
+
 @given(
     topic=st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=40).map(str.encode),
     mid=st.integers(1, 65535),
@@ -56,13 +60,13 @@ def v5_properties(expiry: int | None, user: list[tuple[str, str]]) -> Properties
     retain=st.booleans(),
     v5=st.booleans(),
     expiry=st.none() | st.integers(0, 2**32 - 1),
-    user=st.lists(st.tuples(st.text(max_size=8), st.text(max_size=8)), max_size=2),
+    user=st.lists(st.tuples(mqtt_text, mqtt_text), max_size=2),
 )
 def test_a_qos1_publish_decodes_as_paho_decodes_it(topic, mid, payload, dup, retain, v5, expiry, user):
     protocol = MQTTProtocolVersion.MQTTv5 if v5 else MQTTProtocolVersion.MQTTv311
     header = PUBLISH | 0x02 | (0x08 if dup else 0) | (0x01 if retain else 0)
     body = publish_body(topic, mid, payload, v5_properties(expiry, user) if v5 else None)
-    ours, theirs = (handed_over(kind, protocol, header, body) for kind in (_Client, mqtt.Client))
+    ours, theirs = (handed_over(kind, protocol, header, body) for kind in (LeanClient, mqtt.Client))
     assert isinstance(ours.payload, memoryview)
     fields = ("_topic", "mid", "qos", "dup", "retain")
     assert [getattr(ours, f) for f in fields] == [getattr(theirs, f) for f in fields] == [topic, mid, 1, dup, retain]
@@ -95,4 +99,10 @@ def test_anything_but_a_well_formed_qos1_publish_is_left_to_paho(header, body):
 
 def test_v5_properties_past_the_end_of_the_packet_are_left_to_paho():
     body = bytearray(struct.pack("!H", 1) + b"t" + struct.pack("!H", 1) + b"\x20")  # 32 bytes of properties, none sent
+    assert client(MQTTProtocolVersion.MQTTv5)._qos1_message(PUBLISH | 0x02, body) is None
+
+
+def test_v5_properties_paho_finds_malformed_are_left_to_paho():
+    properties = v5_properties(None, [("key", "a\x00b")])  # MQTT forbids a null in a UTF-8 string
+    body = publish_body(b"t", 1, b"payload", properties)
     assert client(MQTTProtocolVersion.MQTTv5)._qos1_message(PUBLISH | 0x02, body) is None
