@@ -80,6 +80,8 @@ MessageHandler = Callable[[str, Message], None]
 PayloadHandler = Callable[[str, Completed], None]
 # Told the size of each chunk frame (bytes on the wire); may block, which is how a link is shaped.
 ChunkHook = Callable[[int], object]
+AWAIT_CHUNKS_S = 10.0
+"""Longest a manifest waits on paho's thread for its transfer's chunks still being verified."""
 IDLE_TICK_S = 30.0
 """Longest sleep of an idle session's timer thread: a transfer that starts wakes it at once (one with transfers
 ticks every ``tick_s``). A worker hosts hundreds of sessions, and each wake-up costs its process the GIL."""
@@ -843,10 +845,20 @@ class Session:
 
     def _await_chunks(self, transfer: str) -> None:
         """Wait (on paho's thread) until ``transfer``'s chunks read before its manifest are filed: a seal that
-        found its last chunks still being verified would nack them, and its sender would send them again."""
+        found its last chunks still being verified would nack them, and its sender would send them again.
+
+        At most :data:`AWAIT_CHUNKS_S`: past it the manifest goes on (its nack costs resends, not a transfer),
+        so a hashing pool that stopped keeping up never stops this connection's reading for good.
+        """
         with self._filed:
-            while self._verifying[transfer]:
-                self._filed.wait()
+            if not self._filed.wait_for(lambda: not self._verifying[transfer], AWAIT_CHUNKS_S):
+                log.warning(
+                    "%s: %d chunk(s) of transfer %s still waited for verification after %.0f s; its manifest goes on",
+                    self.config.client_id,
+                    self._verifying[transfer],
+                    transfer,
+                    AWAIT_CHUNKS_S,
+                )
 
     def _admit_manifest(
         self, topic: str, receiver: IncomingTransfers, manifest: Manifest, now: float

@@ -442,6 +442,35 @@ def test_uploads_are_verified_once_per_chunk_on_the_hashing_pool_and_the_seal_wa
         dev.stop()
 
 
+def test_a_manifest_waits_for_its_chunks_only_so_long_then_goes_on(mosquitto, monkeypatch, caplog):
+    # A hashing pool that stopped keeping up must not stop the network thread's reading for good.
+    from device_agent.wire import session as session_module
+
+    release = threading.Event()
+
+    def stuck_check(data, digest):
+        release.wait(10)
+        return hashlib.sha256(data).digest() == digest
+
+    monkeypatch.setattr(session_module, "chunk_is_intact", stuck_check)
+    monkeypatch.setattr(session_module, "AWAIT_CHUNKS_S", 0.3)
+    inbox = Inbox()
+    coord = coordinator_session(mosquitto.fleet, mosquitto.address(), on_payload=inbox.on_payload).start()
+    dev, topics = device_session(mosquitto.fleet, "dev-a", mosquitto.address("dev-a"), chunk_size=64 * 1024)
+    dev.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="fedfleet.wire"):
+            delivery = dev.send(topics.up, os.urandom(3 * 64 * 1024), run="r", kind="update")  # unsealed
+            assert _until(lambda: "its manifest goes on" in caplog.text, timeout=5)
+        release.set()
+        delivery.wait(30)
+        assert inbox.arrived.wait(10)
+    finally:
+        release.set()
+        coord.stop()
+        dev.stop()
+
+
 def test_a_receiver_refuses_transfers_of_closed_rounds_at_their_manifest(mosquitto):
     received = Inbox()
     dev, topics = device_session(mosquitto.fleet, "dev-a", mosquitto.address("dev-a"))
