@@ -123,7 +123,8 @@ class _Burst:
 
 @dataclass
 class InboundGuard:
-    """The admission decisions of one receiving session; thread-safe (paho's thread and the session's timer call it)."""
+    """The admission decisions of one receiving session; thread-safe (paho's thread, the session's timer and the
+    hashing threads filing its chunks call it)."""
 
     limits: InboundLimits = field(default_factory=InboundLimits)
     on_refused: RefusalHandler | None = None

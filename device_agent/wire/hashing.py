@@ -36,12 +36,16 @@ class HashingPool(Executor):
     """Daemon threads taking work off one queue; inbound work is bounded by the bytes it waits to hash."""
 
     def __init__(self, threads: int = THREADS, queued_bytes: int = QUEUED_BYTES) -> None:
-        self._threads = threads
-        self._started: list[threading.Thread] = []
         self._work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._limit = queued_bytes
         self._queued = 0
         self._room = threading.Condition()
+        self._threads = [
+            threading.Thread(target=self._serve, name=f"fedfleet-sha256-{index}", daemon=True)
+            for index in range(threads)
+        ]
+        for thread in self._threads:
+            thread.start()
 
     @property
     def queued_bytes(self) -> int:
@@ -77,8 +81,7 @@ class HashingPool(Executor):
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop the threads once the work queued so far is done (``cancel_futures`` is not supported)."""
-        with self._room:
-            threads, self._started = self._started, []
+        threads, self._threads = self._threads, []
         for _thread in threads:
             self._work.put(None)
         if wait:
@@ -86,15 +89,8 @@ class HashingPool(Executor):
                 thread.join()
 
     def _put(self, work: Callable[[], None]) -> None:
-        if not self._started:
-            with self._room:
-                if not self._started:
-                    self._started = [
-                        threading.Thread(target=self._serve, name=f"fedfleet-sha256-{index}", daemon=True)
-                        for index in range(self._threads)
-                    ]
-                    for thread in self._started:
-                        thread.start()
+        if not self._threads:
+            raise RuntimeError("the hashing pool was shut down")
         self._work.put(work)
 
     def _serve(self) -> None:
@@ -117,7 +113,7 @@ _shared_lock = threading.Lock()
 
 
 def shared_pool() -> HashingPool:
-    """The process's one pool, made on first use."""
+    """The process's one pool, made (and its threads started) by the first session."""
     global _shared
     with _shared_lock:
         if _shared is None:

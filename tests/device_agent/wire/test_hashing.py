@@ -1,6 +1,8 @@
 import logging
 import threading
 
+import pytest
+
 from device_agent.wire.hashing import HashingPool
 
 
@@ -38,6 +40,8 @@ def test_outgoing_hashing_is_an_executor_whose_map_keeps_order_and_whose_threads
         assert isinstance(failed.exception(5), ValueError)
         running = _hashing_threads()
     assert running - _hashing_threads() == 3
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(int, "1")
 
 
 def _hashing_threads() -> int:
