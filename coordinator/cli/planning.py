@@ -161,4 +161,8 @@ def _plan(args: argparse.Namespace) -> int:
     Console().print(table)
     planned = sum(row.ratio is not None for row in rows)
     print(f"{planned} of {len(rows)} devices planned")
+    if fleet.privacy is not None:
+        from coordinator.privacy.layer import plan_statement
+
+        print(plan_statement(fleet.privacy, len(fleet.devices), fleet.participation, fleet.rounds))
     return 0

@@ -128,6 +128,9 @@ def _broker(fleet: Fleet, credentials: dict[str, Credentials], kits: Kits):
     return make_broker(broker_settings, prefer="amqtt" if settings.mode == "amqtt" else "auto")
 
 
+EXIT_PRIVACY_BUDGET = 3
+"""``coordinator start`` / ``emulate`` stopped before a round that would have passed fleet.yaml's privacy budget."""
+
 PLAIN_FALLBACK_WARNING = (
     "WARNING: mosquitto is not installed, so this emulation runs on the amqtt development broker "
     "WITHOUT TLS (plain MQTT 3.1.1 on {host}:{port}). Fine for a demo on one host; a real fleet needs "
@@ -198,6 +201,7 @@ def run_start(
         print(f"coordinator: error: {out_of_space_message(exc, args.run_dir or Path('runs'))}", file=sys.stderr)
         return 1
     before_broker_stops: Callable[[], object] | None = None
+    engine: RoundEngine | None = None
     try:
         try:
             broker.start()
@@ -246,6 +250,9 @@ def run_start(
         export_finished_run(fleet, run_dir)
     if rundir.metrics():
         print(f"report: {write_report(run_dir)}")
+    if not finished and engine is not None and engine.budget_exhausted is not None:
+        print(f"coordinator: stopped: {engine.budget_exhausted}", file=sys.stderr)
+        return EXIT_PRIVACY_BUDGET
     if not finished:
         print(f"stopped; run the same command to resume {run_dir}")
         return 0

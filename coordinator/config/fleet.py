@@ -32,6 +32,8 @@ from coordinator.config.checkpoints import Retention
 from coordinator.config.evaluation import EvaluationSettings
 from coordinator.config.limits import FleetLimits
 from coordinator.config.logins import COORDINATOR_USER
+from coordinator.privacy.settings import PrivacySettings
+from coordinator.privacy.support import privacy_problem
 from coordinator.strategies import STRATEGIES
 from coordinator.strategies.presets import apply_preset, preset_for
 from device_agent.clients.spec import TrainConfig
@@ -363,6 +365,9 @@ class Fleet(_Strict):
     limits: FleetLimits = Field(
         default_factory=FleetLimits, description="what the coordinator accepts from each device, how long it waits"
     )
+    privacy: PrivacySettings | None = Field(
+        None, description="user-level differential privacy (DP-FedAvg): clipping, noise, accountant, budget"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -447,6 +452,21 @@ class Fleet(_Strict):
             problems = self.export.problems(self.ratios, ids, strategy.personalized, strategy.levels.factorized)
             if problems:
                 raise ValueError("export." + "; export.".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _privacy_fits(self) -> Fleet:
+        """DP applies to strategies whose aggregate is one uniform sum; delta must be below 1 / devices."""
+        if self.privacy is None:
+            return self
+        problem = privacy_problem(self.strategy.name, self.strategy.params)
+        if problem is not None:
+            raise ValueError(f"privacy: {problem}")
+        if self.privacy.delta >= 1 / len(self.devices):
+            raise ValueError(
+                f"privacy.delta: {self.privacy.delta:g} is not below 1 / {len(self.devices)} devices: such a delta "
+                "allows publishing one device's data outright; use e.g. 1e-5"
+            )
         return self
 
     def samples_for(self, device: Device) -> int:

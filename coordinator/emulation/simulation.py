@@ -65,6 +65,8 @@ class RoundRecord:
     accuracy: float | None
     personalized_accuracy: float | None = None
     federated_accuracy: float | None = None
+    epsilon: float | None = None
+    """With ``privacy``: epsilon at the fleet's delta after this round."""
 
 
 @dataclass
@@ -124,6 +126,7 @@ def simulation_fleet(
     server_evaluation: bool = True,
     limits: Mapping[str, object] | None = None,
     participation: float = 1.0,
+    privacy: Mapping[str, object] | None = None,
 ) -> dict:
     """The fleet.yaml of a simulation: one device per client, every training option from ``train``,
     fleet.yaml's ``limits`` from ``limits`` (the upload gate's bounds); ``participation`` < 1 asks that
@@ -151,7 +154,7 @@ def simulation_fleet(
             "image_size": model.image_size,
         },
         "dataset": {"name": "digits", "seed": train.seed},
-        "strategy": {"name": strategy.name},
+        "strategy": {"name": strategy.name, **({"params": strategy.params.model_dump(mode="json")} if privacy else {})},
         "ratios": sorted({c.level for c in clients}, reverse=True),
         "rounds": rounds,
         "participation": participation,
@@ -163,6 +166,7 @@ def simulation_fleet(
             {"id": c.client_id, "profile": "simulated", "overrides": {"samples": len(c.train[1])}} for c in clients
         ],
         **({"limits": dict(limits)} if limits else {}),
+        **({"privacy": dict(privacy)} if privacy else {}),
     }
 
 
@@ -177,19 +181,20 @@ def simulate(
     link: Link | None = None,
     limits: Mapping[str, object] | None = None,
     participation: float = 1.0,
+    privacy: Mapping[str, object] | None = None,
 ) -> SimulationResult:
     """Run ``rounds`` rounds of ``strategy`` over ``clients``; ``train.seed`` seeds the run.
 
     ``server_evaluation=False`` runs as a coordinator without data: ``test`` and ``calibration`` go unused.
     ``link`` replaces the in-process devices (transport ``in_process``) with another transport whose
-    devices are named by the clients' ids. ``limits`` is fleet.yaml's section of that name (validated
-    the same way), e.g. the update bound.
+    devices are named by the clients' ids. ``limits`` and ``privacy`` are fleet.yaml's sections of those names
+    (validated the same way), e.g. the update bound, or DP-FedAvg's clipping and noise.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     if not clients:
         raise ValueError("a simulation needs at least one client")
-    raw = simulation_fleet(strategy, clients, rounds, train, server_evaluation, limits, participation)
+    raw = simulation_fleet(strategy, clients, rounds, train, server_evaluation, limits, participation, privacy)
     fleet = parse_fleet(raw, source="simulation")
     if link is None:
         link = fleet_link(fleet, devices=[LocalDevice(c.client_id, c.train, c.test) for c in clients])
@@ -233,6 +238,7 @@ def simulate(
                 m.accuracy,
                 m.personalized_accuracy,
                 m.federated_accuracy,
+                None if m.privacy is None else m.privacy.epsilon,
             )
             for m in metrics
         ],

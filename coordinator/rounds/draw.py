@@ -37,6 +37,8 @@ class ParticipantDraw:
         self.plans: dict[str, DevicePlan] = {}
         self.ceilings: dict[str, float] = {}
         self.step_downs: Counter[str] = Counter()
+        self.population = 0
+        """How many devices the last fresh draw chose from (the eligible ones): the privacy accountant's n."""
         self._last_plan: tuple[int, str] | None = None
 
     def draw(self, round_: int, roster: Roster) -> list[tuple[str, float]]:
@@ -46,6 +48,7 @@ class ParticipantDraw:
             return [(d, level) for d, level in saved.items() if d in roster.devices]
         self.plans = {p.device: p for p in self.planner(self.fleet, roster.catalog, roster.profiles(), self.ceilings)}
         eligible = sorted(d for d in roster.online() if self.plans[d].ratio is not None)
+        self.population = len(eligible)
         count = math.ceil(self.fleet.participation * len(eligible))
         chosen = random.Random(self.rundir.seed * 1_000_003 + round_).sample(eligible, count)
         self._log_plan(round_, roster, chosen)

@@ -33,6 +33,7 @@ from functools import partial
 from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.config.fleet import Fleet
 from coordinator.planning.planner import plan_fleet, why_no_one
+from coordinator.privacy.layer import private_strategy
 from coordinator.rounds.admission import Admission
 from coordinator.rounds.closing import RoundCloser, log_closed
 from coordinator.rounds.dispatch import Dispatcher
@@ -51,6 +52,7 @@ from coordinator.rounds.state import (
     refusal_reason,
 )
 from coordinator.rounds.upload_gate import UploadGate
+from coordinator.run.metrics import PrivacyMetrics
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ClientSlot, Strategy
 from coordinator.transport.link import Link
@@ -83,7 +85,14 @@ class RoundEngine:
     ) -> None:
         """``signatures``: the fleet's upload signature check (``security.sign_uploads``), None when off."""
         self.fleet = fleet
-        self.strategy = strategy
+        self.privacy = (
+            None
+            if fleet.privacy is None
+            else private_strategy(strategy, fleet.privacy, len(fleet.devices), fleet.participation, fleet.rounds)
+        )
+        self.strategy: Strategy = strategy if self.privacy is None else self.privacy
+        self.budget_exhausted: str | None = None
+        """Why the run stopped before its last round: the next round would have passed ``privacy`` budget."""
         self.rundir = rundir
         self.link = link
         self.settings = settings
@@ -93,11 +102,14 @@ class RoundEngine:
         self.draw = ParticipantDraw(fleet, planner, rundir)
         # The direction checks compare updates layer by layer: only where their layers align.
         unaligned = replace(settings.gate, direction_min_cosine=None, peer_min_cosine=None)
-        gate = UploadGate(settings.gate if strategy.aligned_updates else unaligned)
+        if self.privacy is not None:  # checks that compare devices with each other are outside the accountant
+            unaligned = replace(unaligned, update_bound_factor=None)
+        gate = UploadGate(settings.gate if self.strategy.aligned_updates else unaligned)
         expected = lambda d: fleet.samples_for(self.devices[d].device)  # noqa: E731
-        self.admission = Admission(gate, rundir, expected, signatures, strategy.declared_extras(), self.refused)
-        self.dispatch = Dispatcher(link, strategy, gate, rundir, fleet, settings.resend_after_s)
-        self.closer = RoundCloser(strategy, fleet, data, link, self.roster, settings.calibration_samples)
+        extras = self.strategy.declared_extras()
+        self.admission = Admission(gate, rundir, expected, signatures, extras, self.refused)
+        self.dispatch = Dispatcher(link, self.strategy, gate, rundir, fleet, settings.resend_after_s)
+        self.closer = RoundCloser(self.strategy, fleet, data, link, self.roster, settings.calibration_samples)
         self.open: OpenRound | None = None
         self.last = None
         self.stopping = threading.Event()
@@ -188,8 +200,11 @@ class RoundEngine:
             participants = self.draw.draw(round_, self.roster)
         if self.stopping.is_set():
             return False
+        population = self._population(round_, len(participants))
+        if self._over_budget(round_, population, len(participants)):
+            return False
         slots = [ClientSlot(d, level, self.fleet.samples_for(self.devices[d].device)) for d, level in participants]
-        self.rundir.save_participants(round_, dict(participants))
+        self.rundir.save_participants(round_, dict(participants), population)
         aggregate = self.strategy.open_round(round_, slots)
         self.admission.gate.open_round()
         self.dispatch.clear()
@@ -212,10 +227,35 @@ class RoundEngine:
         self.link.close_round(round_)
         self.admission.screen_round(self.open, lambda: self.strategy.open_round(round_, slots))
         self.last = self.closer.close(self.open, self._quorum(), pushed)
+        if self.privacy is not None:  # every drawn device counts, answered or not
+            release = self.privacy.charge(population, len(participants))
+            self.last = self.last.model_copy(update={"privacy": PrivacyMetrics(**vars(release))})
         self.rundir.complete_round(round_, self.strategy.state_dict(), self.last)
         self.open = None
         log_closed(self.last)
         progress(self)
+        return True
+
+    def _population(self, round_: int, drawn: int) -> int:
+        """The devices a round's participants were drawn from: this draw's, or the saved one of a resumed round."""
+        if self.rundir.saved_participants(round_) is None:
+            return self.draw.population
+        return self.rundir.saved_population(round_) or drawn  # unknown: as if every device was drawn (q = 1)
+
+    def _over_budget(self, round_: int, population: int, drawn: int) -> bool:
+        """True (and why, in ``budget_exhausted``) when round ``round_`` would take epsilon past the budget."""
+        budget = None if self.privacy is None else self.privacy.settings.budget
+        if self.privacy is None or budget is None:
+            return False
+        after = self.privacy.ledger.epsilon_with(self.privacy.round_charge(population, drawn))
+        if after <= budget:
+            return False
+        spent = self.privacy.ledger.epsilon()
+        self.budget_exhausted = (
+            f"privacy budget: round {round_} would take epsilon from {spent:.3f} to {after:.3f} at delta "
+            f"{self.privacy.settings.delta:g}, past the budget {budget:g}; the run stops after round {round_ - 1}"
+        )
+        log.warning("%s", self.budget_exhausted)
         return True
 
     def _await_answers(self, progress: Callable[[RoundEngine], None]) -> None:

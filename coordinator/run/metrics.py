@@ -58,6 +58,22 @@ class DeviceRoundMetrics(BaseModel):
     )
 
 
+class PrivacyMetrics(BaseModel):
+    """The run's user-level privacy after this round (fleet.yaml ``privacy``; docs/privacy.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    epsilon: NonNegative = Field(description="epsilon at delta after this round, from dp-accounting's RDP accountant")
+    delta: Annotated[float, Field(gt=0, lt=1)]
+    clip_norm: Annotated[float, Field(gt=0, allow_inf_nan=False)] = Field(
+        description="the clip norm for the next round (adaptive clipping moves it)"
+    )
+    noise_multiplier: Annotated[float, Field(gt=0, allow_inf_nan=False)]
+    unclipped_fraction: float | None = Field(
+        None, description="adaptive clipping: the noised fraction of devices whose update was within the clip norm"
+    )
+
+
 class RoundMetrics(BaseModel):
     """One closed round. ``phases`` splits ``seconds`` (e.g. plan, push, train, aggregate, evaluate, checkpoint).
 
@@ -83,6 +99,7 @@ class RoundMetrics(BaseModel):
     seconds: NonNegative
     phases: dict[str, NonNegative] = Field(default_factory=dict)
     devices: dict[str, DeviceRoundMetrics] = Field(default_factory=dict)
+    privacy: PrivacyMetrics | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> RoundMetrics:

@@ -341,6 +341,11 @@ def _summary(run: dict, rounds: list[RoundMetrics], quorum: float) -> str:
         ("bytes up / down", f"{_mib(up)} / {_mib(sum(row.bytes_down for row in rounds))}"),
         ("upload / payload (accepted)", f"{accepted_up / payload:.4f}" if payload else "n/a"),
         ("total time", f"{sum(row.seconds for row in rounds):.1f} s"),
+        *(
+            [("privacy (user-level)", f"epsilon {p.epsilon:.3f} at delta {p.delta:g} after {len(rounds)} rounds")]
+            if (p := rounds[-1].privacy) is not None
+            else []
+        ),
     ]
     return _table(("", "value"), rows)
 
@@ -387,7 +392,17 @@ def _per_round(rounds: list[RoundMetrics]) -> str:
         for row in rounds
     ]
     header = ("round", "accuracy", "loss", "federated accuracy", "participants", "selected", "up", "down", "seconds")
+    if any(row.privacy is not None for row in rounds):
+        header = (*header, "epsilon", "clip norm")
+        rows = [(*cells, *_privacy_cells(row)) for cells, row in zip(rows, rounds, strict=True)]
     return _table(header, rows)
+
+
+def _privacy_cells(row: RoundMetrics) -> tuple[str, str]:
+    """epsilon at delta after the round, and the clip norm for the next (docs/privacy.md)."""
+    if row.privacy is None:
+        return ("-", "-")
+    return (f"{row.privacy.epsilon:.3f} (delta {row.privacy.delta:g})", f"{row.privacy.clip_norm:.4g}")
 
 
 def load_run(run_dir: Path) -> tuple[dict, list[RoundMetrics]]:

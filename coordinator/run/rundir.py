@@ -440,14 +440,22 @@ class RunDir:
             self._journal = None  # its index loses a line: read it again
             return RoundJournal(entry.path.parent).quarantine(entry, self.path / QUARANTINE_DIR, reason, _now())
 
-    def save_participants(self, round_: int, participants: Mapping[str, float]) -> None:
+    def save_participants(self, round_: int, participants: Mapping[str, float], population: int | None = None) -> None:
         """Who takes part in ``round_`` at which level, written before any assignment leaves.
 
         A restart re-opens the same round with the same devices (their journaled updates still count).
+        ``population``: how many devices they were drawn from (the privacy accountant's n), kept for the restart.
         """
-        atomic_write(
-            self.path / OPEN_ROUND_FILE, json.dumps({"round": round_, "participants": dict(participants)}).encode()
-        )
+        record = {"round": round_, "participants": dict(participants), "population": population}
+        atomic_write(self.path / OPEN_ROUND_FILE, json.dumps(record).encode())
+
+    def saved_population(self, round_: int) -> int | None:
+        """The ``population`` saved with ``round_``'s participants, or None."""
+        saved = self.path / OPEN_ROUND_FILE
+        if not saved.exists():
+            return None
+        raw = json.loads(saved.read_text())
+        return raw.get("population") if raw.get("round") == round_ else None
 
     def saved_participants(self, round_: int) -> dict[str, float] | None:
         """The participants saved for ``round_`` by :meth:`save_participants`, or None (a fresh round)."""

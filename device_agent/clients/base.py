@@ -85,11 +85,12 @@ class ClientProgram(ABC):
 
     def _pool_key(self) -> tuple[type, SpecBase] | None:
         """Models of the same program and spec are interchangeable once loaded; None: a spec that cannot key."""
+        spec = self.spec.model_copy(update={"clip": None})  # a clip norm that moves each round keeps the model
         try:
-            hash(self.spec)
+            hash(spec)
         except TypeError:
             return None
-        return type(self), self.spec
+        return type(self), spec
 
     def release(self, sent: Mapping[str, torch.Tensor]) -> None:
         """The round is over: give the model back for the next program of this spec (see :mod:`.pool`).

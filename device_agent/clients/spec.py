@@ -75,6 +75,19 @@ class TrainConfig(BaseModel):
         return self.momentum if self.optimizer == "momentum" else 0.0
 
 
+class ClipOrder(BaseModel):
+    """User-level differential privacy: the device clips its whole update to L2 norm ``norm`` before upload.
+
+    See :mod:`device_agent.training.clipping` for the space it is measured in and docs/privacy.md for the rest.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    norm: PositiveFloat
+    report_unclipped: bool
+    """Adaptive clipping: send whether the update was within ``norm`` (one bit; the coordinator noises the count)."""
+
+
 class SpecBase(BaseModel):
     """Fields every strategy's client needs: what to build, and at which level."""
 
@@ -85,6 +98,9 @@ class SpecBase(BaseModel):
     model: ModelSpec
     level: Annotated[float, Field(gt=0, le=1)]
     """FedHM rank ratio gamma, HeteroFL/FedRolex width rate, or 1.0 (the whole model)."""
+    clip: ClipOrder | None = None
+    """Set when the fleet runs with ``privacy:``; None: the upload goes as trained. The one optional field: an
+    agent that predates it refuses a spec that carries it (unknown key), never training without clipping."""
 
 
 class FedHMSpec(SpecBase):
@@ -208,6 +224,7 @@ def strategies_of(spec_type: type[SpecBase]) -> tuple[str, ...]:
 __all__ = [
     "CLIENT_SPEC",
     "ClientSpec",
+    "ClipOrder",
     "FactorizedFLBetaSpec",
     "FactorizedFLSpec",
     "FedFacSpec",

@@ -16,12 +16,16 @@ import torch
 from torch import Tensor
 
 from device_agent.clients import build_program
+from device_agent.clients.base import ClientProgram
 from device_agent.clients.spec import ClientSpec, TrainConfig
+from device_agent.training.clipping import clip_update
 from device_agent.training.federated_evaluation import evaluate_received
 from device_agent.training.optimizer import Runner, TrainResult, evaluate_local, run_here, train_local
 from device_agent.wire.protocol import ReceivedEvaluation, pack_upload
 
 Split = tuple[Tensor, Tensor]
+UNCLIPPED = "dp_unclipped"
+"""The extra that carries adaptive clipping's bit: 1 when the update was within the clip norm."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ def train_assignment(
     body, each evaluation and the packing inside those (a packed GPU worker runs them on its compute threads).
     """
     program = build_program(spec, tensors, local)
+    sent = {k: v.detach().clone() for k, v in tensors.items()} if spec.clip is not None else None
     del tensors  # loaded into the program: the caller may hold the only other reference (run_assignment does not)
     with compute():
         received = run(lambda: evaluate_received(program, test, shard[0], device))
@@ -65,9 +70,22 @@ def train_assignment(
             run(lambda: evaluate_local(program, test, device, calibration=shard[0])) if len(test[1]) else None
         )
     with compute():
-        upload, keep = run(lambda: (pack_upload(program.upload(), program.extras()), program.keep()))
+        upload, keep = run(lambda: (pack_upload(*private_upload(program, spec, sent)), program.keep()))
     program.release({**upload, **keep})
     return TrainedRound(upload, keep, result, local_accuracy, received)
 
 
-__all__ = ["TrainedRound", "train_assignment"]
+def private_upload(
+    program: ClientProgram, spec: ClientSpec, sent: Mapping[str, Tensor] | None
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """(upload, extras) of the trained program: clipped to the spec's norm when the fleet runs with privacy."""
+    upload, extras = program.upload(), program.extras()
+    if spec.clip is None or sent is None:
+        return upload, extras
+    clipped = clip_update(sent, upload, spec.clip.norm)
+    if spec.clip.report_unclipped:
+        extras = {**extras, UNCLIPPED: torch.tensor([int(clipped.unclipped)], dtype=torch.int64)}
+    return clipped.upload, extras
+
+
+__all__ = ["UNCLIPPED", "TrainedRound", "private_upload", "train_assignment"]
