@@ -228,8 +228,10 @@ class Classifier:
     """An exported model in an onnxruntime session, with its preprocessing and class names."""
 
     def __init__(self, model: str | Path, threads: int | None = None) -> None:
-        import onnxruntime as ort
-
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            raise InferenceError("onnxruntime is not installed: pip install onnxruntime numpy") from None
         path = Path(model)
         if not path.is_file():
             raise InferenceError(f"{path}: no such model file")

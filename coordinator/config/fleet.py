@@ -37,9 +37,10 @@ from coordinator.privacy.support import privacy_problem
 from coordinator.strategies import STRATEGIES
 from coordinator.strategies.presets import apply_preset, preset_for
 from device_agent.clients.spec import TrainConfig
+from device_agent.common.names import DatasetName
 from device_agent.common.paths import anchor_keys
 from device_agent.common.profile import ComputeSpec, MemorySpec, NetworkSpec
-from device_agent.common.schema import DatasetName, DeviceName, FleetName, Partition, check_secret_ref
+from device_agent.common.schema import DeviceName, FleetName, Partition, check_secret_ref
 from device_agent.common.validation import describe
 from device_agent.models import MODELS
 from export.auto import ExportSettings

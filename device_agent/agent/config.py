@@ -18,10 +18,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from device_agent.agent.signing import parse_key
+from device_agent.common.names import DatasetName
 from device_agent.common.paths import anchor_keys
 from device_agent.common.profile import ComputeSpec
 from device_agent.common.schema import (
-    DatasetName,
     DeviceName,
     FleetName,
     SecretError,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from device_agent import __version__, infer
 from device_agent.cli.errors import DEBUG_FLAG, DEBUG_HELP, debug_requested, guarded
+from device_agent.cli.needs import install_hint, missing_packages
 
 if TYPE_CHECKING:
     from device_agent.common.profile import DeviceProfile
@@ -226,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 2
     if args.command is not None:
+        missing = missing_packages()
+        if missing:
+            print(f"device-agent: error: {install_hint(args.command, missing)}", file=sys.stderr)
+            return 1
         return guarded("device-agent", lambda: args.handler(args), user_errors(), debug_requested(argv))
     # No command: help rather than a guess, and a usage-error status so scripts notice.
     parser.print_help(sys.stderr)

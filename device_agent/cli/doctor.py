@@ -27,6 +27,7 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
 from device_agent.agent.config import AgentConfig, ConfigError, load_config, load_kit
 from device_agent.agent.lock import running_agent
+from device_agent.common.names import TORCH_CPU_INDEX
 from device_agent.data.datasets import DatasetError, check_source
 from device_agent.wire.messages import Status, encode
 from device_agent.wire.session import BrokerAddress
@@ -36,8 +37,6 @@ from device_agent.wire.topics import DeviceTopics
 _MIB = 1024**2
 MIN_DISK_BYTES = 1024 * _MIB
 MIN_MEMORY_BYTES = 512 * _MIB
-# The index of torch's CPU builds (no NVIDIA packages); the kits' install.sh uses the same one.
-TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 JETSON_MARKER = "/etc/nv_tegra_release"
 
 

@@ -14,21 +14,13 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from device_agent.common.paths import anchor, anchor_secret
-from device_agent.data.mapped import share_fitted_sets
-from device_agent.emulation.launcher import AgentExit, AgentGroup, AgentSpec, pack_specs, worker_command
+from device_agent.common.names import PASSWORD_ENV
 from device_agent.emulation.packing import PackingError, add_packing_arguments, describe, pack
-from device_agent.emulation.profile_config import (
-    PASSWORD_ENV,
-    DataShare,
-    EmulationError,
-    agent_config,
-    find_profile,
-    limits_for,
-    measure_host_gflops,
-    write_agent_config,
-)
+
+if TYPE_CHECKING:
+    from device_agent.emulation.launcher import AgentExit, AgentSpec
 
 _EPILOG = """\
 examples:
@@ -139,6 +131,17 @@ def _at_least(low: int) -> Callable[[str], int]:
 
 def agent_specs(args: argparse.Namespace, host_gflops: float) -> list[AgentSpec]:
     """Write one agent.yaml per device and return what to launch."""
+    from device_agent.common.paths import anchor, anchor_secret
+    from device_agent.emulation.launcher import AgentSpec
+    from device_agent.emulation.profile_config import (
+        DataShare,
+        EmulationError,
+        agent_config,
+        find_profile,
+        limits_for,
+        write_agent_config,
+    )
+
     profile = find_profile(args.profile, args.profile_dir)
     prefix = args.prefix or profile.name
     total = args.total if args.total is not None else args.first_index + args.count
@@ -180,6 +183,11 @@ def _for(template: str | None, device: str) -> str | None:
 
 
 def _emulate(args: argparse.Namespace) -> int:
+    # Imported here: the parser above is built by `device-agent --help`, which needs no torch.
+    from device_agent.data.mapped import share_fitted_sets
+    from device_agent.emulation.launcher import AgentGroup, pack_specs, worker_command
+    from device_agent.emulation.profile_config import EmulationError, measure_host_gflops
+
     try:
         slices = pack(args.count, args.workers, args.devices_per_worker, args.pack_above)
         host_gflops = args.host_gflops or measure_host_gflops(args.threads, args.device_type)

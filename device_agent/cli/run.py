@@ -6,17 +6,12 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from device_agent.agent.config import (
-    AgentConfig,
-    ConfigError,
-    load_config,
-    load_kit,
-    merge_overrides,
-    parse_config,
-)
-from device_agent.common.schema import DATASETS
+from device_agent.common.names import DATASETS
+
+if TYPE_CHECKING:
+    from device_agent.agent.config import AgentConfig
 
 _EPILOG = """\
 examples:
@@ -120,6 +115,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
     """agent.yaml (if given) with the flags on top; ``ConfigError`` names the bad key."""
+    from device_agent.agent.config import load_config, load_kit, merge_overrides, parse_config
+
     overrides: dict[str, Any] = {key: getattr(args, dest) for dest, key in _OVERRIDES.items()}
     if getattr(args, "kit", None) is not None:
         return load_kit(args.kit, overrides)
@@ -129,6 +126,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from device_agent.agent.config import ConfigError
+
     try:
         config = config_from_args(args)
     except ConfigError as exc:

@@ -7,8 +7,6 @@ import logging
 import sys
 from pathlib import Path
 
-from device_agent.agent.config import ConfigError
-
 _EPILOG = """\
 examples:
   device-agent worker --agents run/agents/worker-00.yaml
@@ -51,6 +49,7 @@ def _worker(args: argparse.Namespace) -> int:
             print(f"device-agent: error: {flag} must be >= 1, got {value}", file=sys.stderr)
             return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from device_agent.agent.config import ConfigError
     from device_agent.agent.runtime import AgentError
     from device_agent.emulation.worker import run_worker
 

@@ -7,8 +7,8 @@ and never the reverse.
 
 - names (fleet, device, run ids): :data:`NAME_PATTERN`, :func:`check_name`, :data:`FleetName`...;
 - secret references ``env:NAME`` / ``file:PATH``: :func:`check_secret_ref`, :func:`resolve_secret`;
-- datasets and partitions: :data:`DatasetName`, :class:`Partition` (``iid``, ``permuted_labels``,
-  ``dirichlet(ALPHA)``, ``domains`` or ``domains(N)``).
+- partitions: :class:`Partition` (``iid``, ``permuted_labels``, ``dirichlet(ALPHA)``, ``domains`` or
+  ``domains(N)``); data set names live in :mod:`device_agent.common.names`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import re
 from functools import partial
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, PositiveFloat, PositiveInt, model_validator
 
@@ -74,9 +74,6 @@ def resolve_secret(ref: str) -> str:
     except OSError as exc:
         raise SecretError(f"cannot read {path}: {exc.strerror}") from None
 
-
-DatasetName = Literal["digits", "fashion_mnist", "cifar10", "cifar100", "image_folder", "npz"]
-DATASETS: tuple[str, ...] = get_args(DatasetName)
 
 _PARTITION = re.compile(r"^(?P<kind>iid|permuted_labels|dirichlet|domains)(\((?P<arg>[^)]*)\))?$")
 _PARTITION_HELP = "use iid, permuted_labels, dirichlet(ALPHA > 0), domains or domains(N)"

@@ -29,13 +29,13 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from device_agent.agent.config import parse_config
 from device_agent.agent.probe import measure_matmul_gflops, resolve_device
 from device_agent.common.atomic import atomic_write
+from device_agent.common.names import PASSWORD_ENV
 from device_agent.common.paths import profile_files
 from device_agent.common.profile import ComputeSpec, MemorySpec, NetworkSpec
 from device_agent.common.validation import describe
 from device_agent.emulation.limits import slowdown_factor
 
 PROFILES_ENV = "FEDFLEET_PROFILES"
-PASSWORD_ENV = "FEDFLEET_PASSWORD"
 
 
 def password_env(index: int | None = None) -> str:

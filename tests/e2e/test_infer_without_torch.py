@@ -84,6 +84,24 @@ def test_infer_errors_name_the_problem(torchless_python: Path, cnn_export: Expor
     assert no_pillow.returncode == 1 and "needs Pillow" in no_pillow.stderr
 
 
+def test_the_command_line_without_torch(torchless_python: Path) -> None:
+    """--help, --version and a bare call work; a command that trains names what it needs in one line."""
+    helped = _run(torchless_python, "-m", "device_agent", "--help")
+    assert helped.returncode == 0, helped.stderr
+    assert all(command in helped.stdout for command in ("run", "doctor", "probe", "infer"))
+    version = _run(torchless_python, "-m", "device_agent", "--version")
+    assert version.returncode == 0 and version.stdout.strip().startswith("device-agent "), version.stderr
+    bare = _run(torchless_python, "-m", "device_agent")
+    assert bare.returncode == 2 and "usage: device-agent" in bare.stderr and "Traceback" not in bare.stderr
+    assert _run(torchless_python, "-m", "device_agent", "run", "--help").returncode == 0
+    for command in (["run", "--kit", "kit"], ["probe"], ["doctor", "--config", "agent.yaml"]):
+        result = _run(torchless_python, "-m", "device_agent", *command)
+        assert result.returncode == 1 and result.stdout == "", result.stderr
+        line, *rest = result.stderr.splitlines()
+        assert rest == [] and line.startswith(f"device-agent: error: {command[0]} needs torch")
+        assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in line
+
+
 def test_preprocessing_matches_the_training_data_pipeline() -> None:
     """Resize and channel conversion as device_agent.data.datasets.fit_to_model does them with torch."""
     image = np.random.default_rng(0).random((8, 8), dtype=np.float32)
