@@ -98,6 +98,9 @@ SUITE: tuple[Benchmark, ...] = (
     Benchmark("json_bounds"),
     Benchmark("probe_stability"),
     Benchmark("poisoning"),  # 54 short simulations: about 8 minutes on 2 idle cores, 20 on a busy one
+    # DP-FedAvg on Fashion-MNIST, 100 devices, 3 seeds, FedAvg and FedHM at epsilon inf/8/2, fixed and adaptive clip:
+    # 30 simulations; 5 rounds take about 30 minutes on 2 shared cores (the module's default is 10 rounds).
+    Benchmark("privacy", ("--rounds", "5", "--jobs", "2"), timeout_s=2 * 3600),
     Benchmark("soak", ("--minutes", "20"), timeout_s=3600),  # churn, broker and coordinator crashes for 20 minutes
 )
 

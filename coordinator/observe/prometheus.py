@@ -144,6 +144,12 @@ def _round_families(snapshot: Snapshot) -> Iterator[Metric]:
             f"{PREFIX}round_accuracy_ratio", f"{last_round} global test accuracy (0-1)", value=last.accuracy
         )
         yield GaugeMetricFamily(f"{PREFIX}round_loss", f"{last_round} global test loss", value=last.loss)
+    if last.epsilon is not None:
+        yield GaugeMetricFamily(
+            f"{PREFIX}privacy_epsilon",
+            "user-level epsilon after the last closed round, at fleet.yaml's privacy.delta (dp-accounting RDP)",
+            value=last.epsilon,
+        )
     if last.federated_accuracy is not None and last.federated_loss is not None:
         received = "federated evaluation of the model the devices received"
         yield GaugeMetricFamily(

@@ -72,6 +72,9 @@ class RoundView:
     bytes_down: int
     seconds: float
     phases: dict[str, float]
+    epsilon: float | None = None
+    """User-level epsilon after this round (fleet.yaml ``privacy``), at ``delta``; None without privacy."""
+    delta: float | None = None
 
     @classmethod
     def of(cls, metrics: RoundMetrics) -> RoundView:
@@ -90,6 +93,8 @@ class RoundView:
             bytes_down=metrics.bytes_down,
             seconds=metrics.seconds,
             phases=dict(metrics.phases),
+            epsilon=None if metrics.privacy is None else metrics.privacy.epsilon,
+            delta=None if metrics.privacy is None else metrics.privacy.delta,
         )
 
 

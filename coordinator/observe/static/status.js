@@ -167,7 +167,9 @@ function figures(last) {
   const parts = [];
   if (last.accuracy !== null) parts.push("accuracy " + last.accuracy.toFixed(3) + ", loss " + last.loss.toFixed(3));
   if (last.federated_accuracy !== null) parts.push("federated accuracy " + last.federated_accuracy.toFixed(3));
-  return parts.join(", ") || "not evaluated";
+  const evaluated = parts.join(", ") || "not evaluated";
+  // fleet.yaml privacy: the run's user-level epsilon after this round (docs/privacy.md).
+  return last.epsilon != null ? evaluated + ", epsilon " + last.epsilon.toFixed(3) + " (delta " + last.delta + ")" : evaluated;
 }
 
 function render(s) {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import re
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -89,3 +90,15 @@ def test_the_grafana_example_is_valid_json_and_queries_only_exported_metrics(wat
     }
     assert len(dashboard["panels"]) >= 10 and queried
     assert queried <= exported, queried - exported
+
+
+def test_a_private_run_exports_its_epsilon(watched_run: WatchedRun) -> None:
+    snapshot = watched_run.watch.snapshot
+    assert snapshot is not None
+    assert not any(name == "fedfleet_privacy_epsilon" for name, _ in scrape(watched_run.watch))
+    last = replace(snapshot.history[-1], epsilon=2.5, delta=1e-5)
+    private = replace(snapshot, history=[*snapshot.history[:-1], last])
+    registry = CollectorRegistry()
+    registry.register(RunCollector(lambda: private))
+    text = generate_latest(registry).decode()
+    assert "fedfleet_privacy_epsilon 2.5" in text
