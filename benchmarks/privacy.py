@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -93,6 +95,18 @@ def run_cell(cell: Cell, args: argparse.Namespace, data: LabeledData) -> dict:
     }
 
 
+_WORKER_DATA: list[LabeledData] = []
+
+
+def _load_in_worker(load: Callable[[], LabeledData]) -> None:
+    torch.set_num_threads(1)
+    _WORKER_DATA.append(load())
+
+
+def _run_in_worker(cell: Cell, args: argparse.Namespace) -> dict:
+    return run_cell(cell, args, _WORKER_DATA[0])
+
+
 def cells_for(args: argparse.Namespace) -> list[Cell]:
     cells = []
     for strategy in args.strategies:
@@ -146,14 +160,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    data = load_data("fashion_mnist", args.devices * args.samples_per_device, args.test_samples)
+    load = partial(load_data, "fashion_mnist", args.devices * args.samples_per_device, args.test_samples)
     cells = cells_for(args)
-    run = partial(run_cell, args=args, data=data)
-    if args.jobs > 1:
-        with ProcessPoolExecutor(args.jobs) as pool:
-            results = list(pool.map(run, cells))
+    if args.jobs > 1:  # spawned, not forked: a fork of a process with torch's threads running can hang
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(args.jobs, mp_context=context, initializer=_load_in_worker, initargs=(load,)) as pool:
+            results = list(pool.map(partial(_run_in_worker, args=args), cells))
     else:
-        results = [run(cell) for cell in cells]
+        data = load()
+        results = [run_cell(cell, args, data) for cell in cells]
     summary = summarize(results)
     at8 = [s for s in summary if s["target_epsilon"] == 8.0 and s["gap_points"] is not None]
     params = sum(p.numel() for p in build_model(ARCH, 10, 1).parameters())
