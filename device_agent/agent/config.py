@@ -179,7 +179,10 @@ class AgentConfig(_Section):
     # Not in the lead's sample file: how often the agent refreshes its retained status (seconds).
     heartbeat_s: float = Field(default=10.0, gt=0)
     connect_timeout_s: float = Field(
-        default=300.0, gt=0, description="give up (exit 1) if the broker cannot be reached this long at start-up"
+        default=300.0,
+        gt=0,
+        description="give up (exit 1) if the broker cannot be reached, or the TLS handshake or login does not "
+        "succeed, this long at start-up",
     )
 
     # Where this device's upload-signing key is (env:/file:); set when the fleet has security.sign_uploads.

@@ -7,6 +7,7 @@ transport, or a test's fake coordinator, is another class with these few methods
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
@@ -99,8 +100,15 @@ class MqttPort:
         self.topics = DeviceTopics(config.fleet, config.device)
         self._hooks = before_chunk_out, after_chunk_in
         self._session: Session | None = None
+        self.connect_timeout_s = config.connect_timeout_s
+        self._give_up: float | None = None
+        """The monotonic deadline of the first connection; :meth:`fatal` reports it passed."""
 
     def start(self, on_message: MessageHandler, on_payload: PayloadHandler, timeout: float | None = None) -> None:
+        """Start connecting and return at once; never connected ``timeout`` s later, :meth:`fatal` says why.
+
+        Not a blocking wait, so a stop (Ctrl-C) during a long one is served at once.
+        """
         self._session, _ = device_session(
             self.fleet,
             self.device,
@@ -112,7 +120,8 @@ class MqttPort:
             protocol=self.protocol,
             keepalive_s=self.keepalive_s,
         )
-        self._session.start(timeout=timeout)
+        self._session.start(timeout=None)
+        self._give_up = None if timeout is None else time.monotonic() + timeout
 
     def stop(self) -> None:
         """Leave the fleet: a clean disconnect discards the ``offline`` will, so say it, and take back the hello.
@@ -152,6 +161,11 @@ class MqttPort:
         session = self._started()
         if session.refused:
             return f"{session.refused}; check the device's broker.password (--password)"
+        if self._give_up is not None and session.stats.connects == 0 and time.monotonic() > self._give_up:
+            return (
+                f"could not connect to {self.address.url} within {self.connect_timeout_s:g} s (connect_timeout_s, "
+                f"--connect-timeout): {session.connect_failure or 'no answer from the broker'}"
+            )
         if session.stats.publish_denied and not session.stats.published:
             return (
                 f"the broker refuses every message this device sends on {self.topics.up}: is fleet "

@@ -174,7 +174,8 @@ class Agent:
         """Connect and serve until stopped; the session keeps reconnecting on its own.
 
         Raises :class:`AgentError` when the broker refuses the login, at start-up or on a later
-        reconnect: retrying with credentials the broker refused cannot succeed.
+        reconnect: retrying with credentials the broker refused cannot succeed; and when the first
+        connection has not succeeded ``connect_timeout`` s after the start (a TLS handshake that fails).
         """
         try:
             self.port.start(
@@ -397,12 +398,14 @@ def run_agent(config: AgentConfig, profile: DeviceProfile | None = None, hooks: 
     with lock:
         agent = Agent(config, profile, hooks)  # first: a setting of this device (no CUDA...) fails before any waiting
         broker = BrokerAddress.from_url(config.broker.url)
+        started = time.monotonic()
         try:
             wait_for_broker(broker.host, broker.port, config.connect_timeout_s)
         except ConnectionError as exc:
             raise AgentError(str(exc)) from None
         stop_on_signals(agent.stop)
-        agent.run()
+        # The rest of the budget for the MQTT connection itself: a TLS handshake that fails is not retried forever.
+        agent.run(connect_timeout=max(1.0, config.connect_timeout_s - (time.monotonic() - started)))
     return 0
 
 

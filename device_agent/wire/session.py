@@ -255,6 +255,8 @@ class Session:
         self._refusal = ""
         self._stale: tuple[Callable[[Manifest], bool], str] | None = None
         self._unreachable_said = False
+        self.connect_failure: str | None = None
+        """Why the last attempt to connect failed (unreachable, TLS handshake...), said once per outage."""
         self._stopping = threading.Event()
         self._events: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
@@ -581,7 +583,7 @@ class Session:
             if why is None and broker.tls:  # TCP opens, so the handshake failed: the clock, the CA, the name?
                 problem = why_tls_fails(broker.host, broker.port, broker.ca_file, broker.cert_file, broker.key_file)
                 why = str(problem) if problem else None
-            why = why or "the connection failed"
+            why = self.connect_failure = why or "the connection failed"
             log.warning("%s: cannot reach broker %s: %s; retrying", self.config.client_id, broker.url, why)
 
     def _handle_disconnect(self, _client: mqtt.Client, _userdata: Any, _flags: Any, reason: Any, _props: Any) -> None:

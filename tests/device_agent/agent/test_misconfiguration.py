@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import socket
 import threading
+import time
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
@@ -15,6 +17,7 @@ from device_agent.agent.config import AgentConfig, parse_config
 from device_agent.agent.runtime import Agent, AgentError, run_agent
 from device_agent.wire.messages import PROTOCOL_VERSION, encode, incompatible
 from device_agent.wire.topics import DeviceTopics
+from tests.device_agent.wire.tls_servers import make_pki, tls_server
 from tests.device_profiles import reported_profile
 from tests.transport_fixtures import TestBroker
 
@@ -108,3 +111,34 @@ def test_nothing_listening_on_the_broker_port_is_named_and_given_up_on(
 
     with pytest.raises(AgentError, match=rf"nothing is listening on 127.0.0.1:{port} .* gave up after 1 s"):
         run_agent(config, PROFILE)
+
+
+def test_a_tls_handshake_that_keeps_failing_ends_at_the_connect_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TCP opens but the handshake fails (a clock before the certificate): exit with the cause, not retry forever."""
+    now = dt.datetime.now(dt.timezone.utc)
+    pki = make_pki(tmp_path / "pki", now + dt.timedelta(days=2), now + dt.timedelta(days=30))
+    monkeypatch.setenv("FEDFLEET_TEST_DEV_A", "pw")
+    with tls_server(pki) as port:
+        config = parse_config(
+            {
+                "device": "dev-a",
+                "fleet": "demo",
+                "broker": {
+                    "url": f"mqtts://localhost:{port}",
+                    "password": "env:FEDFLEET_TEST_DEV_A",
+                    "ca_file": str(pki.ca_file),
+                },
+                "device_type": "cpu",
+                "state_dir": str(tmp_path / "agent"),
+                "connect_timeout_s": 2,
+            }
+        )
+        started = time.monotonic()
+        with pytest.raises(AgentError) as raised:
+            run_agent(config, PROFILE)
+    assert time.monotonic() - started < 15
+    message = str(raised.value)
+    assert f"could not connect to mqtts://localhost:{port} within 2 s (connect_timeout_s, --connect-timeout)" in message
+    assert "not yet valid" in message
