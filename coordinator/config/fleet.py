@@ -41,7 +41,7 @@ from device_agent.common.names import DatasetName
 from device_agent.common.paths import anchor_keys
 from device_agent.common.profile import ComputeSpec, MemorySpec, NetworkSpec
 from device_agent.common.schema import DeviceName, FleetName, Partition, check_secret_ref
-from device_agent.common.validation import describe
+from device_agent.common.validation import describe, with_hints
 from device_agent.models import MODELS
 from export.auto import ExportSettings
 from profiles.catalog import Catalog, ProfileError, load_catalog, unknown_profile_message
@@ -194,7 +194,12 @@ class Strategy(_Strict):
     @classmethod
     def _params_for_strategy(cls, params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         strategy = STRATEGIES.get(info.data.get("name", ""))
-        return params if strategy is None else strategy.Params.model_validate(params).model_dump()
+        if strategy is None:
+            return params
+        try:
+            return strategy.Params.model_validate(params).model_dump()
+        except ValidationError as exc:
+            raise with_hints(exc, strategy.Params) from None
 
 
 class Training(_Strict):
@@ -324,7 +329,7 @@ class Device(_Strict):
                 try:
                     base.model_validate({**base.model_dump(), **patch.model_dump(exclude_none=True)})
                 except ValidationError as exc:
-                    raise ValueError(describe(exc, prefix=f"overrides.{section}")) from None
+                    raise ValueError(describe(exc, prefix=f"overrides.{section}", model=type(base))) from None
         return self
 
 
@@ -485,7 +490,7 @@ def parse_fleet(data: Any, catalog: Mapping[str, Any] | None = None, source: str
     try:
         return Fleet.model_validate(data, context={"profiles": catalog})
     except ValidationError as exc:
-        raise FleetError(f"{source}:\n" + describe(exc, sep="\n")) from None
+        raise FleetError(f"{source}:\n" + describe(exc, sep="\n", model=Fleet)) from None
 
 
 def anchor_file_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:

@@ -215,7 +215,7 @@ def parse_config(raw: dict[str, Any], where: str = "agent config") -> AgentConfi
     try:
         return AgentConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(f"{where}: {describe(exc, empty='<file>')}") from None
+        raise ConfigError(f"{where}: {describe(exc, empty='<file>', model=AgentConfig)}") from None
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

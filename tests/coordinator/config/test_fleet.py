@@ -82,7 +82,7 @@ MISTAKES = [
     ("broker", None, "broker: Field required"),
     ("training.batch_size", "lots", "training.batch_size: Input should be a valid integer"),
     ("training.batch_size", 0, "training.batch_size: Input should be greater than 0"),
-    ("devices.0.profil", "x", "devices[0].profil: Extra inputs are not permitted"),
+    ("devices.0.profil", "x", "devices[0].profil: Extra inputs are not permitted (did you mean 'profile'?)"),
     ("broker.mode", "external", "broker: mode external needs url"),
     ("broker.url", "http://broker:1883", "broker: url is only for mode external"),
     ("broker.password", "hunter2", "broker.password: must be a reference like env:NAME or file:PATH"),
@@ -112,7 +112,11 @@ MISTAKES = [
     ("devices.0.id", "coordinator", "devices[0].id: 'coordinator' is the coordinator's broker login"),
     ("broker.username", "fedcoord", "broker: username 'fedcoord' only applies to an external broker"),
     ("fleet", "my fleet", "fleet: invalid fleet name 'my fleet'"),
-    ("limits.max_upload_byte", 1024, "limits.max_upload_byte: Extra inputs are not permitted"),
+    (
+        "limits.max_upload_byte",
+        1024,
+        "limits.max_upload_byte: Extra inputs are not permitted (did you mean 'max_upload_bytes'?)",
+    ),
     ("limits.max_upload_bytes", 0, "limits.max_upload_bytes: Input should be greater than 0"),
     ("limits.max_upload_bytes", "lots", "limits.max_upload_bytes: could not parse value and unit"),
     ("limits.messages_per_s", 0, "limits.messages_per_s: Input should be greater than 0"),
@@ -122,7 +126,14 @@ MISTAKES = [
     ("limits.rejected_grace_s", -1, "limits.rejected_grace_s: Input should be greater than or equal to 0"),
     ("limits.resend_after_s", 0, "limits.resend_after_s: Input should be greater than 0"),
     ("transport.kind", "grpc", "transport.kind: Input should be 'mqtt' or 'in_process'"),
-    ("transport.knd", "mqtt", "transport.knd: Extra inputs are not permitted"),
+    ("transport.knd", "mqtt", "transport.knd: Extra inputs are not permitted (did you mean 'kind'?)"),
+    ("roundz", 3, "roundz: Extra inputs are not permitted (did you mean 'rounds'?)"),
+    ("broker.prot", 1883, "broker.prot: Extra inputs are not permitted (did you mean 'port'?)"),
+    (
+        "devices.0.overrides",
+        {"memory": {"totl": "4 GiB"}},
+        "devices[0].overrides.memory.totl: Extra inputs are not permitted (did you mean 'total'?)",
+    ),
 ]
 
 
@@ -150,7 +161,10 @@ def test_strategy_parameters_are_validated_by_the_strategy_itself() -> None:
 
     assert fleet.strategy.params["weighting"] == "reference"
     assert fleet.strategy.params["temperature"] == 0.5
-    with pytest.raises(FleetError, match=r"strategy\.params\.temprature: Extra inputs are not permitted"):
+    with pytest.raises(
+        FleetError,
+        match=r"strategy\.params\.temprature: Extra inputs are not permitted \(did you mean 'temperature'\?\)",
+    ):
         parse_fleet(_with("strategy", {"name": "fedhm", "params": {"temprature": 0.5}}), CATALOG)
     with pytest.raises(FleetError, match=r"strategy\.params\.temperature: Input should be greater than 0"):
         parse_fleet(_with("strategy", {"name": "fedhm", "params": {"temperature": 0}}), CATALOG)
