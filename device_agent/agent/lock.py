@@ -1,16 +1,26 @@
-"""One agent per state directory, and a way for ``doctor`` to tell that it is running.
+"""One agent per device on this machine, and a way for ``doctor`` to tell that it is running.
 
-A fedfleet broker uses the login as the MQTT client id (``use_username_as_clientid``), so a second
-connection with the device's login (a second agent, or ``doctor``'s login check) takes over the
-running agent's session and disconnects it. ``device-agent run`` therefore holds an exclusive
-``flock`` on ``STATE_DIR/agent.lock`` (with its pid inside) while it runs; the kernel drops the lock
-when the process ends, however it ends, so a stale file never blocks a restart.
+A fedfleet broker uses the login as the MQTT client id (``use_username_as_clientid``: one device's
+login can never take over another's connection), so a second connection with the device's login (a
+second agent, or ``doctor``'s login check) takes over the running agent's session and disconnects it.
+``device-agent run`` therefore holds, while it runs:
+
+- an exclusive ``flock`` on ``STATE_DIR/agent.lock`` with its pid inside;
+- on Linux, an abstract Unix socket named after the broker, fleet and device (:func:`device_key`):
+  machine-wide, whatever the state dir, the user or a service's private /tmp, so a second unpacked copy
+  of the same kit is caught too.
+
+The kernel drops both when the process ends, however it ends, so nothing stale blocks a restart.
+An agent on another machine with the same login is beyond both; only the broker knows of it.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
+import socket
+import sys
 from pathlib import Path
 from typing import IO
 
@@ -70,3 +80,44 @@ def running_agent(state_dir: Path) -> int | None:
             return _pid_in(path) or 0
         fcntl.flock(handle, fcntl.LOCK_UN)
     return None
+
+
+def device_key(host: str, port: int, fleet: str, device: str) -> str:
+    """What two agents must not share on one machine: one login on one broker."""
+    return f"{host}:{port}/{fleet}/{device}"
+
+
+def _address(key: str) -> str:
+    # Abstract names (a leading NUL) live outside the file system: no file to clean up, any user sees them.
+    return "\0fedfleet-agent-" + hashlib.sha256(key.encode()).hexdigest()[:40]
+
+
+def claim_device(key: str, state_dir: Path) -> socket.socket | None:
+    """Claim ``key`` on this machine for as long as the returned socket stays open (None where unsupported).
+
+    Raises :class:`AlreadyRunning` when an agent with the same login on the same broker already runs here.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        claim.bind(_address(key))
+    except OSError:
+        claim.close()
+        raise AlreadyRunning(
+            f"another device agent for {key} is running on this machine (another copy of the kit, or another "
+            f"state dir than {state_dir}): two agents with one login take over each other's broker session; "
+            "stop the other one"
+        ) from None
+    return claim
+
+
+def device_running_here(key: str) -> bool:
+    """Whether an agent holds ``key``'s claim on this machine (always False where claims are unsupported)."""
+    try:
+        probe = claim_device(key, Path())
+    except AlreadyRunning:
+        return True
+    if probe is not None:
+        probe.close()
+    return False

@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -37,7 +38,7 @@ from device_agent import __version__
 from device_agent.agent.config import AgentConfig
 from device_agent.agent.hooks import HooksFor, RuntimeHooks
 from device_agent.agent.kept import KeptStore
-from device_agent.agent.lock import AlreadyRunning, hold
+from device_agent.agent.lock import AlreadyRunning, claim_device, device_key, hold
 from device_agent.agent.outbox import Outbox, OutboxCorrupt, OutboxItem
 from device_agent.agent.port import CoordinatorPort, MqttPort, Signer, Upload
 from device_agent.agent.probe import resolve_device
@@ -384,20 +385,25 @@ class Agent:
 def run_agent(config: AgentConfig, profile: DeviceProfile | None = None, hooks: HooksFor | None = None) -> int:
     """Run until SIGINT/SIGTERM; the exit code of ``device-agent run``.
 
-    Holds the state directory's lock (``device_agent.agent.lock``) throughout: a second agent on the
-    same state would log in with the same login and take over this one's broker session.
+    Holds the state directory's lock and the device's claim on this machine (``device_agent.agent.lock``)
+    throughout: a second agent with the same login would take over this one's broker session.
     """
     try:
         check_source(config.data.source)
     except DatasetError as exc:
         raise AgentError(str(exc)) from None
+    broker = BrokerAddress.from_url(config.broker.url)
     try:
         lock = hold(Path(config.state_dir))
     except AlreadyRunning as exc:
         raise AgentError(str(exc)) from None
-    with lock:
+    try:
+        claim = claim_device(device_key(broker.host, broker.port, config.fleet, config.device), config.state_dir)
+    except AlreadyRunning as exc:
+        lock.close()
+        raise AgentError(str(exc)) from None
+    with lock, claim or nullcontext():
         agent = Agent(config, profile, hooks)  # first: a setting of this device (no CUDA...) fails before any waiting
-        broker = BrokerAddress.from_url(config.broker.url)
         started = time.monotonic()
         try:
             wait_for_broker(broker.host, broker.port, config.connect_timeout_s)

@@ -26,7 +26,7 @@ import psutil
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
 from device_agent.agent.config import AgentConfig, ConfigError, load_config, load_kit
-from device_agent.agent.lock import running_agent
+from device_agent.agent.lock import device_key, device_running_here, running_agent
 from device_agent.common.names import TORCH_CPU_INDEX
 from device_agent.data.datasets import DatasetError, check_source
 from device_agent.wire.messages import Status, encode
@@ -279,12 +279,28 @@ def check_resources(config: AgentConfig) -> list[Check]:
     ]
 
 
+def _running_agent(config: AgentConfig, address: BrokerAddress) -> str | None:
+    """Which agent with this login runs on this machine, in words; None when none does.
+
+    The state dir's lock names its pid; the machine-wide claim also finds an agent started from another
+    copy of the kit (another state dir), which the lock cannot see.
+    """
+    pid = running_agent(config.state_dir)
+    if pid is not None:
+        return f"the agent is running (pid {pid or '?'}, lock in {config.state_dir})"
+    key = device_key(address.host, address.port, config.fleet, config.device)
+    if device_running_here(key):
+        return f"an agent for {key} is running on this machine (another copy of the kit or another state dir)"
+    return None
+
+
 def diagnose(source: Path, timeout: float = 5.0, *, kit: bool = False, force: bool = False) -> list[Check]:
     """Every check, in order; stops early only when the config itself cannot be read.
 
     ``source`` is agent.yaml, or with ``kit`` an unpacked kit's folder (see ``load_kit``). While the
     agent runs, the login check is skipped unless ``force``: the broker takes the login as the client
-    id, so doctor's login would disconnect the agent and could cost it a round.
+    id, so doctor's login would disconnect the agent and could cost it a round. "Runs" means on this
+    machine, from this state dir or any other (see :mod:`device_agent.agent.lock`).
     """
     try:
         config = load_kit(source) if kit else load_config(source)
@@ -312,15 +328,15 @@ def diagnose(source: Path, timeout: float = 5.0, *, kit: bool = False, force: bo
         checks.append(Check("secrets readable", True, read + (", signing key" if config.signing_key else "")))
     network = check_network(address, timeout) if address else [Check("broker", None, "no usable broker settings")]
     checks += network
-    agent = running_agent(config.state_dir)
     if address is not None and all(c.ok is not False for c in network):
-        if agent is not None and not force:
+        running = _running_agent(config, address)
+        if running is not None and not force:
             checks.append(
                 Check(
                     "login accepted",
                     None,
-                    f"skipped: the agent is running (pid {agent or '?'}, lock in {config.state_dir}); logging in as "
-                    f"{config.device} would take over its broker session. Stop it to check, or --force",
+                    f"skipped: {running}; logging in as {config.device} would take over its broker session. "
+                    "Stop it to check, or --force",
                 )
             )
         else:

@@ -1,11 +1,16 @@
-"""``device-agent doctor`` on the device side: a running agent's session is left alone, torch is judged
-without crashing, and an unpacked kit is checked where it lies (real mosquitto with the kit's TLS)."""
+"""``device-agent doctor`` on the device side: a running agent's session is left alone (from this state dir
+or another copy of the kit), torch is judged without crashing, and an unpacked kit is checked where it lies
+(real mosquitto with the kit's TLS)."""
 
 from __future__ import annotations
 
 import os
 import platform
+import shutil
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +23,7 @@ from device_agent.agent.lock import hold
 from device_agent.cli.app import main
 from device_agent.cli.doctor import TORCH_CPU_INDEX, AgentConfig, check_cpu, check_torch
 from tests.coordinator.provision.kit_fixtures import kit_broker, make_fleet, provision_into
+from tests.paths import REPO_ROOT
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +121,54 @@ def test_run_from_a_kit_refuses_to_start_beside_a_running_agent(kit: Path, capsy
     err = capsys.readouterr().err
     assert code == 1
     assert f"another device agent (pid {os.getpid()}) is running with state dir {kit / 'state'}" in err
+
+
+def _copy(kit: Path, to: Path) -> Path:
+    """An unpacked copy of the kit with a state dir of its own, as a second `tar x` elsewhere makes."""
+    shutil.copytree(kit, to, ignore=shutil.ignore_patterns("state"))
+    return to
+
+
+def _wait_for(log: Path, text: str, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        assert process.poll() is None, f"the agent exited ({process.returncode}):\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"no {text!r} in {timeout} s:\n{log.read_text()}"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_doctor_on_another_copy_of_the_kit_leaves_the_online_agent_alone(
+    kit: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A real agent runs from one unpacked copy; doctor (and a second agent) on another copy, whose state dir
+    holds no lock, must not log in as the device: on the real broker that login would drop the agent."""
+    first, second = _copy(kit, tmp_path / "first"), _copy(kit, tmp_path / "second")
+    log = tmp_path / "agent.log"
+    with open(log, "wb") as out:
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "device_agent", "run", "--kit", str(first), "--log-level", "INFO"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        )
+    try:
+        _wait_for(log, "connected to mqtts://localhost", agent)
+        code, out = _doctor(capsys, "--kit", str(second))
+        assert code == 0, out
+        assert "SKIP  login accepted         skipped: an agent for localhost:" in out
+        assert "/kitfleet/a is running on this machine (another copy of the kit or another state dir)" in out
+        assert "PASS  TLS verifies" in out and "may write own topics" not in out
+        assert main(["run", "--kit", str(second), "--log-level", "ERROR"]) == 1
+        assert "/kitfleet/a is running on this machine" in capsys.readouterr().err
+        time.sleep(1.5)  # a takeover shows at once in the agent's log; a session reconnects after ~1 s
+        assert "disconnected from" not in log.read_text()
+        # What the check prevents: doctor's login, forced, takes the agent's place on the broker.
+        code, out = _doctor(capsys, "--kit", str(second), "--force")
+        assert code == 0 and "PASS  login accepted" in out, out
+        _wait_for(log, "disconnected from", agent, timeout=10)
+    finally:
+        agent.send_signal(signal.SIGINT)
+        agent.wait(30)
+    code, out = _doctor(capsys, "--kit", str(second))
+    assert code == 0 and "PASS  login accepted" in out, out
