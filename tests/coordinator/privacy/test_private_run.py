@@ -37,3 +37,19 @@ def test_a_fedhm_run_at_mixed_levels_reports_epsilon_each_round_and_stops_at_its
     result = simulate(strategy, shards, 3, TrainConfig(epochs=1), test, calibration, privacy=privacy)
     assert [r.round for r in result.rounds] == [1, 2]  # round 3 would have passed the budget
     assert [r.epsilon for r in result.rounds] == pytest.approx([planned_epsilon(4, 4, 1, z, DELTA), two])
+
+
+@pytest.mark.slow
+def test_a_drawn_device_whose_round_fails_is_still_charged(monkeypatch: pytest.MonkeyPatch):
+    """Dropping out after the draw must not buy privacy: the round is charged for every device drawn."""
+    from device_agent.clients import PROGRAMS
+    from tests.program_bugs import with_first_upload_bug
+
+    monkeypatch.setitem(PROGRAMS, "fedavg", with_first_upload_bug(PROGRAMS["fedavg"]))
+    shards, test, calibration = clients([1.0] * 4)
+    strategy = build_strategy("fedavg", ModelSpec("cnn", 10, 1, 8), {}, seed=0)
+    privacy = {"noise_multiplier": 2.0, "delta": DELTA, "clip": 0.5}
+    result = simulate(strategy, shards, 1, TrainConfig(epochs=1), test, calibration, privacy=privacy)
+    (only,) = result.rounds
+    assert len(only.upload_bytes) == 3  # one of the four drawn devices failed its round
+    assert only.epsilon == pytest.approx(planned_epsilon(4, 4, 1, 2.0, DELTA))
