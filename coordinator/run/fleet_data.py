@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from coordinator.config.fleet import Fleet
@@ -34,7 +36,19 @@ def fleet_data(fleet: Fleet) -> tuple[ModelSpec, LabeledData]:
     card = model_card(fleet.model.arch)
     size = fleet.model.image_size or (card.image_size if card.fixed_size else None)
     data = no_server_data(fleet) or load_dataset(source, size, fleet.model.in_channels)
+    data = evaluation_subset(data, fleet.evaluation.max_samples, fleet.dataset.seed)
     return ModelSpec(fleet.model.arch, fleet.model.num_classes, data.in_channels, data.image_size), data
 
 
-__all__ = ["fleet_data", "no_server_data"]
+def evaluation_subset(data: LabeledData, max_samples: int | None, seed: int) -> LabeledData:
+    """``data`` with at most ``max_samples`` test images (fleet.yaml ``evaluation.max_samples``).
+
+    One seeded draw, in the split's order: the same images every round and on every resume.
+    """
+    if max_samples is None or len(data.test_y) <= max_samples:
+        return data
+    keep = torch.randperm(len(data.test_y), generator=torch.Generator().manual_seed(seed))[:max_samples].sort().values
+    return replace(data, test_x=data.test_x[keep], test_y=data.test_y[keep])
+
+
+__all__ = ["evaluation_subset", "fleet_data", "no_server_data"]

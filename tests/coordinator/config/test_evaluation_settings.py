@@ -24,6 +24,8 @@ def test_the_server_evaluates_unless_told_not_to() -> None:
         ({"server": "off"}, r"evaluation\.server.*valid boolean"),
         ({"sever": False}, r"evaluation\.sever.*Extra inputs are not permitted"),
         ("no", r"evaluation.*valid dictionary"),
+        ({"max_samples": 0}, r"evaluation\.max_samples: Input should be greater than 0"),
+        ({"max_sample": 10}, r"evaluation\.max_sample: .*did you mean 'max_samples'"),
     ],
 )
 def test_a_bad_evaluation_section_is_named_by_its_key(evaluation, problem) -> None:

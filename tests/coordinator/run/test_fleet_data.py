@@ -33,3 +33,18 @@ def test_images_come_at_the_size_the_model_takes(arch: str, model: dict, size: i
 
     assert spec.image_size == size
     assert tuple(data.test_x.shape[-2:]) == (size, size)
+
+
+def test_server_evaluation_can_use_a_fixed_seeded_subset_of_the_test_split() -> None:
+    """``evaluation.max_samples``: fewer images to evaluate each round, the same ones every round."""
+    whole = fleet_data(parse_fleet(fleet("cnn"), source="test"))[1]
+    capped = {**fleet("cnn"), "evaluation": {"max_samples": 100}}
+    _, first = fleet_data(parse_fleet(capped, source="test"))
+    _, again = fleet_data(parse_fleet(capped, source="test"))
+
+    assert len(whole.test_y) > 300 and len(first.test_y) == 100
+    assert first.test_x.equal(again.test_x) and first.test_y.equal(again.test_y)
+    assert len(first.train_y) == len(whole.train_y)  # static BN still calibrates on the train split
+    assert len(set(first.test_y.tolist())) == 10  # a draw over the split, not its first 100 images
+    large = {**fleet("cnn"), "evaluation": {"max_samples": 10_000}}
+    assert len(fleet_data(parse_fleet(large, source="test"))[1].test_y) == len(whole.test_y)
