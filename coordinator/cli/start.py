@@ -14,7 +14,15 @@ from pathlib import Path
 from coordinator.cli.readiness import start_problems
 from coordinator.config.fleet import Fleet, FleetError, load_fleet
 from coordinator.observe import ObserveError, Watch, add_observe_arguments
-from coordinator.provision import Kits, ProvisionError, coordinator_tls, default_kits, provision, read_credentials
+from coordinator.provision import (
+    Kits,
+    ProvisionError,
+    coordinator_tls,
+    default_kits,
+    lacks_tls,
+    provision,
+    read_credentials,
+)
 from coordinator.provision.broker_files import CONFIG
 from coordinator.rounds.engine import EngineSettings, RoundEngine
 from coordinator.rounds.signing import upload_signatures
@@ -93,11 +101,20 @@ def add_run_arguments(parser: argparse.ArgumentParser, min_devices_default: str,
 
 
 def fleet_kits(fleet: Fleet, kits_dir: Path) -> tuple[Kits, dict[str, Credentials]]:
-    """The fleet's kits and every login in them; a fleet never provisioned is provisioned now (quietly)."""
+    """The fleet's kits and every login in them; a fleet never provisioned is provisioned now (quietly),
+    and kits of its plain-MQTT fallback are provisioned again with TLS (saying so) once mosquitto serves it."""
     kits = Kits(kits_dir)
-    if not (kits_dir / "fleet.json").exists():
+    upgrade = lacks_tls(fleet, kits)
+    if upgrade or not (kits_dir / "fleet.json").exists():
         done = provision(fleet, kits_dir)
-        print(f"provisioned the fleet's kits in {kits_dir} (device kits: {kits_dir}/<device>.tar.gz)")
+        if upgrade:
+            print(
+                f"the kits in {kits_dir} were provisioned without TLS (for the amqtt fallback, before mosquitto was "
+                f"installed?) but this fleet's broker has TLS: provisioned them again with TLS, same passwords; the "
+                f"device kits now dial {done.broker_url}: give a real device its new {kits_dir}/<device>.tar.gz"
+            )
+        else:
+            print(f"provisioned the fleet's kits in {kits_dir} (device kits: {kits_dir}/<device>.tar.gz)")
         if done.missing:
             raise ProvisionError("; ".join(done.missing.values()))
     return kits, read_credentials(fleet, kits)

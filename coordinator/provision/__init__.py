@@ -99,6 +99,18 @@ def read_credentials(fleet: Fleet, kits: Kits) -> dict[str, Credentials]:
     return credentials
 
 
+def lacks_tls(fleet: Fleet, kits: Kits) -> bool:
+    """Whether ``kits`` were provisioned without TLS for a fleet whose managed broker has it.
+
+    ``coordinator emulate`` on a machine without mosquitto provisions the demo's kits for its plain
+    amqtt fallback; once mosquitto is installed the same kits would keep the fleet on plain MQTT.
+    """
+    manifest = kits.root / MANIFEST
+    if not manifest.exists() or not (fleet.broker.mode == "managed" and fleet.broker.tls):
+        return False
+    return not json.loads(manifest.read_text()).get("tls", False)
+
+
 def coordinator_tls(kits: Kits) -> dict[str, str]:
     """The coordinator's CA and client certificate files (for a ``BrokerAddress``), if the kits have them."""
     folder = kits.coordinator
@@ -122,6 +134,7 @@ __all__ = [
     "WheelOptions",
     "coordinator_tls",
     "default_kits",
+    "lacks_tls",
     "provision",
     "read_credentials",
 ]

@@ -60,6 +60,9 @@ class KitBroker(BrokerProcess):
             )
         for host, port in found:
             check_port_free(host, port)
+        owner = _broker_owner()
+        if owner is not None:
+            hand_to_broker_user(self.config_file, owner)
         config = self._reachable_config()
         with open(self.log_file, "ab") as log_out:
             self._process = subprocess.Popen(
@@ -117,6 +120,38 @@ class KitBroker(BrokerProcess):
         if self._stage is not None:
             shutil.rmtree(self._stage, ignore_errors=True)
             self._stage = None
+
+
+# The directives whose files mosquitto reads (or writes) after dropping root: provisioning makes them 0600/0700.
+_PRIVATE = ("password_file", "keyfile", "persistence_location")
+
+
+def hand_to_broker_user(config_file: Path, owner: tuple[int, int]) -> list[Path]:
+    """Give the broker user the private files of the kits' mosquitto.conf that another user owns; returns them.
+
+    Provisioning chowns them to the ``mosquitto`` user, but only if that user exists: kits written before
+    mosquitto was installed (``make demo`` on the amqtt fallback, then ``apt-get install mosquitto``) hold
+    them as root, 0600, and mosquitto, started as root, drops to its user and cannot open its password file.
+    Only files inside the config's own folder are touched.
+    """
+    folder = config_file.parent.resolve()
+    text = config_file.read_text()
+    handed = []
+    for directive in _PRIVATE:
+        for value in re.findall(rf"^{directive}\s+(.+?)\s*$", text, flags=re.MULTILINE):
+            path = Path(value).resolve()
+            if folder not in (path, *path.parents) or not path.exists() or os.stat(path).st_uid == owner[0]:
+                continue
+            os.chown(path, *owner)
+            handed.append(path)
+    if handed:
+        log.warning(
+            "%s belonged to another user than the broker's (kits written before the mosquitto user existed?): "
+            "handed to uid %d, which mosquitto runs as",
+            ", ".join(str(p) for p in handed),
+            owner[0],
+        )
+    return handed
 
 
 def listeners(config: str) -> list[tuple[str, int]]:

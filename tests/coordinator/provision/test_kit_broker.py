@@ -222,6 +222,30 @@ def test_kits_the_broker_cannot_enter_run_from_a_copy_in_the_temp_folder(root_on
         broker.stop()
 
 
+@pytest.mark.slow
+def test_kits_written_before_the_mosquitto_user_existed_are_handed_to_it_at_start(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`make demo` without mosquitto, then `apt-get install mosquitto`: the broker's secrets are root's, 0600."""
+    if os.geteuid() != 0 or _broker_owner() is None:
+        pytest.skip("needs root and a 'mosquitto' user: only then does mosquitto drop to a user of its own")
+    fleet_file, fleet = make_fleet()
+    kits = provision_into(fleet, fleet_file.parent)
+    private = [kits.broker / "passwd", kits.broker / "server.key", kits.broker / "data"]
+    for path in private:
+        os.chown(path, 0, 0)  # as provisioning writes them on a machine without the mosquitto user
+    broker = kit_broker(fleet, kits)
+    with caplog.at_level("WARNING", logger="fedfleet.broker"):
+        broker.start()
+    try:
+        assert probe(device_address(fleet, kits, "a"), 5) == "ok"
+        assert {os.stat(path).st_uid for path in private} == {_broker_owner()[0]}
+        assert "kits written before the mosquitto user existed?" in caplog.text
+        assert all(str(path.resolve()) in caplog.text for path in private)
+    finally:
+        broker.stop()
+
+
 def test_a_temp_folder_the_broker_cannot_enter_either_says_what_to_chmod(
     root_only_folders, monkeypatch: pytest.MonkeyPatch
 ) -> None:
