@@ -168,11 +168,19 @@ class RoundEngine:
                 return
 
     def _wait_for_devices(self, progress: Callable[[RoundEngine], None]) -> bool:
+        """Until ``min_devices`` are online, and then the rest of the fleet or ``settle_s``, whichever comes first."""
         give_up = time.monotonic() + self.settings.wait_timeout_s
+        settled: float | None = None
         while not self.stopping.is_set():
             online = len(self.roster.online())
-            if online >= self.settings.min_devices or (self._journal and online):
+            if self._journal and online:
                 return True
+            if online >= self.settings.min_devices:
+                settled = settled or time.monotonic() + self.settings.settle_s
+                if online >= len(self.devices) or time.monotonic() >= settled:
+                    return True
+                self._pump(min(settled, time.monotonic() + 0.1), progress)
+                continue
             if time.monotonic() > give_up:
                 offline = ", ".join(d for d, s in self.devices.items() if not s.online)
                 raise TimeoutError(

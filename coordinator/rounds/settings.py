@@ -21,6 +21,9 @@ class EngineSettings:
     """An assignment is sent again to a participant that says it is idle at least this long after the last one."""
     rejected_grace_s: float = _FLEET_DEFAULTS.rejected_grace_s
     """How long a refused participant may still send a valid update before the round stops waiting for it."""
+    settle_s: float = 2.0
+    """Once ``min_devices`` are online, how long the first round still waits for the rest of the fleet: devices
+    started together connect moments apart, and the one 44 ms after the quorum would miss round 1."""
 
     @classmethod
     def of(cls, fleet: Fleet, min_devices: int, wait_timeout_s: float) -> EngineSettings:

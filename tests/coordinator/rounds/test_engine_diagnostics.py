@@ -140,3 +140,34 @@ def test_a_flood_of_events_cannot_hold_the_loop_past_a_tick(tmp_path: Path) -> N
         thread.join()
         engine.rundir.close()
     assert took < 1.0, f"the loop applied events for {took:.1f} s before looking at the round again"
+
+
+def _comes_online(engine: RoundEngine, device: str) -> None:
+    engine._on_message(device, Hello(device=device, agent_version="0.1.0", profile=PROFILE))
+    engine._on_message(device, Status(device=device, state="idle"))
+
+
+def test_round_one_waits_a_moment_for_the_rest_of_the_fleet(tmp_path: Path) -> None:
+    """The quorum is online; a device that connects moments later still makes round 1 (no settle wait when all are)."""
+    fleet = {**FLEET, "devices": [*FLEET["devices"], {"id": "pi5-01", "profile": "raspberry-pi-5"}]}
+    (tmp_path / "late").mkdir()
+    engine = idle_engine(tmp_path / "late", wait_timeout_s=30, fleet=fleet, min_devices=1)
+    try:
+        _comes_online(engine, "laptop-01")
+        threading.Timer(0.3, lambda: engine._events.put(lambda: _comes_online(engine, "pi5-01"))).start()
+        started = time.monotonic()
+        assert engine._wait_for_devices(lambda _e: None)
+        assert sorted(engine.roster.online()) == ["laptop-01", "pi5-01"]
+        assert time.monotonic() - started < engine.settings.settle_s
+    finally:
+        engine.rundir.close()
+    (tmp_path / "alone").mkdir()
+    engine = idle_engine(tmp_path / "alone", wait_timeout_s=30, fleet=fleet, min_devices=1)
+    try:
+        _comes_online(engine, "laptop-01")
+        started = time.monotonic()
+        assert engine._wait_for_devices(lambda _e: None)
+        assert engine.settings.settle_s <= time.monotonic() - started < engine.settings.settle_s + 1
+        assert list(engine.roster.online()) == ["laptop-01"]
+    finally:
+        engine.rundir.close()
