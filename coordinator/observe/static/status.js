@@ -23,7 +23,7 @@ function bytes(n) {
   if (n >= 2 ** 30) return (n / 2 ** 30).toFixed(2) + " GiB";
   if (n >= 2 ** 20) return (n / 2 ** 20).toFixed(2) + " MiB";
   if (n >= 2 ** 10) return (n / 2 ** 10).toFixed(1) + " KiB";
-  return n + " B";
+  return Math.round(n) + " B";
 }
 
 function ratio(value) {
@@ -102,10 +102,16 @@ function lineChart(svg, rounds, series, yMin, yMax, format) {
   const xMax = Math.max(2, ...rounds);
   const x = (r) => left + ((r - 1) / (xMax - 1)) * (W - left - right);
   const y = (v) => top + (1 - (v - yMin) / (yMax - yMin || 1)) * (H - top - bottom);
+  const empty = !series.some((s) => s.values.length);
   for (let i = 0; i <= 4; i++) {
     const v = yMin + ((yMax - yMin) * i) / 4;
     svg.appendChild(svgEl("line", { class: "grid", x1: left, x2: W - right, y1: y(v), y2: y(v) }));
-    svg.appendChild(svgEl("text", { x: left - 6, y: y(v) + 4, "text-anchor": "end" }, format(v)));
+    // No figures on an axis with no data under it: before round 1 the scale is only a placeholder.
+    if (!empty) svg.appendChild(svgEl("text", { x: left - 6, y: y(v) + 4, "text-anchor": "end" }, format(v)));
+  }
+  if (empty) {
+    const middle = { x: (left + W - right) / 2, y: (top + H - bottom) / 2, "text-anchor": "middle", class: "waiting" };
+    svg.appendChild(svgEl("text", middle, "no round closed yet"));
   }
   svg.appendChild(svgEl("line", { class: "axis", x1: left, x2: left, y1: top, y2: H - bottom }));
   svg.appendChild(svgEl("line", { class: "axis", x1: left, x2: W - right, y1: H - bottom, y2: H - bottom }));

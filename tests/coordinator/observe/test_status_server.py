@@ -103,6 +103,9 @@ def test_a_device_of_another_protocol_version_shows_as_refused_with_why(tmp_path
         assert (cells[2].text, cells[2].get_attribute("class")) == ("refused", "refused")
         assert cells[3].text == incompatible(4).detail
         assert "0/1 devices online, 1 refused" in driver.find_element(By.ID, "summary").text
+        for chart in ("accuracy-chart", "bytes-chart"):  # before round 1: no scale made up from nothing
+            labels = [t.text for t in driver.find_elements(By.CSS_SELECTOR, f"#{chart} text")]
+            assert sorted(labels) == ["1", "2", "no round closed yet"], labels
     finally:
         driver.quit()
         server.stop()
