@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
 import yaml
 
 from coordinator.config.fleet import FleetError, load_fleet, parse_fleet
+from coordinator.strategies import STRATEGIES
+from device_agent.common.names import DATASETS
+from device_agent.models import MODELS
 from profiles.catalog import load_catalog
 from tests.paths import REPO_ROOT
 
@@ -250,3 +254,9 @@ def test_relative_paths_are_relative_to_the_fleet_file(tmp_path: Path, monkeypat
     assert fleet.broker.password == f"file:{tmp_path / 'pw'}"
     assert fleet.devices[0].credentials == f"file:{tmp_path / 'secrets' / 'nano-01'}"
     assert fleet.devices[1].credentials == "env:PI5_PASSWORD"
+
+
+def test_the_reference_example_names_every_model_data_set_and_strategy_in_its_comments() -> None:
+    comments = " ".join(line.split("#", 1)[1] for line in EXAMPLE.read_text().splitlines() if "#" in line)
+    named = set(re.findall(r"[a-z0-9_]+", comments))
+    assert {*MODELS, *DATASETS, *STRATEGIES} - named == set()
