@@ -22,7 +22,7 @@ import yaml
 from coordinator.config.fleet import Device, Fleet
 from coordinator.provision.layout import CA_CERT, CLIENT_CERT, CLIENT_KEY, PASSWORD, SIGNING_KEY, DeviceLayout, Kits
 from coordinator.provision.templates import render
-from coordinator.provision.wheel import wheel_name
+from coordinator.provision.wheel import DEMO_DATASETS, wheel_name
 from coordinator.transport.broker.credentials import write_file
 from device_agent.data.datasets import BUILT_IN
 from device_agent.emulation.profile_config import DataShare
@@ -129,7 +129,7 @@ def install_text(fleet: Fleet, device: Device, layout: DeviceLayout) -> str:
         torch_cpu_index=TORCH_CPU_INDEX,
         jetson_index=JETSON_INDEX,
         wheel=wheel_name(),
-        extra="[demo]" if fleet.dataset.name in BUILT_IN else "",
+        extra="[demo]" if fleet.dataset.name in DEMO_DATASETS else "",
         ca_cert=CA_CERT,
         client_cert=CLIENT_CERT,
         password=PASSWORD,

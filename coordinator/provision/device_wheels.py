@@ -29,8 +29,7 @@ from pathlib import Path
 from coordinator.config.fleet import Device, Fleet
 from coordinator.provision.agent_kit import device_class, torch_cpu_requirements, torch_version
 from coordinator.provision.secrets import ProvisionError
-from coordinator.provision.wheel import DEMO_EXTRA, agent_requirements
-from device_agent.data.datasets import BUILT_IN
+from coordinator.provision.wheel import DEMO_DATASETS, DEMO_EXTRA, agent_requirements
 
 WHEELS = "wheels"
 # The newest torch on PyPI whose aarch64 wheel is a CPU build (libtorch_cpu, OpenBLAS, Arm Compute Library;
@@ -96,7 +95,7 @@ def platform_of(device: Device, torch_index: str | None = None) -> WheelPlatform
 
 def requirements(fleet: Fleet) -> list[str]:
     """Everything beside torch a kit installs: the agent's dependencies, the demo extra, torch's CPU ones."""
-    demo = DEMO_EXTRA if fleet.dataset.name in BUILT_IN else []
+    demo = DEMO_EXTRA if fleet.dataset.name in DEMO_DATASETS else []
     agent = [r for r in agent_requirements() if not re.match(r"torch\b", r)]
     return [*agent, *demo, *torch_cpu_requirements()]
 

@@ -21,6 +21,8 @@ from device_agent.common.atomic import atomic_write
 
 DIST = "fedfleet_agent"
 DEMO_EXTRA = ["scikit-learn>=1.3"]
+DEMO_DATASETS = ("digits",)
+"""The data sets the demo extra is for: scikit-learn ships digits; fashion_mnist is read from Debian's package."""
 _EPOCH = (2020, 1, 1, 0, 0, 0)
 
 

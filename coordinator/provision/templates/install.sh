@@ -38,6 +38,22 @@ pip_install() {
     if [ "$OFFLINE" = 1 ]; then run_pip install --no-index --find-links "$KIT/wheels" "$@@"
     else run_pip install "$@@"; fi
 }
+# Where pip's own settings send it besides the command line (PIP_* variables, pip.conf): printed beside the
+# source the script asked for, since pip may take torch from any of them.
+pip_settings() {
+    found=""
+    for var in PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS; do
+        eval "value=\${$var:-}"
+        if [ -n "$value" ]; then found="$found $var=$value"; fi
+    done
+    for conf in "${PIP_CONFIG_FILE:-}" /etc/pip.conf /etc/xdg/pip/pip.conf "${HOME:-/nonexistent}/.config/pip/pip.conf" \
+        "${HOME:-/nonexistent}/.pip/pip.conf" "$VENV/pip.conf"; do
+        if [ -n "$conf" ] && [ -f "$conf" ] && grep -Eq '^[[:space:]]*(index-url|extra-index-url|find-links)' "$conf"; then
+            found="$found $conf"
+        fi
+    done
+    if [ -n "$found" ]; then echo "; pip's own settings may have supplied it instead:$found"; fi
+}
 # torch's own dependencies, without the CUDA ones (torch itself goes in with --no-deps).
 torch_deps() {
     pip_install @torch_deps
@@ -114,19 +130,23 @@ elif [ "$KIND" = cpu ] || [ "$MACHINE" = aarch64 ]; then
         echo "  - run it again with TORCH_CPU_INDEX=<a mirror of @torch_cpu_index>." >&2
         exit 3
     fi
-    echo "torch: CPU build from $ROUTE (no NVIDIA packages)"
+    case $ROUTE in
+    http*) ALSO=$(pip_settings) ;;
+    *) ALSO="" ;;
+    esac
+    echo "torch: CPU build from $ROUTE (no NVIDIA packages)$ALSO"
     torch_deps
 else
     # An x86 machine with an NVIDIA GPU, or a Mac: PyPI's torch is the build they need.
     if [ -n "$TORCH_INDEX_URL" ]; then
-        echo "torch: from $TORCH_INDEX_URL"
+        echo "torch: from $TORCH_INDEX_URL$(pip_settings)"
         run_pip install --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC"
     elif [ -n "$TORCH_WHEEL" ]; then
         echo "torch: from the kit's wheels/"
         run_pip install --no-index --find-links "$KIT/wheels" --no-deps "$WHEEL_TORCH_SPEC"
         torch_deps
     else
-        echo "torch: from PyPI ($KIND)"
+        echo "torch: from pip's index, PyPI unless configured otherwise ($KIND)$(pip_settings)"
         pip_install "$TORCH_SPEC"
     fi
 fi

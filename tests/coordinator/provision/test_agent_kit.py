@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from coordinator.config.fleet import Fleet, load_fleet
@@ -37,6 +38,15 @@ def test_install_sh_gets_the_device_values_and_keeps_its_shell_variables(tmp_pat
     assert not any("nvidia" in line or "triton" in line for line in lines if "pip_install" in line)
     assert '    echo "then start:        systemctl enable --now fedfleet-agent"' in lines
     assert re.search(r"@[{\w]", script) is None  # no placeholder left; the shell's "$@" stays
+
+
+@pytest.mark.parametrize(("dataset", "extra"), [("digits", "[demo]"), ("fashion_mnist", ""), ("cifar10", "")])
+def test_only_a_digits_fleet_installs_the_demo_extra(tmp_path: Path, dataset: str, extra: str) -> None:
+    """scikit-learn (the demo extra) ships digits; a Fashion-MNIST or CIFAR device has no use for it."""
+    path = ", path: data" if dataset == "cifar10" else ""
+    fleet = _fleet(tmp_path, f"dataset: {{name: {dataset}{path}}}\n")
+    lines = install_text(fleet, fleet.devices[0], LAYOUT).splitlines()
+    assert f'pip_install "$KIT/fedfleet_agent-0.1.0-py3-none-any.whl{extra}"' in lines
 
 
 def test_a_jetson_unit_joins_group_video_with_every_line_at_the_start(tmp_path: Path) -> None:

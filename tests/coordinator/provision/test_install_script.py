@@ -255,6 +255,26 @@ def test_a_cuda_laptop_gets_pypis_torch_pinned(kits: Path, tmp_path: Path) -> No
     result = device.run()
     assert result.code == 0, result.err
     assert result.torch_installs() == [["install", f"torch=={torch_version()}"]]
+    assert "torch: from pip's index, PyPI unless configured otherwise (cuda)\n" in result.out
+
+
+def test_where_pip_may_have_taken_torch_from_is_said_beside_the_index_asked_for(kits: Path, tmp_path: Path) -> None:
+    """pip adds its own settings' sources to the command line's: the script names them instead of claiming one."""
+    device = Device(kits / "laptop", tmp_path)
+    (tmp_path / ".config" / "pip").mkdir(parents=True)
+    (tmp_path / ".config" / "pip" / "pip.conf").write_text("[global]\nfind-links = /srv/wheels\n")
+    result = device.run(FEDFLEET_PIP=str(device.bin / "pip"), PIP_EXTRA_INDEX_URL="https://mirror.example/simple")
+    assert result.code == 0, result.err
+    assert (
+        f"torch: CPU build from {TORCH_CPU_INDEX} (no NVIDIA packages); pip's own settings may have supplied it "
+        f"instead: PIP_EXTRA_INDEX_URL=https://mirror.example/simple {tmp_path}/.config/pip/pip.conf\n"
+    ) in result.out
+    gpu = Device(kits / "gpu", tmp_path / "gpu-device")
+    result = gpu.run(PIP_INDEX_URL=MIRROR)
+    assert (
+        "torch: from pip's index, PyPI unless configured otherwise (cuda); pip's own settings may have " in result.out
+    )
+    assert f"PIP_INDEX_URL={MIRROR}" in result.out
 
 
 def test_uninstall_removes_the_unit_and_venv_and_keeps_the_state_unless_purged(kits: Path, tmp_path: Path) -> None:
