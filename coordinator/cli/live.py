@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from coordinator.run.metrics import RoundMetrics
+from coordinator.run.metrics import RoundMetrics, is_failed
 
 if TYPE_CHECKING:
     from coordinator.rounds.engine import RoundEngine
@@ -18,7 +18,9 @@ def round_table(engine: RoundEngine) -> Table:
     last = engine.last
     title = f"fleet {engine.fleet.fleet}: round {engine.next_round}/{engine.fleet.rounds}"
     if last is not None:
-        title += f"  (round {last.round}: {round_figures(last)}, {last.seconds:.1f} s)"
+        failed = is_failed(last, engine.fleet.quorum)
+        title += f"  (round {last.round}{' FAILED' if failed else ''}: {round_figures(last)}"
+        title += f", {last.participants}/{len(last.devices)} updates, {last.seconds:.1f} s)"
     table = Table(title=title)
     for column in ("device", "class", "online", "agent", "ratio", "round status", "bytes up", "train s"):
         table.add_column(column, justify="right" if column in ("ratio", "bytes up", "train s") else "left")

@@ -119,6 +119,8 @@ class Snapshot:
     history: list[RoundView]
     refusals: list[Refusal]
     """The engine's last refused uploads, oldest first."""
+    quorum: float = 1.0
+    """fleet.yaml's quorum: a round with fewer accepted updates than this share of its selected devices failed."""
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -156,6 +158,7 @@ class FleetWatch:
             open_round=self._open_round(engine),
             history=list(self._history),
             refusals=list(engine.recent_refusals),
+            quorum=engine.fleet.quorum,
         )
         with self._lock:
             self._snapshot = snapshot

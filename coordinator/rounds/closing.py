@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
@@ -14,7 +16,7 @@ from coordinator.config.fleet import Fleet
 from coordinator.rounds.evaluation import evaluate_global, federated_evaluation, personalized_accuracy
 from coordinator.rounds.roster import Roster
 from coordinator.rounds.state import OpenRound, Participant
-from coordinator.run.metrics import DeviceRoundMetrics, DeviceStatus, RoundMetrics, received_metrics
+from coordinator.run.metrics import DeviceRoundMetrics, DeviceStatus, RoundMetrics, is_failed, received_metrics
 from coordinator.strategies import Strategy
 from coordinator.transport.link import Link
 from device_agent.data.datasets import LabeledData
@@ -151,21 +153,35 @@ def round_metrics(
     )
 
 
-def log_closed(metrics: RoundMetrics) -> None:
-    """The one line a closed round leaves in the coordinator's log."""
+def log_closed(metrics: RoundMetrics, quorum: float) -> None:
+    """The one line a closed round leaves in the coordinator's log: a WARNING that says FAILED below ``quorum``.
+
+    A round without enough accepted updates still closes (its model is the round before's, or barely trained);
+    its line must not read like a good round's.
+    """
     acc, loss = metrics.accuracy, metrics.loss
-    log.info(
-        "round %d closed: %s%s%s, %d/%d updates, %.1f s",
+    failed = is_failed(metrics, quorum)
+    log.log(
+        logging.WARNING if failed else logging.INFO,
+        "round %d %s: %d/%d updates%s, %s%s%s, %.1f s",
         metrics.round,
+        "FAILED" if failed else "closed",
+        metrics.participants,
+        len(metrics.devices),
+        f" (quorum {math.ceil(quorum * len(metrics.devices))}{missing(metrics)})" if failed else "",
         "no server evaluation" if acc is None else f"accuracy {acc:.4f}, loss {loss:.4f}",
         ""
         if metrics.federated_accuracy is None
         else f", federated accuracy {metrics.federated_accuracy:.4f} (model received)",
         "" if metrics.personalized_accuracy is None else f", local accuracy {metrics.personalized_accuracy:.4f}",
-        metrics.participants,
-        len(metrics.devices),
         metrics.seconds,
     )
+
+
+def missing(metrics: RoundMetrics) -> str:
+    """Why the updates are missing, by status: ``; 1 late, 1 rejected``."""
+    counts = Counter(m.status for m in metrics.devices.values() if m.status != "accepted")
+    return "; " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) if counts else ""
 
 
 __all__ = ["RoundCloser", "log_closed", "round_metrics"]

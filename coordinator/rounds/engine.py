@@ -240,7 +240,7 @@ class RoundEngine:
             self.last = self.last.model_copy(update={"privacy": PrivacyMetrics(**vars(release))})
         self.rundir.complete_round(round_, self.strategy.state_dict(), self.last)
         self.open = None
-        log_closed(self.last)
+        log_closed(self.last, self.fleet.quorum)
         progress(self)
         return True
 

@@ -139,9 +139,12 @@ def failed_rounds(rounds: Iterable[RoundMetrics], quorum: float) -> list[int]:
     Such a round still closes (its global model is the round before's, or barely trained): a run that
     ends with one must say so, not "all rounds done".
     """
-    return [
-        row.round for row in rounds if row.participants == 0 or row.participants < math.ceil(quorum * len(row.devices))
-    ]
+    return [row.round for row in rounds if is_failed(row, quorum)]
+
+
+def is_failed(row: RoundMetrics, quorum: float) -> bool:
+    """Whether the round aggregated no update, or fewer than ``quorum`` of the devices it asked."""
+    return row.participants == 0 or row.participants < math.ceil(quorum * len(row.devices))
 
 
 def received_metrics(received: ReceivedEvaluation | None) -> dict[str, float | int | None]:

@@ -178,16 +178,23 @@ function figures(last) {
   return last.epsilon != null ? evaluated + ", epsilon " + last.epsilon.toFixed(3) + " (delta " + last.delta + ")" : evaluated;
 }
 
+// A round with no accepted update, or fewer than the quorum of its selected devices (coordinator.run.metrics.is_failed).
+function roundFailed(r, quorum) {
+  return r.participants === 0 || r.participants < Math.ceil(quorum * r.selected);
+}
+
 function render(s) {
   document.title = "fedfleet " + s.fleet;
   document.getElementById("title").textContent = "fleet " + s.fleet + " — run " + s.run_id;
   const last = s.history[s.history.length - 1];
   const online = s.devices.filter((d) => d.online).length;
   const refused = s.devices.filter((d) => d.refused_because).length;
+  const failed = s.history.filter((r) => roundFailed(r, s.quorum)).length;
   document.getElementById("summary").textContent =
-    s.history.length + "/" + s.rounds_planned + " rounds done, " + online + "/" + s.devices.length + " devices online" +
+    s.history.length + "/" + s.rounds_planned + " rounds done" + (failed ? " (" + failed + " FAILED)" : "") + ", " +
+    online + "/" + s.devices.length + " devices online" +
     (refused ? ", " + refused + " refused" : "") +
-    (last ? "; round " + last.round + ": " + figures(last) + ", " + last.participants + "/" + last.selected + " updates, " + last.stragglers + " stragglers, " +
+    (last ? "; round " + last.round + (roundFailed(last, s.quorum) ? " FAILED: " : ": ") + figures(last) + ", " + last.participants + "/" + last.selected + " updates, " + last.stragglers + " stragglers, " +
       last.seconds.toFixed(1) + " s" : "");
   renderOpenRound(s.open_round);
   renderFleet(s.devices);
