@@ -100,18 +100,28 @@ def add_run_arguments(parser: argparse.ArgumentParser, min_devices_default: str,
     add_observe_arguments(parser)
 
 
-def fleet_kits(fleet: Fleet, kits_dir: Path) -> tuple[Kits, dict[str, Credentials]]:
-    """The fleet's kits and every login in them; a fleet never provisioned is provisioned now (quietly),
-    and kits of its plain-MQTT fallback are provisioned again with TLS (saying so) once mosquitto serves it."""
+def fleet_kits(fleet: Fleet, kits_dir: Path, emulated: bool = False) -> tuple[Kits, dict[str, Credentials]]:
+    """The fleet's kits and every login in them; a fleet never provisioned is provisioned now (quietly).
+
+    Kits provisioned without TLS for a fleet whose managed broker has it (the amqtt fallback's, before
+    mosquitto was installed) are provisioned again with TLS when ``emulated`` (every device is on this host),
+    saying so; for real devices, which would need their new kits, it is refused with the command to run.
+    """
     kits = Kits(kits_dir)
     upgrade = lacks_tls(fleet, kits)
+    if upgrade and not emulated:
+        raise ProvisionError(
+            f"the kits in {kits_dir} were provisioned without TLS, but this fleet's broker has TLS: provision them "
+            f"again (coordinator provision --fleet FLEET --out {kits_dir}, with the options they were provisioned "
+            "with), then give every device its new kit"
+        )
     if upgrade or not (kits_dir / "fleet.json").exists():
         done = provision(fleet, kits_dir)
         if upgrade:
             print(
                 f"the kits in {kits_dir} were provisioned without TLS (for the amqtt fallback, before mosquitto was "
                 f"installed?) but this fleet's broker has TLS: provisioned them again with TLS, same passwords; the "
-                f"device kits now dial {done.broker_url}: give a real device its new {kits_dir}/<device>.tar.gz"
+                f"emulated devices now dial {done.broker_url}"
             )
         else:
             print(f"provisioned the fleet's kits in {kits_dir} (device kits: {kits_dir}/<device>.tar.gz)")
@@ -205,7 +215,7 @@ def run_start(
             state = strategy.state_dict()
             rundir = RunDir.create(run_dir, args.fleet, state, seed=fleet.dataset.seed, retention=fleet.checkpoints)
             print(f"new run {rundir.run_id} in {run_dir}")
-        kits, credentials = fleet_kits(fleet, args.kits or default_kits(args.fleet, fleet))
+        kits, credentials = fleet_kits(fleet, args.kits or default_kits(args.fleet, fleet), emulated=plain_fallback)
         signatures = upload_signatures(fleet, kits)
         broker = _broker(fleet, credentials, kits)
         if not isinstance(broker, ExternalBroker):

@@ -13,6 +13,9 @@ import pytest
 import torch
 
 from coordinator.cli.app import main
+from coordinator.cli.start import fleet_kits
+from coordinator.config.fleet import load_fleet
+from coordinator.provision import ProvisionError
 from coordinator.run.metrics import RoundMetrics
 from coordinator.run.rundir import RunDir
 from coordinator.run.storage import out_of_space_message
@@ -73,3 +76,23 @@ def test_uploads_accepted_before_the_disk_filled_survive_it(tmp_path: Path) -> N
         assert [entry.device for entry in journal] == result["accepted"]
         for number, entry in enumerate(journal):
             assert torch.equal(rundir.load_upload(entry)["u"], torch.full((40 + 20 * number,), float(number)))
+
+
+def test_kits_without_tls_for_a_tls_fleet_are_refused_for_real_devices_and_upgraded_for_emulated_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What the amqtt fallback leaves behind (plain kits) once mosquitto serves the fleet with TLS."""
+    fleet, _ = load_fleet(DEMO)
+    plain = fleet.model_copy(update={"broker": fleet.broker.model_copy(update={"mode": "amqtt", "tls": False})})
+    kits_dir = tmp_path / "kits"
+    fleet_kits(plain, kits_dir, emulated=True)
+    passwords = {name: c.password for name, c in fleet_kits(plain, kits_dir)[1].items()}
+    with pytest.raises(
+        ProvisionError, match=r"were provisioned without TLS, .* \(coordinator provision --fleet FLEET --out "
+    ):
+        fleet_kits(fleet, kits_dir)
+    _, credentials = fleet_kits(fleet, kits_dir, emulated=True)
+    assert f"the kits in {kits_dir} were provisioned without TLS" in capsys.readouterr().out
+    assert json.loads((kits_dir / "fleet.json").read_text())["tls"] is True
+    assert {name: c.password for name, c in credentials.items()} == passwords  # the same logins, now over TLS
+    assert "url: mqtts://" in (kits_dir / "orin-01" / "agent.yaml").read_text()
