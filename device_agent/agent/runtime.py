@@ -11,6 +11,10 @@ What survives what:
 - agent restart (kill -9, reboot): updates still in the outbox are re-sent at start-up;
 - coordinator restart: it re-sends the open round's assignments; an update for that round still
   in the outbox is re-sent instead of training again;
+- a refused upload (the coordinator's ``Error`` naming its transfer: the upload gate, or a coordinator of
+  another run): the update is dropped and the round counts as not done, so an assignment for it that comes
+  now (the coordinator sends one after a refusal; a resumed run re-sends its open round) is trained again.
+  Any other repeat of an assignment already trained is ignored;
 - personalized strategies: what the program keeps between rounds is on disk (:mod:`device_agent.agent.kept`);
   if it is gone anyway (state directory wiped), the agent answers the round with ``RoundFailed(state_lost)``
   and the coordinator starts it over with a whole model;
@@ -244,6 +248,9 @@ class Agent:
             log.warning("%s: coordinator refused something: %s: %s", self.config.device, message.code, message.detail)
             for key, sent in list(self._sent.items()):
                 if sent.transfer == message.transfer:
+                    # Refused (by the gate, or by a coordinator of another run): the round is not done. The
+                    # assignment for it sent from now on (the same round re-sent, or a resumed run's) is trained.
+                    self._done.discard(key)
                     self._forget(*key, f"rejected: {message.detail}")
 
     def _on_assignment(self, assignment: Assignment) -> None:

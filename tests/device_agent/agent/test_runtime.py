@@ -4,6 +4,7 @@ agent takes the next one."""
 from __future__ import annotations
 
 import gc
+import logging
 import queue
 import threading
 import time
@@ -27,7 +28,7 @@ from device_agent.clients import PROGRAMS
 from device_agent.clients.spec import TrainConfig
 from device_agent.training import driver
 from device_agent.wire.codec import encode_tensors
-from device_agent.wire.messages import Assignment, Hello, Message, RoundFailed, Status, parse_message
+from device_agent.wire.messages import Assignment, Error, Hello, Message, RoundFailed, Status, parse_message
 from device_agent.wire.session import coordinator_session
 from device_agent.wire.topics import DeviceTopics, fleet_uplinks
 from device_agent.wire.transfer import Completed
@@ -202,6 +203,34 @@ def test_a_newer_rounds_assignment_stops_the_older_update_still_on_its_way(tmp_p
     assert cancelled == {"cancelled": first["transfer"]}
     assert second["round"] == 2
     assert pending == [("r1", 2)]
+
+
+@pytest.mark.slow
+def test_an_agent_refused_for_another_run_trains_the_assignment_it_is_sent_now(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its round 1 update went to a coordinator of another run, which refused it; the resumed run then assigns
+    round 1 again: the agent trains it (before, it took the round as done and ignored the assignment)."""
+    sent = build_strategy("fedavg", CNN, {}, seed=0).configure(1, [ClientSlot(DEVICE, 1.0, 100)])[DEVICE]
+    with (
+        caplog.at_level(logging.INFO, logger="fedfleet.agent"),
+        agent_beside(FakeCoordinator(), tmp_path) as (agent, coordinator, _serving),
+    ):
+        coordinator.next(Hello)
+        coordinator.assign_round(1, sent)
+        first = coordinator.next(dict)
+        refusal = f"update for run 'r1', but this run is '{'b' * 32}'"
+        coordinator.assign(Error(code="rejected", detail=refusal, transfer=first["transfer"]))
+        while coordinator.next(Status).state != "idle":
+            pass
+        coordinator.assign_round(1, sent)
+        again = coordinator.next(dict)
+        pending = [(item.run, item.round) for item in agent.outbox.pending()]
+
+    assert (first["round"], again["round"]) == (1, 1)
+    assert again["transfer"] != first["transfer"]
+    assert sum("round 1 trained" in r.getMessage() for r in caplog.records) == 2
+    assert pending == [("r1", 1)]  # the refused update is gone; the new one waits for its receipt
 
 
 @pytest.mark.slow
