@@ -181,6 +181,22 @@ class FleetLimits(BaseModel):
     resend_after_s: PositiveFloat = Field(
         5.0, description="a participant that says it is idle this long after its assignment gets it again"
     )
+    laggard_grace_factor: float = Field(
+        3.0,
+        ge=1,
+        description="once the round has its quorum of accepted updates, it waits for the rest at most this many "
+        "times the median time its accepted updates took (from the push), and at least laggard_grace_min_s",
+    )
+    laggard_grace_min_s: float = Field(
+        10.0, ge=0, description="the least a round with its quorum waits for its laggards (see laggard_grace_factor)"
+    )
+    backoff_after: int = Field(
+        3,
+        ge=0,
+        description="a device that misses or is refused this many rounds in a row sits out 1 round, then 2, 4, ... "
+        "after each further miss (at most backoff_max_rounds); 0: never",
+    )
+    backoff_max_rounds: PositiveInt = Field(16, description="the most rounds a missing device sits out at a time")
 
     def inbound(self) -> InboundLimits:
         """The transport guard's bounds: one upload may use all of a device's pending bytes, as by default."""

@@ -30,6 +30,8 @@ _DEVICE_COUNTERS: list[tuple[str, str, Callable[[DeviceView], float]]] = [
     ("uploads_accepted", "updates folded into a closed round", lambda d: d.totals.accepted),
     ("oom_step_downs", "out-of-memory failures that made the planner step the device down a level",
      lambda d: d.step_downs),
+    ("backoffs", "times the device was set to sit out rounds after missing limits.backoff_after in a row",
+     lambda d: d.backoffs),
 ]  # fmt: skip
 
 
@@ -59,14 +61,20 @@ def _device_families(devices: list[DeviceView]) -> Iterator[Metric]:
     refused = CounterMetricFamily(
         f"{PREFIX}device_uploads_refused", "uploads refused at the gate, by reason", labels=[*labels, "reason"]
     )
+    missed = GaugeMetricFamily(
+        f"{PREFIX}device_missed_rounds",
+        "rounds in a row the device was drawn into and missed or was refused in (0 once an update is accepted)",
+        labels=labels,
+    )
     for device in devices:
         key = [device.id, device.device_class]
         online.add_metric(key, float(device.online))
+        missed.add_metric(key, device.missed_in_a_row)
         if device.ratio is not None:
             ratio.add_metric(key, device.ratio)
         for reason, count in sorted(device.refused.items()):
             refused.add_metric([*key, reason], count)
-    yield from (online, ratio, refused)
+    yield from (online, ratio, refused, missed)
     for name, help_, value in _DEVICE_COUNTERS:
         family = CounterMetricFamily(f"{PREFIX}device_{name}", help_, labels=labels)
         for device in devices:

@@ -53,6 +53,12 @@ class DeviceView:
     refused: dict[str, int]
     """Refused uploads by reason."""
     step_downs: int
+    missed_in_a_row: int = 0
+    """Rounds it was drawn into and missed or was refused in, in a row (0 once an update is accepted)."""
+    backoffs: int = 0
+    """Times it was set to sit out rounds for missing them (``limits.backoff_after``)."""
+    sits_out_until: int | None = None
+    """The last round it sits out, while it is backing off."""
 
 
 @dataclass(frozen=True)
@@ -200,6 +206,9 @@ class FleetWatch:
                     totals=DeviceTotals(**asdict(totals)),
                     refused=refused.get(device_id, {}),
                     step_downs=engine.step_downs[device_id],
+                    missed_in_a_row=engine.backoff.missed[device_id],
+                    backoffs=engine.backoff.backoffs[device_id],
+                    sits_out_until=engine.backoff.sits_out_until(device_id, engine.next_round),
                 )
             )
         return views

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 
 from coordinator.config.fleet import Fleet
 from coordinator.planning.planner import DevicePlan, after_out_of_memory, fmt_ratio
+from coordinator.rounds.backoff import Backoff
 from coordinator.rounds.roster import Roster
 from coordinator.run.rundir import RunDir
 from device_agent.common.profile import DeviceProfile
@@ -28,7 +29,11 @@ LIST_UP_TO = 20
 
 
 class ParticipantDraw:
-    """Plans every device, draws ``participation`` of the eligible ones, and steps devices down after OOM."""
+    """Plans every device, draws ``participation`` of the eligible ones, and steps devices down after OOM.
+
+    A device backing off (:mod:`~coordinator.rounds.backoff`: it missed rounds in a row) is not eligible while it
+    sits out, unless every eligible device is backing off.
+    """
 
     def __init__(self, fleet: Fleet, planner: Planner, rundir: RunDir) -> None:
         self.fleet = fleet
@@ -37,6 +42,7 @@ class ParticipantDraw:
         self.plans: dict[str, DevicePlan] = {}
         self.ceilings: dict[str, float] = {}
         self.step_downs: Counter[str] = Counter()
+        self.backoff = Backoff(fleet.limits.backoff_after, fleet.limits.backoff_max_rounds, rundir.metrics())
         self.population = 0
         """How many devices the last fresh draw chose from (the eligible ones): the privacy accountant's n."""
         self._last_plan: tuple[int, str] | None = None
@@ -47,11 +53,13 @@ class ParticipantDraw:
         if saved is not None:
             return [(d, level) for d, level in saved.items() if d in roster.devices]
         self.plans = {p.device: p for p in self.planner(self.fleet, roster.catalog, roster.profiles(), self.ceilings)}
-        eligible = sorted(d for d in roster.online() if self.plans[d].ratio is not None)
+        planned = sorted(d for d in roster.online() if self.plans[d].ratio is not None)
+        sitting_out = self.backoff.sitting_out(round_) & set(planned)
+        eligible = [d for d in planned if d not in sitting_out] or planned
         self.population = len(eligible)
         count = math.ceil(self.fleet.participation * len(eligible))
         chosen = random.Random(self.rundir.seed * 1_000_003 + round_).sample(eligible, count)
-        self._log_plan(round_, roster, chosen)
+        self._log_plan(round_, roster, chosen, sitting_out if eligible is not planned else set())
         return [(d, float(self.plans[d].ratio)) for d in sorted(chosen)]  # type: ignore[arg-type]
 
     def out_of_memory(self, device: str, level: float) -> None:
@@ -59,7 +67,7 @@ class ParticipantDraw:
         self.step_downs[device] += 1
         self.ceilings = after_out_of_memory(self.ceilings, device, level, self.fleet.ratios)
 
-    def _log_plan(self, round_: int, roster: Roster, chosen: list[str]) -> None:
+    def _log_plan(self, round_: int, roster: Roster, chosen: list[str], sitting_out: set[str]) -> None:
         """Why each fleet device is in or out of the round: a device that never takes part must say why."""
         parts = []
         for device, state in roster.devices.items():
@@ -70,6 +78,8 @@ class ParticipantDraw:
                 parts.append(f"{device} out (offline)")
             elif plan.ratio is None:
                 parts.append(f"{device} out ({plan.reason})")
+            elif device in sitting_out:
+                parts.append(f"{device} out (backing off)")
             else:
                 parts.append(f"{device} out (not drawn)")
         line = "; ".join(parts) if len(parts) <= LIST_UP_TO else summarize_plan(parts)

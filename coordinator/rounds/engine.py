@@ -39,6 +39,7 @@ from coordinator.rounds.closing import RoundCloser, log_closed
 from coordinator.rounds.dispatch import Dispatcher
 from coordinator.rounds.draw import ParticipantDraw, Planner
 from coordinator.rounds.failures import round_failed
+from coordinator.rounds.laggards import LaggardGrace
 from coordinator.rounds.roster import Roster
 from coordinator.rounds.settings import EngineSettings
 from coordinator.rounds.signing import UploadSignatures
@@ -109,6 +110,7 @@ class RoundEngine:
         extras = self.strategy.declared_extras()
         self.admission = Admission(gate, rundir, expected, signatures, extras, self.refused)
         self.dispatch = Dispatcher(link, self.strategy, gate, rundir, fleet, settings.resend_after_s)
+        self.laggards = LaggardGrace(settings.laggard_grace_factor, settings.laggard_grace_min_s)
         self.closer = RoundCloser(self.strategy, fleet, data, link, self.roster, settings.calibration_samples)
         self.open: OpenRound | None = None
         self.last = None
@@ -124,6 +126,7 @@ class RoundEngine:
     refusals = property(lambda self: self.refused.counts)
     recent_refusals = property(lambda self: self.refused.recent)
     step_downs = property(lambda self: self.draw.step_downs)
+    backoff = property(lambda self: self.draw.backoff)
     plans = property(lambda self: self.draw.plans)
 
     def run(self, progress: Callable[[RoundEngine], None] = lambda _e: None) -> bool:
@@ -229,6 +232,7 @@ class RoundEngine:
         for device, completed in deferred:
             self._on_payload(device, completed)
         self.open.phases.update(plan=planned - started, push=pushed - planned)
+        self.open.pushed = pushed
         self._await_answers(progress)
         if self.stopping.is_set():
             return False
@@ -241,6 +245,7 @@ class RoundEngine:
         self.rundir.complete_round(round_, self.strategy.state_dict(), self.last)
         self.open = None
         log_closed(self.last, self.fleet.quorum)
+        self.draw.backoff.record(self.last)
         progress(self)
         return True
 
@@ -274,6 +279,9 @@ class RoundEngine:
             self._pump(open_.deadline, progress)
             self.dispatch.resend_due(open_)
             if open_.answered(self.devices, time.monotonic() - self.settings.rejected_grace_s):
+                return
+            estimates = {d: plan.est_round_seconds for d, plan in self.plans.items()}
+            if self.laggards.past(open_, self._quorum(), time.monotonic(), estimates):
                 return
             if time.monotonic() < open_.deadline:
                 continue

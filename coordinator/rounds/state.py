@@ -94,6 +94,8 @@ class Participant:
     retried: bool = False
     """Its assignment was sent again after a refusal (once per round: a device that keeps failing is not retrained)."""
     received: ReceivedEvaluation | None = None
+    answered_at: float | None = None
+    """When its update was first seen accepted (``time.monotonic()``): the round's answer times."""
 
     def reject(self, reason: str, why: str) -> None:
         """Refused, but not an answer yet: the device may still send a valid update (see OpenRound.answered)."""
@@ -109,6 +111,8 @@ class OpenRound:
     started: float
     extended: bool = False
     phases: dict[str, float] = field(default_factory=dict)
+    pushed: float = math.inf
+    """When its assignments had all left (``time.monotonic()``): answer times count from here."""
 
     def answered(self, devices: dict[str, DeviceState], rejected_before: float = math.inf) -> bool:
         """Every participant accepted, failed, offline, or refused at or before ``rejected_before`` (monotonic).

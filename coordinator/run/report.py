@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from coordinator.config.fleet import Fleet
-from coordinator.run.metrics import RoundMetrics, failed_rounds
+from coordinator.run.metrics import DeviceRoundMetrics, RoundMetrics, failed_rounds
 from coordinator.run.rundir import FLEET_FILE, METRICS_FILE, RUN_FILE, RunDirError, read_metrics, read_run_file
 from device_agent.common.atomic import atomic_write
 from export.records import TABLE_HEADER, read_exports, table_rows
@@ -368,10 +368,20 @@ def _per_device(rounds: list[RoundMetrics]) -> str:
                 _mib(sum(d.bytes_up for d in seen)),
                 f"{sum(d.bytes_up for d in accepted) / payload:.4f}" if payload else "n/a",
                 f"{sum(train) / len(train):.2f}" if train else "-",
+                _longest_miss(seen),
             )
         )
     header = ("device", "class", "ratios", "selected", "accepted", "other outcomes", "bytes up", "up / payload")
-    return _table((*header, "mean train s"), rows)
+    return _table((*header, "mean train s", "most missed in a row"), rows)
+
+
+def _longest_miss(seen: list[DeviceRoundMetrics]) -> int:
+    """The most rounds in a row a device was drawn into and did not get an update accepted (its backoff's count)."""
+    longest = streak = 0
+    for device in seen:
+        streak = 0 if device.status == "accepted" else streak + 1
+        longest = max(longest, streak)
+    return longest
 
 
 def _sizes(row: RoundMetrics) -> tuple[str, str, str]:

@@ -41,6 +41,12 @@ function cell(row, text, cls = "") {
   return td;
 }
 
+// Rounds missed in a row, and the backoff they earned (limits.backoff_after): "; missed 3 in a row, sits out to 6".
+function missed(d) {
+  if (!d.missed_in_a_row) return "";
+  return "; missed " + d.missed_in_a_row + " in a row" + (d.sits_out_until ? ", sits out to " + d.sits_out_until : "");
+}
+
 function renderFleet(devices) {
   const body = document.querySelector("#fleet tbody");
   body.replaceChildren();
@@ -59,7 +65,7 @@ function renderFleet(devices) {
     }
     cell(row, ratio(d.ratio), "num");
     cell(row, d.round_status || "-", d.round_status ? "status-" + d.round_status : "");
-    cell(row, d.totals.last_round === null ? "-" : d.totals.last_round + " (" + d.totals.last_status + ")", "num last-round");
+    cell(row, d.totals.last_round === null ? "-" : d.totals.last_round + " (" + d.totals.last_status + ")" + missed(d), "num last-round");
     cell(row, bytes(d.totals.bytes_up), "num");
     cell(row, bytes(d.totals.bytes_down), "num");
     cell(row, d.totals.train_seconds.toFixed(1), "num");
