@@ -242,6 +242,15 @@ class RoundEngine:
         if self.privacy is not None:  # every drawn device counts, answered or not
             release = self.privacy.charge(population, len(participants))
             self.last = self.last.model_copy(update={"privacy": PrivacyMetrics(**vars(release))})
+            log.info(
+                "round %d: user-level epsilon %.3f at delta %g (%d of %d devices drawn), next clip norm %.4g",
+                round_,
+                release.epsilon,
+                release.delta,
+                len(participants),
+                population,
+                release.clip_norm,
+            )
         self.rundir.complete_round(round_, self.strategy.state_dict(), self.last)
         self.open = None
         log_closed(self.last, self.fleet.quorum)
