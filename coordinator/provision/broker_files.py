@@ -19,7 +19,7 @@ from coordinator.config.fleet import Fleet
 from coordinator.provision.certificates import CRL, SERVER_CERT, SERVER_KEY, Authority
 from coordinator.provision.layout import CA_CERT, Kits, private_dir
 from coordinator.provision.templates import render
-from coordinator.transport.broker.base import BrokerSettings, queue_limits
+from coordinator.transport.broker.base import MAX_CONNECTIONS, BrokerSettings, queue_limits
 from coordinator.transport.broker.credentials import Credentials, hash_password, write_file
 from coordinator.transport.broker.mosquitto import _broker_owner, limits_and_persistence
 from device_agent.wire.topics import ROOT, acl_patterns
@@ -57,7 +57,8 @@ def config_text(fleet: Fleet, at: Path) -> str:
             crlfile=at / CRL,
         )
     if broker.tls and broker.plain_port is not None:
-        plain = render("mosquitto-plain.conf", port=broker.plain_port, host=broker.host)
+        listener = {"port": broker.plain_port, "host": broker.host, "max_connections": MAX_CONNECTIONS}
+        plain = render("mosquitto-plain.conf", **listener)
     return render(
         CONFIG,
         fleet=fleet.fleet,
@@ -67,6 +68,7 @@ def config_text(fleet: Fleet, at: Path) -> str:
         host=broker.host,
         tls=tls,
         plain_listener=plain,
+        max_connections=MAX_CONNECTIONS,
         shared="\n".join(
             limits_and_persistence(BrokerSettings(fleet.fleet, at, {}, **queue_limits(len(fleet.devices))), at / DATA)
         ),

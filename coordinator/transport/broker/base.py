@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import random
+import resource
 import socket
 import subprocess
 import threading
@@ -19,9 +23,49 @@ from coordinator.transport.broker.credentials import COORDINATOR_USER, Credentia
 from device_agent.common.processes import die_with_parent
 from device_agent.wire.session import BrokerAddress
 
+MAX_CONNECTIONS = 1_000_000
+"""mosquitto's ``max_connections`` on every fedfleet listener. Each connection holds one open file; one source
+address can hold at most ~64k connections to one port (its source ports), so a flood from one host, or a few
+(see docs/security.md for the per-source firewall limits), cannot fill it. The broker's open-file limit is
+raised above it (:func:`raise_open_files`) where the system allows."""
+FILES_RESERVED = 64
+"""Open files a broker keeps for itself beyond its connections: listeners, persistence, log, password and ACL
+files. ``max_connections`` below the open-file limit by this much keeps a flooded broker able to save its state."""
+NR_OPEN = Path("/proc/sys/fs/nr_open")
+"""The most open files the kernel lets root grant one process."""
+
 
 class BrokerError(RuntimeError):
     """A broker that could not be started or does not answer."""
+
+
+def raise_open_files(wanted: int = MAX_CONNECTIONS + FILES_RESERVED) -> int:
+    """Raise this process's open-file limit toward ``wanted`` before it starts a broker, which inherits it.
+
+    An inherited limit (1,024 from a login shell, 20,000 under some services) let that many idle TCP connections
+    with no byte sent lock every device out of the broker. Root raises the hard limit too (up to the kernel's
+    ``fs.nr_open``); anyone else gets the soft limit raised to the hard one. Returns the soft limit now.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < wanted and os.geteuid() == 0:
+        try:
+            ceiling = int(NR_OPEN.read_text())
+        except (OSError, ValueError):
+            ceiling = wanted
+        target = min(wanted, ceiling)
+        with contextlib.suppress(OSError, ValueError):  # a container may forbid it: the soft raise below still helps
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, target), max(hard, target)))
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    return soft
+
+
+def connection_limit(open_files: int, wanted: int = MAX_CONNECTIONS) -> int:
+    """``max_connections`` for a broker with ``open_files``: ``wanted``, or what the limit leaves it."""
+    return max(1, min(wanted, open_files - FILES_RESERVED))
 
 
 @dataclass(frozen=True)
@@ -41,6 +85,8 @@ class BrokerSettings:
     max_packet_bytes: int = 8 * 1024 * 1024
     max_queued_messages: int = 1000
     max_queued_bytes: int = 256 * 1024 * 1024
+    max_connections: int = MAX_CONNECTIONS
+    """mosquitto's ``max_connections``, lowered to what the open-file limit leaves where it cannot be raised."""
     extra_config: list[str] = field(default_factory=list)
     # mosquitto acl_file lines appended after the fleet's own (e.g. a benchmark's extra users).
     extra_acl: list[str] = field(default_factory=list)

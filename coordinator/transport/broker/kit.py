@@ -14,10 +14,12 @@ import subprocess
 from pathlib import Path
 
 from coordinator.transport.broker.base import (
+    FILES_RESERVED,
     BrokerError,
     BrokerProcess,
     check_port_free,
     child_options,
+    raise_open_files,
     terminate,
     wait_until_healthy,
 )
@@ -64,6 +66,7 @@ class KitBroker(BrokerProcess):
         if owner is not None:
             hand_to_broker_user(self.config_file, owner)
         config = self._reachable_config()
+        raise_files_for(self.config_file)
         with open(self.log_file, "ab") as log_out:
             self._process = subprocess.Popen(
                 [self.binary, "-c", str(config)],  # type: ignore[list-item]
@@ -120,6 +123,27 @@ class KitBroker(BrokerProcess):
         if self._stage is not None:
             shutil.rmtree(self._stage, ignore_errors=True)
             self._stage = None
+
+
+def raise_files_for(config_file: Path) -> None:
+    """Raise the open-file limit the broker inherits above its config's ``max_connections``; say so where it cannot.
+
+    Below it, a flood of idle connections runs the broker out of files before mosquitto refuses any: every
+    device is locked out and the broker cannot save its state.
+    """
+    wanted = max((int(n) for n in re.findall(r"^max_connections\s+(\d+)", config_file.read_text(), re.M)), default=0)
+    if not wanted:
+        return
+    files = raise_open_files(wanted + FILES_RESERVED)
+    if files < wanted + FILES_RESERVED:
+        log.warning(
+            "the broker may open %d files, fewer than %s's max_connections %d: run the coordinator as root or "
+            "raise its hard limit (ulimit -Hn, systemd LimitNOFILE=), and limit connections per source address "
+            "at the firewall (docs/security.md)",
+            files,
+            config_file,
+            wanted,
+        )
 
 
 # The directives whose files mosquitto reads (or writes) after dropping root: provisioning makes them 0600/0700.

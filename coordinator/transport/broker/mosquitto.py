@@ -12,15 +12,19 @@ import os
 import pwd
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 from coordinator.transport.broker.base import (
+    FILES_RESERVED,
     BrokerError,
     BrokerProcess,
     BrokerSettings,
     check_port_free,
     child_options,
+    connection_limit,
     free_port,
+    raise_open_files,
     terminate,
     wait_until_healthy,
 )
@@ -69,6 +73,7 @@ def config_text(settings: BrokerSettings, port: int, password_file: Path, acl_fi
         "per_listener_settings false",
         "allow_anonymous false",
         f"listener {port} {settings.host}",
+        f"max_connections {settings.max_connections}",
         f"password_file {password_file}",
         f"acl_file {acl_file}",
         *limits_and_persistence(settings, data_dir),
@@ -97,6 +102,24 @@ def limits_and_persistence(settings: BrokerSettings, data_dir: Path) -> list[str
         "log_type warning",
         "log_type notice",
     ]
+
+
+def broker_connections(wanted: int) -> int:
+    """Raise the open-file limit the broker will inherit; ``wanted`` connections, or what the limit leaves.
+
+    Said in the log when the limit holds the broker below ``wanted``: a flood of that many idle connections
+    from the network then locks devices out, unless the firewall limits each source (docs/security.md).
+    """
+    files = raise_open_files(wanted + FILES_RESERVED)
+    limit = connection_limit(files, wanted)
+    if limit < wanted:
+        log.warning(
+            "the broker may open %d files (the hard limit; root may raise it): max_connections %d. Limit "
+            "connections per source address at the firewall (docs/security.md)",
+            files,
+            limit,
+        )
+    return limit
 
 
 class MosquittoBroker(BrokerProcess):
@@ -140,6 +163,7 @@ class MosquittoBroker(BrokerProcess):
         if self.running:
             return
         check_port_free(self.settings.host, self.port)
+        self.settings = replace(self.settings, max_connections=broker_connections(self.settings.max_connections))
         self.write_files()
         with open(self.log_file, "ab") as log_out:
             self._process = subprocess.Popen(
