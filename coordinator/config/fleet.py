@@ -352,9 +352,13 @@ class Fleet(_Strict):
     quorum: float = Field(
         0.8, gt=0, le=1, description="fraction of asked devices whose accepted updates a round needs at its deadline"
     )
-    on_quorum_miss: Literal["extend", "skip"] = Field(
-        "extend", description="at the deadline below quorum: extend once by round_deadline_s, or skip the round"
+    on_quorum_miss: Literal["extend", "skip", "retry"] = Field(
+        "extend",
+        description="at the deadline below quorum: extend once by round_deadline_s; skip the round; or retry it: "
+        "send every participant without an accepted update its assignment again and wait round_deadline_s more, "
+        "up to quorum_retries times (accepted updates are kept: nothing was folded, so they still fit)",
     )
+    quorum_retries: PositiveInt = Field(2, description="on_quorum_miss: retry: the most times a round is retried")
     training: Training = Field(Training(), description="local training, the same on every device unless overridden")
     planning: Planning = Field(Planning(), description="how levels are chosen")
     transport: Transport = Field(default_factory=Transport, description="how the coordinator reaches its devices")

@@ -178,10 +178,27 @@ def log_closed(metrics: RoundMetrics, quorum: float) -> None:
     )
 
 
+def retry_round(open_: OpenRound, sent_again: list[str], quorum: int, fleet: Fleet) -> None:
+    """Say that a round below its quorum at the deadline is retried (``on_quorum_miss: retry``), and how."""
+    log.warning(
+        "round %d FAILED at its deadline: %d/%d updates (quorum %d); retrying it (%d of %d): %s, waiting %.0f s more",
+        open_.round,
+        len(open_.accepted),
+        len(open_.participants),
+        quorum,
+        open_.retries,
+        fleet.quorum_retries,
+        f"assignment sent again to {', '.join(sent_again[:10])}{' ...' if len(sent_again) > 10 else ''}"
+        if sent_again
+        else "no participant online to send it to",
+        fleet.round_deadline_s,
+    )
+
+
 def missing(metrics: RoundMetrics) -> str:
     """Why the updates are missing, by status: ``; 1 late, 1 rejected``."""
     counts = Counter(m.status for m in metrics.devices.values() if m.status != "accepted")
     return "; " + ", ".join(f"{n} {status}" for status, n in sorted(counts.items())) if counts else ""
 
 
-__all__ = ["RoundCloser", "log_closed", "round_metrics"]
+__all__ = ["RoundCloser", "log_closed", "retry_round", "round_metrics"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from coordinator.config.fleet import Fleet
@@ -138,13 +138,31 @@ class Dispatcher:
             # late, and re-sending on such reports doubled a 1,000-device round's downloads. A device that is
             # really idle says so again with its next heartbeat.
             return
+        self._send_again(device, open_, sent)
+        log.info("round %d: %s is idle without an update; its assignment was sent again", open_.round, device)
+
+    def retry(self, open_: OpenRound, online: Collection[str]) -> list[str]:
+        """The round is retried (``on_quorum_miss: retry``): every ``online`` participant without an accepted or
+        failed answer is sent its assignment again; returns them. An agent still training it ignores the repeat,
+        one with the update stored sends that, one that never got it or was refused trains it."""
+        again = []
+        for device, participant in open_.participants.items():
+            sent = self._assigned.get(device)
+            if sent is not None and device in online and participant.status not in ("accepted", "failed"):
+                self._due.pop(device, None)
+                self._send_again(device, open_, sent)
+                again.append(device)
+        return again
+
+    def _send_again(self, device: str, open_: OpenRound, sent: _Sent) -> None:
+        now = time.monotonic()
         transfer = self.link.send_payload(device, sent.payload, sent.manifest)
         again = sent.assignment.model_copy(update={"download": transfer, "deadline_s": max(1.0, open_.deadline - now)})
         self.link.send_control(device, again)
         self._assigned[device] = _Sent(sent.payload, sent.manifest, again, now)
+        participant = open_.participants[device]
         if participant.status == "rejected":  # expected to answer again: the refusal grace no longer applies
             participant.status, participant.retried = "assigned", True
-        log.info("round %d: %s is idle without an update; its assignment was sent again", open_.round, device)
 
     def resend_due(self, open_: OpenRound | None) -> None:
         now = time.monotonic()

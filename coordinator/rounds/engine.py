@@ -35,7 +35,7 @@ from coordinator.config.fleet import Fleet
 from coordinator.planning.planner import plan_fleet, why_no_one
 from coordinator.privacy.layer import private_strategy
 from coordinator.rounds.admission import Admission
-from coordinator.rounds.closing import RoundCloser, log_closed
+from coordinator.rounds.closing import RoundCloser, log_closed, retry_round
 from coordinator.rounds.dispatch import Dispatcher
 from coordinator.rounds.draw import ParticipantDraw, Planner
 from coordinator.rounds.failures import round_failed
@@ -281,7 +281,8 @@ class RoundEngine:
         return True
 
     def _await_answers(self, progress: Callable[[RoundEngine], None]) -> None:
-        """Until every participant answered, or the deadline (extended once when below the quorum)."""
+        """Until every participant answered, the laggards' grace, or the deadline (below the quorum: extended once,
+        or retried up to ``quorum_retries`` times, as ``on_quorum_miss`` says)."""
         open_ = self.open
         assert open_ is not None
         while not self.stopping.is_set():
@@ -294,7 +295,16 @@ class RoundEngine:
                 return
             if time.monotonic() < open_.deadline:
                 continue
-            if len(open_.accepted) >= self._quorum() or self.fleet.on_quorum_miss == "skip" or open_.extended:
+            if len(open_.accepted) >= self._quorum() or self.fleet.on_quorum_miss == "skip":
+                return
+            if self.fleet.on_quorum_miss == "retry":
+                if open_.retries >= self.fleet.quorum_retries:
+                    return
+                open_.retries += 1
+                open_.deadline = time.monotonic() + self.fleet.round_deadline_s
+                retry_round(open_, self.dispatch.retry(open_, set(self.roster.online())), self._quorum(), self.fleet)
+                continue
+            if open_.extended:
                 return
             open_.extended = True
             open_.deadline += self.fleet.round_deadline_s

@@ -110,6 +110,8 @@ class OpenRound:
     deadline: float
     started: float
     extended: bool = False
+    retries: int = 0
+    """Times it was retried below its quorum (``on_quorum_miss: retry``)."""
     phases: dict[str, float] = field(default_factory=dict)
     pushed: float = math.inf
     """When its assignments had all left (``time.monotonic()``): answer times count from here."""

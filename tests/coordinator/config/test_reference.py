@@ -26,7 +26,7 @@ def test_a_required_field_and_a_default_read_as_yaml() -> None:
     table = "\n".join(rows(Fleet))
     assert "| `fleet` | text | *required* |" in table
     assert "| `broker.tls` | boolean | `true` |" in table
-    assert "| `on_quorum_miss` | `extend` \\| `skip` | `extend` |" in table
+    assert "| `on_quorum_miss` | `extend` \\| `skip` \\| `retry` | `extend` |" in table
 
 
 def test_check_says_stale_and_write_fixes_it(tmp_path, capsys) -> None:

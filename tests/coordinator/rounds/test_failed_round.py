@@ -1,15 +1,30 @@
-"""A round without enough accepted updates closes saying FAILED, at WARNING, in the log and the live table."""
+"""A round without enough accepted updates closes saying FAILED, at WARNING, in the log and the live table;
+``on_quorum_miss: retry`` sends its assignments again instead."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from coordinator.cli.live import round_table
+from coordinator.config.fleet import parse_fleet
+from coordinator.emulation.simulation import fixed_levels, simulation_fleet
 from coordinator.rounds.closing import log_closed
+from coordinator.rounds.engine import EngineSettings, RoundEngine
 from coordinator.run.metrics import DeviceRoundMetrics, DeviceStatus, RoundMetrics
+from coordinator.run.rundir import RunDir
+from coordinator.strategies import ModelSpec, build_strategy
+from coordinator.transport.local_link import InProcessLink, LocalDevice
+from device_agent.clients.spec import TrainConfig
+from device_agent.data.datasets import LabeledData, load_dataset
+from device_agent.wire.messages import Assignment, Message
+from tests.digit_clients import digit_clients
+
+CNN = ModelSpec("cnn", 10, 1, 8)
 
 
 def closed(*statuses: DeviceStatus) -> RoundMetrics:
@@ -59,3 +74,51 @@ def test_the_live_table_title_says_a_round_failed() -> None:
     engine.last = closed("accepted", "accepted")
     good = "fleet f: round 2/6  (round 1: accuracy 0.111, loss 2.300, 2/2 updates, 272.0 s)"
     assert round_table(engine).title == good
+
+
+class LostOnceLink(InProcessLink):
+    """Device ``b``'s first assignment is lost and ``b`` never says idle: only a retry sends it again."""
+
+    def __init__(self, devices: list[LocalDevice]) -> None:
+        super().__init__(devices)
+        self.assignments: list[str] = []
+
+    def send_control(self, device: str, message: Message) -> None:
+        if isinstance(message, Assignment):
+            self.assignments.append(device)
+            if self.assignments == ["a", "b"]:
+                return
+        super().send_control(device, message)
+
+
+@pytest.mark.slow
+def test_a_round_below_its_quorum_at_the_deadline_is_retried_and_closes_with_every_update(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    data = load_dataset("digits", 8, 1)
+    clients = digit_clients(["a", "b"])
+    strategy = build_strategy("fedavg", CNN, {}, seed=0)
+    raw = simulation_fleet(strategy, clients, 1, TrainConfig(batch_size=32))  # quorum 1: both updates
+    raw |= {"round_deadline_s": 3, "on_quorum_miss": "retry"}
+    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(raw))
+    link = LostOnceLink([LocalDevice(c.client_id, c.train, c.test) for c in clients])
+    calibration = data.train_x[:128]
+    engine = RoundEngine(
+        parse_fleet(raw),
+        {},
+        strategy,
+        RunDir.create(tmp_path / "run", tmp_path / "fleet.yaml", strategy.state_dict(), seed=0),
+        LabeledData(calibration, calibration.new_zeros(128), data.test_x, data.test_y, 10),
+        link,
+        EngineSettings(min_devices=2, wait_timeout_s=30),
+        planner=fixed_levels({"a": 1.0, "b": 1.0}),
+    )
+    with caplog.at_level(logging.INFO, logger="fedfleet.engine"):
+        assert engine.run()
+    assert link.assignments == ["a", "b", "b"]
+    assert {d: m.status for d, m in engine.last.devices.items()} == {"a": "accepted", "b": "accepted"}
+    assert (
+        "round 1 FAILED at its deadline: 1/2 updates (quorum 2); retrying it (1 of 2): assignment sent again to b, "
+        "waiting 3 s more"
+    ) in caplog.text
+    assert "round 1 closed: 2/2 updates" in caplog.text
