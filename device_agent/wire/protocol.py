@@ -24,7 +24,10 @@ Topics are per device (``device_agent.wire.topics``); payloads are verified chun
    duplicate (resend after a lost receipt) gets ``Receipt(duplicate)``, an update for a closed round
    ``Receipt(late)``, an invalid one ``Error(code="rejected")``. On any of these the device deletes it
    from its outbox; until then it resends it (after reconnects, restarts, or a new assignment for
-   the same round from a restarted coordinator), each time as a fresh transfer.
+   the same round from a restarted coordinator), each time as a fresh transfer. ``Error(rejected)``
+   naming the transfer (the gate's refusal, or a coordinator of another run) also means the round is not
+   done: the next assignment for it is trained again (the coordinator sends one once after a refusal; a
+   resumed run re-sends its open round), while any other repeat of an assignment already trained is ignored.
 5. A device that cannot train (out of memory, broken data) sends ``RoundFailed``; the coordinator
    stops waiting for it, and after an out-of-memory plans it one rank level lower. A device of a
    personalized strategy that lost the part it keeps between rounds (its state directory was wiped)
@@ -32,7 +35,8 @@ Topics are per device (``device_agent.wire.topics``); payloads are verified chun
    assignment is a whole model again. A payload that does not fit the model the spec builds (tensor
    names, shapes, dtypes, finite values; :mod:`device_agent.clients.assignment_check`) is never cast to fit:
    the device sends reason ``bad_assignment`` naming the offending tensors.
-6. The round closes when every participant answered or at the deadline (quorum permitting).
+6. The round closes when every participant answered, when it has its quorum and the rest are past the
+   laggards' grace (a multiple of this round's answer times), or at the deadline (quorum permitting).
 """
 
 from __future__ import annotations

@@ -207,30 +207,56 @@ def test_a_newer_rounds_assignment_stops_the_older_update_still_on_its_way(tmp_p
 
 @pytest.mark.slow
 def test_an_agent_refused_for_another_run_trains_the_assignment_it_is_sent_now(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    mosquitto: TestBroker, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Its round 1 update went to a coordinator of another run, which refused it; the resumed run then assigns
-    round 1 again: the agent trains it (before, it took the round as done and ignored the assignment)."""
+    """Over a real broker: its round 1 update went to a coordinator of another run, which refused it naming the
+    transfer; the resumed run then assigns round 1 again, and the agent trains it (before, it took the round as
+    done and ignored the assignment, so the resumed run's rounds closed 0/3)."""
+    heard: queue.Queue[Message | Completed] = queue.Queue()
+    coordinator = coordinator_session(
+        mosquitto.fleet,
+        mosquitto.address(),
+        on_message=lambda _topic, message: heard.put(message),
+        on_payload=lambda _topic, completed: heard.put(completed),
+    ).start()
+    topics = DeviceTopics(mosquitto.fleet, DEVICE)
     sent = build_strategy("fedavg", CNN, {}, seed=0).configure(1, [ClientSlot(DEVICE, 1.0, 100)])[DEVICE]
-    with (
-        caplog.at_level(logging.INFO, logger="fedfleet.agent"),
-        agent_beside(FakeCoordinator(), tmp_path) as (agent, coordinator, _serving),
-    ):
-        coordinator.next(Hello)
-        coordinator.assign_round(1, sent)
-        first = coordinator.next(dict)
-        refusal = f"update for run 'r1', but this run is '{'b' * 32}'"
-        coordinator.assign(Error(code="rejected", detail=refusal, transfer=first["transfer"]))
-        while coordinator.next(Status).state != "idle":
-            pass
-        coordinator.assign_round(1, sent)
-        again = coordinator.next(dict)
-        pending = [(item.run, item.round) for item in agent.outbox.pending()]
+    agent = Agent(agent_config(mosquitto, tmp_path, monkeypatch), reported_profile())
+    serving = threading.Thread(target=agent.run, kwargs={"connect_timeout": 10}, daemon=True)
 
-    assert (first["round"], again["round"]) == (1, 1)
-    assert again["transfer"] != first["transfer"]
+    def next_heard(kind: type[Heard]) -> Heard:
+        deadline = time.monotonic() + 60
+        while not isinstance(got := heard.get(timeout=max(0.0, deadline - time.monotonic())), kind):
+            pass
+        return got
+
+    def assign_round_1() -> None:
+        delivery = coordinator.send(topics.down, encode_tensors(sent.tensors), run="r1", round=1, kind="assignment")
+        assignment = Assignment(
+            run="r1", round=1, deadline_s=60, download=delivery.transfer, spec=sent.spec, train=TrainConfig()
+        )
+        coordinator.publish(topics.down, assignment)
+
+    with caplog.at_level(logging.INFO, logger="fedfleet.agent"):
+        serving.start()
+        try:
+            next_heard(Hello)
+            assign_round_1()
+            first = next_heard(Completed).manifest
+            refusal = f"update for run 'r1', but this run is '{'b' * 32}'"
+            coordinator.publish(topics.down, Error(code="rejected", detail=refusal, transfer=first.transfer))
+            while next_heard(Status).state != "idle":
+                pass
+            assign_round_1()
+            again = next_heard(Completed).manifest
+        finally:
+            agent.stop()
+            serving.join(30)
+            coordinator.stop()
+
+    assert (first.round, again.round) == (1, 1)
+    assert again.transfer != first.transfer
     assert sum("round 1 trained" in r.getMessage() for r in caplog.records) == 2
-    assert pending == [("r1", 1)]  # the refused update is gone; the new one waits for its receipt
 
 
 @pytest.mark.slow
