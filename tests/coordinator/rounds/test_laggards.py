@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from coordinator.rounds.backoff import Backoff
 from coordinator.rounds.engine import EngineSettings, RoundEngine
 from coordinator.rounds.laggards import LaggardGrace
 from coordinator.rounds.state import OpenRound, Participant
+from coordinator.run.report import write_report
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ModelSpec, build_strategy
 from coordinator.transport.local_link import InProcessLink, LocalDevice
@@ -111,6 +113,9 @@ def test_a_silent_device_is_cut_after_the_grace_and_sits_out_after_missing_round
     families = RunCollector(lambda: watch.snapshot).collect()
     missed = next(f for f in families if f.name == "fedfleet_device_missed_rounds")
     assert {sample.labels["device"]: sample.value for sample in missed.samples} == {"a": 0, "b": 0, "c": 3}
+    devices = write_report(engine.rundir.path).read_text().split("<h2>Devices</h2>")[1].split("</table>")[0]
+    assert "<th>most missed in a row</th>" in devices
+    assert re.search(r"<tr><td>c</td>((?!</tr>).)*<td>3</td></tr>", devices)  # rounds 1, 2 and 4: it sat out round 3
     rebuilt = Backoff(2, 16, rounds)
     assert (rebuilt.missed, rebuilt.until) == (engine.backoff.missed, engine.backoff.until)
 
