@@ -185,10 +185,13 @@ class FleetLimits(BaseModel):
         3.0,
         ge=1,
         description="once the round has its quorum of accepted updates, it waits for the rest at most this many "
-        "times the median time its accepted updates took (from the push), and at least laggard_grace_min_s",
+        "times the median time its accepted updates took (from their assignments), and at least laggard_grace_min_s",
     )
     laggard_grace_min_s: float = Field(
-        10.0, ge=0, description="the least a round with its quorum waits for its laggards (see laggard_grace_factor)"
+        30.0,
+        ge=0,
+        description="the least a round with its quorum waits for each laggard, from its assignment (see "
+        "laggard_grace_factor); keep it above the agents' heartbeat plus resend_after_s",
     )
     backoff_after: int = Field(
         3,

@@ -106,7 +106,8 @@ class Dispatcher:
                 train=self.fleet.training.for_device(device, seed),
             )
             self.link.send_control(slot.client_id, message)
-            self._assigned[slot.client_id] = _Sent(payload, manifests[payload], message, time.monotonic())
+            participant.assigned_at = time.monotonic()
+            self._assigned[slot.client_id] = _Sent(payload, manifests[payload], message, participant.assigned_at)
 
     def cancel(self, device: str) -> None:
         """The device is downloading or training: no deferred re-send."""
@@ -161,6 +162,7 @@ class Dispatcher:
         self.link.send_control(device, again)
         self._assigned[device] = _Sent(sent.payload, sent.manifest, again, now)
         participant = open_.participants[device]
+        participant.assigned_at = now
         if participant.status == "rejected":  # expected to answer again: the refusal grace no longer applies
             participant.status, participant.retried = "assigned", True
 

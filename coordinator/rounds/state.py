@@ -94,6 +94,8 @@ class Participant:
     retried: bool = False
     """Its assignment was sent again after a refusal (once per round: a device that keeps failing is not retrained)."""
     received: ReceivedEvaluation | None = None
+    assigned_at: float | None = None
+    """When its assignment was last sent (``time.monotonic()``): a re-sent one restarts its laggard clock."""
     answered_at: float | None = None
     """When its update was first seen accepted (``time.monotonic()``): the round's answer times."""
 

@@ -30,6 +30,9 @@ raised above it (:func:`raise_open_files`) where the system allows."""
 FILES_RESERVED = 64
 """Open files a broker keeps for itself beyond its connections: listeners, persistence, log, password and ACL
 files. ``max_connections`` below the open-file limit by this much keeps a flooded broker able to save its state."""
+ONE_SOURCE = 65_536
+"""The most connections one client address can hold to one port (its source ports): below this limit, one
+host's flood can fill the broker."""
 NR_OPEN = Path("/proc/sys/fs/nr_open")
 """The most open files the kernel lets root grant one process."""
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from coordinator.transport.broker.base import (
     FILES_RESERVED,
+    ONE_SOURCE,
     BrokerError,
     BrokerProcess,
     check_port_free,
@@ -135,11 +136,11 @@ def raise_files_for(config_file: Path) -> None:
     if not wanted:
         return
     files = raise_open_files(wanted + FILES_RESERVED)
-    if files < wanted + FILES_RESERVED:
+    if files < min(wanted, ONE_SOURCE) + FILES_RESERVED:
         log.warning(
-            "the broker may open %d files, fewer than %s's max_connections %d: run the coordinator as root or "
-            "raise its hard limit (ulimit -Hn, systemd LimitNOFILE=), and limit connections per source address "
-            "at the firewall (docs/security.md)",
+            "the broker may open only %d files, fewer than one host can hold open (%s: max_connections %d): "
+            "raise the hard limit (ulimit -Hn, systemd LimitNOFILE=, root with CAP_SYS_RESOURCE) and limit "
+            "connections per source address at the firewall (docs/security.md)",
             files,
             config_file,
             wanted,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from coordinator.transport.broker.base import (
     FILES_RESERVED,
+    ONE_SOURCE,
     BrokerError,
     BrokerProcess,
     BrokerSettings,
@@ -107,15 +108,16 @@ def limits_and_persistence(settings: BrokerSettings, data_dir: Path) -> list[str
 def broker_connections(wanted: int) -> int:
     """Raise the open-file limit the broker will inherit; ``wanted`` connections, or what the limit leaves.
 
-    Said in the log when the limit holds the broker below ``wanted``: a flood of that many idle connections
-    from the network then locks devices out, unless the firewall limits each source (docs/security.md).
+    Said in the log when the limit leaves fewer than one host can open: a flood of idle connections from a
+    single machine then locks devices out, unless the firewall limits each source (docs/security.md).
     """
     files = raise_open_files(wanted + FILES_RESERVED)
     limit = connection_limit(files, wanted)
-    if limit < wanted:
+    if limit < min(wanted, ONE_SOURCE):
         log.warning(
-            "the broker may open %d files (the hard limit; root may raise it): max_connections %d. Limit "
-            "connections per source address at the firewall (docs/security.md)",
+            "the broker may open only %d files (the hard limit, which root with CAP_SYS_RESOURCE or `ulimit -Hn` "
+            "raises): max_connections %d, fewer than one host can open; limit connections per source address "
+            "at the firewall (docs/security.md)",
             files,
             limit,
         )
