@@ -258,22 +258,56 @@ def sketch(update: Mapping[str, Tensor], size: int = SKETCH_SIZE) -> Tensor:
     return out
 
 
-def peer_cosines(sketches: Mapping[str, Tensor]) -> dict[str, float]:
+DUPLICATE_COSINE = 0.95
+"""Two updates whose sketches agree this closely count as one vote (FoolsGold, Fung et al. 2020): honest
+devices training on their own data do not send near-copies, colluders sending one update do."""
+
+
+def peer_cosines(sketches: Mapping[str, Tensor], duplicate: float = DUPLICATE_COSINE) -> dict[str, float]:
     """Per device, the cosine of its update with the sum of the round's other updates (leave one out).
 
-    Each update counts as one unit vote, so one large update cannot turn the others' sum; a device whose
-    peers' sum is zero (or who has no peer) gets no cosine.
+    Each update counts as one unit vote, so one large update cannot turn the others' sum; updates within
+    ``duplicate`` cosine of a device's own are left out of its reference with it, so colluders sending the
+    same update do not vote for each other. A device whose peers' sum is zero (or who has no peer) gets no
+    cosine.
     """
     if not sketches:
         return {}
-    total = torch.stack(list(sketches.values())).sum(dim=0)
+    devices = list(sketches)
+    stacked = torch.stack([sketches[d] for d in devices])
+    norms = stacked.norm(dim=1).clamp_min(1e-30)
+    pairwise = (stacked @ stacked.T) / torch.outer(norms, norms)
+    group = (pairwise >= duplicate).to(torch.float64)
+    group.fill_diagonal_(1.0)
+    rest = stacked.sum(dim=0) - group @ stacked
     cosines: dict[str, float] = {}
-    for device, own in sketches.items():
-        rest = total - own
-        scale = float(own.norm() * rest.norm())
+    for index, device in enumerate(devices):
+        scale = float(stacked[index].norm() * rest[index].norm())
         if scale > 0:
-            cosines[device] = float(own @ rest) / scale
+            cosines[device] = float(stacked[index] @ rest[index]) / scale
     return cosines
+
+
+def iterated_outliers(
+    sketches: Mapping[str, Tensor], floor: float, spread: float, duplicate: float = DUPLICATE_COSINE
+) -> list[tuple[str, float, float]]:
+    """The round's outliers taken out one at a time, worst first, as (device, cosine, cut): after each, every
+    cosine, the median and the spread are computed again without it, so an attacker's vote leaves the honest
+    devices' references and the cut (Multi-Krum-style iterative removal). Never half the round or more."""
+    remaining = dict(sketches)
+    limit = (len(remaining) - 1) // 2
+    removed: list[tuple[str, float, float]] = []
+    while len(removed) < limit:
+        cosines = peer_cosines(remaining, duplicate)
+        if len(cosines) < 3:
+            break
+        cut = peer_cut(cosines, floor, spread)
+        worst = min(cosines, key=cosines.__getitem__)
+        if cosines[worst] >= cut:
+            break
+        removed.append((worst, cosines[worst], cut))
+        del remaining[worst]
+    return removed
 
 
 def peer_cut(cosines: Mapping[str, float], floor: float, spread: float) -> float:
@@ -288,13 +322,6 @@ def peer_cut(cosines: Mapping[str, float], floor: float, spread: float) -> float
     median = statistics.median(values)
     deviation = 1.4826 * statistics.median(abs(v - median) for v in values)
     return min(floor, median - spread * deviation)
-
-
-def direction_outliers(cosines: Mapping[str, float], threshold: float) -> list[str]:
-    """The devices whose peer cosine is below ``threshold``, worst first, never half the round or more:
-    the rest must stay a majority for "the others' direction" to mean the honest fleet's."""
-    below = sorted((c, d) for d, c in cosines.items() if c < threshold)
-    return [device for _, device in below[: (len(cosines) - 1) // 2]]
 
 
 def coordinate_median(updates: Sequence[Tensor]) -> Tensor:

@@ -197,7 +197,7 @@ class Admission:
                 ordered[-1],
                 len(ordered),
             )
-        refused = self.gate.peer_outliers(cosines)
+        refused = self.gate.peer_outliers()
         if not refused:
             return {}
         open_.aggregate = reopen()

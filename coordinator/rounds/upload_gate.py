@@ -46,11 +46,10 @@ from coordinator.algorithms.robust import (
     clip_layer,
     dense,
     dense_updates,
-    direction_outliers,
+    iterated_outliers,
     layer_norms,
     layers_of,
     peer_cosines,
-    peer_cut,
     sketch,
 )
 from coordinator.config.limits import GateSettings
@@ -344,18 +343,17 @@ class UploadGate:
             return {}
         return peer_cosines(self._sketches)
 
-    def peer_outliers(self, cosines: Mapping[str, float]) -> dict[str, str]:
-        """The devices of :meth:`peer_cosines` below ``peer_min_cosine`` and ``peer_spread`` deviations below the
-        round's median (:func:`~coordinator.algorithms.robust.peer_cut`), fewer than half, worst first, with why."""
+    def peer_outliers(self) -> dict[str, str]:
+        """The round's updates below ``peer_min_cosine`` and ``peer_spread`` deviations below the round's median
+        (:func:`~coordinator.algorithms.robust.peer_cut`), taken out one at a time with every cosine computed
+        again without them (:func:`~coordinator.algorithms.robust.iterated_outliers`), fewer than half, with why."""
         floor = self.settings.peer_min_cosine
-        if floor is None or not cosines:
+        if floor is None or len(self._sketches) < self.settings.peer_min_updates:
             return {}
-        cut = peer_cut(cosines, floor, self.settings.peer_spread)
         return {
-            device: f"update has cosine {cosines[device]:.3g} with the sum of the round's {len(cosines) - 1} other "
-            f"updates (at least {cut:.3g}: below {floor:g} and {self.settings.peer_spread:g} deviations below the "
-            "round's median)"
-            for device in direction_outliers(cosines, cut)
+            device: f"update has cosine {cos:.3g} with the sum of the round's other updates (at least {cut:.3g}: "
+            f"below {floor:g} and {self.settings.peer_spread:g} deviations below the round's median)"
+            for device, cos, cut in iterated_outliers(self._sketches, floor, self.settings.peer_spread)
         }
 
     def sample_weight(self, claimed: int, expected_samples: int) -> int:

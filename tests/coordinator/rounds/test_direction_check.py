@@ -120,8 +120,8 @@ def test_the_peer_check_names_an_update_against_its_round_only_with_enough_peers
             assert gate.peer_cosines() == {}  # three updates do not make a reference yet
     cosines = gate.peer_cosines()
     assert cosines["bad"] < -0.5 and min(c for d, c in cosines.items() if d != "bad") > 0.3
-    assert list(gate.peer_outliers(cosines)) == ["bad"]
-    assert "with the sum of the round's 3 other updates (at least -0.1: " in gate.peer_outliers(cosines)["bad"]
+    assert list(gate.peer_outliers()) == ["bad"]
+    assert "with the sum of the round's other updates (at least -0.1: " in gate.peer_outliers()["bad"]
     gate.open_round()
     assert gate.peer_cosines() == {}  # a new round, new peers
 
@@ -137,6 +137,6 @@ def test_by_default_a_sign_flipped_device_is_refused_at_every_close_from_round_o
         result = simulate(strategy, clients, 3, train, (data.test_x, data.test_y), data.train_x, link=link)
     assert [set(r.upload_bytes) for r in result.rounds] == [{"g1", "g2", "g3"}] * 3
     refusals = [r.getMessage() for r in caplog.records if "refused bad's update at the close" in r.getMessage()]
-    assert len(refusals) == 3 and all("with the sum of the round's 3 other updates" in m for m in refusals)
+    assert len(refusals) == 3 and all("with the sum of the round's other updates" in m for m in refusals)
     assert not [r for r in caplog.records if "refused g" in r.getMessage() or "rejected g" in r.getMessage()]
     assert result.final.accuracy is not None and result.final.accuracy > 0.5
