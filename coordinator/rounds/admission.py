@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from torch import Tensor
+
 from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.rounds.signing import UploadSignatures
 from coordinator.rounds.state import OpenRound, Refusals, printable, refusal_reason
@@ -137,13 +139,22 @@ class Admission:
         participant.host_seconds, participant.received = parsed.host_seconds, parsed.received
         return "accepted"
 
-    def replay(self, journal: Sequence[JournalEntry], open_: OpenRound, reopen: Callable[[], RoundAggregate]) -> None:
+    def replay(
+        self,
+        journal: Sequence[JournalEntry],
+        open_: OpenRound,
+        reopen: Callable[[], RoundAggregate],
+        assigned: Callable[[], Mapping[str, Mapping[str, Tensor]]] | None = None,
+    ) -> None:
         """Fold the uploads accepted before a restart back into the re-opened round (module doc).
 
         ``reopen`` gives a fresh aggregate of the round: a fold that failed part-way leaves the
-        aggregate unknown, so it starts over with the uploads folded before.
+        aggregate unknown, so it starts over with the uploads folded before. ``assigned`` gives what each
+        participant is sent this round: with it each replayed update's direction is measured again, so the
+        peer check at the close judges it like a live one (without it, replayed updates are not judged).
         """
         folded: list[tuple[str, dict, int, dict]] = []
+        sent: Mapping[str, Mapping[str, Tensor]] | None = None
         for entry in journal:
             if entry.round != open_.round or entry.device not in open_.participants:
                 continue
@@ -153,6 +164,12 @@ class Admission:
                 upload, extras = split_upload(self.rundir.load_upload(entry))
                 check_extras(extras, self.declared_extras)
                 open_.aggregate.check(entry.device, upload, parsed.samples, extras)
+                if assigned is not None:
+                    sent = assigned() if sent is None else sent
+                    screened = self.gate.replayed(entry.device, upload, sent[entry.device])
+                else:
+                    norm = math.sqrt(sum(squared_norms(upload).values()))
+                    screened = Screened(upload, norm, dict(entry.meta.get("update_norms") or {}))
             except Exception as exc:  # a journal of an older release: whatever it trips over, the run goes on
                 self._quarantine(entry, exc)
                 continue
@@ -166,8 +183,7 @@ class Admission:
                 continue
             folded.append((entry.device, upload, parsed.samples, extras))
             participant = open_.participants[entry.device]
-            norm = math.sqrt(sum(squared_norms(upload).values()))
-            self.gate.accepted(participant.level, Screened(upload, norm, dict(entry.meta.get("update_norms") or {})))
+            self.gate.accepted(participant.level, screened, entry.device)
             participant.status, participant.payload_bytes = "accepted", payload_bytes
             participant.train_seconds, participant.host_seconds = parsed.train_seconds, parsed.host_seconds
             participant.local_accuracy, participant.received = parsed.local_accuracy, parsed.received

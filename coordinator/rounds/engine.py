@@ -223,7 +223,12 @@ class RoundEngine:
         self.open = OpenRound(
             round_, {d: Participant(level) for d, level in participants}, aggregate, deadline, started
         )
-        self.admission.replay(self._journal, self.open, lambda: self.strategy.open_round(round_, slots))
+        self.admission.replay(
+            self._journal,
+            self.open,
+            lambda: self.strategy.open_round(round_, slots),
+            lambda: {d: a.tensors for d, a in self.strategy.configure(round_, slots).items()},
+        )
         self._journal = []
         planned = time.monotonic()
         self.dispatch.push(self.open, slots, self.roster)

@@ -328,6 +328,15 @@ class UploadGate:
             )
         return replace(screened, cosine=cos, direction=direction, sketch=peer)
 
+    def replayed(self, device: str, upload: Mapping[str, Tensor], sent: Mapping[str, Tensor]) -> Screened:
+        """A journaled upload as a resume folds it. The norm bound judged it when it came (the journal keeps it as
+        folded, clipped or not); its direction is measured again from ``sent`` (what the device was assigned this
+        round), so the peer check at the close judges it like a live one."""
+        self.sent(device, squared_norms(sent), sent)
+        direction = dense_updates(upload, sent)
+        value = math.sqrt(sum(squared_norms(upload).values()))
+        return self._directed(Screened(dict(upload), value, self._moving(layer_norms(direction), sent)), direction)
+
     def accepted(self, level: float, screened: Screened, device: str | None = None) -> None:
         self._accepted.setdefault(level, []).append(screened.norm)
         self.history.add(screened.update_norms)
@@ -338,7 +347,7 @@ class UploadGate:
 
     def peer_cosines(self) -> dict[str, float]:
         """Per device, its update's cosine with the sum of the round's others (module doc); empty while the check
-        is off or fewer than ``peer_min_updates`` uploads were screened here (a resume's replayed ones were not)."""
+        is off or fewer than ``peer_min_updates`` uploads were screened here (a resume's replayed ones count)."""
         if self.settings.peer_min_cosine is None or len(self._sketches) < self.settings.peer_min_updates:
             return {}
         return peer_cosines(self._sketches)

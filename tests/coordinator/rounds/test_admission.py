@@ -10,6 +10,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
+import torch
 
 from coordinator.rounds.admission import Admission
 from coordinator.rounds.signing import UploadSignatures
@@ -113,3 +114,43 @@ def test_an_unsealed_or_foreign_digest_is_refused_before_the_journal(tmp_path: P
     assert getattr(refused.value, "reason", None) == "bad_signature"
     assert rundir.resume().journal == []
     rundir.close()
+
+
+def test_a_replayed_reversed_update_is_refused_at_the_close_after_a_resume(tmp_path: Path) -> None:
+    """A coordinator killed after it receipted a reversed update: the resumed one measures the journaled
+    update's direction again from what the round sends, so the peer check refuses it like a live one."""
+    strategy = build_strategy("fedavg", CNN, {}, seed=0)
+    (tmp_path / "fleet.yaml").write_text("fleet: lab\n")
+    rundir = RunDir.create(tmp_path / "run", tmp_path / "fleet.yaml", strategy.state_dict(), seed=0)
+    devices = ["bad", "h1", "h2", "h3", "h4"]
+    slots = [ClientSlot(device, 1.0, 100) for device in devices]
+    sent = strategy.configure(1, slots)["h1"].tensors
+    generator = torch.Generator().manual_seed(0)
+    drift = {k: torch.randn(v.shape, generator=generator) for k, v in sent.items() if v.is_floating_point()}
+    for i, device in enumerate(devices):
+        sign = -1 if device == "bad" else 1
+        noise = torch.Generator().manual_seed(i + 1)
+        upload = {
+            k: v + 0.01 * sign * (drift[k] + 0.5 * torch.randn(v.shape, generator=noise)) if k in drift else v
+            for k, v in sent.items()
+        }
+        meta = {"samples": 100, "train_seconds": 1.0, "loss": 0.5, "level": 1.0}
+        assert rundir.accept_upload(1, device, f"t-{device}", upload, meta)
+    rundir.close()
+
+    def resumed(measure: bool) -> dict[str, str]:
+        run = RunDir.open(tmp_path / "run")
+        journal = run.resume().journal
+        admission = Admission(UploadGate(), run, lambda device: 100)
+        open_ = OpenRound(1, {d: Participant(1.0) for d in devices}, strategy.open_round(1, slots), 1e12, 0.0)
+        reopen = lambda: strategy.open_round(1, slots)  # noqa: E731
+        assigned = (lambda: {d: a.tensors for d, a in strategy.configure(1, slots).items()}) if measure else None
+        admission.replay(journal, open_, reopen, assigned)
+        assert all(p.status == "accepted" for p in open_.participants.values())
+        refused = admission.screen_round(open_, reopen)
+        assert {d for d, p in open_.participants.items() if p.status != "accepted"} == set(refused)
+        run.close()
+        return refused
+
+    assert resumed(measure=False) == {}  # before: replayed updates had no sketch, and were folded unjudged
+    assert list(resumed(measure=True)) == ["bad"]
