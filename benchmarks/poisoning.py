@@ -38,8 +38,8 @@ from device_agent.wire.codec import decode_tensors, encode_tensors
 from device_agent.wire.transfer import Completed, make_manifest
 
 MODEL = ModelSpec("cnn", 10, 1, 8)
-LEVELS = {"fedavg": (1.0,), "fedhm": (1.0, 0.5)}
-"""Levels the clients cycle through: FedHM mixes full-rank and gamma 1/2 clients."""
+LEVELS = {"fedavg": (1.0,), "fedhm": (1.0, 0.5, 0.25)}
+"""Levels the clients cycle through: FedHM mixes full-rank, gamma 1/2 and 1/4 clients."""
 NO_DEFENSE = {
     "update_bound_factor": None,
     "direction_min_cosine": None,
@@ -130,6 +130,14 @@ def min_max(u: Upload) -> Tensors:
     return unflattened(mean + low * direction, u.trained, keys)
 
 
+def colluding_reversal(u: Upload) -> Tensors:
+    """Upload sent minus the mean honest update of the round: every colluder of one level sends the same
+    reversed update, so each would vote for the other in a leave-one-out reference."""
+    keys = floats(u.trained)
+    mean = {k: torch.stack([h[k] for h in u.honest]).mean(dim=0) for k in keys} if u.honest else u.trained
+    return {**u.trained, **{k: u.sent[k] - (mean[k] - u.sent[k]) for k in keys}}
+
+
 ATTACKS: dict[str, Callable[[Upload], Tensors] | None] = {
     "weights_x-1": scaled_weights(-1.0),
     "weights_x-3": scaled_weights(-3.0),
@@ -144,6 +152,7 @@ ATTACKS: dict[str, Callable[[Upload], Tensors] | None] = {
     "label_flip": None,
     "little_is_enough": little_is_enough(1.0),
     "min_max": min_max,
+    "colluders_reversed": colluding_reversal,
 }
 """Model-poisoning attacks by name; ``label_flip`` poisons the data (labels y -> 9 - y) and uploads honestly."""
 SAMPLE_INFLATION = {"weights_x-9.5_samples_x97": 97}
@@ -232,8 +241,9 @@ def run_one(
     train: TrainConfig,
     data: LabeledData,
     limits: Mapping[str, object] | None,
-) -> float:
-    """Final global accuracy of one run (``attack`` None: the clean fleet)."""
+) -> tuple[float, int]:
+    """Final global accuracy of one run (``attack`` None: the clean fleet) and how many honest updates the
+    gate refused (a round's honest device whose update was not aggregated)."""
     fleet = fleet_clients(data, clients, malicious, attack == "label_flip", LEVELS[strategy_name])
     bad = {c.client_id for c in fleet[:malicious]} if attack else set()
     devices = [LocalDevice(c.client_id, c.train, c.test) for c in fleet]
@@ -244,7 +254,8 @@ def run_one(
     accuracy = result.final.accuracy
     if accuracy is None or not math.isfinite(accuracy):
         raise RuntimeError(f"{strategy_name} {attack}: no final accuracy")
-    return accuracy
+    honest = {c.client_id for c in fleet} - bad
+    return accuracy, sum(len(honest - set(record.upload_bytes)) for record in result.rounds)
 
 
 def poisoning(
@@ -262,18 +273,27 @@ def poisoning(
     data = load_dataset("digits", 8, 1)
     limits = {**(limits or {}), **({} if defense else NO_DEFENSE)}
     clean: dict[str, float] = {}
+    honest_refused_clean: dict[str, int] = {}
     entries: list[dict[str, Any]] = []
     for name in strategies:
-        clean[name] = run_one(name, None, 0, rounds, clients, train, data, limits)
-        progress(f"{name} clean: {clean[name]:.3f}")
+        clean[name], honest_refused_clean[name] = run_one(name, None, 0, rounds, clients, train, data, limits)
+        progress(f"{name} clean: {clean[name]:.3f} ({honest_refused_clean[name]} honest updates refused)")
         for attack in attacks:
             for malicious in fractions:
-                accuracy = run_one(name, attack, malicious, rounds, clients, train, data, limits)
+                accuracy, refused = run_one(name, attack, malicious, rounds, clients, train, data, limits)
                 drop = clean[name] - accuracy
                 entries.append(
-                    {"strategy": name, "attack": attack, "malicious": malicious, "accuracy": accuracy, "drop": drop}
+                    {
+                        "strategy": name,
+                        "attack": attack,
+                        "malicious": malicious,
+                        "accuracy": accuracy,
+                        "drop": drop,
+                        "honest_refused": refused,
+                    }
                 )
-                progress(f"{name} {attack} {malicious}/{clients}: {accuracy:.3f} (drop {drop:+.3f})")
+                result = f"{accuracy:.3f} (drop {drop:+.3f}, {refused} honest refused)"
+                progress(f"{name} {attack} {malicious}/{clients}: {result}")
 
     def worst(malicious: int) -> float | None:
         drops = [e["drop"] for e in entries if e["malicious"] == malicious]
@@ -292,6 +312,7 @@ def poisoning(
             "limits": limits,
         },
         "clean_accuracy": clean,
+        "honest_refused_clean": honest_refused_clean,
         "attacks": entries,
         "worst_drop_one_in_ten": worst(max(1, clients // 10)),
         "worst_drop_two_in_ten": worst(max(2, 2 * clients // 10)),

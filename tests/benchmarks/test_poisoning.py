@@ -25,6 +25,7 @@ def test_one_device_uploading_minus_nine_and_a_half_times_its_weights_is_contain
     assert entry["accuracy"] > clean - 0.05
     assert result["worst_drop_one_in_ten"] == pytest.approx(clean - entry["accuracy"])
     assert result["worst_drop_two_in_ten"] is None  # not measured
+    assert result["honest_refused_clean"] == {"fedavg": 0} and entry["honest_refused"] == 0
     assert "| fedavg | weights_x-9.5 |" in table(result)
     json.dumps(result)
 
@@ -39,3 +40,4 @@ def test_an_unknown_attack_is_named(capsys) -> None:
     assert main(["--attacks", "sign_flop"]) == 2
     assert "unknown attack 'sign_flop'" in capsys.readouterr().err
     assert "min_max" in ATTACKS and "little_is_enough" in ATTACKS and "label_flip" in ATTACKS
+    assert "colluders_reversed" in ATTACKS
