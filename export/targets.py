@@ -22,13 +22,25 @@ from device_agent.agent.kept import SUFFIX as KEPT_SUFFIX
 from device_agent.clients import build_program
 from device_agent.clients.base import KeptStateMissing
 from device_agent.clients.spec import ClientSpec
-from device_agent.data.datasets import load_dataset
+from device_agent.data.datasets import FASHION_MNIST, load_dataset, source_of
 from device_agent.layers import dense_state, rank_one_layers
 from device_agent.layers.factorized import LowRankLayer
 from device_agent.layers.hybrid import hybrid
 from device_agent.models import build_model
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+FASHION_MNIST_CLASSES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
 # Where `coordinator emulate` keeps each agent's state (kept tensors of personalized strategies).
 AGENT_KEPT_DIR = "agents/{device}/state/kept"
 
@@ -195,8 +207,12 @@ def _personal(run: TrainedRun, device: str, device_state: Path | None) -> Target
 def class_names(dataset: str, path: Path | None, num_classes: int) -> list[str]:
     """Human names of the classes where the data set has them, else the label numbers."""
     names: Sequence[str] | None = None
-    if dataset == "digits" or (dataset == "cifar10" and num_classes == 10):
-        names = [str(i) for i in range(10)] if dataset == "digits" else CIFAR10_CLASSES
+    if dataset == "digits":
+        names = [str(i) for i in range(10)]
+    elif dataset == "cifar10":
+        names = CIFAR10_CLASSES
+    elif dataset == FASHION_MNIST:
+        names = FASHION_MNIST_CLASSES
     elif dataset == "image_folder" and path is not None and path.is_dir():
         root = path / "train" if (path / "train").is_dir() and (path / "test").is_dir() else path
         names = sorted(d.name for d in root.iterdir() if d.is_dir())
@@ -207,5 +223,4 @@ def class_names(dataset: str, path: Path | None, num_classes: int) -> list[str]:
 
 def load_run_data(run: TrainedRun):
     """The run's data set, fitted to the model as the coordinator loads it (test split used here)."""
-    source = "digits" if run.dataset == "digits" else str(run.dataset_path)
-    return load_dataset(source, run.image_size, run.in_channels)
+    return load_dataset(source_of(run.dataset, run.dataset_path), run.image_size, run.in_channels)

@@ -30,6 +30,7 @@ def make_run(
     ratios: tuple[str, ...] = ("1", "1/2", "1/4"),
     samples: int = 32,
     export: dict | None = None,
+    dataset: str = "digits",
 ) -> Path:
     """Train one round (each device a few steps on its own digits) and save it as RUN_DIR; returns it."""
     model = {"arch": arch, "num_classes": 10}
@@ -38,7 +39,7 @@ def make_run(
         "fleet": "t",
         "broker": {"mode": "managed"},
         "model": model,
-        "dataset": {"name": "digits"},
+        "dataset": {"name": dataset},
         "strategy": {"name": strategy},
         "ratios": list(ratios),
         "rounds": 1,

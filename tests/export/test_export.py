@@ -16,6 +16,7 @@ from coordinator.cli.app import main as coordinator_main
 from coordinator.config.fleet import FleetError, load_fleet, parse_fleet
 from coordinator.run.exporting import export_finished_run, open_trained_run
 from coordinator.run.report import write_report
+from device_agent.data.datasets import FASHION_MNIST_DIR
 from device_agent.infer import Classifier, model_info
 from device_agent.layers.hybrid import factorization_plan
 from export.check import FP32_TOLERANCE, ParityError, check_parity, session
@@ -153,6 +154,16 @@ def test_missing_round(cnn_run: Path) -> None:
     with pytest.raises(ExportError, match=r"round 5 has no saved state .*last completed round: 1; saved: 0, 1"):
         open_trained_run(cnn_run, 5)
     assert open_trained_run(cnn_run, 0).round == 0
+
+
+@pytest.mark.skipif(not FASHION_MNIST_DIR.is_dir(), reason="needs Debian's dataset-fashion-mnist")
+def test_a_fashion_mnist_run_exports_by_hand_with_its_class_names(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, arch="cnn28", dataset="fashion_mnist", ratios=("1", "1/4"))
+    out = tmp_path / "merged.onnx"
+    args = ["export", str(run_dir), "--merged", "--out", str(out), "--no-latency", "--parity-samples", "8"]
+    assert coordinator_main(args) == 0
+    classes = model_info(_props(out)).class_names
+    assert classes[0] == "T-shirt/top" and classes[9] == "Ankle boot"
 
 
 @pytest.mark.slow
