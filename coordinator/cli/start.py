@@ -56,8 +56,9 @@ examples:
 Broker logins, the CA and certificates belong to the fleet, not to a run: they are read from the
 fleet's kits (--kits, default kits/<fleet>/ next to fleet.yaml; `coordinator provision` writes them,
 and a first start provisions them if they are missing), so a new run never changes a device's secret.
-A managed broker runs kits/broker/mosquitto.conf and stops with the coordinator. Ctrl-C stops cleanly;
-running the same command again resumes the run, including the updates accepted in the open round.
+A managed broker runs kits/broker/mosquitto.conf and stops with the coordinator. Ctrl-C stops cleanly and
+prints the command that resumes the run (with its --run-dir), including the updates accepted in the open round;
+a start without --run-dir always begins a new run.
 """
 
 
@@ -269,7 +270,7 @@ def run_start(
         broker.stop()
         rundir.close()
     if isinstance(broker, BrokerSupervisor) and broker.failure:
-        print(f"coordinator: error: {broker.failure}; run the same command to resume {run_dir}", file=sys.stderr)
+        print(f"coordinator: error: {broker.failure}; resume with: {resume_command(args, run_dir)}", file=sys.stderr)
         return 1
     if finished:
         from coordinator.run.exporting import export_finished_run
@@ -281,9 +282,14 @@ def run_start(
         print(f"coordinator: stopped: {engine.budget_exhausted}", file=sys.stderr)
         return EXIT_PRIVACY_BUDGET
     if not finished:
-        print(f"stopped; run the same command to resume {run_dir}")
+        print(f"stopped; resume with: {resume_command(args, run_dir)}")
         return 0
     return finished_run_status(rundir.metrics(), fleet.quorum)
+
+
+def resume_command(args: argparse.Namespace, run_dir: Path) -> str:
+    """The exact command that resumes ``run_dir``: without --run-dir the same command would start a new run."""
+    return f"coordinator {getattr(args, 'command', None) or 'start'} --fleet {args.fleet} --run-dir {run_dir}"
 
 
 def finished_run_status(rounds: list[RoundMetrics], quorum: float) -> int:

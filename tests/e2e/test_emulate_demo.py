@@ -100,7 +100,7 @@ def test_ctrl_c_stops_the_coordinator_and_every_agent_cleanly(tmp_path: Path) ->
         if emulate.poll() is None:
             emulate.kill()
     assert emulate.returncode == 0, output[-3000:]
-    assert f"stopped; run the same command to resume {run_dir}" in output
+    assert f"stopped; resume with: coordinator emulate --fleet {fleet} --run-dir {run_dir}" in output
     assert "crashed" not in output
     assert not any(child.is_running() for child in children)
     for device in devices:
