@@ -479,6 +479,12 @@ class Fleet(_Strict):
             )
         return self
 
+    def sized_samples(self, device: Device) -> int | None:
+        """The training samples fleet.yaml sizes ``device`` at, if it does: what its agent trains on."""
+        if device.overrides.samples is None and self.dataset.samples_per_device is None:
+            return None
+        return self.samples_for(device)
+
     def samples_for(self, device: Device) -> int:
         if device.overrides.samples is not None:
             return device.overrides.samples

@@ -51,13 +51,6 @@ def partition_text(partition: Partition) -> str:
     return partition.text
 
 
-def _samples(fleet: Fleet, device: Device) -> int | None:
-    """The training samples fleet.yaml sizes ``device`` at, if it does: the emulated agent trains on that many."""
-    if device.overrides.samples is None and fleet.dataset.samples_per_device is None:
-        return None
-    return fleet.samples_for(device)
-
-
 def predicted_step_seconds(fleet: Fleet, device: Device, profile: DeviceClass) -> dict[float, float]:
     """Seconds of one training step of ``device`` at every level it may be assigned, as the planner predicts.
 
@@ -148,7 +141,7 @@ def write_agent_specs(
             index,
             len(fleet.devices),
             None if dataset.path is None else str(dataset.path),
-            _samples(fleet, device),
+            fleet.sized_samples(device),
         )
         kit = None if kits is None else (kits / device.id).resolve()
         variable = password_env(index if packed else None)

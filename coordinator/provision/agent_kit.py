@@ -88,12 +88,15 @@ def agent_yaml(fleet: Fleet, index: int, layout: DeviceLayout, tls: bool, passwo
             "cert_file": str(layout.etc / CLIENT_CERT),
             "key_file": str(layout.etc / CLIENT_KEY),
         }
+    samples = fleet.sized_samples(device)  # what the planner sized this device at: the agent trains on as many
     if dataset.name in BUILT_IN and dataset.path is None:
-        share = DataShare(dataset.name, dataset.partition.text, dataset.seed, index, len(fleet.devices), None)
+        share = DataShare(dataset.name, dataset.partition.text, dataset.seed, index, len(fleet.devices), None, samples)
         data, note = share.as_config(), "built-in demo data: this device takes share `index` of `count`"
     else:
         path = dataset.path or layout.state_dir / "data"
         data = {"dataset": dataset.name, "path": str(path), "partition": "iid"}
+        if samples is not None:
+            data["samples"] = samples
         note = f"PUT THIS DEVICE'S {dataset.name} DATA AT data.path (readable by user {SERVICE_USER}) and edit the path"
     settings = {
         "device": device.id,

@@ -11,6 +11,7 @@ import yaml
 from coordinator.config.fleet import Fleet, load_fleet
 from coordinator.provision.agent_kit import agent_yaml, install_text, torch_version, unit_text
 from coordinator.provision.layout import DeviceLayout
+from device_agent.agent.config import AgentConfig
 
 LAYOUT = DeviceLayout(Path("/srv/ff"), Path("/var/ff"))
 
@@ -71,3 +72,13 @@ def test_agent_yaml_says_where_the_data_goes_right_above_the_data_section(tmp_pa
     assert (
         config["broker"]["ca_file"] == "/srv/ff/etc/ca.pem" and config["signing_key"] == "file:/srv/ff/etc/signing.key"
     )
+
+
+def test_a_kit_trains_on_the_samples_the_planner_sized_its_device_at(tmp_path: Path) -> None:
+    extra = "dataset: {name: fashion_mnist, samples_per_device: 2000}\n"
+    fleet = _fleet(tmp_path, extra)
+    pi, orin = (AgentConfig.model_validate(yaml.safe_load(agent_yaml(fleet, i, LAYOUT, tls=True))) for i in (0, 1))
+    assert pi.data.samples == orin.data.samples == fleet.samples_for(fleet.devices[0]) == 2000
+    assert (pi.data.index, pi.data.count) == (0, 2)
+    unsized = _fleet(tmp_path, "dataset: {name: cifar10, path: /data/cifar}\n")
+    assert "samples" not in yaml.safe_load(agent_yaml(unsized, 0, LAYOUT, tls=True))["data"]
