@@ -29,7 +29,7 @@ from coordinator.rounds.signing import upload_signatures
 from coordinator.run.fleet_data import fleet_data
 from coordinator.run.metrics import RoundMetrics, failed_rounds
 from coordinator.run.report import write_report
-from coordinator.run.rundir import RunDir, RunDirError
+from coordinator.run.rundir import RunDir, RunDirError, latest_unfinished
 from coordinator.run.storage import out_of_space_message
 from coordinator.strategies import build_strategy
 from coordinator.transport.allocator import keep_freed_buffers
@@ -47,9 +47,13 @@ from device_agent.wire.session import BrokerAddress
 
 log = logging.getLogger("fedfleet.coordinator")
 
+RUNS = Path("runs")
+"""Where runs go without --run-dir (relative to the working directory, as before)."""
+
+
 _EPILOG = """\
 examples:
-  coordinator start --fleet examples/fleet.yaml                   new run in runs/<fleet>-<time>
+  coordinator start --fleet examples/fleet.yaml                   resume its newest unfinished run, else a new one
   coordinator start --fleet fleet.yaml --run-dir runs/lab         resume runs/lab if it exists
   coordinator start --fleet fleet.yaml --min-devices 2 --rounds 5
 
@@ -57,8 +61,8 @@ Broker logins, the CA and certificates belong to the fleet, not to a run: they a
 fleet's kits (--kits, default kits/<fleet>/ next to fleet.yaml; `coordinator provision` writes them,
 and a first start provisions them if they are missing), so a new run never changes a device's secret.
 A managed broker runs kits/broker/mosquitto.conf and stops with the coordinator. Ctrl-C stops cleanly and
-prints the command that resumes the run (with its --run-dir), including the updates accepted in the open round;
-a start without --run-dir always begins a new run.
+prints the command that resumes the run (with its --run-dir), including the updates accepted in the open round.
+Without --run-dir the fleet's newest run in runs/ is resumed if it is unfinished (--new-run starts another).
 """
 
 
@@ -81,7 +85,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def add_run_arguments(parser: argparse.ArgumentParser, min_devices_default: str, wait_timeout: float) -> None:
     """The options of a run, shared by ``start`` and ``emulate`` (which is ``start`` plus agents)."""
     parser.add_argument("--fleet", type=Path, required=True, metavar="FILE", help="fleet.yaml")
-    parser.add_argument("--run-dir", type=Path, metavar="DIR", help="new or existing run directory to resume")
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        metavar="DIR",
+        help="new or existing run directory to resume (default: the fleet's newest run in runs/ if it is "
+        "unfinished, else a new runs/<fleet>-<time>)",
+    )
+    parser.add_argument(
+        "--new-run", action="store_true", help="start a new run even when the fleet's newest run is unfinished"
+    )
     parser.add_argument(
         "--kits", type=Path, metavar="DIR", help="the fleet's provisioned kits (see `coordinator provision`)"
     )
@@ -203,7 +216,7 @@ def run_start(
             fleet = fleet.model_copy(update={"rounds": args.rounds})
         spec, data = fleet_data(fleet)
         strategy = build_strategy(fleet.strategy.name, spec, fleet.strategy.params, seed=fleet.dataset.seed)
-        run_dir = args.run_dir or Path("runs") / f"{fleet.fleet}-{datetime.now():%Y%m%d-%H%M%S}"
+        run_dir = args.run_dir or _default_run_dir(fleet, new=args.new_run)
         sweep_stale()
         if (run_dir / "run.json").exists():
             rundir = RunDir.open(run_dir, args.fleet, retention=fleet.checkpoints)
@@ -285,6 +298,14 @@ def run_start(
         print(f"stopped; resume with: {resume_command(args, run_dir)}")
         return 0
     return finished_run_status(rundir.metrics(), fleet.quorum)
+
+
+def _default_run_dir(fleet: Fleet, new: bool) -> Path:
+    unfinished = None if new else latest_unfinished(RUNS, fleet.fleet, fleet.rounds)
+    if unfinished is not None:
+        print(f"the fleet's newest run {unfinished} is unfinished: resuming it (--new-run starts another)")
+        return unfinished
+    return RUNS / f"{fleet.fleet}-{datetime.now():%Y%m%d-%H%M%S}"
 
 
 def resume_command(args: argparse.Namespace, run_dir: Path) -> str:

@@ -141,6 +141,20 @@ def read_run_file(file: Path) -> dict[str, Any]:
     return run
 
 
+def latest_unfinished(runs: Path, fleet: str, rounds: int) -> Path | None:
+    """The fleet's newest run under ``runs`` (``<fleet>-<time>``) if it stopped before ``rounds``, else None.
+
+    Only the newest counts: an older run left unfinished is not picked up behind the user's back."""
+    newest = max(runs.glob(f"{fleet}-*/{RUN_FILE}"), default=None)
+    if newest is None:
+        return None
+    try:
+        done = read_run_file(newest)["last_completed_round"]
+    except RunDirError:
+        return None
+    return newest.parent if done < rounds else None
+
+
 def read_metrics(path: Path) -> list[RoundMetrics]:
     """Parse and validate ``metrics.jsonl``; a bad line is reported as ``file line N: problem``."""
     path = Path(path)

@@ -17,7 +17,7 @@ import torch
 
 from coordinator.config.checkpoints import Retention
 from coordinator.run.metrics import DeviceRoundMetrics, RoundMetrics
-from coordinator.run.rundir import RoundNotOpen, RunDir, RunDirError, read_metrics
+from coordinator.run.rundir import RoundNotOpen, RunDir, RunDirError, latest_unfinished, read_metrics
 
 FLEET = "fleet: lab\nrounds:\n  count: 5\n  deadline_s: 30\ndevices:\n  - {class: pi4, count: 4}\n"
 
@@ -325,3 +325,18 @@ def test_an_unreadable_journal_line_is_named_by_file_and_line(run: RunDir, fleet
     run.close()
     with pytest.raises(RunDirError, match=r"index\.jsonl line 2: not a journal entry"):
         RunDir.open(run.path, fleet_file)
+
+
+def test_a_plain_start_resumes_the_fleets_newest_run_only_while_it_is_unfinished(tmp_path: Path) -> None:
+    fleet_file = tmp_path / "fleet.yaml"
+    fleet_file.write_text("fleet: lab\n")
+    runs = tmp_path / "runs"
+    assert latest_unfinished(runs, "lab", rounds=2) is None
+    with RunDir.create(runs / "lab-20261128-100000", fleet_file, model_state(), seed=0) as old:
+        old.complete_round(1, model_state(1.0), round_metrics(1, {"a": "accepted"}))
+    with RunDir.create(runs / "lab-20261128-110000", fleet_file, model_state(), seed=0) as newest:
+        newest.complete_round(1, model_state(1.0), round_metrics(1, {"a": "accepted"}))
+
+    assert latest_unfinished(runs, "lab", rounds=2) == runs / "lab-20261128-110000"
+    assert latest_unfinished(runs, "lab", rounds=1) is None  # the newest is complete: the old one is not picked up
+    assert latest_unfinished(runs, "other-fleet", rounds=2) is None
