@@ -117,6 +117,7 @@ class LocalData:
 
     def __init__(self, config: AgentConfig) -> None:
         self._config = config.data
+        self.samples = config.data.samples
         self._cache: dict[tuple[int, int, int], tuple[Split, Split]] = {}
 
     def for_model(self, image_size: int, in_channels: int, num_classes: int) -> tuple[Split, Split]:
@@ -297,6 +298,17 @@ class Agent:
         # Drop payloads of assignments that never came (superseded rounds) so memory stays bounded.
         for other in [t for t in self._payloads if t != transfer]:
             del self._payloads[other]
+        share = "its whole data share" if self.data.samples is None else f"at most {self.data.samples} samples"
+        log.info(
+            "%s: round %d: training at level %g on %s, %d epoch(s) of batch %d, deadline %.0f s",
+            self.config.device,
+            assignment.round,
+            assignment.spec.level,
+            share,
+            assignment.train.epochs,
+            assignment.train.batch_size,
+            assignment.deadline_s,
+        )
         self._set_state("training", f"round {assignment.round} at level {assignment.spec.level:g}")
         # The payload goes to run_assignment as its only reference, which frees it once decoded.
         outcome = run_assignment(

@@ -78,7 +78,9 @@ def test_demo_reaches_90_percent_with_three_classes_and_three_ratios(tmp_path: P
     assert ratios[1.0] > ratios[0.5] > ratios[0.25]  # lower rank, smaller upload
     assert (run_dir / "report.html").is_file()
     for device in devices:
-        assert f"{device}: round {len(rounds)} trained" in (run_dir / "agents" / device / "agent.log").read_text()
+        log = (run_dir / "agents" / device / "agent.log").read_text()
+        assert f"{device}: round {len(rounds)}: training at level {devices[device]['ratio']:g} on " in log
+        assert f"{device}: round {len(rounds)} trained" in log
 
 
 def test_ctrl_c_stops_the_coordinator_and_every_agent_cleanly(tmp_path: Path) -> None:
