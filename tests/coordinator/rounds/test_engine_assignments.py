@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
 import time
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from coordinator.config.fleet import parse_fleet
@@ -24,7 +22,8 @@ from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData, load_dataset
 from device_agent.wire.codec import decode_tensors, encode_tensors
 from device_agent.wire.messages import Assignment, Manifest, Message, Status
-from device_agent.wire.transfer import Completed, make_manifest
+from device_agent.wire.transfer import Completed
+from tests.coordinator.rounds.uploads import with_nan
 from tests.digit_clients import digit_clients
 from tests.program_bugs import BUG, with_first_upload_bug
 
@@ -109,11 +108,7 @@ class RefusedOnceLink(RecordingLink):
         def intercept(device: str, completed: Completed) -> None:
             self.uploads.append(device)
             if device == "b" and self.uploads.count("b") == 1:
-                tensors = decode_tensors(completed.data)
-                key = next(iter(tensors))
-                data = encode_tensors({**tensors, key: torch.full_like(tensors[key], math.nan)})
-                m = completed.manifest
-                completed = Completed(make_manifest(data, run=m.run, round=m.round, kind=m.kind, meta=m.meta), [data])
+                completed = with_nan(completed)
                 threading.Timer(0.5, lambda: self._to_engine("b", Status(device="b", state="idle"))).start()
             on_payload(device, completed)
 

@@ -4,13 +4,11 @@ tied to the round's answer times, and a device that keeps missing rounds sits ou
 from __future__ import annotations
 
 import logging
-import math
 import re
 import threading
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from coordinator.config.fleet import parse_fleet
@@ -27,9 +25,9 @@ from coordinator.strategies import ModelSpec, build_strategy
 from coordinator.transport.local_link import InProcessLink, LocalDevice
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData, load_dataset
-from device_agent.wire.codec import decode_tensors, encode_tensors
 from device_agent.wire.messages import Assignment, Message, Status
-from device_agent.wire.transfer import Completed, make_manifest
+from device_agent.wire.transfer import Completed
+from tests.coordinator.rounds.uploads import with_nan
 from tests.digit_clients import digit_clients
 
 CNN = ModelSpec("cnn", 10, 1, 8)
@@ -51,11 +49,7 @@ class RefusedLink(InProcessLink):
     def start(self, on_message, on_payload, on_refused=None) -> None:
         def intercept(device: str, completed: Completed) -> None:
             if device == "c":
-                tensors = decode_tensors(completed.data)
-                key = next(iter(tensors))
-                data = encode_tensors({**tensors, key: torch.full_like(tensors[key], math.nan)})
-                m = completed.manifest
-                completed = Completed(make_manifest(data, run=m.run, round=m.round, kind=m.kind, meta=m.meta), [data])
+                completed = with_nan(completed)
                 threading.Timer(0.1, lambda: self._to_engine("c", Status(device="c", state="idle"))).start()
             on_payload(device, completed)
 
