@@ -13,7 +13,7 @@ from pathlib import Path
 
 from export.targets import ExportError, TrainedRun, parse_ratio
 
-OpenRun = Callable[[Path, int | None], TrainedRun]
+OpenRun = Callable[[Path, int | None, Path | None], TrainedRun]
 
 _EPILOG = """\
 examples:
@@ -21,6 +21,7 @@ examples:
   coordinator export runs/demo --ratio 1/4 --out pi4.onnx --quantize
   coordinator export runs/ffl --personal pi5-01 --out pi5-01.onnx
   coordinator export runs/lab --round 20 --ratio 0.5 --opset 17 --out old-runtime.onnx
+  coordinator export runs/lab --merged --data ~/cifar-10-batches-py --out lab.onnx   (data moved or run copied)
 
 Each file is checked before the command succeeds: onnx checker, an onnxruntime session, and
 max |onnxruntime - torch| on real test inputs of the run's data set (fails above 1e-4) with the
@@ -64,6 +65,13 @@ def add_parser(commands: argparse._SubParsersAction, open_run: OpenRun) -> None:
         help="with --personal: the device's kept state (state_dir/kept/RUN.kept.safetensors) for strategies "
         "that keep part of the model on the device (default: the emulated agent's, if the run has it)",
     )
+    parser.add_argument(
+        "--data",
+        type=Path,
+        metavar="PATH",
+        help="the run's data set where it lies on this machine (default: dataset.path of the run's fleet.yaml; "
+        "digits and fashion_mnist are built in): parity, accuracy and class names are read from it",
+    )
     parser.add_argument("--out", type=Path, required=True, metavar="FILE", help="the .onnx file to write")
     parser.add_argument(
         "--opset", type=int, default=18, metavar="N", help="ONNX opset (default: 18; below 18 uses the legacy exporter)"
@@ -81,7 +89,7 @@ def run_export(args: argparse.Namespace, open_run: OpenRun) -> int:
     from export.runner import ExportOptions, describe, export_run
 
     try:
-        run = open_run(args.run_dir, args.round)
+        run = open_run(args.run_dir, args.round, args.data)
         record = export_run(
             run,
             ExportOptions(

@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     favour_io_threads()  # the coordinator's one network thread reads every device's frames
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a stop message tells the user to run again
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import shlex
 import signal
 import sys
 from collections.abc import Callable
@@ -309,8 +310,11 @@ def _default_run_dir(fleet: Fleet, new: bool) -> Path:
 
 
 def resume_command(args: argparse.Namespace, run_dir: Path) -> str:
-    """The exact command that resumes ``run_dir``: without --run-dir the same command would start a new run."""
-    return f"coordinator {getattr(args, 'command', None) or 'start'} --fleet {args.fleet} --run-dir {run_dir}"
+    """The command the user gave (its --kits, --rounds and the rest), pinned to ``run_dir`` and never --new-run."""
+    words = [word for word in args.argv if word != "--new-run"]
+    if args.run_dir is None:
+        words += ["--run-dir", str(run_dir)]
+    return "coordinator " + shlex.join(words)
 
 
 def finished_run_status(rounds: list[RoundMetrics], quorum: float) -> int:

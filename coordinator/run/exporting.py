@@ -20,14 +20,19 @@ from coordinator.strategies import ClientSlot, build_strategy
 from export.targets import ExportError, TrainedRun
 
 
-def open_trained_run(run_dir: Path, round_: int | None = None) -> TrainedRun:
-    """Round ``round_`` (default: the last completed) of the run in ``run_dir``; errors say what is missing."""
+def open_trained_run(run_dir: Path, round_: int | None = None, data: Path | None = None) -> TrainedRun:
+    """Round ``round_`` (default: the last completed) of the run in ``run_dir``; errors say what is missing.
+
+    ``data`` replaces the data set's path of the run's fleet.yaml: a run copied to another machine, or
+    one whose data moved, is exported against the same data set where it lies now.
+    """
     run_dir = Path(run_dir)
     try:
         run = read_run_file(run_dir / RUN_FILE)
     except RunDirError as error:
         raise ExportError(str(error)) from None
     fleet = parse_fleet(yaml.safe_load((run_dir / FLEET_FILE).read_text()), None, str(run_dir / FLEET_FILE))
+    fleet = _with_data(fleet, data)
     last = run["last_completed_round"]
     round_ = last if round_ is None else round_
     state_file = run_dir / STATE_DIR / f"round-{round_:06d}.safetensors"
@@ -67,6 +72,21 @@ def open_trained_run(run_dir: Path, round_: int | None = None) -> TrainedRun:
         personal_devices=tuple(d.id for d in fleet.devices if strategy.personalized_state(d.id) is not None),
         assignment=assignment,
     )
+
+
+def _with_data(fleet: Fleet, data: Path | None) -> Fleet:
+    """``fleet`` reading its data set from ``data``; a recorded path that is gone names the option that helps."""
+    if data is not None:
+        if not data.exists():
+            raise ExportError(f"--data {data}: no such file or folder")
+        return fleet.model_copy(update={"dataset": fleet.dataset.model_copy(update={"path": data})})
+    path = fleet.dataset.path
+    if path is not None and not path.exists():
+        raise ExportError(
+            f"the run's {fleet.dataset.name} data set is not at {path} on this machine: "
+            "point export at a copy with --data PATH"
+        )
+    return fleet
 
 
 def export_finished_run(fleet: Fleet, run_dir: Path) -> None:

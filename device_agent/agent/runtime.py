@@ -54,6 +54,7 @@ from device_agent.data.datasets import DatasetError, check_source, load_dataset
 from device_agent.data.partition import capped, client_shard
 from device_agent.training.driver import RoundFailure, run_assignment
 from device_agent.training.local_round import TrainedRound
+from device_agent.training.progress import TrainingProgress
 from device_agent.wire.messages import (
     INCOMPATIBLE,
     Assignment,
@@ -311,8 +312,9 @@ class Agent:
         )
         self._set_state("training", f"round {assignment.round} at level {assignment.spec.level:g}")
         # The payload goes to run_assignment as its only reference, which frees it once decoded.
+        progress = TrainingProgress(self.config.device, assignment.round, assignment.deadline_s)
         outcome = run_assignment(
-            assignment, self._payloads.pop(transfer), self._shards, self.kept, self.device, self.hooks
+            assignment, self._payloads.pop(transfer), self._shards, self.kept, self.device, self.hooks, progress
         )
         if isinstance(outcome, RoundFailure):
             self._fail(assignment, outcome)
@@ -332,9 +334,10 @@ class Agent:
         meta = upload_meta(result.samples, seconds, result.mean_loss, local_accuracy, host, trained.received)
         item = self.outbox.put(assignment.run, assignment.round, new_transfer_id(), trained.upload, meta)
         log.info(
-            "%s: round %d trained in %.1f s (loss %.3f, local accuracy %s), update of %d bytes",
+            "%s: round %d trained on %d samples in %.1f s (loss %.3f, local accuracy %s), update of %d bytes",
             self.config.device,
             assignment.round,
+            result.samples,
             seconds,
             result.mean_loss,
             "n/a" if local_accuracy is None else f"{local_accuracy:.3f}",

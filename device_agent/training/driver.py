@@ -119,6 +119,7 @@ def run_assignment(
     kept: KeptState,
     device: torch.device | str = "cpu",
     hooks: RoundHooks | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> TrainedRound | RoundFailure:
     """Train ``assignment`` on the received ``payload``; never raises for what goes wrong in the round.
 
@@ -149,6 +150,7 @@ def run_assignment(
                 step=hooks.step,
                 compute=hooks.compute,
                 run=hooks.run_compute,
+                progress=progress,
             )
         kept.save(assignment.run, trained.keep)
         return trained

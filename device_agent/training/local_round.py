@@ -52,19 +52,21 @@ def train_assignment(
     step: Callable[[], AbstractContextManager[object]] | None = None,
     compute: Callable[[], AbstractContextManager[object]] = nullcontext,
     run: Runner = run_here,
+    progress: Callable[[int, int], None] | None = None,
 ) -> TrainedRound:
     """Build the spec's program from the assignment (and what the device kept), evaluate it, train, evaluate, pack.
 
     ``step`` wraps each training step and ``compute`` each evaluation: devices packed into one worker
     take turns there, so their evaluations do not all hold activations at once. ``run`` runs each step's
-    body, each evaluation and the packing inside those (a packed GPU worker runs them on its compute threads).
+    body, each evaluation and the packing inside those (a packed GPU worker runs them on its compute threads);
+    ``progress`` hears of each training step (see :func:`train_local`).
     """
     program = build_program(spec, tensors, local)
     sent = {k: v.detach().clone() for k, v in tensors.items()} if spec.clip is not None else None
     del tensors  # loaded into the program: the caller may hold the only other reference (run_assignment does not)
     with compute():
         received = run(lambda: evaluate_received(program, test, shard[0], device))
-    result = train_local(program, shard, train, device, step=step, run=run)
+    result = train_local(program, shard, train, device, step=step, run=run, progress=progress)
     with compute():
         local_accuracy = (
             run(lambda: evaluate_local(program, test, device, calibration=shard[0])) if len(test[1]) else None

@@ -8,6 +8,7 @@ pushes absent classes' logits around; -inf removes them exactly, and their gradi
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -119,11 +120,13 @@ def train_local(
     device: torch.device | str = "cpu",
     step: Callable[[], AbstractContextManager[object]] | None = None,
     run: Runner = run_here,
+    progress: Callable[[int, int], None] | None = None,
 ) -> TrainResult:
     """Train ``program.model`` in place for ``config.epochs`` local epochs.
 
     ``step``, if given, makes a context that wraps every optimizer step (an emulated device's throttle);
-    ``run`` runs each step's body inside it (forward, backward, update) and returns the step's loss.
+    ``run`` runs each step's body inside it (forward, backward, update) and returns the step's loss;
+    ``progress`` is told (steps done, steps in all) after each step.
     """
     x, y = as_tensors(data)
     model = program.model.to(device)
@@ -147,6 +150,7 @@ def train_local(
         return loss.detach()
 
     steps, loss_sum = 0, 0.0
+    total = config.epochs * math.ceil(len(y) / config.batch_size)
     start = time.perf_counter()
     model.train()
     with _scaled_convolutions(model, program.train_scale()):
@@ -156,6 +160,8 @@ def train_local(
                     loss = run(partial(one_step, batch))
                 steps += 1
                 loss_sum += float(loss)
+                if progress is not None:
+                    progress(steps, total)
     return TrainResult(
         samples=len(y), steps=steps, seconds=time.perf_counter() - start, mean_loss=loss_sum / max(steps, 1)
     )

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import venv
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -18,24 +15,10 @@ from coordinator.run.exporting import open_trained_run
 from device_agent.infer import ModelInfo, preprocess, read_inputs
 from export.runner import ExportRecord
 from export.targets import build_target, load_run_data
+from tests.e2e.conftest import run_torchless as _run
 from tests.paths import REPO_ROOT
 
 REPO = REPO_ROOT
-
-
-@pytest.fixture(scope="session")
-def torchless_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh venv with `pip install onnxruntime numpy` (the [infer] extra) and nothing else."""
-    home = tmp_path_factory.mktemp("infer-venv")
-    venv.create(home, with_pip=True)
-    python = home / "bin" / "python"
-    subprocess.run([python, "-m", "pip", "install", "-q", "onnxruntime", "numpy"], check=True, timeout=600)
-    return python
-
-
-def _run(python: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}  # the agent's source, as a device checkout has it
-    return subprocess.run([python, *args], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
 
 
 def test_same_top1_as_torch_without_torch(

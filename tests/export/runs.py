@@ -31,6 +31,7 @@ def make_run(
     samples: int = 32,
     export: dict | None = None,
     dataset: str = "digits",
+    dataset_path: Path | None = None,
 ) -> Path:
     """Train one round (each device a few steps on its own digits) and save it as RUN_DIR; returns it."""
     model = {"arch": arch, "num_classes": 10}
@@ -39,7 +40,9 @@ def make_run(
         "fleet": "t",
         "broker": {"mode": "managed"},
         "model": model,
-        "dataset": {"name": dataset},
+        "dataset": {"name": dataset}
+        if dataset_path is None
+        else {"name": dataset, "path": str(dataset_path), "samples_per_device": samples},
         "strategy": {"name": strategy},
         "ratios": list(ratios),
         "rounds": 1,

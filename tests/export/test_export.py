@@ -166,6 +166,24 @@ def test_a_fashion_mnist_run_exports_by_hand_with_its_class_names(tmp_path: Path
     assert classes[0] == "T-shirt/top" and classes[9] == "Ankle boot"
 
 
+def test_a_run_whose_data_moved_exports_with_data_and_says_so_without(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A user's npz data set: the run recorded where it was; after it moves, --data points export at it."""
+    images = np.random.default_rng(0).random((40, 8, 8), dtype=np.float32)
+    np.savez(tmp_path / "mine.npz", x=images, y=np.arange(40) % 10)
+    run_dir = make_run(tmp_path / "run", dataset="npz", dataset_path=tmp_path / "mine.npz", samples=8)
+    moved = (tmp_path / "mine.npz").rename(tmp_path / "elsewhere.npz")
+    args = ["export", str(run_dir), "--merged", "--out", str(tmp_path / "m.onnx"), "--no-latency"]
+    assert coordinator_main([*args, "--parity-samples", "4"]) == 2
+    error = capsys.readouterr().err
+    assert f"data set is not at {tmp_path / 'mine.npz'} on this machine" in error and "--data PATH" in error
+    assert coordinator_main([*args, "--parity-samples", "4", "--data", str(moved)]) == 0
+    assert "top-1 agreement 100.0%" in capsys.readouterr().out
+    assert coordinator_main([*args, "--data", str(tmp_path / "nowhere.npz")]) == 2
+    assert "--data " + str(tmp_path / "nowhere.npz") + ": no such file or folder" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_cli_exports_records_and_reports(cnn_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "pi4.onnx"

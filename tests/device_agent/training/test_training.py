@@ -78,3 +78,11 @@ def test_the_step_hook_wraps_every_optimizer_step_so_a_throttle_paces_each_one()
     result = train_local(program, (x, y), TrainConfig(epochs=2, batch_size=4), step=throttle.step)
     assert len(naps) == result.steps == 6  # owed idle time is paid inside training, step by step
     assert throttle.busy_seconds > 0 and sum(naps) > 0
+
+
+def test_train_local_tells_progress_of_every_step_of_every_epoch():
+    program = Linear(SPEC, {})
+    x, y = torch.randn(10, 1, 2, 2), torch.tensor([0, 2] * 5)
+    heard: list[tuple[int, int]] = []
+    result = train_local(program, (x, y), TrainConfig(epochs=2, batch_size=4), progress=lambda *p: heard.append(p))
+    assert heard == [(step, 6) for step in range(1, 7)] and result.steps == 6

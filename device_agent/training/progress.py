@@ -1,0 +1,51 @@
+"""Progress lines while a device trains: on a slow device a round is minutes of silence otherwise."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("fedfleet.agent")
+
+PROGRESS_INTERVAL_S = 10.0
+"""Seconds between two progress lines of one round (none for a round shorter than this)."""
+
+
+class TrainingProgress:
+    """Called after each training step with (steps done, steps in the round); logs at most every ``interval`` s.
+
+    Each line gives the steps done, the time so far and the time left at the pace so far, so an operator
+    sees how far a long round is and whether it will make its deadline.
+    """
+
+    def __init__(
+        self,
+        device: str,
+        round_: int,
+        deadline_s: float,
+        interval: float = PROGRESS_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.device, self.round, self.deadline_s, self.interval, self.clock = (
+            device,
+            round_,
+            deadline_s,
+            interval,
+            clock,
+        )
+        self.start = clock()
+        self.next_line = self.start + interval
+
+    def __call__(self, done: int, total: int) -> None:
+        now = self.clock()
+        if now < self.next_line or done >= total:
+            return
+        self.next_line = now + self.interval
+        elapsed = now - self.start
+        left = elapsed / done * (total - done)
+        late = " (past the round's deadline)" if elapsed + left > self.deadline_s else ""
+        log.info(
+            "%s: round %d: %d/%d steps (%.0f %%) in %.0f s, about %.0f s left%s",
+            *(self.device, self.round, done, total, 100 * done / total, elapsed, left, late),
+        )

@@ -1,0 +1,41 @@
+"""A long local round says how far it is: one line per interval with steps, time so far and time left."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from device_agent.training.progress import TrainingProgress
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_one_line_per_interval_with_the_time_left_at_the_pace_so_far(caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    progress = TrainingProgress("pi4-01", 7, deadline_s=60, interval=10, clock=clock)
+    caplog.set_level(logging.INFO, "fedfleet.agent")
+    for done in range(1, 41):  # 40 steps of 1 s each
+        clock.now += 1
+        progress(done, 40)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "pi4-01: round 7: 10/40 steps (25 %) in 10 s, about 30 s left",
+        "pi4-01: round 7: 20/40 steps (50 %) in 20 s, about 20 s left",
+        "pi4-01: round 7: 30/40 steps (75 %) in 30 s, about 10 s left",
+    ]
+
+
+def test_a_round_that_will_miss_its_deadline_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    progress = TrainingProgress("pi4-01", 2, deadline_s=30, interval=10, clock=clock)
+    caplog.set_level(logging.INFO, "fedfleet.agent")
+    clock.now += 12
+    progress(3, 12)
+    assert caplog.records[-1].getMessage().endswith("about 36 s left (past the round's deadline)")
