@@ -260,16 +260,17 @@ def sketch(update: Mapping[str, Tensor], size: int = SKETCH_SIZE) -> Tensor:
 
 DUPLICATE_COSINE = 0.95
 """Two updates whose sketches agree this closely count as one vote (FoolsGold, Fung et al. 2020): honest
-devices training on their own data do not send near-copies, colluders sending one update do."""
+devices training on their own data do not send near-copies, colluders sending one update do. Nor exact
+reversals: copies of one honest update reversed are no independent vote on it either, so they are left out too."""
 
 
 def peer_cosines(sketches: Mapping[str, Tensor], duplicate: float = DUPLICATE_COSINE) -> dict[str, float]:
     """Per device, the cosine of its update with the sum of the round's other updates (leave one out).
 
     Each update counts as one unit vote, so one large update cannot turn the others' sum; updates within
-    ``duplicate`` cosine of a device's own are left out of its reference with it, so colluders sending the
-    same update do not vote for each other. A device whose peers' sum is zero (or who has no peer) gets no
-    cosine.
+    ``duplicate`` cosine of a device's own (or of its reverse) are left out of its reference with it, so
+    colluders sending the same update do not vote for each other, nor copies of an update reversed vote it
+    out. A device whose peers' sum is zero (or who has no peer) gets no cosine.
     """
     if not sketches:
         return {}
@@ -277,7 +278,7 @@ def peer_cosines(sketches: Mapping[str, Tensor], duplicate: float = DUPLICATE_CO
     stacked = torch.stack([sketches[d] for d in devices])
     norms = stacked.norm(dim=1).clamp_min(1e-30)
     pairwise = (stacked @ stacked.T) / torch.outer(norms, norms)
-    group = (pairwise >= duplicate).to(torch.float64)
+    group = (pairwise.abs() >= duplicate).to(torch.float64)
     group.fill_diagonal_(1.0)
     rest = stacked.sum(dim=0) - group @ stacked
     cosines: dict[str, float] = {}
@@ -289,7 +290,11 @@ def peer_cosines(sketches: Mapping[str, Tensor], duplicate: float = DUPLICATE_CO
 
 
 def iterated_outliers(
-    sketches: Mapping[str, Tensor], floor: float, spread: float, duplicate: float = DUPLICATE_COSINE
+    sketches: Mapping[str, Tensor],
+    floor: float,
+    spread: float,
+    duplicate: float = DUPLICATE_COSINE,
+    hard_floor: float | None = None,
 ) -> list[tuple[str, float, float]]:
     """The round's outliers taken out one at a time, worst first, as (device, cosine, cut): after each, every
     cosine, the median and the spread are computed again without it, so an attacker's vote leaves the honest
@@ -301,7 +306,7 @@ def iterated_outliers(
         cosines = peer_cosines(remaining, duplicate)
         if len(cosines) < 3:
             break
-        cut = peer_cut(cosines, floor, spread)
+        cut = peer_cut(cosines, floor, spread, hard_floor)
         worst = min(cosines, key=cosines.__getitem__)
         if cosines[worst] >= cut:
             break
@@ -310,18 +315,22 @@ def iterated_outliers(
     return removed
 
 
-def peer_cut(cosines: Mapping[str, float], floor: float, spread: float) -> float:
+def peer_cut(cosines: Mapping[str, float], floor: float, spread: float, hard_floor: float | None = None) -> float:
     """The cosine below which an update is an outlier of its round: under ``floor`` and also ``spread`` scaled
-    median absolute deviations (a robust standard deviation) below the round's median.
+    median absolute deviations (a robust standard deviation) below the round's median; but never below
+    ``hard_floor``, under which an update is refused whatever the round's spread.
 
     Early in training honest updates agree (median cosines 0.4-0.8) and a reversed one sits far below;
     once the model converges they are mostly gradient noise, spread around 0, and a fixed floor alone
-    would refuse the honest ones on its low side (a 20-minute soak refused 73 at -0.10 to -0.20).
+    would refuse the honest ones on its low side (a 20-minute soak refused 73 at -0.10 to -0.20). On a
+    mixed-rank fleet the spread is wide in every round, and the relative cut alone let two reversed updates
+    at -0.28 to -0.36 through for 20 rounds: the hard floor (-0.25 by default) holds those.
     """
     values = list(cosines.values())
     median = statistics.median(values)
     deviation = 1.4826 * statistics.median(abs(v - median) for v in values)
-    return min(floor, median - spread * deviation)
+    cut = min(floor, median - spread * deviation)
+    return cut if hard_floor is None else max(cut, hard_floor)
 
 
 def coordinate_median(updates: Sequence[Tensor]) -> Tensor:

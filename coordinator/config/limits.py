@@ -63,6 +63,10 @@ class GateSettings:
     peer_spread: float = 3.0
     """An update is refused only when it is also this many (scaled) median absolute deviations below the round's
     median cosine: once a model converges, honest updates are mostly noise and their cosines spread around 0."""
+    peer_hard_floor: float | None = -0.25
+    """The peer check refuses an update below this cosine whatever ``peer_spread`` allows (None: the relative rule
+    alone): on a mixed-rank fleet the spread is wide and two reversed updates at -0.28 to -0.36 passed every round,
+    while honest updates of a converged model reached -0.20."""
     sample_weight_factor: float | None = 2.0
     """An upload weighs at most this many times the samples the fleet expects of its device; None: no cap."""
 
@@ -83,6 +87,8 @@ class GateSettings:
             raise ValueError(f"peer_min_cosine must be in [-1, 1) (or None), got {self.peer_min_cosine}")
         if not self.peer_spread >= 0:
             raise ValueError(f"peer_spread must be >= 0, got {self.peer_spread}")
+        if self.peer_hard_floor is not None and not -1 <= self.peer_hard_floor < 1:
+            raise ValueError(f"peer_hard_floor must be in [-1, 1) (or None), got {self.peer_hard_floor}")
         if self.peer_min_updates < 3:
             raise ValueError(f"peer_min_updates must be >= 3, got {self.peer_min_updates}")
         if self.sample_weight_factor is not None and self.sample_weight_factor < 1:
@@ -170,6 +176,13 @@ class FleetLimits(BaseModel):
         description="the peer check refuses only updates also this many median absolute deviations below the "
         "round's median cosine (honest updates of a converged model spread around 0)",
     )
+    peer_hard_floor: float | None = Field(
+        GateSettings.peer_hard_floor,
+        ge=-1,
+        lt=1,
+        description="the peer check refuses an update whose cosine is below this whatever peer_spread allows "
+        "(on a mixed-rank fleet the spread is wide); null: the relative rule alone",
+    )
     sample_weight_factor: float | None = Field(
         GateSettings.sample_weight_factor,
         ge=1,
@@ -226,6 +239,7 @@ class FleetLimits(BaseModel):
             peer_min_cosine=self.peer_min_cosine,
             peer_min_updates=self.peer_min_updates,
             peer_spread=self.peer_spread,
+            peer_hard_floor=self.peer_hard_floor,
             sample_weight_factor=self.sample_weight_factor,
         )
 

@@ -353,16 +353,19 @@ class UploadGate:
         return peer_cosines(self._sketches)
 
     def peer_outliers(self) -> dict[str, str]:
-        """The round's updates below ``peer_min_cosine`` and ``peer_spread`` deviations below the round's median
-        (:func:`~coordinator.algorithms.robust.peer_cut`), taken out one at a time with every cosine computed
-        again without them (:func:`~coordinator.algorithms.robust.iterated_outliers`), fewer than half, with why."""
+        """The round's updates below ``peer_min_cosine`` and ``peer_spread`` deviations below the round's median, or
+        below ``peer_hard_floor`` (:func:`~coordinator.algorithms.robust.peer_cut`), taken out one at a time with
+        every cosine computed again without them (:func:`~coordinator.algorithms.robust.iterated_outliers`), fewer
+        than half, with why."""
         floor = self.settings.peer_min_cosine
         if floor is None or len(self._sketches) < self.settings.peer_min_updates:
             return {}
+        hard = self.settings.peer_hard_floor
+        or_below = "" if hard is None else f", or below {hard:g}"
         return {
             device: f"update has cosine {cos:.3g} with the sum of the round's other updates (at least {cut:.3g}: "
-            f"below {floor:g} and {self.settings.peer_spread:g} deviations below the round's median)"
-            for device, cos, cut in iterated_outliers(self._sketches, floor, self.settings.peer_spread)
+            f"below {floor:g} and {self.settings.peer_spread:g} deviations below the round's median{or_below})"
+            for device, cos, cut in iterated_outliers(self._sketches, floor, self.settings.peer_spread, hard_floor=hard)
         }
 
     def sample_weight(self, claimed: int, expected_samples: int) -> int:

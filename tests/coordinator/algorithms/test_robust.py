@@ -172,7 +172,8 @@ def test_peer_cosines_leave_each_update_out_of_its_own_reference() -> None:
     uploads["flip"] = {"w": -uploads["h0"]["w"]}
     cosines = peer_cosines({d: sketch(u) for d, u in uploads.items()})
     for device, upload in uploads.items():
-        others = {"w": sum(v["w"] / v["w"].norm() for d, v in uploads.items() if d != device)}
+        votes = [v["w"] for d, v in uploads.items() if d != device and abs(cosine(v, upload) or 0) < 0.95]
+        others = {"w": sum(v / v.norm() for v in votes)}  # an exact reversal is no vote on its original
         assert cosines[device] == pytest.approx(cosine(upload, others), abs=0.05)
     assert cosines["flip"] < -0.5 < 0.3 < min(c for d, c in cosines.items() if d != "flip")
     assert peer_cosines({"alone": sketch(uploads["h1"])}) == {}  # no peers: no cosine
@@ -224,6 +225,38 @@ def test_colluders_sending_one_update_count_as_one_vote() -> None:
     assert sorted(device for device, _, _ in iterated_outliers(sketches, -0.1, 3.0)) == ["c0", "c1"]
 
 
+def unit_toward(direction: torch.Tensor, agreement: float, generator: torch.Generator) -> torch.Tensor:
+    """A unit update with cosine ``agreement`` to the unit ``direction``, the rest its own noise."""
+    noise = torch.randn(direction.numel(), generator=generator)
+    noise -= (noise @ direction) * direction
+    return agreement * direction + (1 - agreement**2) ** 0.5 * noise / noise.norm()
+
+
+def wide_fleet() -> dict[str, torch.Tensor]:
+    """Sketches of eight honest updates whose agreement with the fleet's direction spreads wide (0.2 to 0.9)."""
+    generator = torch.Generator().manual_seed(1)
+    fleet = torch.randn(20000, generator=generator)
+    fleet /= fleet.norm()
+    agreements = [0.9, 0.7, 0.6, 0.5, 0.4, 0.3, 0.25, 0.2]
+    return {f"h{i}": sketch({"w": unit_toward(fleet, a, generator)}) for i, a in enumerate(agreements)}
+
+
+def test_under_the_hard_floor_an_update_is_refused_whatever_the_rounds_spread() -> None:
+    sketches = wide_fleet()
+    assert iterated_outliers(sketches, -0.1, 3.0, hard_floor=-0.25) == []  # honest, spread wide: all accepted
+    sketches["f3"], sketches["f4"] = -sketches.pop("h3"), -sketches.pop("h4")  # two devices reverse their own
+    assert iterated_outliers(sketches, -0.1, 3.0) == []  # the relative cut alone fell below them
+    removed = iterated_outliers(sketches, -0.1, 3.0, hard_floor=-0.25)
+    assert sorted(d for d, _, _ in removed) == ["f3", "f4"] and all(c < cut == -0.25 for _, c, cut in removed)
+
+
+def test_copies_of_an_honest_update_reversed_cannot_vote_it_out() -> None:
+    sketches = wide_fleet()
+    sketches["a0"], sketches["a1"] = -sketches["h7"], -1.01 * sketches["h7"]
+    assert peer_cosines(sketches)["h7"] > 0  # the reversed copies are no vote on the update they copy
+    assert "h7" not in [d for d, _, _ in iterated_outliers(sketches, -0.1, 3.0, hard_floor=-0.25)]
+
+
 def test_the_cut_follows_the_round_so_a_converged_rounds_noise_is_not_refused() -> None:
     agreeing = {"a": 0.62, "b": 0.58, "c": 0.55, "d": 0.66, "flip": -0.6}
     assert peer_cut(agreeing, -0.1, 3.0) == -0.1  # early rounds: the floor decides, the reversed update is out
@@ -231,6 +264,8 @@ def test_the_cut_follows_the_round_so_a_converged_rounds_noise_is_not_refused() 
     cut = peer_cut(converged, -0.1, 3.0)
     assert cut < min(converged.values())  # honest noise around 0: nobody refused
     assert peer_cut(converged, -0.1, 0.0) == -0.1  # spread 0: the floor alone, as before
+    wide = {"a": 0.7, "b": 0.5, "c": 0.45, "d": 0.3, "e": 0.1, "f": -0.3}
+    assert peer_cut(wide, -0.1, 3.0) < -0.3 and peer_cut(wide, -0.1, 3.0, -0.25) == -0.25  # never under the floor
 
 
 @given(
