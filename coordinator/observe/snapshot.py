@@ -33,7 +33,11 @@ class DeviceTotals:
     bytes_down: int = 0
     train_seconds: float = 0.0
     host_seconds: float = 0.0
+    selected: int = 0
+    """Rounds it was drawn into: what its refusal and clip rates are rates of."""
     accepted: int = 0
+    clipped: int = 0
+    """Accepted updates clipped to the update bound (an honest device clipped often: the bound is too tight)."""
     last_round: int | None = None
     last_status: str | None = None
 
@@ -177,7 +181,9 @@ class FleetWatch:
             totals.bytes_down += m.bytes_down
             totals.train_seconds += m.train_seconds or 0.0
             totals.host_seconds += m.host_seconds or 0.0
+            totals.selected += 1
             totals.accepted += m.status == "accepted"
+            totals.clipped += m.clipped is not None
             totals.last_round, totals.last_status = metrics.round, m.status
 
     def _devices(self, engine: RoundEngine) -> list[DeviceView]:

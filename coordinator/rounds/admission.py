@@ -137,6 +137,7 @@ class Admission:
         participant.status, participant.payload_bytes = "accepted", len(completed.data)
         participant.train_seconds, participant.local_accuracy = parsed.train_seconds, parsed.local_accuracy
         participant.host_seconds, participant.received = parsed.host_seconds, parsed.received
+        participant.clipped = min(screened.steps.values()) if screened.steps else None
         return "accepted"
 
     def replay(
@@ -187,6 +188,8 @@ class Admission:
             participant.status, participant.payload_bytes = "accepted", payload_bytes
             participant.train_seconds, participant.host_seconds = parsed.train_seconds, parsed.host_seconds
             participant.local_accuracy, participant.received = parsed.local_accuracy, parsed.received
+            clipped = entry.meta.get("clipped") or {}
+            participant.clipped = min(map(float, clipped.values())) if clipped else None
             log.info("round %d: replayed %s's journaled update", open_.round, entry.device)
 
     def refuse(self, device: str, round_: int, exc: Exception, open_: OpenRound | None) -> None:

@@ -119,6 +119,7 @@ class RoundCloser:
             error=participant.error,
             reason=participant.reason if status in ("rejected", "failed") else None,
             local_accuracy=participant.local_accuracy if status == "accepted" else None,
+            clipped=participant.clipped if status == "accepted" else None,
             **received_metrics(participant.received if status == "accepted" else None),
         )
 

@@ -90,6 +90,8 @@ class Participant:
     reason: str | None = None
     """A short code for why it was rejected or failed (``error`` holds the detail)."""
     local_accuracy: float | None = None
+    clipped: float | None = None
+    """Its accepted update was clipped to the bound: the smallest share of a layer's update kept."""
     rejected_at: float = math.inf
     retried: bool = False
     """Its assignment was sent again after a refusal (once per round: a device that keeps failing is not retrained)."""

@@ -49,6 +49,11 @@ class DeviceRoundMetrics(BaseModel):
     local_accuracy: Fraction | None = Field(
         None, description="the device's trained model on its own test shard, as it reported (accepted updates)"
     )
+    clipped: Fraction | None = Field(
+        None,
+        description="its accepted update was clipped to the update bound: the smallest share of a layer's "
+        "update kept (None: not clipped)",
+    )
     global_accuracy: Fraction | None = Field(
         None, description="federated evaluation: the model the device received, on its own test shard, before training"
     )

@@ -364,15 +364,32 @@ def _per_device(rounds: list[RoundMetrics]) -> str:
                 " ".join(sorted({_ratio(d.ratio) for d in seen}, key=lambda r: -float(Fraction(r)))),
                 len(seen),
                 len(accepted),
-                ", ".join(sorted({d.status for d in seen} - {"accepted"})) or "-",
+                ", ".join(sorted({d.status for d in seen} - {"accepted", "rejected"})) or "-",
+                _refusals(seen),
+                _share(sum(d.clipped is not None for d in accepted), len(seen)),
                 _mib(sum(d.bytes_up for d in seen)),
                 f"{sum(d.bytes_up for d in accepted) / payload:.4f}" if payload else "n/a",
                 f"{sum(train) / len(train):.2f}" if train else "-",
                 _longest_miss(seen),
             )
         )
-    header = ("device", "class", "ratios", "selected", "accepted", "other outcomes", "bytes up", "up / payload")
+    header = ("device", "class", "ratios", "selected", "accepted", "other outcomes", "refused", "clipped", "bytes up")
+    header = (*header, "up / payload")
     return _table((*header, "mean train s", "most missed in a row"), rows)
+
+
+def _share(count: int, of: int) -> str:
+    return f"{count} ({count / of:.0%})" if count else "0"
+
+
+def _refusals(seen: list[DeviceRoundMetrics]) -> str:
+    """Refused updates with their share of the rounds the device was drawn into, and why: an honest device
+    refused often is a gate tuned too tight for it (docs/robust-aggregation.md)."""
+    reasons = Counter(d.reason or "other" for d in seen if d.status == "rejected")
+    if not reasons:
+        return "0"
+    why = ", ".join(f"{reason} {n}" for reason, n in reasons.most_common())
+    return f"{_share(sum(reasons.values()), len(seen))}: {why}"
 
 
 def _longest_miss(seen: list[DeviceRoundMetrics]) -> int:

@@ -47,6 +47,11 @@ function missed(d) {
   return "; missed " + d.missed_in_a_row + " in a row" + (d.sits_out_until ? ", sits out to " + d.sits_out_until : "");
 }
 
+// A count with its share of the rounds the device was drawn into: "3 (12 %)".
+function rate(count, selected) {
+  return selected ? count + " (" + Math.round((100 * count) / selected) + " %)" : String(count);
+}
+
 function renderFleet(devices) {
   const body = document.querySelector("#fleet tbody");
   body.replaceChildren();
@@ -70,7 +75,8 @@ function renderFleet(devices) {
     cell(row, bytes(d.totals.bytes_down), "num");
     cell(row, d.totals.train_seconds.toFixed(1), "num");
     cell(row, String(d.totals.accepted), "num");
-    cell(row, String(refused), "num");
+    cell(row, rate(refused, d.totals.selected), "num");
+    cell(row, rate(d.totals.clipped, d.totals.selected), "num");
     cell(row, String(d.step_downs), "num");
     body.appendChild(row);
   }

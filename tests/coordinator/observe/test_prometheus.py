@@ -51,6 +51,8 @@ def test_values_match_metrics_jsonl(watched_run: WatchedRun) -> None:
         assert device("fedfleet_device_upload_bytes_total", device_id) == sum(r.bytes_up for r in rows)
         assert device("fedfleet_device_download_bytes_total", device_id) == sum(r.bytes_down for r in rows)
         assert device("fedfleet_device_uploads_accepted_total", device_id) == sum(r.status == "accepted" for r in rows)
+        assert device("fedfleet_device_rounds_selected_total", device_id) == len(rows)
+        assert device("fedfleet_device_uploads_clipped_total", device_id) == sum(r.clipped is not None for r in rows)
         assert device("fedfleet_device_online", device_id) == 1.0
     assert device("fedfleet_device_rank_ratio", "good") == 0.5
     refused = {"device": "bad", "device_class": "simulated", "reason": "bad_meta"}

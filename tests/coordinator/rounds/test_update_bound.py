@@ -127,8 +127,11 @@ def test_a_clipped_fedhm_upload_is_journaled_as_folded_so_a_resume_folds_the_sam
     folded = open_.aggregate.aggregator.result()  # type: ignore[attr-defined]
     (entry,) = rundir.resume().journal
     assert entry.meta["clipped"] and entry.meta["samples"] == 200 and entry.meta["claimed_samples"] == 9700
+    clipped = open_.participants["pi-1"].clipped  # the round's metrics, the report and /metrics count it
+    assert clipped is not None and 0 < clipped < 0.2
     admission, replayed = fresh_round()
     admission.replay([entry], replayed, lambda: strategy.open_round(1, slots))
+    assert replayed.participants["pi-1"].clipped == pytest.approx(clipped)
     again = replayed.aggregate.aggregator.result()  # type: ignore[attr-defined]
     assert all(torch.equal(folded[k], again[k]) for k in folded)
     # The warm-up bound held: the model moved by about its own norm (SVD truncation included), not 90x it.

@@ -30,6 +30,8 @@ def synthetic_run(path: Path, rounds: int = 5, fleet: dict[str, tuple[int, float
         for device_class, (count, ratio) in fleet.items():
             for index in range(count):
                 status = "late" if (round_, device_class, index) == (3, "pi4", 1) else "accepted"
+                status = "rejected" if (round_, device_class, index) == (2, "pi4", 0) else status
+                clipped = 0.8 if device_class == "orin" and index == 0 and round_ in (1, 4) else None
                 payload = PAYLOAD[ratio]
                 devices[f"{device_class}-{index}"] = DeviceRoundMetrics(
                     device_class=device_class,
@@ -39,6 +41,8 @@ def synthetic_run(path: Path, rounds: int = 5, fleet: dict[str, tuple[int, float
                     payload_bytes=payload if status == "accepted" else 0,
                     train_seconds=rng.uniform(2, 9) if status == "accepted" else None,
                     status=status,
+                    reason="wrong_direction" if status == "rejected" else None,
+                    clipped=clipped,
                 )
         rundir.complete_round(
             round_,
@@ -74,6 +78,8 @@ def test_report_writes_html_that_shows_the_plots_and_the_summary(tmp_path: Path)
     assert "9 in 3 classes" in page
     assert "1/8, 1/2, 1" in page
     assert "pi4-1" in page and "late" in page
+    # Per device, refusals and clips as shares of the rounds it was drawn into: an unusual honest device shows.
+    assert "<td>1 (20%): wrong_direction 1</td>" in page and "<td>2 (40%)</td>" in page
 
 
 def png_size(path: Path) -> tuple[int, int]:
