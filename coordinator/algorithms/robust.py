@@ -136,6 +136,20 @@ class NormHistory:
             self._rounds[-1].setdefault(name, []).append(value)
             bisect.insort(self._sorted.setdefault(name, []), value)
 
+    def window(self) -> list[dict[str, list[float]]]:
+        """The accepted norms of each round in the window, oldest first: what a resumed run restores."""
+        return [{name: list(values) for name, values in norms.items()} for norms in self._rounds]
+
+    def restore(self, window: Sequence[Mapping[str, Sequence[float]]]) -> None:
+        """Start again from a :meth:`window` saved earlier (its newest ``rounds`` rounds)."""
+        self._rounds.clear()
+        self._sorted.clear()
+        for norms in list(window)[-(self._rounds.maxlen or 1) :]:
+            self._rounds.append({})
+            for name, values in norms.items():
+                for value in values:
+                    self.add({name: float(value)})
+
     def median(self, name: str) -> float | None:
         """The median recent norm of layer ``name``, or None while fewer than ``min_updates`` are known."""
         window = self._sorted.get(name, [])

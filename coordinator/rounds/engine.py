@@ -119,6 +119,9 @@ class RoundEngine:
         self._deferred: list[tuple[str, Completed]] = []
         resume = rundir.resume()
         self.strategy.load_state_dict(resume.state)
+        window = rundir.saved_norm_history()
+        if window is not None:
+            gate.history.restore(window)
         self.next_round = resume.next_round
         self._journal = resume.journal
 
@@ -256,6 +259,7 @@ class RoundEngine:
                 population,
                 release.clip_norm,
             )
+        self.rundir.save_norm_history(round_, self.admission.gate.history.window())
         self.rundir.complete_round(round_, self.strategy.state_dict(), self.last)
         self.open = None
         log_closed(self.last, self.fleet.quorum)

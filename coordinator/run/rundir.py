@@ -63,6 +63,7 @@ QUARANTINE_DIR = "quarantine"
 LOCK_FILE = ".lock"
 # The engine's record of the open round's participants; stale once the run rolls back past it.
 OPEN_ROUND_FILE = "open-round.json"
+NORM_HISTORY_FILE = "norm-history.json"
 
 log = logging.getLogger("fedfleet.rundir")
 
@@ -462,6 +463,22 @@ class RunDir:
         """
         record = {"round": round_, "participants": dict(participants), "population": population}
         atomic_write(self.path / OPEN_ROUND_FILE, json.dumps(record).encode())
+
+    def save_norm_history(self, round_: int, window: list[dict[str, list[float]]]) -> None:
+        """The upload gate's accepted update norms as of ``round_``'s close, written before the round commits.
+
+        A resumed run bounds updates by the fleet's recent median again, not by the warm-up bound: without
+        it a reversed update receipted right after a restart was folded at up to the weights' own norm.
+        """
+        atomic_write(self.path / NORM_HISTORY_FILE, json.dumps({"round": round_, "window": window}).encode())
+
+    def saved_norm_history(self) -> list[dict[str, list[float]]] | None:
+        """The window saved with the last completed round, or None (a fresh run, or it died before its commit)."""
+        saved = self.path / NORM_HISTORY_FILE
+        if not saved.exists():
+            return None
+        raw = json.loads(saved.read_text())
+        return raw["window"] if raw.get("round") == self.last_completed_round else None
 
     def saved_population(self, round_: int) -> int | None:
         """The ``population`` saved with ``round_``'s participants, or None."""

@@ -4,17 +4,25 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
+from coordinator.config.fleet import parse_fleet
 from coordinator.config.limits import GateSettings
+from coordinator.emulation.simulation import fixed_levels, simulation_fleet
 from coordinator.rounds.admission import Admission
+from coordinator.rounds.engine import EngineSettings, RoundEngine
 from coordinator.rounds.state import OpenRound, Participant
 from coordinator.rounds.upload_gate import UploadGate, UploadRefused, squared_norms
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
+from coordinator.transport.local_link import InProcessLink, LocalDevice
 from device_agent.clients.base import is_norm_statistic
+from device_agent.clients.spec import TrainConfig
+from device_agent.data.datasets import load_dataset
 from device_agent.wire.codec import encode_tensors
 from device_agent.wire.protocol import UPDATE_KIND
 from device_agent.wire.transfer import Completed, make_manifest
+from tests.digit_clients import digit_clients
 
 CNN = ModelSpec("cnn", 10, 1, 8)
 
@@ -139,3 +147,43 @@ def test_a_clipped_fedhm_upload_is_journaled_as_folded_so_a_resume_folds_the_sam
     keys = [k for k, v in before.items() if v.is_floating_point() and not is_norm_statistic(k)]
     moved = sum(float((folded[k] - before[k]).square().sum()) for k in keys) ** 0.5
     assert moved < 2 * sum(float(before[k].square().sum()) for k in keys) ** 0.5
+
+
+@pytest.mark.slow
+def test_a_resumed_run_bounds_updates_by_the_norm_history_it_had_not_the_warm_up_bound(tmp_path: Path) -> None:
+    clients = digit_clients(["pi-0", "pi-1", "pi-2"])
+    data = load_dataset("digits", 8, 1)
+    raw = simulation_fleet(build_strategy("fedavg", CNN, {}, seed=0), clients, 2, TrainConfig(batch_size=32))
+    fleet_file = tmp_path / "fleet.yaml"
+    fleet_file.write_text(yaml.safe_dump(raw))
+
+    def engine(rundir: RunDir) -> RoundEngine:
+        return RoundEngine(
+            parse_fleet(raw, source="test"),
+            {},
+            build_strategy("fedavg", CNN, {}, seed=0),
+            rundir,
+            data,
+            InProcessLink([LocalDevice(c.client_id, c.train, c.test) for c in clients]),
+            EngineSettings(min_devices=3, wait_timeout_s=60, calibration_samples=len(data.train_x)),
+            planner=fixed_levels({c.client_id: c.level for c in clients}),
+        )
+
+    strategy = build_strategy("fedavg", CNN, {}, seed=0)
+    first = engine(RunDir.create(tmp_path / "run", fleet_file, strategy.state_dict(), seed=0))
+    assert first.run()
+    history = first.admission.gate.history
+    first.rundir.close()
+    assert history.median("conv1.weight") is not None  # 6 accepted updates: the fleet's median is known
+
+    resumed = RunDir.open(tmp_path / "run", fleet_file)
+    assert engine(resumed).admission.gate.history.window() == history.window()
+    resumed.close()
+
+
+def test_a_norm_history_saved_for_a_round_that_never_committed_is_not_restored(tmp_path: Path) -> None:
+    (tmp_path / "fleet.yaml").write_text("fleet: lab\n")
+    rundir = RunDir.create(tmp_path / "run", tmp_path / "fleet.yaml", {"w": torch.zeros(2)}, seed=0)
+    rundir.save_norm_history(1, [{"w": [0.5, 0.7]}])  # round 1 died before complete_round
+    assert rundir.saved_norm_history() is None
+    rundir.close()
