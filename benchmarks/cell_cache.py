@@ -3,7 +3,9 @@
 The full Fashion-MNIST comparison is 162 cells of one to four minutes each on a core: a killed or
 timed-out run must not throw away hours of finished cells. The file is JSON lines: a header with the
 run's configuration (a cell from another configuration is not the same measurement, so a mismatch is
-an error), then one line per finished cell, appended and flushed as it finishes.
+an error) and its provenance (commit, dirty flag, CPU, torch: see :func:`benchmarks.machine.describe`),
+then one line per finished cell, appended and flushed as it finishes. Cells of another commit are refused
+unless the caller allows them: a resumed run would otherwise mix two versions of the code in one table.
 """
 
 from __future__ import annotations
@@ -19,21 +21,41 @@ class CacheMismatch(ValueError):
 
 
 class CellCache:
-    def __init__(self, path: Path, config: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        config: dict[str, Any],
+        provenance: dict[str, Any] | None = None,
+        allow_other_commit: bool = False,
+    ) -> None:
         self.path = path
         self.config = config
         self.rows: dict[str, dict[str, Any]] = {}
-        header = {"config": config}
+        header: dict[str, Any] = {"config": config, "provenance": provenance}
         if path.exists() and path.stat().st_size:
             lines = path.read_text().splitlines()
             found = _parse(lines[0])
-            if found != header:
-                theirs = found.get("config", {}) if isinstance(found, dict) else {}
+            theirs = found.get("config") if isinstance(found, dict) else None
+            if theirs != config:
+                theirs = theirs if isinstance(theirs, dict) else {}
                 differ = sorted(k for k in config.keys() | theirs.keys() if config.get(k) != theirs.get(k))
                 raise CacheMismatch(
                     f"{path} holds cells of another configuration (differs in: {', '.join(differ) or 'its header'}); "
                     "move it away or give another --cache"
                 )
+            written = (found.get("provenance") or {}) if isinstance(found, dict) else {}
+            ours = provenance or {}
+            if not allow_other_commit and (written.get("commit"), written.get("dirty")) != (
+                ours.get("commit"),
+                ours.get("dirty"),
+            ):
+                raise CacheMismatch(
+                    f"{path} holds cells of commit {written.get('commit') or 'unknown'}"
+                    f"{' (dirty)' if written.get('dirty') else ''}, this checkout is {ours.get('commit') or 'unknown'}"
+                    f"{' (dirty)' if ours.get('dirty') else ''}: resuming would mix two versions of the code; "
+                    "move it away, or --allow-other-commit to keep its cells"
+                )
+            header = found
             for line in lines[1:]:
                 entry = _parse(line)
                 if isinstance(entry, dict) and isinstance(entry.get("row"), dict) and "cell" in entry:

@@ -50,6 +50,7 @@ import torch
 
 from benchmarks import fedlora
 from benchmarks.cell_cache import CacheMismatch, CellCache
+from benchmarks.machine import describe
 from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.strategies import STRATEGIES, ModelSpec, build_strategy
 from coordinator.strategies.fedlora import FineTune
@@ -395,6 +396,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="keep each finished cell in FILE (JSON lines) and take the cells already there: a stopped run resumes",
     )
+    parser.add_argument(
+        "--allow-other-commit",
+        action="store_true",
+        help="take --cache cells written at another commit (or from a dirty tree) too; by default they are refused",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     return parser
 
@@ -443,11 +449,11 @@ def main(argv: list[str] | None = None) -> int:
         chosen = None if args.strategies is None else strategies
         bed = replace(lora_bed, rounds=args.rounds, clients=args.clients, epochs=args.epochs)
         try:
-            report = fedlora.report(bed, args.seeds, chosen, args.jobs, args.cache)
+            report = fedlora.report(bed, args.seeds, chosen, args.jobs, args.cache, args.allow_other_commit)
         except (DatasetError, CacheMismatch) as error:
             print(f"fedlora: {error}", file=sys.stderr)
             return 2
-        print(json.dumps(report, indent=2) if args.json else fedlora.table(report))
+        print(json.dumps(report | {"provenance": describe()}, indent=2) if args.json else fedlora.table(report))
         return 0
     train = TrainConfig(epochs=args.epochs, batch_size=32, lr=0.05)
     load = partial(load_data, args.dataset, args.train_samples, args.test_samples)
@@ -468,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             "train": train.model_dump(),
         }
         try:
-            cache = CellCache(args.cache, config)
+            cache = CellCache(args.cache, config, describe(), args.allow_other_commit)
         except (CacheMismatch, OSError) as error:
             print(f"--cache: {error}", file=sys.stderr)
             return 2
@@ -479,7 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(
             json.dumps(
-                results | {"dataset": args.dataset, "arch": arch, "paper_metric": PAPER_METRIC, "checks": checks},
+                results
+                | {"dataset": args.dataset, "arch": arch, "paper_metric": PAPER_METRIC, "checks": checks}
+                | {"provenance": describe()},
                 indent=2,
             )
         )

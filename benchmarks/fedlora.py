@@ -35,6 +35,7 @@ import torch
 from safetensors.torch import load_file
 
 from benchmarks.cell_cache import CellCache
+from benchmarks.machine import describe
 from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.run.pretrain import class_subset, fit_probe, linear_probe, pretrain, save_checkpoint
 from coordinator.strategies import STRATEGIES, ModelSpec, build_strategy
@@ -232,6 +233,7 @@ def report(
     strategies: list[str] | None = None,
     jobs: int = 1,
     cache_file: Path | None = None,
+    allow_other_commit: bool = False,
     base_dir: Path | None = None,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> dict:
@@ -245,7 +247,7 @@ def report(
     log(f"probe_accuracy {probe['base']:.3f} (raw pixels {probe['pixels']:.3f})")
     chosen = [e for e, (name, _, _) in entries().items() if strategies is None or name in strategies]
     header = {"scenario": "fedlora", "base": base.name, **asdict(bed)}
-    cache = None if cache_file is None else CellCache(cache_file, header)
+    cache = None if cache_file is None else CellCache(cache_file, header, describe(), allow_other_commit)
     cells = _Cells(bed, base, jobs, cache, log)
     try:
         tuning = [("ft", 0, lr) for lr in FT_LRS] if "ft" in chosen else []

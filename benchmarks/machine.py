@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,29 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def source() -> dict[str, Any]:
+    """The commit the figures come from and whether the checkout had uncommitted changes (None outside git):
+    a figure of a dirty tree or of another commit is not the code at that commit."""
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)
+        except OSError:
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": None if commit is None or status is None else bool(status)}
+
+
 def describe() -> dict[str, Any]:
-    """CPU model, cores, RAM, torch version and GPU (None without CUDA)."""
+    """Commit (and dirty flag), CPU model, cores, RAM, torch version and GPU (None without CUDA)."""
     return {
+        **source(),
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),

@@ -34,6 +34,18 @@ def test_cells_of_another_configuration_are_refused_naming_what_differs(tmp_path
         CellCache(path, CONFIG | {"rounds": 5, "train": {"lr": 0.1}})
 
 
+def test_cells_of_another_commit_are_refused_unless_allowed(tmp_path) -> None:
+    path = tmp_path / "cells.jsonl"
+    CellCache(path, CONFIG, {"commit": "a" * 40, "dirty": False, "cpu": "Intel"}).put("a", {"accuracy": 0.5})
+    here = {"commit": "b" * 40, "dirty": True, "cpu": "AMD"}
+
+    with pytest.raises(CacheMismatch, match=f"commit {'a' * 40}, this checkout is {'b' * 40} \\(dirty\\)"):
+        CellCache(path, CONFIG, here)
+    kept = CellCache(path, CONFIG, here, allow_other_commit=True)
+    assert kept.get("a") == {"accuracy": 0.5}
+    assert json.loads(path.read_text().splitlines()[0])["provenance"]["commit"] == "a" * 40  # who wrote the cells
+
+
 def test_a_stopped_comparison_resumes_from_its_cache(monkeypatch, capsys, tmp_path) -> None:
     ran: list[str] = []
 
