@@ -92,8 +92,9 @@ def _compare(result: dict[str, Any]) -> list[str]:
             out.append(f"{scenario} accuracy: " + ", ".join(figures))
     checks = [c for c in result.get("checks", []) if isinstance(c, dict)]
     if checks:
-        passed = sum(bool(c.get("pass")) for c in checks)
-        out.append(f"papers' claims: {passed} PASS, {len(checks) - passed} FAIL")
+        verdicts = [c.get("verdict") or ("PASS" if c.get("pass") else "FAIL") for c in checks]
+        tally = ", ".join(f"{verdicts.count(v)} {v}" for v in ("PASS", "TIE", "FAIL") if v in verdicts)
+        out.append(f"papers' claims: {tally}")
     return out
 
 

@@ -52,7 +52,7 @@ def test_all_scenarios_skip_the_fine_tuning_strategies_with_a_note(monkeypatch, 
         return {"accuracy": 0.5, "personalized_accuracy": 0.5, "upload_bytes_per_round": 1.0, "seconds": 0.0}
 
     monkeypatch.setattr(compare, "run_setting", run_setting)
-    assert compare.main(["--scenario", "all", "--rounds", "1", "--json"]) == 0
+    assert compare.main(["--scenario", "all", "--rounds", "1", "--seeds", "1", "--json"]) == 0
 
     fine_tuning = {"ft", "lora_homogeneous", "fedlora", "hetlora", "flora"}
     assert ran == set(STRATEGIES) - fine_tuning
@@ -76,7 +76,8 @@ def test_each_dataset_trains_its_own_cnn_unless_arch_is_given(monkeypatch, capsy
 
     monkeypatch.setattr(compare, "run_setting", run_setting)
     monkeypatch.setattr(compare, "load_data", lambda *_args: load_dataset("digits", 8, 1))
-    cell = ["--scenario", "domains", "--strategies", "fedavg", "--rounds", "1", "--json", "--dataset", dataset]
+    cell = ["--scenario", "domains", "--strategies", "fedavg", "--rounds", "1", "--seeds", "1", "--json"]
+    cell += ["--dataset", dataset]
     assert compare.main(cell) == 0
     assert compare.main([*cell, "--arch", "resnet9"]) == 0
 
@@ -90,28 +91,45 @@ def test_asking_for_a_fine_tuning_strategy_outside_its_scenario_is_refused(capsy
     assert "--strategies fedlora: fine-tuning strategies start from a pre-trained ViT" in capsys.readouterr().err
 
 
-def _row(accuracy: float, personalized: float, upload: float) -> dict:
+def _row(accuracy: list[float], personalized: list[float], upload: float) -> dict:
     return {
-        "accuracy": {"mean": accuracy, "std": 0.0},
-        "personalized_accuracy": {"mean": personalized, "std": 0.0},
+        "accuracy": compare.mean_std(accuracy),
+        "personalized_accuracy": compare.mean_std(personalized),
         "upload_bytes_per_round": upload,
     }
 
 
-def test_claims_read_each_papers_metric_and_the_upload_ratio() -> None:
+def test_claims_are_judged_on_paired_seed_differences_with_a_confidence_interval() -> None:
+    seeds = [0.70, 0.60, 0.80, 0.65, 0.75]  # seeds spread by 0.2, as on Fashion-MNIST
     results = {
         "hetero-devices/dirichlet-0.5": {
-            "fedhm": _row(0.80, 0.7, 100),
-            "heterofl": _row(0.75, 0.9, 100),
-            "fedrolex": _row(0.85, 0.6, 100),
+            "fedhm": _row([a + 0.02 for a in seeds], seeds, 100),  # 2 points better on every seed
+            "heterofl": _row(seeds, seeds, 100),
+            "fedrolex": _row([a + d for a, d in zip(seeds, (0.03, -0.04, 0.02, -0.01, 0.0), strict=True)], seeds, 100),
         },
-        "permuted-labels/iid": {"fedavg": _row(0.1, 0.70, 1000), "factorized_fl": _row(0.1, 0.72, 200)},
+        "permuted-labels/iid": {
+            "fedavg": _row(seeds, [0.1] * 5, 1000),
+            "factorized_fl": _row(seeds, [0.7, 0.72, 0.71, 0.69, 0.7], 200),
+            "simfed": _row(seeds, [0.09, 0.08, 0.09, 0.07, 0.09], 1000),
+        },
     }
-    lines = compare.claim_lines(compare.claims(results)).splitlines()
+    checks = compare.claims(results)
+    lines = compare.claim_lines(checks).splitlines()
+    # A mean + 1 std rule would call all of these but the last ties passes; the paired interval separates them.
     assert lines[0].startswith("PASS hetero-devices/dirichlet-0.5: FedHM >= HeteroFL, global")
-    assert lines[1].startswith("FAIL hetero-devices/dirichlet-0.5: FedHM >= FedRolex, global")
+    assert lines[1].startswith("TIE hetero-devices/dirichlet-0.5: FedHM >= FedRolex, global")
     assert lines[2].startswith("FAIL permuted-labels/iid: Factorized-FL >= FedAvg, personalized with <= 1/10")
-    assert lines[2].endswith("upload ratio 0.200)") and len(lines) == 3
+    assert lines[2].endswith("upload ratio 0.200)")
+    assert lines[3].startswith("FAIL permuted-labels/iid: SimFed >= FedAvg, personalized") and len(lines) == 4
+    first = checks[0]
+    assert first["difference"] == pytest.approx(0.02) and first["interval"][0] > 0
+    assert "95% CI" in first["detail"] and "over 5 seeds" in first["detail"]
+
+
+def test_the_interval_is_students_t_and_one_seed_separates_nothing() -> None:
+    mean, _, high = compare.paired_interval([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])
+    assert (mean, high - mean) == (2.0, pytest.approx(4.303 * 1.0 / 3**0.5, abs=1e-3))  # t(0.975, 2) = 4.303
+    assert compare.verdict(*compare.paired_interval([0.9], [0.1])[1:]) == "TIE"
 
 
 def test_fashion_mnist_without_the_package_names_it(monkeypatch, capsys, tmp_path) -> None:

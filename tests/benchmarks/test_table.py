@@ -55,11 +55,11 @@ def test_each_strategy_is_shown_on_its_papers_metric_with_the_claims_tally():
     compare = {
         "permuted": {"fedavg": row, "simfed": row},
         "paper_metric": {"fedavg": "accuracy", "simfed": "personalized_accuracy"},
-        "checks": [{"pass": True}, {"pass": False}, {"pass": True}],
+        "checks": [{"verdict": "PASS"}, {"verdict": "FAIL"}, {"verdict": "PASS"}, {"verdict": "TIE"}],
     }
     table = render(results(compare=compare))
     assert "permuted accuracy: fedavg 0.1, simfed 0.8 (p)" in table
-    assert "papers' claims: 2 PASS, 1 FAIL" in table
+    assert "papers' claims: 2 PASS, 1 TIE, 1 FAIL" in table
 
 
 def test_the_fedlora_row_shows_the_bases_probe_each_entry_and_the_papers_checks():
