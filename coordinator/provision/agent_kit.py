@@ -20,7 +20,18 @@ from pathlib import Path
 import yaml
 
 from coordinator.config.fleet import Device, Fleet
-from coordinator.provision.layout import CA_CERT, CLIENT_CERT, CLIENT_KEY, PASSWORD, SIGNING_KEY, DeviceLayout, Kits
+from coordinator.provision.layout import (
+    CA_CERT,
+    CLIENT_CERT,
+    CLIENT_KEY,
+    DOCTOR_CERT,
+    DOCTOR_KEY,
+    DOCTOR_PASSWORD,
+    PASSWORD,
+    SIGNING_KEY,
+    DeviceLayout,
+    Kits,
+)
 from coordinator.provision.templates import render
 from coordinator.provision.wheel import DEMO_DATASETS, wheel_name
 from coordinator.transport.broker.credentials import write_file
@@ -77,17 +88,27 @@ def _yaml(mapping: dict[str, object]) -> str:
     return yaml.safe_dump(mapping, sort_keys=False).removesuffix("\n")
 
 
-def agent_yaml(fleet: Fleet, index: int, layout: DeviceLayout, tls: bool, password_ref: str | None = None) -> str:
-    """agent.yaml text with comments; the data section is a placeholder unless the data set is built in."""
+def agent_yaml(
+    fleet: Fleet, index: int, layout: DeviceLayout, tls: bool, password_ref: str | None = None, doctor: bool = False
+) -> str:
+    """agent.yaml text with comments; the data section is a placeholder unless the data set is built in.
+
+    ``doctor``: the kit carries the device's read-only doctor login (``broker.doctor``).
+    """
     device = fleet.devices[index]
     dataset = fleet.dataset
-    broker = {"url": broker_url(fleet), "password": password_ref or f"file:{layout.etc / PASSWORD}"}
+    broker: dict[str, object] = {"url": broker_url(fleet), "password": password_ref or f"file:{layout.etc / PASSWORD}"}
     if tls:
         broker |= {
             "ca_file": str(layout.etc / CA_CERT),
             "cert_file": str(layout.etc / CLIENT_CERT),
             "key_file": str(layout.etc / CLIENT_KEY),
         }
+    if doctor:
+        login = {"password": f"file:{layout.etc / DOCTOR_PASSWORD}"}
+        if tls:
+            login |= {"cert_file": str(layout.etc / DOCTOR_CERT), "key_file": str(layout.etc / DOCTOR_KEY)}
+        broker["doctor"] = login
     samples = fleet.sized_samples(device)  # what the planner sized this device at: the agent trains on as many
     if dataset.name in BUILT_IN and dataset.path is None:
         share = DataShare(dataset.name, dataset.partition.text, dataset.seed, index, len(fleet.devices), None, samples)
@@ -138,6 +159,9 @@ def install_text(fleet: Fleet, device: Device, layout: DeviceLayout) -> str:
         password=PASSWORD,
         client_key=CLIENT_KEY,
         signing_key=SIGNING_KEY,
+        doctor_cert=DOCTOR_CERT,
+        doctor_password=DOCTOR_PASSWORD,
+        doctor_key=DOCTOR_KEY,
         user=SERVICE_USER,
         unit=UNIT,
         service=UNIT.removesuffix(".service"),
@@ -180,17 +204,24 @@ def user_data_text(device: Device) -> str:
 
 
 def build_agent_kit(
-    fleet: Fleet, index: int, kits: Kits, wheel: Path, layout: DeviceLayout, password_ref: str | None = None
+    fleet: Fleet,
+    index: int,
+    kits: Kits,
+    wheel: Path,
+    layout: DeviceLayout,
+    password_ref: str | None = None,
+    doctor: bool = False,
 ) -> Path:
     """Write kits/<device>/ (the secrets, certificates and CA are already there); ``password_ref`` is
-    fleet.yaml's reference for a device whose password the kit does not carry."""
+    fleet.yaml's reference for a device whose password the kit does not carry; ``doctor``: the kit
+    holds the device's doctor login."""
     device = fleet.devices[index]
     folder = kits.participant(device.id)
     tls = fleet.broker.tls and fleet.broker.mode == "managed"
     if not tls:
-        for name in (CA_CERT, CLIENT_CERT, CLIENT_KEY):
+        for name in (CA_CERT, CLIENT_CERT, CLIENT_KEY, DOCTOR_CERT, DOCTOR_KEY):
             (folder / name).unlink(missing_ok=True)
-    write_file(folder / "agent.yaml", agent_yaml(fleet, index, layout, tls, password_ref), 0o644)
+    write_file(folder / "agent.yaml", agent_yaml(fleet, index, layout, tls, password_ref, doctor), 0o644)
     write_file(folder / INSTALL, install_text(fleet, device, layout), 0o755)
     write_file(folder / UNINSTALL, uninstall_text(fleet, device, layout), 0o755)
     write_file(folder / UNIT, unit_text(fleet, device, layout), 0o644)

@@ -12,7 +12,7 @@ fedfleet mosquitto shares (limits, persistence) come from the transport's own br
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 from coordinator.config.fleet import Fleet
@@ -22,7 +22,7 @@ from coordinator.provision.templates import render
 from coordinator.transport.broker.base import MAX_CONNECTIONS, BrokerSettings, queue_limits
 from coordinator.transport.broker.credentials import Credentials, hash_password, write_file
 from coordinator.transport.broker.mosquitto import _broker_owner, limits_and_persistence
-from device_agent.wire.topics import ROOT, acl_patterns
+from device_agent.wire.topics import ROOT, DeviceTopics, acl_patterns, doctor_login
 
 CONFIG = "mosquitto.conf"
 PASSWD = "passwd"
@@ -30,11 +30,25 @@ ACL = "acl"
 DATA = "data"
 
 
-def acl_text(fleet: str, coordinator_user: str) -> str:
-    """Each device writes only its ``up/data`` and ``up/status``, reads its ``down/data``; the coordinator all."""
+def acl_text(fleet: str, coordinator_user: str, doctors: Collection[str] = ()) -> str:
+    """Each device writes only its ``up/data`` and ``up/status``, reads its ``down/data``; the coordinator all.
+
+    Each of ``doctors`` (devices) gets a read-only login that reads the device's retained status and
+    nothing else; the device patterns would hand it a subtree of its own name, which it is denied.
+    """
+    lines = []
+    for device in doctors:
+        login = doctor_login(device)
+        lines += [
+            f"user {login}",
+            f"topic read {DeviceTopics(fleet, device).status}",
+            f"topic deny {ROOT}/{fleet}/dev/{login}/#",
+            "",
+        ]
     return render(
         ACL,
         device_patterns="\n".join(acl_patterns(fleet)),
+        doctor_users="\n".join(lines).rstrip("\n"),
         coordinator_user=coordinator_user,
         fleet_topics=f"{ROOT}/{fleet}/#",
     )
@@ -76,16 +90,26 @@ def config_text(fleet: Fleet, at: Path) -> str:
 
 
 def build_broker_files(
-    fleet: Fleet, kits: Kits, credentials: Mapping[str, Credentials], authority: Authority, at: Path | None = None
+    fleet: Fleet,
+    kits: Kits,
+    credentials: Mapping[str, Credentials],
+    authority: Authority,
+    at: Path | None = None,
+    doctors: Mapping[str, Credentials] | None = None,
 ) -> Path:
-    """Write kits/broker/ (config, password file, ACL, CRL, data dir); returns the config file."""
+    """Write kits/broker/ (config, password file, ACL, CRL, data dir); returns the config file.
+
+    ``doctors`` maps devices to their read-only doctor logins, which join the password file and the ACL.
+    """
+    doctors = doctors or {}
     folder = private_dir(kits.broker, 0o711)
     owner = _broker_owner()
     data = folder / DATA
     data.mkdir(mode=0o700, exist_ok=True)
-    users = "".join(f"{c.username}:{hash_password(c.password)}\n" for c in credentials.values())
+    logins = [*credentials.values(), *doctors.values()]
+    users = "".join(f"{c.username}:{hash_password(c.password)}\n" for c in logins)
     write_file(folder / PASSWD, users, 0o600, owner)
-    write_file(folder / ACL, acl_text(fleet.fleet, fleet.broker.username), 0o644)
+    write_file(folder / ACL, acl_text(fleet.fleet, fleet.broker.username, list(doctors)), 0o644)
     write_file(folder / CRL, authority.crl(), 0o644)
     write_file(folder / CONFIG, config_text(fleet, at or folder.resolve()), 0o644)
     if owner is not None:

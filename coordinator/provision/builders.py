@@ -19,10 +19,10 @@ from coordinator.config.fleet import Fleet
 from coordinator.provision.agent_kit import broker_url, build_agent_kit
 from coordinator.provision.broker_files import build_broker_files
 from coordinator.provision.bundle import build_bundle
-from coordinator.provision.certificates import Authority, build_certificates
+from coordinator.provision.certificates import Authority, build_certificates, build_doctor_certificates
 from coordinator.provision.device_wheels import WheelOptions, build_device_wheels
 from coordinator.provision.layout import MANIFEST, DeviceLayout, Kits
-from coordinator.provision.secrets import ProvisionError, build_credentials
+from coordinator.provision.secrets import ProvisionError, build_credentials, build_doctor_credentials
 from coordinator.provision.signing_keys import build_signing_keys
 from coordinator.provision.wheel import build_agent_wheel
 from coordinator.transport.broker.credentials import COORDINATOR_USER, Credentials, write_file
@@ -41,6 +41,7 @@ class Provisioning:
     broker_dir: Path | None = None
     credentials: dict[str, Credentials] = field(default_factory=dict)
     missing: dict[str, str] = field(default_factory=dict)
+    doctors: dict[str, Credentials] = field(default_factory=dict)
     authority: Authority | None = None
     wheel: Path | None = None
     wheels: WheelOptions | None = None
@@ -88,6 +89,11 @@ def credentials(run: Provisioning) -> None:
     run.credentials, run.missing = build_credentials(run.fleet, run.kits, run.rotate)
 
 
+def doctor_logins(run: Provisioning) -> None:
+    """Each device's read-only login for ``device-agent doctor`` (a broker we run only)."""
+    run.doctors = build_doctor_credentials(run.fleet, run.kits, run.rotate)
+
+
 def signing_keys(run: Provisioning) -> None:
     build_signing_keys(run.fleet, run.kits, run.rotate)
 
@@ -97,11 +103,13 @@ def certificates(run: Provisioning) -> None:
     run.authority = Authority(run.kits, run.fleet.fleet)
     if run.tls:
         build_certificates(run.authority, run.kits, server_hosts(run.fleet), run.logins, run.rotate)
+        logins = {device: credentials.username for device, credentials in run.doctors.items()}
+        build_doctor_certificates(run.authority, run.kits, logins, run.rotate)
 
 
 def broker_files(run: Provisioning) -> None:
     authority = _made(run.authority, "the CA", "certificates", "broker files")
-    build_broker_files(run.fleet, run.kits, run.credentials, authority, run.broker_dir)
+    build_broker_files(run.fleet, run.kits, run.credentials, authority, run.broker_dir, run.doctors)
 
 
 def agent_wheel(run: Provisioning) -> None:
@@ -113,7 +121,7 @@ def agent_kits(run: Provisioning) -> None:
     wheel = _made(run.wheel, "the agent wheel", "agent wheel", "agent kits")
     for index, device in enumerate(run.fleet.devices):
         password_ref = device.credentials if device.id in run.missing else None
-        build_agent_kit(run.fleet, index, run.kits, wheel, run.layout, password_ref)
+        build_agent_kit(run.fleet, index, run.kits, wheel, run.layout, password_ref, device.id in run.doctors)
 
 
 def device_wheels(run: Provisioning) -> None:
@@ -136,6 +144,7 @@ def manifest(run: Provisioning) -> None:
 
 BUILDERS: tuple[Builder, ...] = (
     Builder("credentials", credentials),
+    Builder("doctor logins", doctor_logins),
     Builder("signing keys", signing_keys),
     Builder("certificates", certificates),
     Builder("broker files", broker_files),

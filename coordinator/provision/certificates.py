@@ -10,7 +10,8 @@ A client certificate's CN is its participant's broker login: the broker takes th
 (mosquitto ``use_identity_as_username``), so each certificate is bound to exactly one login. A
 certificate whose CN is not its participant's login, or that is already revoked, is reissued; the
 certificate of a device no longer in the fleet is revoked (its password leaves the password file,
-but on the TLS listener the certificate alone is the credential).
+but on the TLS listener the certificate alone is the credential). Each device also gets a doctor
+certificate (``doctor.pem``, CN ``doctor@<device>``): the read-only login ``device-agent doctor`` asks with.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from coordinator.provision.layout import CA_CERT, CLIENT_CERT, CLIENT_KEY, Kits, private_dir
+from coordinator.provision.layout import CA_CERT, CLIENT_CERT, CLIENT_KEY, DOCTOR_CERT, DOCTOR_KEY, Kits, private_dir
 from coordinator.transport.broker.credentials import write_file
 
 CA_KEY = "ca.key"
@@ -207,3 +208,21 @@ def _current(authority: Authority, cert_path: Path, login: str) -> bool:
     if not cert_path.exists():
         return False
     return common_name(cert_path) == login and not authority.is_revoked(cert_path)
+
+
+def build_doctor_certificates(
+    authority: Authority, kits: Kits, logins: Mapping[str, str], rotate: Collection[str] = ()
+) -> None:
+    """Each device's doctor certificate (CN = its doctor login) into its kit folder, as :func:`build_certificates`
+    does its own: kept while current, revoked when replaced or when the device left the fleet."""
+    for departed in sorted(kits.root.iterdir()):
+        if departed.name not in logins and (departed / DOCTOR_CERT).is_file():
+            authority.revoke(departed / DOCTOR_CERT)
+    for device, login in logins.items():
+        folder = private_dir(kits.participant(device))
+        if _current(authority, folder / DOCTOR_CERT, login) and device not in rotate:
+            continue
+        authority.revoke(folder / DOCTOR_CERT)
+        cert, key = authority.issue(login)
+        write_file(folder / DOCTOR_KEY, key, 0o600)
+        write_file(folder / DOCTOR_CERT, cert, 0o644)

@@ -26,6 +26,10 @@ CLIENT_CERT = "client.pem"
 CLIENT_KEY = "client.key"
 CA_CERT = "ca.pem"
 SIGNING_KEY = "signing.key"
+# The device's read-only doctor login (user doctor@<device>): its password, and its certificate with TLS.
+DOCTOR_PASSWORD = "doctor.password"
+DOCTOR_CERT = "doctor.pem"
+DOCTOR_KEY = "doctor.key"
 MANIFEST = "fleet.json"
 
 

@@ -11,9 +11,10 @@ import secrets as random
 from collections.abc import Collection
 
 from coordinator.config.fleet import Fleet
-from coordinator.provision.layout import PASSWORD, Kits, private_dir
+from coordinator.provision.layout import DOCTOR_PASSWORD, PASSWORD, Kits, private_dir
 from coordinator.transport.broker.credentials import COORDINATOR_USER, Credentials, write_file
 from device_agent.common.schema import SecretError, resolve_secret
+from device_agent.wire.topics import doctor_login
 
 
 class ProvisionError(ValueError):
@@ -53,3 +54,21 @@ def build_credentials(
         user = fleet.broker.username if name == COORDINATOR_USER else name
         credentials[name] = Credentials(user, secret)
     return credentials, missing
+
+
+def build_doctor_credentials(fleet: Fleet, kits: Kits, rotate: Collection[str] = ()) -> dict[str, Credentials]:
+    """Device -> its read-only doctor login (``doctor@<device>``), kept in ``kits/<device>/doctor.password``.
+
+    Only for a broker we run (its password file and ACL are ours to write); a kit for an external broker
+    carries none, and doctor says it cannot ask that broker whether the agent is online.
+    """
+    doctors = {}
+    for device in fleet.devices:
+        path = private_dir(kits.participant(device.id)) / DOCTOR_PASSWORD
+        if fleet.broker.mode != "managed":
+            path.unlink(missing_ok=True)
+            continue
+        secret = path.read_text().strip() if path.exists() and device.id not in rotate else random.token_urlsafe(24)
+        write_file(path, secret + "\n", 0o600)
+        doctors[device.id] = Credentials(doctor_login(device.id), secret)
+    return doctors

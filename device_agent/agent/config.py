@@ -45,6 +45,37 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class DoctorLogin(_Section):
+    """The device's read-only login for ``device-agent doctor`` (user ``doctor@<device>``, from its kit).
+
+    Doctor asks the broker with it whether the device's agent is online anywhere before it logs in as
+    the device, which would take over the agent's session.
+    """
+
+    password: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+
+    @field_validator("password")
+    @classmethod
+    def _reference(cls, ref: str | None) -> str | None:
+        return check_secret_ref(ref)
+
+    @model_validator(mode="after")
+    def _client_certificate(self) -> DoctorLogin:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("broker.doctor.cert_file and key_file go together (a client certificate and its key)")
+        return self
+
+    def resolve_password(self) -> str | None:
+        if self.password is None:
+            return None
+        try:
+            return resolve_secret(self.password)
+        except SecretError as exc:
+            raise ConfigError(f"broker.doctor.password: {exc}") from None
+
+
 class BrokerConfig(_Section):
     url: str = "mqtt://127.0.0.1:1883"
     password: str | None = None
@@ -52,6 +83,7 @@ class BrokerConfig(_Section):
     cert_file: str | None = None
     key_file: str | None = None
     protocol: Literal["5", "3.1.1"] = "5"
+    doctor: DoctorLogin | None = None
     keepalive_s: int = Field(30, ge=5, le=3600)
     """MQTT keepalive: the broker drops a session it has heard nothing from in 1.5x this. Emulated agents get
     120 s (see :data:`device_agent.emulation.profile_config.EMULATED_KEEPALIVE_S`)."""
@@ -269,6 +301,11 @@ def load_kit(folder: Path, overrides: dict[str, Any] | None = None) -> AgentConf
         for key in ("ca_file", "cert_file", "key_file"):
             broker[key] = _in_kit(broker.get(key), folder)
         broker["password"] = _secret_in_kit(broker.get("password"), folder)
+        doctor = broker.get("doctor")
+        if isinstance(doctor, dict):
+            for key in ("cert_file", "key_file"):
+                doctor[key] = _in_kit(doctor.get(key), folder)
+            doctor["password"] = _secret_in_kit(doctor.get("password"), folder)
     raw["signing_key"] = _secret_in_kit(raw.get("signing_key"), folder)
     data = raw.get("data")
     if isinstance(data, dict) and isinstance(data.get("path"), str) and isinstance(installed_state, str):
@@ -298,6 +335,9 @@ def anchor_file_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
     anchored.setdefault("state_dir", DEFAULT_STATE_DIR)
     anchor_keys(anchored, ("state_dir",), base)
     anchor_keys(anchored.get("broker"), ("ca_file", "cert_file", "key_file"), base, secrets=("password",))
+    if isinstance(anchored.get("broker"), dict) and isinstance(anchored["broker"].get("doctor"), dict):
+        anchored["broker"]["doctor"] = dict(anchored["broker"]["doctor"])
+        anchor_keys(anchored["broker"]["doctor"], ("cert_file", "key_file"), base, secrets=("password",))
     anchor_keys(anchored.get("data"), ("path",), base)
     return anchored
 

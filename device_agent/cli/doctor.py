@@ -3,8 +3,9 @@
 Checks what a person at the device can fix, in the order they depend on each other: the config
 and its secret files, the broker's address (TCP), the broker's certificate against the kit's CA
 (and this clock against the certificate's validity: a Pi without a battery-backed clock often
-boots in 1970), the login, the device's own topics, torch and the accelerator, the data, and the
-free disk and memory. A failed network check skips the ones that need it.
+boots in 1970), whether the device's agent is online anywhere (asked with a read-only login, so
+that doctor never logs in as a running agent), the login, the device's own topics, torch and the
+accelerator, the data, and the free disk and memory. A failed network check skips the ones that need it.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ from device_agent.agent.config import AgentConfig, ConfigError, load_config, loa
 from device_agent.agent.lock import device_key, device_running_here, running_agent
 from device_agent.common.names import TORCH_CPU_INDEX
 from device_agent.data.datasets import DatasetError, check_source
-from device_agent.wire.messages import Status, encode
+from device_agent.wire.messages import ProtocolError, Status, encode, parse_message
 from device_agent.wire.session import BrokerAddress
 from device_agent.wire.tls_errors import classify, why_tls_fails
-from device_agent.wire.topics import DeviceTopics
+from device_agent.wire.topics import DeviceTopics, doctor_login
 
 _MIB = 1024**2
 MIN_DISK_BYTES = 1024 * _MIB
@@ -180,6 +181,97 @@ def check_login(config: AgentConfig, address: BrokerAddress, timeout: float) -> 
         client.loop_stop()
 
 
+RETAINED_WAIT_S = 1.0
+"""After the broker grants the subscription, how long to wait for the retained status (it follows at once)."""
+
+
+def ask_broker_online(config: AgentConfig, address: BrokerAddress, timeout: float) -> tuple[Check, str | None]:
+    """Whether the device's agent is online anywhere, from the broker: (the check, why not to log in or None).
+
+    Logs in with the kit's read-only doctor login (``doctor@<device>``), never as the device, and reads
+    the device's retained status: an agent publishes one when it connects, the broker its will
+    (``offline``) when the connection drops. A broker that cannot be asked (a kit for an external
+    broker, or kits provisioned before doctor logins) is a WARN line, and only this machine's
+    checks (:func:`_running_agent`) stand between doctor and the agent's session.
+    """
+    doctor = config.broker.doctor
+    login = doctor_login(config.device)
+    if doctor is None:
+        return Check(
+            "online elsewhere",
+            True,
+            f"unknown: agent.yaml has no broker.doctor login ({login}) to ask the broker with",
+            "an agent of this device online on another machine would lose its session to doctor's login check: "
+            "provision the kits again (coordinator provision) for a doctor login, or stop that agent first",
+            warn=True,
+        ), None
+    try:
+        password = doctor.resolve_password()
+    except ConfigError as exc:
+        return Check("online elsewhere", False, str(exc), "run doctor as the agent's user (sudo) or fix the path"), None
+    status_topic = DeviceTopics(config.fleet, config.device).status
+    asking = replace(address, username=login, password=password, cert_file=doctor.cert_file, key_file=doctor.key_file)
+    events: dict[str, object] = {}
+    connected, granted, retained = threading.Event(), threading.Event(), threading.Event()
+
+    def on_connect(_c: object, _u: object, _f: object, reason: object, _p: object = None) -> None:
+        events["connect"] = reason
+        connected.set()
+
+    def on_subscribe(_c: object, _u: object, _m: int, reasons: list, _p: object = None) -> None:
+        events["subscribe"] = reasons[0]
+        granted.set()
+
+    def on_message(_c: object, _u: object, message: mqtt.MQTTMessage) -> None:
+        if message.retain and message.payload:
+            events["status"] = message.payload
+            retained.set()
+
+    protocol = MQTTProtocolVersion.MQTTv5 if config.broker.protocol == "5" else MQTTProtocolVersion.MQTTv311
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=login, protocol=protocol)
+    client.username_pw_set(asking.username, asking.password)
+    if asking.tls:
+        client.tls_set_context(_tls_context(asking))
+    client.on_connect, client.on_subscribe, client.on_message = on_connect, on_subscribe, on_message
+    cannot = "could not ask the broker as " + login
+    hint = (
+        "kits provisioned before doctor logins, or a broker started from older kits/broker: provision again and "
+        "restart the coordinator; meanwhile stop this device's agents elsewhere before doctor logs in"
+    )
+    try:
+        client.connect(asking.host, asking.port, keepalive=10)
+    except (OSError, ssl.SSLError) as exc:
+        return Check("online elsewhere", True, f"{cannot}: {exc}", hint, warn=True), None
+    client.loop_start()
+    try:
+        if not connected.wait(timeout) or getattr(events["connect"], "is_failure", True):
+            why = f"{cannot}: {events.get('connect', 'no answer')}"
+            return Check("online elsewhere", True, why, hint, warn=True), None
+        client.subscribe(status_topic, qos=1)
+        if not granted.wait(timeout) or getattr(events["subscribe"], "is_failure", True):
+            why = f"{cannot}: reading {status_topic}: {events.get('subscribe', 'no answer')}"
+            return Check("online elsewhere", True, why, hint, warn=True), None
+        retained.wait(min(RETAINED_WAIT_S, timeout))
+    finally:
+        client.disconnect()
+        client.loop_stop()
+    if "status" not in events:
+        never = f"no: the broker holds no status of {config.device} (its agent never connected)"
+        return Check("online elsewhere", True, never), None
+    try:
+        status = parse_message(events["status"])  # type: ignore[arg-type]
+    except ProtocolError as exc:
+        status = exc
+    if not isinstance(status, Status):
+        return Check("online elsewhere", True, f"{cannot}: its status is unreadable: {status}", hint, warn=True), None
+    state = status.state
+    said = state + (f" ({status.detail})" if status.detail else "")
+    if state == "offline":
+        return Check("online elsewhere", True, f"no: the broker's last status of {config.device} is {said}"), None
+    where = f"the broker says {config.device}'s agent is online ({said}), on this machine or another"
+    return Check("online elsewhere", True, f"yes: {where}"), where
+
+
 def check_cpu() -> Check:
     """What the device is, for the person reading the output: a Pi 4 is ``aarch64`` with 4 CPUs."""
     return Check("cpu", True, f"{os.cpu_count() or 1} CPUs, {platform.machine() or 'unknown architecture'}")
@@ -299,8 +391,9 @@ def diagnose(source: Path, timeout: float = 5.0, *, kit: bool = False, force: bo
 
     ``source`` is agent.yaml, or with ``kit`` an unpacked kit's folder (see ``load_kit``). While the
     agent runs, the login check is skipped unless ``force``: the broker takes the login as the client
-    id, so doctor's login would disconnect the agent and could cost it a round. "Runs" means on this
-    machine, from this state dir or any other (see :mod:`device_agent.agent.lock`).
+    id, so doctor's login would disconnect the agent and could cost it a round. "Runs" means online
+    anywhere, as the broker tells the kit's read-only doctor login (:func:`ask_broker_online`), or on
+    this machine, from this state dir or any other (see :mod:`device_agent.agent.lock`).
     """
     try:
         config = load_kit(source) if kit else load_config(source)
@@ -329,7 +422,9 @@ def diagnose(source: Path, timeout: float = 5.0, *, kit: bool = False, force: bo
     network = check_network(address, timeout) if address else [Check("broker", None, "no usable broker settings")]
     checks += network
     if address is not None and all(c.ok is not False for c in network):
-        running = _running_agent(config, address)
+        online, elsewhere = ask_broker_online(config, address, timeout)
+        checks.append(online)
+        running = _running_agent(config, address) or elsewhere
         if running is not None and not force:
             checks.append(
                 Check(

@@ -85,6 +85,18 @@ def reply_topic(topic: str) -> str:
     return "/".join(parts)
 
 
+DOCTOR_PREFIX = "doctor@"
+
+
+def doctor_login(device: str) -> str:
+    """The read-only broker login ``device-agent doctor`` asks with whether ``device``'s agent is online.
+
+    Never a device's login ('@' is not allowed in a device name), so logging in with it takes over no
+    session; the broker's ACL lets it read the device's retained ``up/status`` and nothing else.
+    """
+    return DOCTOR_PREFIX + check_name("device", device)
+
+
 def acl_patterns(fleet: str) -> list[str]:
     """Mosquitto ``pattern`` lines confining every device (its user name is its device name) to its documented topics.
 

@@ -158,10 +158,10 @@ pip_install "$KIT/@wheel@extra"
 
 install -d -m 0755 "$PREFIX/etc"
 install -m 0644 "$KIT/agent.yaml" "$PREFIX/etc/"
-for public in @ca_cert @client_cert; do
+for public in @ca_cert @client_cert @doctor_cert; do
     if [ -f "$KIT/$public" ]; then install -m 0644 "$KIT/$public" "$PREFIX/etc/"; fi
 done
-for secret in @password @client_key @signing_key; do
+for secret in @password @client_key @signing_key @doctor_password @doctor_key; do
     if [ -f "$KIT/$secret" ]; then install -m 0600 "$KIT/$secret" "$PREFIX/etc/"; fi
 done
 
@@ -175,7 +175,7 @@ id @user >/dev/null 2>&1 || \
 # The unit's StateDirectory= makes it too, but doctor and a hand-started agent run before that.
 install -d -m 0750 "$STATE_DIR"
 chown @{user}:@user "$STATE_DIR"
-for secret in @password @client_key @signing_key; do
+for secret in @password @client_key @signing_key @doctor_password @doctor_key; do
     if [ -f "$PREFIX/etc/$secret" ]; then chown @{user}:@user "$PREFIX/etc/$secret"; fi
 done
 if [ -d "$UNIT_DIR" ]; then install -m 0644 "$KIT/@unit" "$UNIT_DIR/@unit"; fi

@@ -32,6 +32,8 @@ def _config(kits, root: Path, name: str, **broker: str) -> Path:
     for key in ("ca_file", "cert_file", "key_file"):
         raw["broker"][key] = str(folder / Path(raw["broker"][key]).name)
     raw["broker"]["password"] = f"file:{folder / 'password'}"
+    doctor = {"password": f"file:{folder / 'doctor.password'}", "cert_file": str(folder / "doctor.pem")}
+    raw["broker"]["doctor"] = doctor | {"key_file": str(folder / "doctor.key")}
     raw["broker"] |= broker
     raw["state_dir"] = str(root / "state-a")
     path = root / f"{name}.yaml"

@@ -152,6 +152,10 @@ def test_a_laptop_gets_the_pinned_cpu_torch_its_deps_the_agent_and_a_service(kit
     assert ["fedfleet:fedfleet", str(state)] in result.of("chown")
     assert ["fedfleet:fedfleet", str(device.path("/opt/fedfleet/etc/password"))] in result.of("chown")
     assert device.path("/opt/fedfleet/etc/password").stat().st_mode & 0o777 == 0o600
+    for secret in ("doctor.password", "doctor.key"):  # doctor's read-only login, named by agent.yaml's broker.doctor
+        assert ["fedfleet:fedfleet", str(device.path(f"/opt/fedfleet/etc/{secret}"))] in result.of("chown")
+        assert device.path(f"/opt/fedfleet/etc/{secret}").stat().st_mode & 0o777 == 0o600
+    assert device.path("/opt/fedfleet/etc/doctor.pem").stat().st_mode & 0o777 == 0o644
     assert device.path("/opt/fedfleet/etc/agent.yaml").stat().st_mode & 0o777 == 0o644
     assert (device.path("/etc/systemd/system") / UNIT).read_text() == (device.kit / UNIT).read_text()
     assert result.of("systemctl") == [["daemon-reload"]]

@@ -9,6 +9,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import yaml
 from cryptography import x509
 
 from coordinator.cli.app import main
@@ -59,6 +60,10 @@ def test_kit_files_have_the_right_modes_and_no_secret_is_printed(
         assert _mode(kits / participant / "password") == 0o600
         assert _mode(kits / participant / "client.key") == 0o600
         assert _mode(kits / participant / "client.pem") == 0o644
+        if participant != "coordinator":  # the device's read-only doctor login: a secret like its own
+            doctor = (kits / participant / "doctor.password").read_text().strip()
+            assert doctor not in printed and doctor not in (kits / participant / "agent.yaml").read_text()
+            assert _mode(kits / participant / "doctor.password") == _mode(kits / participant / "doctor.key") == 0o600
     assert _mode(kits / "ca" / "ca.key") == 0o600 and _mode(kits / "ca") == 0o700
     assert _mode(kits / "broker" / "server.key") == 0o600 and _mode(kits / "broker" / "passwd") == 0o600
     assert _mode(kits / "a" / "install.sh") == 0o755
@@ -78,11 +83,19 @@ def test_provisioning_again_keeps_every_secret_and_rotation_replaces_only_one(tm
     kits = provision_into(fleet, tmp_path)
 
     def snapshot() -> dict[str, bytes]:
-        return {
-            f"{p}/{f}": (kits.participant(p) / f).read_bytes()
-            for p in ("coordinator", "a", "b", "c")
-            for f in ("password", "client.pem", "client.key")
-        } | {"ca": (kits.ca / "ca.key").read_bytes(), "server": (kits.broker / "server.pem").read_bytes()}
+        return (
+            {
+                f"{p}/{f}": (kits.participant(p) / f).read_bytes()
+                for p in ("coordinator", "a", "b", "c")
+                for f in ("password", "client.pem", "client.key")
+            }
+            | {
+                f"{p}/{f}": (kits.participant(p) / f).read_bytes()
+                for p in ("a", "b", "c")
+                for f in ("doctor.password", "doctor.pem", "doctor.key")
+            }
+            | {"ca": (kits.ca / "ca.key").read_bytes(), "server": (kits.broker / "server.pem").read_bytes()}
+        )
 
     first = snapshot()
     provision_into(fleet, tmp_path)
@@ -91,9 +104,13 @@ def test_provisioning_again_keeps_every_secret_and_rotation_replaces_only_one(tm
     provision_into(fleet, tmp_path, rotate=("b",))
     after = snapshot()
     changed = {name for name in first if first[name] != after[name]}
-    assert changed == {"b/password", "b/client.pem", "b/client.key"}
+    assert changed == {f"b/{name}" for name in ("password", "client.pem", "client.key")} | {
+        f"b/doctor.{suffix}" for suffix in ("password", "pem", "key")
+    }
     crl = x509.load_pem_x509_crl((kits.broker / "crl.pem").read_bytes())
     assert crl.get_revoked_certificate_by_serial_number(old_b.serial_number) is not None
+    old_doctor = x509.load_pem_x509_certificate(first["b/doctor.pem"])
+    assert crl.get_revoked_certificate_by_serial_number(old_doctor.serial_number) is not None
     assert sorted(server_names(kits.broker / "server.pem")) == ["127.0.0.1", "localhost"]
 
 
@@ -102,6 +119,12 @@ def test_each_certificate_is_named_after_its_login_and_a_departed_device_is_revo
     kits = provision_into(fleet, tmp_path)
     for participant in ("coordinator", "a", "b", "c"):
         assert common_name(kits.participant(participant) / "client.pem") == participant  # the broker's user name
+    for device in ("a", "b", "c"):  # the read-only doctor login: its own certificate, password line and ACL
+        assert common_name(kits.participant(device) / "doctor.pem") == f"doctor@{device}"
+        assert f"doctor@{device}:$7$" in (kits.broker / "passwd").read_text()
+        acl = (kits.broker / "acl").read_text()
+        assert f"user doctor@{device}\ntopic read fedfleet/kitfleet/dev/{device}/up/status\n" in acl
+        assert f"topic deny fedfleet/kitfleet/dev/doctor@{device}/#" in acl
     assert "use_identity_as_username true" in (kits.broker / "mosquitto.conf").read_text().splitlines()
     # a certificate of another login in a's kit (copied by hand) is replaced, but b's own stays valid
     stray = kits.participant("b") / "client.pem"
@@ -109,10 +132,12 @@ def test_each_certificate_is_named_after_its_login_and_a_departed_device_is_revo
     provision_into(fleet, tmp_path)
     assert common_name(kits.participant("a") / "client.pem") == "a"
     c = x509.load_pem_x509_certificate((kits.participant("c") / "client.pem").read_bytes())
+    c_doctor = x509.load_pem_x509_certificate((kits.participant("c") / "doctor.pem").read_bytes())
     provision_into(fleet.model_copy(update={"devices": fleet.devices[:2]}), tmp_path)  # c leaves the fleet
     crl = x509.load_pem_x509_crl((kits.broker / "crl.pem").read_bytes())
     assert crl.get_revoked_certificate_by_serial_number(c.serial_number) is not None
-    assert "c:" not in (kits.broker / "passwd").read_text()
+    assert crl.get_revoked_certificate_by_serial_number(c_doctor.serial_number) is not None
+    assert "c:" not in (kits.broker / "passwd").read_text() and "doctor@c" not in (kits.broker / "acl").read_text()
     b = x509.load_pem_x509_certificate(stray.read_bytes())
     assert crl.get_revoked_certificate_by_serial_number(b.serial_number) is None
 
@@ -153,3 +178,8 @@ def test_an_external_broker_fleet_gets_kits_without_certificates(tmp_path: Path)
     kit = tmp_path / "kits" / "a"
     assert (kit / "password").exists() and not (kit / "client.pem").exists()
     assert "url: mqtt://broker.example:1883" in (kit / "agent.yaml").read_text()
+    # its logins are not ours to make: no doctor login (doctor says it cannot ask that broker)
+    assert (
+        not (kit / "doctor.password").exists()
+        and "doctor" not in yaml.safe_load((kit / "agent.yaml").read_text())["broker"]
+    )

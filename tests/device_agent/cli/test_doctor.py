@@ -13,15 +13,22 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
+import paho.mqtt.client as mqtt
 import pytest
 import torch
 import yaml
+from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
 from device_agent.agent.config import load_kit
 from device_agent.agent.lock import hold
+from device_agent.cli import doctor
 from device_agent.cli.app import main
 from device_agent.cli.doctor import TORCH_CPU_INDEX, AgentConfig, check_cpu, check_torch
+from device_agent.wire.messages import Status, encode
+from device_agent.wire.session import BrokerAddress
+from device_agent.wire.topics import DeviceTopics
 from tests.coordinator.provision.kit_fixtures import kit_broker, make_fleet, provision_into
 from tests.paths import REPO_ROOT
 
@@ -49,6 +56,9 @@ def test_load_kit_takes_the_kits_files_and_state_not_the_install_paths(kit: Path
     assert config.broker.ca_file == str(kit / "ca.pem")
     assert (config.broker.cert_file, config.broker.key_file) == (str(kit / "client.pem"), str(kit / "client.key"))
     assert config.broker.password == f"file:{kit / 'password'}"
+    doctor = config.broker.doctor  # the read-only login doctor asks the broker with, from the kit too
+    assert doctor is not None and doctor.password == f"file:{kit / 'doctor.password'}"
+    assert (doctor.cert_file, doctor.key_file) == (str(kit / "doctor.pem"), str(kit / "doctor.key"))
     assert config.state_dir == kit / "state"
     assert load_kit(kit, {"state_dir": "/elsewhere"}).state_dir == Path("/elsewhere")  # flags still win
 
@@ -172,3 +182,90 @@ def test_doctor_on_another_copy_of_the_kit_leaves_the_online_agent_alone(
         agent.wait(30)
     code, out = _doctor(capsys, "--kit", str(second))
     assert code == 0 and "PASS  login accepted" in out, out
+
+
+@pytest.mark.slow
+def test_doctor_asks_the_broker_and_leaves_an_agent_on_another_machine_alone(
+    kit: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent runs "on another machine": this machine's claim cannot see it (patched to see nothing, as
+    there), so only the broker knows. Doctor asks it with the kit's read-only login doctor@a, reads a's
+    retained status, and does not log in as a: the agent keeps its session, the broker still says online."""
+    monkeypatch.setattr(doctor, "device_running_here", lambda key: False)
+    first, second = _copy(kit, tmp_path / "first"), _copy(kit, tmp_path / "second")
+    log = tmp_path / "agent.log"
+    with open(log, "wb") as out:
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "device_agent", "run", "--kit", str(first), "--log-level", "INFO"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        )
+    online = "PASS  online elsewhere       yes: the broker says a's agent is online ("
+    try:
+        _wait_for(log, "connected to mqtts://localhost", agent)
+        for _ in range(2):  # the second asking still finds the agent online: the first one took nothing over
+            code, out = _doctor(capsys, "--kit", str(second))
+            assert code == 0, out
+            assert online in out, out
+            assert "SKIP  login accepted         skipped: the broker says a's agent is online" in out
+            assert "may write own topics" not in out
+        time.sleep(1.5)  # a takeover shows at once in the agent's log; a session reconnects after ~1 s
+        assert "disconnected from" not in log.read_text()
+    finally:
+        agent.send_signal(signal.SIGINT)
+        agent.wait(30)
+    code, out = _doctor(capsys, "--kit", str(second))
+    assert code == 0, out
+    assert "PASS  online elsewhere       no: the broker's last status of a is offline (stopped)" in out
+    assert "PASS  login accepted" in out
+
+
+def _client(address: BrokerAddress) -> mqtt.Client:
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=address.username, protocol=MQTTProtocolVersion.MQTTv5)
+    client.username_pw_set(address.username, address.password)
+    client.tls_set(address.ca_file, address.cert_file, address.key_file)
+    client.connect(address.host, address.port)
+    client.loop_start()
+    return client
+
+
+def _kit_address(folder: Path, user: str, prefix: str = "") -> BrokerAddress:
+    """``user``'s login from the kit files ``prefix``password, ``prefix``pem and ``prefix``key (doctor's: doctor.)."""
+    config = load_kit(folder)
+    password = (folder / (f"{prefix}password" if prefix else "password")).read_text().strip()
+    cert = folder / (f"{prefix}pem" if prefix else "client.pem")
+    key = folder / (f"{prefix}key" if prefix else "client.key")
+    port = urlsplit(config.broker.url).port or 8883
+    return BrokerAddress("localhost", port, user, password, True, config.broker.ca_file, str(cert), str(key))
+
+
+def test_the_doctor_login_reads_its_devices_status_and_nothing_else(kit: Path) -> None:
+    """doctor@a on the real broker: of the fleet's retained messages it receives a's status alone, and
+    every publish (a's status, the subtree the device patterns would give its own name) is refused."""
+    assert load_kit(kit).broker.doctor.cert_file == str(kit / "doctor.pem")
+    for device in ("a", "b"):  # each device leaves a retained status, as its agent does
+        client = _client(_kit_address(kit.parent / device, device))
+        status = encode(Status(device=device, state="offline", detail="test"))
+        client.publish(DeviceTopics("kitfleet", device).status, status, qos=1, retain=True).wait_for_publish(10)
+        client.disconnect()
+        client.loop_stop()
+    received: list[str] = []
+    acks: dict[int, object] = {}
+    client = _client(_kit_address(kit, "doctor@a", "doctor."))
+    client.on_message = lambda _c, _u, message: received.append(message.topic)
+    client.on_publish = lambda _c, _u, mid, reason, _p: acks.__setitem__(mid, reason)
+    try:
+        client.subscribe("fedfleet/kitfleet/#", qos=1)
+        own_subtree = "fedfleet/kitfleet/dev/doctor@a/up/status"  # the device patterns alone would grant it this
+        mids = [
+            client.publish(topic, b"{}", qos=1).mid for topic in (DeviceTopics("kitfleet", "a").status, own_subtree)
+        ]
+        deadline = time.monotonic() + 10
+        while len(acks) < len(mids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        client.disconnect()
+        client.loop_stop()
+    assert received == ["fedfleet/kitfleet/dev/a/up/status"]  # a's retained status; not b's, not its own writes
+    assert [acks[mid].is_failure for mid in mids] == [True, True], acks
