@@ -13,6 +13,8 @@ from coordinator.rounds.engine import RoundEngine
 from coordinator.strategies import STRATEGIES
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import load_dataset
+from device_agent.layers.hybrid import hybrid
+from device_agent.models import build_model
 
 
 @pytest.mark.slow
@@ -55,7 +57,7 @@ def test_all_scenarios_skip_the_fine_tuning_strategies_with_a_note(monkeypatch, 
     assert compare.main(["--scenario", "all", "--rounds", "1", "--seeds", "1", "--json"]) == 0
 
     fine_tuning = {"ft", "lora_homogeneous", "fedlora", "hetlora", "flora"}
-    assert ran == set(STRATEGIES) - fine_tuning
+    assert ran == set(STRATEGIES) - fine_tuning | {"simfed_paper"}  # SimFed at its paper's settings too
     out = capsys.readouterr()
     assert set(json.loads(out.out)["domains/2-domains"]) == ran
     note, *progress = out.err.splitlines()  # then one progress line per cell
@@ -120,7 +122,8 @@ def test_claims_are_judged_on_paired_seed_differences_with_a_confidence_interval
     assert lines[1].startswith("TIE hetero-devices/dirichlet-0.5: FedHM >= FedRolex, global")
     assert lines[2].startswith("FAIL permuted-labels/iid: Factorized-FL >= FedAvg, personalized with <= 1/10")
     assert lines[2].endswith("upload ratio 0.200)")
-    assert lines[3].startswith("FAIL permuted-labels/iid: SimFed >= FedAvg, personalized") and len(lines) == 4
+    assert lines[3].startswith("FAIL permuted-labels/iid: SimFed (fedfleet's defaults) >= FedAvg, personalized")
+    assert len(lines) == 4
     first = checks[0]
     assert first["difference"] == pytest.approx(0.02) and first["interval"][0] > 0
     assert "95% CI" in first["detail"] and "over 5 seeds" in first["detail"]
@@ -161,3 +164,13 @@ def test_cells_run_in_worker_processes_give_the_same_results() -> None:
         for setting, rows in alone.items()
     }
     assert set(pooled) == {"domains/2-domains"} and set(pooled["domains/2-domains"]) == {"fedavg", "fedhm"}
+
+
+@pytest.mark.parametrize("arch", ["cnn", "cnn28"])
+def test_a_matched_width_never_has_fewer_parameters_than_fedhm_at_its_ratio(arch: str) -> None:
+    for gamma in compare.RANKS:
+        width = compare.matched_width(gamma, 10, 1, arch)
+        with torch.device("meta"):
+            fedhm = compare.trainable_params(hybrid(arch, gamma, 10, 1))
+            dense = compare.trainable_params(build_model(arch, 10, 1, width=width))
+        assert fedhm <= dense <= 1.05 * fedhm or width == 1.0, (gamma, width, fedhm, dense)

@@ -51,7 +51,8 @@ def test_the_bed_pretrains_its_base_once_then_runs_every_cell_from_the_cache(tmp
 
     assert [p.name for p in tmp_path.glob("*.safetensors")] == [fedlora.base_file(TINY, tmp_path).name]
     assert set(first[SETTING]) == {"ft", "fedlora"}
-    assert set(first["ft_lr_sweep_seed0"]) == {f"{lr:g}" for lr in fedlora.FT_LRS}
+    sweep = first["ft_lr_sweep"]  # tuned on a seed no cell is evaluated on
+    assert set(sweep) == {"seed", *(f"{lr:g}" for lr in fedlora.FT_LRS)} and sweep["seed"] == fedlora.TUNING_SEED
     assert 0.0 <= first["probe_accuracy"] <= 1.0 and first["pixel_probe_accuracy"] > 0.5
     assert first["checks"]["base_transfers"] == (first["probe_accuracy"] >= fedlora.PROBE_BAR)
     ft, lora = (first[SETTING][e] for e in ("ft", "fedlora"))
