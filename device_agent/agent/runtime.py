@@ -54,7 +54,7 @@ from device_agent.data.datasets import DatasetError, check_source, load_dataset
 from device_agent.data.partition import capped, client_shard
 from device_agent.training.driver import RoundFailure, run_assignment
 from device_agent.training.local_round import TrainedRound
-from device_agent.training.progress import TrainingProgress
+from device_agent.training.progress import Pace, TrainingProgress
 from device_agent.wire.messages import (
     INCOMPATIBLE,
     Assignment,
@@ -168,6 +168,7 @@ class Agent:
         self._assignments: dict[str, Assignment] = {}
         self._payloads: dict[str, bytes] = {}
         self._done: set[tuple[str, int]] = set()
+        self._pace = Pace()
         self._sent: dict[tuple[str, int], SentUpdate] = {}
         self._state = "idle"
         self._said = 0.0
@@ -301,7 +302,7 @@ class Agent:
             del self._payloads[other]
         share = "its whole data share" if self.data.samples is None else f"at most {self.data.samples} samples"
         log.info(
-            "%s: round %d: training at level %g on %s, %d epoch(s) of batch %d, deadline %.0f s",
+            "%s: round %d: training at level %g on %s, %d epoch(s) of batch %d, deadline %.0f s, %s",
             self.config.device,
             assignment.round,
             assignment.spec.level,
@@ -309,6 +310,7 @@ class Agent:
             assignment.train.epochs,
             assignment.train.batch_size,
             assignment.deadline_s,
+            self._pace.expect(assignment.spec.level, assignment.train.epochs, assignment.deadline_s),
         )
         self._set_state("training", f"round {assignment.round} at level {assignment.spec.level:g}")
         # The payload goes to run_assignment as its only reference, which frees it once decoded.
@@ -329,6 +331,7 @@ class Agent:
         """Put the trained update in the outbox, where it survives until the coordinator's receipt."""
         result, local_accuracy = trained.result, trained.local_accuracy
         seconds = result.seconds + self.hooks.after_training()
+        self._pace.record(assignment.spec.level, assignment.train.epochs, seconds)
         held = self.hooks.held_seconds()
         host = max(0.0, seconds - held) if self.config.emulation is not None else None
         meta = upload_meta(result.samples, seconds, result.mean_loss, local_accuracy, host, trained.received)

@@ -12,6 +12,29 @@ PROGRESS_INTERVAL_S = 10.0
 """Seconds between two progress lines of one round (none for a round shorter than this)."""
 
 
+class Pace:
+    """Seconds one local epoch took at each level on this device, to predict a round before it starts.
+
+    A device's share is the same every round, so the last round at a level is the best guess for the next
+    (the first round at a level has none: its progress lines give the time left once it runs).
+    """
+
+    def __init__(self) -> None:
+        self._epoch_s: dict[float, float] = {}
+
+    def record(self, level: float, epochs: int, seconds: float) -> None:
+        self._epoch_s[level] = seconds / max(epochs, 1)
+
+    def expect(self, level: float, epochs: int, deadline_s: float) -> str:
+        """Words for the round-start line: the expected time, and whether it misses the deadline."""
+        epoch_s = self._epoch_s.get(level)
+        if epoch_s is None:
+            return "no time expected yet (first round at this level)"
+        expected = epoch_s * epochs
+        late = " (past the round's deadline)" if expected > deadline_s else ""
+        return f"expected about {expected:.0f} s at the last round's pace{late}"
+
+
 class TrainingProgress:
     """Called after each training step with (steps done, steps in the round); logs at most every ``interval`` s.
 

@@ -127,6 +127,8 @@ def test_provision_run_stop_resume_export_and_infer_without_torch(operator_home:
             text = log.read_text()
             assert f"{device}: round 1: training at level {levels[device]:g} on at most {SAMPLES} samples" in text
             assert f"{device}: round {ROUNDS} trained on {SAMPLES} samples" in text, text[-3000:]
+            last_start = next(line for line in text.splitlines() if f"{device}: round {ROUNDS}: training at" in line)
+            assert "s at the last round's pace" in last_start, last_start  # the time it expects, from round 1
     finally:
         for process in processes:
             if process.poll() is None:

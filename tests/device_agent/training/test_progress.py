@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from device_agent.training.progress import TrainingProgress
+from device_agent.training.progress import Pace, TrainingProgress
 
 
 class Clock:
@@ -39,3 +39,14 @@ def test_a_round_that_will_miss_its_deadline_says_so(caplog: pytest.LogCaptureFi
     clock.now += 12
     progress(3, 12)
     assert caplog.records[-1].getMessage().endswith("about 36 s left (past the round's deadline)")
+
+
+def test_a_round_is_expected_at_the_last_rounds_pace_at_its_level() -> None:
+    pace = Pace()
+    assert pace.expect(0.5, 1, deadline_s=60) == "no time expected yet (first round at this level)"
+    pace.record(0.5, epochs=2, seconds=40)  # 20 s an epoch at level 0.5
+    assert pace.expect(0.5, 1, deadline_s=60) == "expected about 20 s at the last round's pace"
+    assert (
+        pace.expect(0.5, 4, deadline_s=60) == "expected about 80 s at the last round's pace (past the round's deadline)"
+    )
+    assert pace.expect(1.0, 1, deadline_s=60) == "no time expected yet (first round at this level)"
