@@ -198,7 +198,7 @@ def ask_broker_online(config: AgentConfig, address: BrokerAddress, timeout: floa
     login = doctor_login(config.device)
     if doctor is None:
         return Check(
-            "online elsewhere",
+            "agent online",
             True,
             f"unknown: agent.yaml has no broker.doctor login ({login}) to ask the broker with",
             "an agent of this device online on another machine would lose its session to doctor's login check: "
@@ -208,7 +208,7 @@ def ask_broker_online(config: AgentConfig, address: BrokerAddress, timeout: floa
     try:
         password = doctor.resolve_password()
     except ConfigError as exc:
-        return Check("online elsewhere", False, str(exc), "run doctor as the agent's user (sudo) or fix the path"), None
+        return Check("agent online", False, str(exc), "run doctor as the agent's user (sudo) or fix the path"), None
     status_topic = DeviceTopics(config.fleet, config.device).status
     asking = replace(address, username=login, password=password, cert_file=doctor.cert_file, key_file=doctor.key_file)
     events: dict[str, object] = {}
@@ -241,35 +241,35 @@ def ask_broker_online(config: AgentConfig, address: BrokerAddress, timeout: floa
     try:
         client.connect(asking.host, asking.port, keepalive=10)
     except (OSError, ssl.SSLError) as exc:
-        return Check("online elsewhere", True, f"{cannot}: {exc}", hint, warn=True), None
+        return Check("agent online", True, f"{cannot}: {exc}", hint, warn=True), None
     client.loop_start()
     try:
         if not connected.wait(timeout) or getattr(events["connect"], "is_failure", True):
             why = f"{cannot}: {events.get('connect', 'no answer')}"
-            return Check("online elsewhere", True, why, hint, warn=True), None
+            return Check("agent online", True, why, hint, warn=True), None
         client.subscribe(status_topic, qos=1)
         if not granted.wait(timeout) or getattr(events["subscribe"], "is_failure", True):
             why = f"{cannot}: reading {status_topic}: {events.get('subscribe', 'no answer')}"
-            return Check("online elsewhere", True, why, hint, warn=True), None
+            return Check("agent online", True, why, hint, warn=True), None
         retained.wait(min(RETAINED_WAIT_S, timeout))
     finally:
         client.disconnect()
         client.loop_stop()
     if "status" not in events:
         never = f"no: the broker holds no status of {config.device} (its agent never connected)"
-        return Check("online elsewhere", True, never), None
+        return Check("agent online", True, never), None
     try:
         status = parse_message(events["status"])  # type: ignore[arg-type]
     except ProtocolError as exc:
         status = exc
     if not isinstance(status, Status):
-        return Check("online elsewhere", True, f"{cannot}: its status is unreadable: {status}", hint, warn=True), None
+        return Check("agent online", True, f"{cannot}: its status is unreadable: {status}", hint, warn=True), None
     state = status.state
     said = state + (f" ({status.detail})" if status.detail else "")
     if state == "offline":
-        return Check("online elsewhere", True, f"no: the broker's last status of {config.device} is {said}"), None
+        return Check("agent online", True, f"no: the broker's last status of {config.device} is {said}"), None
     where = f"the broker says {config.device}'s agent is online ({said}), on this machine or another"
-    return Check("online elsewhere", True, f"yes: {where}"), where
+    return Check("agent online", True, f"yes: {where}"), where
 
 
 def check_cpu() -> Check:

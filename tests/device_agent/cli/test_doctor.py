@@ -201,7 +201,7 @@ def test_doctor_asks_the_broker_and_leaves_an_agent_on_another_machine_alone(
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
         )
-    online = "PASS  online elsewhere       yes: the broker says a's agent is online ("
+    online = "PASS  agent online           yes: the broker says a's agent is online ("
     try:
         _wait_for(log, "connected to mqtts://localhost", agent)
         for _ in range(2):  # the second asking still finds the agent online: the first one took nothing over
@@ -217,7 +217,7 @@ def test_doctor_asks_the_broker_and_leaves_an_agent_on_another_machine_alone(
         agent.wait(30)
     code, out = _doctor(capsys, "--kit", str(second))
     assert code == 0, out
-    assert "PASS  online elsewhere       no: the broker's last status of a is offline (stopped)" in out
+    assert "PASS  agent online           no: the broker's last status of a is offline (stopped)" in out
     assert "PASS  login accepted" in out
 
 
