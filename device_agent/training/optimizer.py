@@ -126,7 +126,7 @@ def train_local(
 
     ``step``, if given, makes a context that wraps every optimizer step (an emulated device's throttle);
     ``run`` runs each step's body inside it (forward, backward, update) and returns the step's loss;
-    ``progress`` is told (steps done, steps in all) after each step.
+    ``progress`` is told (steps done, steps in all) before the first step and after each.
     """
     x, y = as_tensors(data)
     model = program.model.to(device)
@@ -152,6 +152,8 @@ def train_local(
     steps, loss_sum = 0, 0.0
     total = config.epochs * math.ceil(len(y) / config.batch_size)
     start = time.perf_counter()
+    if progress is not None:
+        progress(0, total)
     model.train()
     with _scaled_convolutions(model, program.train_scale()):
         for _ in range(config.epochs):

@@ -36,7 +36,8 @@ class Pace:
 
 
 class TrainingProgress:
-    """Called after each training step with (steps done, steps in the round); logs at most every ``interval`` s.
+    """Called with (steps done, steps in the round) before the first training step (0 done) and after each;
+    logs at most every ``interval`` s.
 
     Each line gives the steps done, the time so far and the time left at the pace so far, so an operator
     sees how far a long round is and whether it will make its deadline.
@@ -62,6 +63,9 @@ class TrainingProgress:
 
     def __call__(self, done: int, total: int) -> None:
         now = self.clock()
+        if done == 0:  # training starts now: the pace leaves out decoding, data loading and evaluation before it
+            self.start, self.next_line = now, now + self.interval
+            return
         if now < self.next_line or done >= total:
             return
         self.next_line = now + self.interval

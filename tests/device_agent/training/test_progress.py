@@ -50,3 +50,17 @@ def test_a_round_is_expected_at_the_last_rounds_pace_at_its_level() -> None:
         pace.expect(0.5, 4, deadline_s=60) == "expected about 80 s at the last round's pace (past the round's deadline)"
     )
     assert pace.expect(1.0, 1, deadline_s=60) == "no time expected yet (first round at this level)"
+
+
+def test_the_pace_counts_from_the_first_step_not_from_the_round_start(caplog: pytest.LogCaptureFixture) -> None:
+    """Decoding, data loading and the evaluation of the received model come before training: not in its pace."""
+    clock = Clock()
+    progress = TrainingProgress("pi4-01", 1, deadline_s=60, interval=10, clock=clock)
+    caplog.set_level(logging.INFO, "fedfleet.agent")
+    clock.now += 30  # 30 s before the first step
+    progress(0, 20)
+    for done in range(1, 21):  # 20 steps of 1 s each
+        clock.now += 1
+        progress(done, 20)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["pi4-01: round 1: 10/20 steps (50 %) in 10 s, about 10 s left"]

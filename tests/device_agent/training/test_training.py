@@ -80,9 +80,9 @@ def test_the_step_hook_wraps_every_optimizer_step_so_a_throttle_paces_each_one()
     assert throttle.busy_seconds > 0 and sum(naps) > 0
 
 
-def test_train_local_tells_progress_of_every_step_of_every_epoch():
+def test_train_local_tells_progress_its_start_and_every_step_of_every_epoch():
     program = Linear(SPEC, {})
     x, y = torch.randn(10, 1, 2, 2), torch.tensor([0, 2] * 5)
     heard: list[tuple[int, int]] = []
     result = train_local(program, (x, y), TrainConfig(epochs=2, batch_size=4), progress=lambda *p: heard.append(p))
-    assert heard == [(step, 6) for step in range(1, 7)] and result.steps == 6
+    assert heard == [(step, 6) for step in range(0, 7)] and result.steps == 6
