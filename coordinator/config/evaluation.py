@@ -20,7 +20,8 @@ class EvaluationSettings(BaseModel):
     max_samples: PositiveInt | None = Field(
         None,
         description="evaluate on at most this many test images, one seeded draw (dataset.seed) kept for the whole "
-        "run so rounds stay comparable; default all (resnet9 on 10,000 CIFAR images took 110 s a round on a CPU)",
+        "run so rounds stay comparable; default all (resnet9 on 10,000 CIFAR images took 110 s a round on a CPU); "
+        "each device's evaluation of its test share too (its kit's data.test_samples)",
     )
 
 

@@ -142,6 +142,7 @@ def write_agent_specs(
             len(fleet.devices),
             None if dataset.path is None else str(dataset.path),
             fleet.sized_samples(device),
+            fleet.evaluation.max_samples,
         )
         kit = None if kits is None else (kits / device.id).resolve()
         variable = password_env(index if packed else None)

@@ -111,13 +111,16 @@ def agent_yaml(
         broker["doctor"] = login
     samples = fleet.sized_samples(device)  # what the planner sized this device at: the agent trains on as many
     if dataset.name in BUILT_IN and dataset.path is None:
-        share = DataShare(dataset.name, dataset.partition.text, dataset.seed, index, len(fleet.devices), None, samples)
+        count, tests = len(fleet.devices), fleet.evaluation.max_samples
+        share = DataShare(dataset.name, dataset.partition.text, dataset.seed, index, count, None, samples, tests)
         data, note = share.as_config(), "built-in demo data: this device takes share `index` of `count`"
     else:
         path = dataset.path or layout.state_dir / "data"
         data = {"dataset": dataset.name, "path": str(path), "partition": "iid"}
         if samples is not None:
             data["samples"] = samples
+        if fleet.evaluation.max_samples is not None:
+            data["test_samples"] = fleet.evaluation.max_samples
         note = f"PUT THIS DEVICE'S {dataset.name} DATA AT data.path (readable by user {SERVICE_USER}) and edit the path"
     settings = {
         "device": device.id,

@@ -142,6 +142,9 @@ class DataConfig(_Section):
     count: int | None = Field(default=None, ge=1)
     samples: int | None = Field(default=None, ge=1)
     """Train on at most this many samples of the share, drawn once with ``seed`` (an emulated device's size)."""
+    test_samples: int | None = Field(default=None, ge=1)
+    """Evaluate on at most this many test samples of the share, drawn once with ``seed`` (fleet.yaml's
+    ``evaluation.max_samples``: the device's evaluation before and after training costs as much as asked)."""
 
     @field_validator("partition")
     @classmethod

@@ -134,7 +134,9 @@ class LocalData:
                 test = client_shard(data.test_x, data.test_y, spec, index, data.num_classes)
             if len(train[1]) == 0:
                 raise DatasetError(f"data share {self._config.index} of {self._config.count} is empty")
-            self._cache[key] = (capped(train, self._config.samples, self._config.seed), test)
+            seed = self._config.seed
+            train, test = capped(train, self._config.samples, seed), capped(test, self._config.test_samples, seed)
+            self._cache[key] = (train, test)
         return self._cache[key]
 
 

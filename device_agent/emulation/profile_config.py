@@ -108,6 +108,8 @@ class DataShare:
     path: str | None = None
     samples: int | None = None
     """At most this many training samples of the shard (fleet.yaml's samples_per_device or overrides.samples)."""
+    test_samples: int | None = None
+    """At most this many test samples of the shard (fleet.yaml's evaluation.max_samples)."""
 
     def as_config(self) -> dict[str, Any]:
         config = {
@@ -118,7 +120,8 @@ class DataShare:
             "index": self.index,
             "count": self.count,
         }
-        return config if self.samples is None else {**config, "samples": self.samples}
+        sizes = {"samples": self.samples, "test_samples": self.test_samples}
+        return config | {key: value for key, value in sizes.items() if value is not None}
 
 
 def shipped_profile_dir() -> Path | None:

@@ -137,6 +137,20 @@ def test_an_agent_trains_on_as_many_samples_as_the_fleet_sizes_its_device(tmp_pa
     assert torch.equal(again[1], y)  # the same draw every time the agent starts
 
 
+def test_an_agent_evaluates_on_as_many_test_samples_as_the_fleet_evaluates_on(tmp_path: Path) -> None:
+    """evaluation.max_samples caps each device's test share as it caps the server's: one seeded draw."""
+    path = _fleet_file(tmp_path, "iid")
+    path.write_text(path.read_text().replace("devices:", "evaluation: {max_samples: 30}\ndevices:"))
+    fleet, catalog = load_fleet(path)
+    specs = write_agent_specs(fleet, catalog, tmp_path / "run", "mqtt://127.0.0.1:18999", _passwords(fleet), 50.0)
+    assert {load_config(spec.config).data.test_samples for spec in specs} == {30}
+    config = load_config(specs[0].config).data
+    (_, train_y), (_, test_y) = LocalData(SimpleNamespace(data=config)).for_model(8, 1, 10)
+    assert len(test_y) == 30 and len(train_y) > 30  # training keeps its whole share
+    again = LocalData(SimpleNamespace(data=config)).for_model(8, 1, 10)[1][1]
+    assert torch.equal(again, test_y)
+
+
 def test_a_device_without_a_profile_cannot_be_emulated(tmp_path: Path) -> None:
     path = _fleet_file(tmp_path, extra_device="  - {id: mystery, profile: reported}\n")
     fleet, catalog = load_fleet(path)

@@ -80,5 +80,9 @@ def test_a_kit_trains_on_the_samples_the_planner_sized_its_device_at(tmp_path: P
     pi, orin = (AgentConfig.model_validate(yaml.safe_load(agent_yaml(fleet, i, LAYOUT, tls=True))) for i in (0, 1))
     assert pi.data.samples == orin.data.samples == fleet.samples_for(fleet.devices[0]) == 2000
     assert (pi.data.index, pi.data.count) == (0, 2)
+    assert pi.data.test_samples is None  # no evaluation.max_samples: the whole test share
     unsized = _fleet(tmp_path, "dataset: {name: cifar10, path: /data/cifar}\n")
     assert "samples" not in yaml.safe_load(agent_yaml(unsized, 0, LAYOUT, tls=True))["data"]
+    for data in ("{name: fashion_mnist}", "{name: cifar10, path: /data/cifar}"):  # built in, and the device's own
+        evaluated = _fleet(tmp_path, f"dataset: {data}\nevaluation: {{max_samples: 300}}\n")
+        assert yaml.safe_load(agent_yaml(evaluated, 0, LAYOUT, tls=True))["data"]["test_samples"] == 300
