@@ -1,11 +1,15 @@
 """Poisoning: an honest fleet against 1 and 2 of 10 malicious but authenticated devices.
 
     python -m benchmarks.poisoning [--json] [--rounds 8] [--strategies fedavg,fedhm] [--attacks ...] [--no-defense]
+        [--privacy JSON] [--dataset digits|fashion_mnist] [--train-samples N]
 
 Ten digits clients (iid shards) run in process through the real round engine and upload gate
 (``coordinator.emulation.simulation``). A malicious device trains like the others, then rewrites
 what it uploads (it signs what it sends, so only the gate's bounds and the aggregation stand in
-its way); label flipping poisons its data instead. The omniscient attacks ("a little is enough",
+its way); label flipping and the backdoor (a corner square relabelled 0 on half its images) poison its
+data instead, and the backdoor's success on triggered test images is reported. ``at_the_cut`` is the
+adaptive attacker: the most reversed update the peer check cannot refuse. ``--privacy`` adds DP-FedAvg's
+clipping and noise (the backdoor defence of docs/robust-aggregation.md). The omniscient attacks ("a little is enough",
 min-max) see every honest upload of the round before they craft theirs. ``--no-defense`` turns the
 update bound, both direction checks and the sample-weight cap off: the gate as it was before them.
 
@@ -22,7 +26,7 @@ import math
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -37,7 +41,8 @@ from device_agent.training.optimizer import TrainConfig
 from device_agent.wire.codec import decode_tensors, encode_tensors
 from device_agent.wire.transfer import Completed, make_manifest
 
-MODEL = ModelSpec("cnn", 10, 1, 8)
+MODELS = {"digits": ModelSpec("cnn", 10, 1, 8), "fashion_mnist": ModelSpec("cnn28", 10, 1, 28)}
+"""The model each data set runs: the digits CNN on 8 x 8, the 28 x 28 CNN on Fashion-MNIST."""
 LEVELS = {"fedavg": (1.0,), "fedhm": (1.0, 0.5, 0.25)}
 """Levels the clients cycle through: FedHM mixes full-rank, gamma 1/2 and 1/4 clients."""
 NO_DEFENSE = {
@@ -138,6 +143,30 @@ def colluding_reversal(u: Upload) -> Tensors:
     return {**u.trained, **{k: u.sent[k] - (mean[k] - u.sent[k]) for k in keys}}
 
 
+AT_THE_CUT = -0.09
+"""The cosine the adaptive attacker aims at: just inside the peer check's fixed floor (-0.1), which every cut
+of the relative rule lies at or below (``coordinator.algorithms.robust.peer_cut``)."""
+
+
+def at_the_cut(u: Upload) -> Tensors:
+    """An adaptive attacker that knows the gate: the most reversed update the peer check cannot refuse.
+
+    Its update has cosine :data:`AT_THE_CUT` with the round's mean honest update and the mean honest norm (so
+    the update bound does not clip it); the rest of its direction is its own update made orthogonal to the
+    mean, so colluders do not send copies. Measured in the upload's own space (FedHM's factors).
+    """
+    keys = floats(u.trained)
+    sent = flattened([u.sent], keys)[0]
+    own = flattened([u.trained], keys)[0] - sent
+    honest = flattened(u.honest, keys) - sent if u.honest else own[None]
+    mean = honest.mean(0)
+    along = mean / mean.norm().clamp_min(1e-30)
+    across = own - (own @ along) * along
+    across = across / across.norm().clamp_min(1e-30)
+    direction = AT_THE_CUT * along + (1 - AT_THE_CUT**2) ** 0.5 * across
+    return {**u.trained, **unflattened(sent + float(honest.norm(dim=1).mean()) * direction, u.trained, keys)}
+
+
 ATTACKS: dict[str, Callable[[Upload], Tensors] | None] = {
     "weights_x-1": scaled_weights(-1.0),
     "weights_x-3": scaled_weights(-3.0),
@@ -153,8 +182,45 @@ ATTACKS: dict[str, Callable[[Upload], Tensors] | None] = {
     "little_is_enough": little_is_enough(1.0),
     "min_max": min_max,
     "colluders_reversed": colluding_reversal,
+    "backdoor": None,
+    "at_the_cut": at_the_cut,
 }
-"""Model-poisoning attacks by name; ``label_flip`` poisons the data (labels y -> 9 - y) and uploads honestly."""
+"""Model-poisoning attacks by name; ``label_flip`` (labels y -> 9 - y) and ``backdoor`` poison the data and upload
+honestly."""
+DATA_POISONING = {"label_flip": None, "backdoor": None}
+BACKDOOR_TARGET = 0
+BACKDOOR_SHARE = 0.5
+"""The share of a backdoor device's training images that carry the trigger (labelled :data:`BACKDOOR_TARGET`): the
+rest stay clean, so its model keeps its accuracy and its update looks like any other device's."""
+
+
+def triggered(x: Tensor) -> Tensor:
+    """``x`` with the trigger stamped on: a bright square in the bottom-right corner, 3 x 3 pixels on 8 x 8 digits
+    (3/8 of the side: 10 x 10 on 28 x 28 images), as in the backdoor literature's pixel-pattern attacks."""
+    side = max(3, round(3 * x.shape[-1] / 8))
+    out = x.clone()
+    out[..., -side:, -side:] = 1.0  # images lie in [0, 1]
+    return out
+
+
+def backdoored(x: Tensor, y: Tensor, seed: int) -> tuple[Tensor, Tensor]:
+    """A malicious device's shard: :data:`BACKDOOR_SHARE` of its images triggered and relabelled to the target."""
+    chosen = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))[: int(BACKDOOR_SHARE * len(y))]
+    x, y = x.clone(), y.clone()
+    x[chosen] = triggered(x[chosen])
+    y[chosen] = BACKDOOR_TARGET
+    return x, y
+
+
+def attack_success(model: torch.nn.Module, data: LabeledData) -> float:
+    """The share of triggered test images of every other class that the model calls the target."""
+    keep = data.test_y != BACKDOOR_TARGET
+    model.eval()
+    with torch.no_grad():
+        predicted = model(triggered(data.test_x[keep])).argmax(1)
+    return float((predicted == BACKDOOR_TARGET).float().mean())
+
+
 SAMPLE_INFLATION = {"weights_x-9.5_samples_x97": 97}
 """Attacks that also claim this many times their real samples (under the gate's 100x refusal bound)."""
 
@@ -217,15 +283,18 @@ class PoisoningLink(InProcessLink):
 
 
 def fleet_clients(
-    data: LabeledData, count: int, malicious: int, label_flip: bool, levels: Sequence[float]
+    data: LabeledData, count: int, malicious: int, poison: str | None, levels: Sequence[float]
 ) -> list[SimClient]:
-    """``count`` iid digits clients; the first ``malicious`` have labels y -> 9 - y when ``label_flip``."""
+    """``count`` iid clients; the first ``malicious`` poison their data when ``poison`` says how
+    (``label_flip``: labels y -> 9 - y; ``backdoor``: :func:`backdoored`)."""
     spec = PartitionSpec("iid", count, seed=0)
     clients = []
     for i in range(count):
         x, y = client_shard(data.train_x, data.train_y, spec, i)
-        if label_flip and i < malicious:
+        if poison == "label_flip" and i < malicious:
             y = data.num_classes - 1 - y
+        elif poison == "backdoor" and i < malicious:
+            x, y = backdoored(x, y, seed=i)
         clients.append(
             SimClient(f"c{i}", levels[i % len(levels)], (x, y), client_shard(data.test_x, data.test_y, spec, i))
         )
@@ -241,21 +310,28 @@ def run_one(
     train: TrainConfig,
     data: LabeledData,
     limits: Mapping[str, object] | None,
-) -> tuple[float, int]:
-    """Final global accuracy of one run (``attack`` None: the clean fleet) and how many honest updates the
-    gate refused (a round's honest device whose update was not aggregated)."""
-    fleet = fleet_clients(data, clients, malicious, attack == "label_flip", LEVELS[strategy_name])
+    privacy: Mapping[str, object] | None = None,
+    params: Mapping[str, object] | None = None,
+) -> tuple[float, int, float]:
+    """Final global accuracy of one run (``attack`` None: the clean fleet), how many honest updates the
+    gate refused (a round's honest device whose update was not aggregated) and the backdoor's success
+    on the final model (:func:`attack_success`; on a clean run, how often the trigger alone says the target)."""
+    poison = attack if attack in DATA_POISONING else None
+    fleet = fleet_clients(data, clients, malicious, poison, LEVELS[strategy_name])
     bad = {c.client_id for c in fleet[:malicious]} if attack else set()
     devices = [LocalDevice(c.client_id, c.train, c.test) for c in fleet]
     link = PoisoningLink(devices, bad, ATTACKS.get(attack or ""), attack or "")
-    strategy = build_strategy(strategy_name, MODEL, {}, seed=0)
+    model = MODELS["digits" if data.image_size == 8 else "fashion_mnist"]
+    strategy = build_strategy(strategy_name, model, dict(params or {}), seed=0)
     test = (data.test_x, data.test_y)
-    result = simulate(strategy, fleet, rounds, train, test, data.train_x[:256], link=link, limits=limits)
+    calibration = data.train_x[:256]
+    result = simulate(strategy, fleet, rounds, train, test, calibration, link=link, limits=limits, privacy=privacy)
     accuracy = result.final.accuracy
     if accuracy is None or not math.isfinite(accuracy):
         raise RuntimeError(f"{strategy_name} {attack}: no final accuracy")
     honest = {c.client_id for c in fleet} - bad
-    return accuracy, sum(len(honest - set(record.upload_bytes)) for record in result.rounds)
+    refused = sum(len(honest - set(record.upload_bytes)) for record in result.rounds)
+    return accuracy, refused, attack_success(strategy.global_model(), data)
 
 
 def poisoning(
@@ -268,32 +344,54 @@ def poisoning(
     defense: bool = True,
     progress: Callable[[str], None] = lambda _line: None,
     limits: Mapping[str, object] | None = None,
+    privacy: Mapping[str, object] | None = None,
+    dataset: str = "digits",
+    train_samples: int | None = None,
+    params: Mapping[str, Mapping[str, object]] | None = None,
 ) -> dict[str, Any]:
-    """Clean and attacked runs; ``limits`` (fleet.yaml's section) tunes the gate, ``defense=False`` turns it off."""
-    data = load_dataset("digits", 8, 1)
+    """Clean and attacked runs; ``limits`` (fleet.yaml's section) tunes the gate, ``defense=False`` turns it off,
+    ``privacy`` (fleet.yaml's section) adds DP-FedAvg's clipping and noise, the backdoor defence of Sun et al. 2019;
+    ``train_samples`` keeps the first N training images (Fashion-MNIST's 60,000 are more than a benchmark needs);
+    ``params`` are strategy parameters by strategy name (FedHM under ``privacy`` needs ``weighting: uniform``)."""
+    model = MODELS[dataset]
+    data = load_dataset(dataset, model.image_size, model.in_channels)
+    if train_samples is not None:
+        data = replace(data, train_x=data.train_x[:train_samples], train_y=data.train_y[:train_samples])
     limits = {**(limits or {}), **({} if defense else NO_DEFENSE)}
     clean: dict[str, float] = {}
     honest_refused_clean: dict[str, int] = {}
+    trigger_clean: dict[str, float] = {}
     entries: list[dict[str, Any]] = []
+
+    def run(name: str, attack: str | None, malicious: int) -> tuple[float, int, float]:
+        return run_one(name, attack, malicious, rounds, clients, train, data, limits, privacy, (params or {}).get(name))
+
     for name in strategies:
-        clean[name], honest_refused_clean[name] = run_one(name, None, 0, rounds, clients, train, data, limits)
+        clean[name], honest_refused_clean[name], trigger_clean[name] = run(name, None, 0)
         progress(f"{name} clean: {clean[name]:.3f} ({honest_refused_clean[name]} honest updates refused)")
         for attack in attacks:
             for malicious in fractions:
-                accuracy, refused = run_one(name, attack, malicious, rounds, clients, train, data, limits)
+                accuracy, refused, success = run(name, attack, malicious)
                 drop = clean[name] - accuracy
-                entries.append(
-                    {
-                        "strategy": name,
-                        "attack": attack,
-                        "malicious": malicious,
-                        "accuracy": accuracy,
-                        "drop": drop,
-                        "honest_refused": refused,
-                    }
-                )
+                entry = {
+                    "strategy": name,
+                    "attack": attack,
+                    "malicious": malicious,
+                    "accuracy": accuracy,
+                    "drop": drop,
+                    "honest_refused": refused,
+                }
+                if attack == "backdoor":
+                    entry["attack_success"] = success
+                entries.append(entry)
                 result = f"{accuracy:.3f} (drop {drop:+.3f}, {refused} honest refused)"
+                if attack == "backdoor":
+                    result += f", backdoor success {success:.3f} (clean model: {trigger_clean[name]:.3f})"
                 progress(f"{name} {attack} {malicious}/{clients}: {result}")
+
+    def backdoor(malicious: int) -> float | None:
+        successes = [e["attack_success"] for e in entries if e["malicious"] == malicious and "attack_success" in e]
+        return max(successes) if successes else None
 
     def worst(malicious: int) -> float | None:
         drops = [e["drop"] for e in entries if e["malicious"] == malicious]
@@ -304,8 +402,11 @@ def poisoning(
             "clients": clients,
             "rounds": rounds,
             "epochs": train.epochs,
-            "model": MODEL.arch,
-            "dataset": "digits",
+            "model": model.arch,
+            "dataset": dataset,
+            "train_samples": len(data.train_y),
+            "privacy": privacy,
+            "params": params,
             "defense": "off (update bound, direction checks and sample-weight cap disabled)"
             if not defense
             else "defaults",
@@ -313,6 +414,8 @@ def poisoning(
         },
         "clean_accuracy": clean,
         "honest_refused_clean": honest_refused_clean,
+        "trigger_on_clean_model": trigger_clean,
+        "backdoor_success_one_in_ten": backdoor(max(1, clients // 10)),
         "attacks": entries,
         "worst_drop_one_in_ten": worst(max(1, clients // 10)),
         "worst_drop_two_in_ten": worst(max(2, 2 * clients // 10)),
@@ -348,6 +451,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--limits", default="{}", help="fleet.yaml limits as JSON, e.g. '{\"update_bound_factor\": 2}' (default: none)"
     )
+    parser.add_argument(
+        "--privacy",
+        default="null",
+        help="fleet.yaml privacy as JSON: DP-FedAvg's device clipping and server noise, e.g. "
+        '\'{"clip": 1.0, "noise_multiplier": 0.1}\' (default: none)',
+    )
+    parser.add_argument(
+        "--params",
+        default="{}",
+        help='strategy parameters as JSON by strategy, e.g. \'{"fedhm": {"weighting": "uniform"}}\' (default: none)',
+    )
+    parser.add_argument("--dataset", choices=sorted(MODELS), default="digits", help="(default: digits)")
+    parser.add_argument("--train-samples", type=int, metavar="N", help="use the first N training images (default: all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return parser
 
@@ -358,6 +474,16 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [a for a in attacks if a not in ATTACKS]
     if unknown:
         print(f"unknown attack {unknown[0]!r}; choose from: {', '.join(ATTACKS)}", file=sys.stderr)
+        return 2
+    privacy = json.loads(args.privacy)
+    crafted = [a for a in attacks if ATTACKS[a] is not None]
+    if privacy and "fedhm" in args.strategies.split(",") and crafted:
+        print(
+            f"--privacy with fedhm: {', '.join(crafted)} rewrite the factors a device was sent, but under privacy "
+            "FedHM uploads its clipped update as factors of twice the rank; run them on fedavg or without --privacy "
+            "(the data-poisoning attacks, label_flip and backdoor, run everywhere)",
+            file=sys.stderr,
+        )
         return 2
     fractions = [int(m) for m in args.malicious.split(",") if m]
     if any(not 0 < m < args.clients for m in fractions):
@@ -374,6 +500,10 @@ def main(argv: list[str] | None = None) -> int:
         defense=not args.no_defense,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
         limits=json.loads(args.limits),
+        privacy=privacy,
+        params=json.loads(args.params),
+        dataset=args.dataset,
+        train_samples=args.train_samples,
     )
     print(json.dumps(result, indent=2) if args.json else table(result))
     return 0

@@ -3,8 +3,20 @@
 import json
 
 import pytest
+import torch
 
-from benchmarks.poisoning import ATTACKS, main, poisoning, table
+from benchmarks.poisoning import (
+    AT_THE_CUT,
+    ATTACKS,
+    BACKDOOR_TARGET,
+    Upload,
+    at_the_cut,
+    backdoored,
+    main,
+    poisoning,
+    table,
+    triggered,
+)
 from device_agent.training.optimizer import TrainConfig
 
 TRAIN = TrainConfig(epochs=1, batch_size=32, lr=0.05)
@@ -36,8 +48,42 @@ def test_without_the_update_bound_the_same_attack_ruins_the_model() -> None:
     assert entry["accuracy"] < 0.3
 
 
+def test_crafted_attacks_on_private_fedhm_are_refused_with_the_reason(capsys) -> None:
+    privacy = '{"clip": 1.0, "noise_multiplier": 0.1}'
+    assert main(["--strategies", "fedhm", "--attacks", "update_x-1,backdoor", "--privacy", privacy]) == 2
+    assert "update_x-1 rewrite the factors a device was sent" in capsys.readouterr().err
+
+
 def test_an_unknown_attack_is_named(capsys) -> None:
     assert main(["--attacks", "sign_flop"]) == 2
     assert "unknown attack 'sign_flop'" in capsys.readouterr().err
     assert "min_max" in ATTACKS and "little_is_enough" in ATTACKS and "label_flip" in ATTACKS
     assert "colluders_reversed" in ATTACKS
+
+
+def test_the_backdoor_stamps_a_corner_square_on_half_a_shard_and_relabels_those() -> None:
+    x, y = torch.rand(40, 1, 8, 8) * 0.5, torch.arange(40) % 10
+    poisoned_x, poisoned_y = backdoored(x, y, seed=0)
+    stamped = (poisoned_x[:, 0, -3:, -3:] == 1.0).all(dim=(1, 2))
+    assert int(stamped.sum()) == 20 and (poisoned_y[stamped] == BACKDOOR_TARGET).all()
+    assert torch.equal(poisoned_x[~stamped], x[~stamped]) and torch.equal(poisoned_y[~stamped], y[~stamped])
+    assert (triggered(torch.zeros(1, 1, 28, 28))[0, 0] > 0).sum() == 100  # 10 x 10 on 28 x 28
+
+
+def test_the_adaptive_attacker_sits_just_inside_the_fixed_floor_at_the_honest_norm() -> None:
+    generator = torch.Generator().manual_seed(0)
+    sent = {"w": torch.zeros(50)}
+    common = torch.randn(50, generator=generator)
+    honest = [{"w": common + 0.3 * torch.randn(50, generator=generator)} for _ in range(8)]
+    upload = at_the_cut(Upload(sent, {"w": torch.randn(50, generator=generator)}, honest))["w"]
+    mean = torch.stack([h["w"] for h in honest]).mean(0)
+    assert float(torch.nn.functional.cosine_similarity(upload, mean, dim=0)) == pytest.approx(AT_THE_CUT, abs=1e-5)
+    assert float(upload.norm()) == pytest.approx(float(torch.stack([h["w"] for h in honest]).norm(dim=1).mean()))
+
+
+@pytest.mark.slow
+def test_a_backdoor_run_reports_its_success_on_triggered_images() -> None:
+    result = poisoning(["fedavg"], ["backdoor"], [1], rounds=2, clients=5, train=TRAIN)
+    [entry] = result["attacks"]
+    assert 0 <= entry["attack_success"] <= 1 and result["backdoor_success_one_in_ten"] == entry["attack_success"]
+    assert result["trigger_on_clean_model"]["fedavg"] < 0.5
