@@ -234,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=3, help="--scale: rounds per size (default: 3)")
     parser.add_argument(
+        "--pairs",
+        type=int,
+        default=2,
+        help="--scale --peer: fedfleet/Flower pairs per size, run A B B A to share a loaded host's drift (default: 2)",
+    )
+    parser.add_argument(
         "--peer",
         choices=["flower"],
         help="--scale: also run each size with Flower's simulation engine on the same FedAvg task "
@@ -265,10 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.scale:
         from benchmarks import emulation_scale
+        from benchmarks.scale_fleet import TRAIN_IMAGES, ScaleData
 
         sizes = [args.devices] if args.devices else [int(x) for x in args.sizes.split(",")]
-        data = emulation_scale.ScaleData.recipe(args.scale_dataset, args.samples_per_device, args.image_size)
-        images = emulation_scale.TRAIN_IMAGES[args.scale_dataset]
+        data = ScaleData.recipe(args.scale_dataset, args.samples_per_device, args.image_size)
+        images = TRAIN_IMAGES[args.scale_dataset]
         if max(sizes) > images:
             print(
                 f"--scale-dataset {args.scale_dataset} has {images} training images: {max(sizes)} devices would leave "
@@ -289,7 +296,9 @@ def main(argv: list[str] | None = None) -> int:
             except FlowerMissing as error:
                 print(error, file=sys.stderr)
                 return 2
-        outcome = emulation_scale.scale(sizes, data, args.device_type, args.deadline_s, args.rounds, args.peer)
+        outcome = emulation_scale.scale(
+            sizes, data, args.device_type, args.deadline_s, args.rounds, args.peer, args.pairs
+        )
         print(
             json.dumps({"benchmark": "emulation", **outcome})
             if args.json

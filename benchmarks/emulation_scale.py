@@ -22,113 +22,36 @@ not complete; ``max_devices`` is the largest that did.
 
 Every size also reports the median round, the rounds within the deadline, the peak PSS and CPU-seconds of
 the whole process tree (:mod:`benchmarks.process_tree`) and the compute floor (N x one device's round
-of host compute / cores). ``--peer flower`` runs the fleet with FedAvg and then Flower's simulation
-engine on the same task (:mod:`benchmarks.flower_peer`), reporting ``ratio_vs_flower_<N>``.
+of host compute / cores). ``--peer flower`` runs the fleet with FedAvg and Flower's simulation engine on the
+same task (:mod:`benchmarks.flower_peer`), alternating A B B A (``--pairs``, default 2), reporting
+``ratio_vs_flower_<N>`` (the pairs' median) and ``spread_vs_flower_<N>``. Both trees start with one thread
+per process (:data:`PINNED_THREADS`) and evaluate each round's model on every core (fedfleet's ``every_core``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import yaml
 
+from benchmarks import flower_peer, scale_task
 from benchmarks.process_tree import TreeSampler
+from benchmarks.scale_fleet import DIGITS, ROUNDS, ScaleData, scale_fleet
+from device_agent.emulation.limits import thread_env
 
 _ROOT = Path(__file__).resolve().parents[1]
-_DEMO = _ROOT / "examples" / "demo.yaml"
-ROUNDS = 3
 _MIB = 2**20
-
-
-DATASETS = ("digits", "fashion_mnist")
-TRAIN_IMAGES = {"digits": 1437, "fashion_mnist": 60_000}
-
-
-@dataclass(frozen=True)
-class ScaleData:
-    """Where the scale fleet's shards come from: a data set, at most ``samples`` training images per device
-    (fleet.yaml's ``samples_per_device``; None: the set split evenly) and the images' side (None: the set's own).
-
-    Why a cap and a smaller side: Fashion-MNIST's 60,000 at 28x28 split over 1,000 devices is 0.69 s of host
-    compute per device-round on one thread, a 343 s compute floor on 2 cores, so no engine rounds it within a
-    minute. ``recipe`` gives each set its scale default: Fashion-MNIST at 14x14, 8 images a device (a 38 s floor at
-    1,000 devices), which keeps the accuracy after the rounds about learning on real images.
-    """
-
-    name: str = "digits"
-    samples: int | None = None
-    image_size: int | None = None
-
-    @classmethod
-    def recipe(cls, name: str, samples: int | None = None, image_size: int | None = None) -> ScaleData:
-        """``name``'s scale default, ``samples`` (0: the set split evenly) and ``image_size`` replacing its values."""
-        default = cls(name, 8, 14) if name == "fashion_mnist" else cls(name)
-        return cls(
-            name,
-            default.samples if samples is None else samples or None,
-            image_size or default.image_size,
-        )
-
-    def images_per_device(self, devices: int) -> int:
-        share = TRAIN_IMAGES[self.name] // devices
-        return share if self.samples is None else min(share, self.samples)
-
-    def args(self) -> list[str]:
-        """The flags that give another process (Flower's side of ``--peer flower``) this data."""
-        flags = ["--dataset", self.name, "--samples-per-device", str(self.samples or 0)]
-        return flags if self.image_size is None else [*flags, "--image-size", str(self.image_size)]
-
-
-DIGITS = ScaleData()
-
-
-def scale_fleet(
-    devices: int,
-    port: int,
-    data: ScaleData = DIGITS,
-    deadline_s: float | None = None,
-    rounds: int = ROUNDS,
-    strategy: str = "fedhm",
-) -> dict:
-    """The demo fleet with ``devices`` devices (its classes in turn, its overrides), iid data, 3 rounds;
-    ``deadline_s`` replaces the demo's round deadline (a host that cannot train 60,000 images in it).
-
-    ``strategy="fedavg"`` (the task ``--peer flower`` compares on): every device trains the full model, so
-    the demo's ratios and the Pis' ``max_ratio`` caps go; the classes keep their compute, memory and links.
-    """
-    fleet = yaml.safe_load(_DEMO.read_text())
-    if deadline_s is not None:
-        fleet["round_deadline_s"] = deadline_s
-    if data.name != "digits":
-        fleet["dataset"]["name"] = data.name
-        fleet["model"] |= {"in_channels": 1, "image_size": 28}
-    if data.image_size is not None:
-        fleet["model"]["image_size"] = data.image_size
-    if data.samples is not None:
-        fleet["dataset"]["samples_per_device"] = data.samples
-    classes = [fleet["devices"][i] for i in (0, 3, 6)]  # orin, pi5 (max 1/2), pi4 (max 1/4)
-    fleet["broker"]["port"] = port
-    fleet["rounds"] = rounds
-    fleet["dataset"]["partition"] = "iid"  # dirichlet over hundreds of ~5-image shards leaves some empty
-    if strategy != "fedhm":
-        fleet["strategy"] = {"name": strategy}
-        del fleet["ratios"]
-        classes = [{k: v for k, v in device.items() if k != "overrides"} for device in classes]
-    fleet["devices"] = []
-    for index in range(devices):
-        device = dict(classes[index % 3])
-        device["id"] = f"{device['id'].split('-')[0]}-{index:04d}"
-        fleet["devices"].append(device)
-    return fleet
 
 
 def _slowest_predicted_seconds(path: Path) -> float:
@@ -194,7 +117,10 @@ def run_size(
         log = Path(folder) / "emulate.log"
         start = time.monotonic()
         with log.open("wb") as out:
-            emulate = subprocess.Popen([*command, "--no-live"], stdout=out, stderr=subprocess.STDOUT, cwd=_ROOT)
+            env = {**os.environ, **PINNED_THREADS}
+            emulate = subprocess.Popen(
+                [*command, "--no-live"], stdout=out, stderr=subprocess.STDOUT, cwd=_ROOT, env=env
+            )
             process = psutil.Process(emulate.pid)
             peaks: dict[str, dict[int, int]] = {"coordinator": {}, "workers": {}}
             tree = TreeSampler(emulate.pid)
@@ -249,6 +175,51 @@ def run_size(
     return result
 
 
+PINNED_THREADS = thread_env(1)
+"""The thread variables both engines' trees start with: one thread per process (an emulated device trains on one,
+a Ray actor holds one core); the round close's evaluation then takes every core on both sides."""
+PAIRS = 2
+"""``--peer flower``: fedfleet/Flower pairs per size, run A B B A (each pair in the other order than the last)."""
+
+
+def abba(pairs: int) -> list[tuple[str, str]]:
+    """Each pair's order: a shared host's load drifts, and alternating gives both engines its early and late part."""
+    return [("fedfleet", "flower") if index % 2 == 0 else ("flower", "fedfleet") for index in range(pairs)]
+
+
+def _brief(run: dict) -> dict:
+    keys = ("completed", "round_seconds", "median_round_seconds", "wall_seconds", "tree_cpu_seconds", "accuracy")
+    return {key: run.get(key) for key in keys}
+
+
+def _side_by_side(
+    devices: int, pairs: int, fedfleet: Callable[[], dict], flower: Callable[[], dict]
+) -> tuple[dict, dict]:
+    """``pairs`` pairs of runs in ABBA order: fedfleet's first run (its ``flower``: Flower's first), every run's
+    brief under ``pairs``, and the ratio's median and spread over the pairs (each pair's fedfleet / Flower median
+    round)."""
+    runners = {"fedfleet": fedfleet, "flower": flower}
+    done: dict[str, list[dict]] = {"fedfleet": [], "flower": []}
+    briefs, ratios = [], []
+    for order in abba(pairs):
+        pair = {engine: runners[engine]() for engine in order}
+        for engine, run in pair.items():
+            done[engine].append(run)
+        ours, theirs = pair["fedfleet"]["median_round_seconds"], pair["flower"]["median_round_seconds"]
+        ratio = round(ours / theirs, 3) if ours and theirs else None
+        ratios.append(ratio)
+        briefs.append({"order": list(order), "ratio": ratio, **{e: _brief(r) for e, r in pair.items()}})
+    run = done["fedfleet"][0] | {"flower": done["flower"][0], "pairs": briefs}
+    run["completed"] = all(r["completed"] for r in done["fedfleet"])
+    run["flower"]["completed"] = all(r["completed"] for r in done["flower"])
+    measured = [r for r in ratios if r is not None]
+    summary = {
+        f"ratio_vs_flower_{devices}": round(statistics.median(measured), 3) if len(measured) == len(ratios) else None,
+        f"spread_vs_flower_{devices}": [min(measured), max(measured)] if measured else None,
+    }
+    return run, summary
+
+
 def scale(
     sizes: list[int],
     data: ScaleData = DIGITS,
@@ -256,30 +227,32 @@ def scale(
     deadline_s: float | None = None,
     rounds: int = ROUNDS,
     peer: str | None = None,
+    pairs: int = PAIRS,
 ) -> dict:
     """Sizes in increasing order until one does not complete (with a ``peer``, every size); ``max_devices``:
     the largest that did.
 
     Each size reports its compute floor (:func:`benchmarks.scale_task.compute_floor`). With ``peer="flower"``
-    the fleet runs FedAvg and each size is run again by Flower's simulation engine right after
-    (:mod:`benchmarks.flower_peer`), under ``run["flower"]``; ``ratio_vs_flower_<N>`` is fedfleet's median
-    round over Flower's.
+    the fleet runs FedAvg and each size runs ``pairs`` times on each engine, alternating A B B A
+    (:func:`abba`; Flower's side is :mod:`benchmarks.flower_peer`): ``run["flower"]`` is Flower's first run,
+    ``run["pairs"]`` every run's times; ``ratio_vs_flower_<N>`` is the median over the pairs of fedfleet's
+    median round over Flower's, ``spread_vs_flower_<N>`` the pairs' lowest and highest ratio.
     """
-    from benchmarks.scale_task import ScaleTask, compute_floor
-
     strategy = "fedavg" if peer == "flower" else "fedhm"
     runs, ratios = [], {}
     for devices in sorted(sizes):
-        run = run_size(
-            devices, data=data, device_type=device_type, deadline_s=deadline_s, rounds=rounds, strategy=strategy
-        )
-        run |= compute_floor(ScaleTask.build(devices, data, rounds, deadline_s))
+        options = {"data": data, "device_type": device_type, "deadline_s": deadline_s, "rounds": rounds}
         if peer == "flower":
-            from benchmarks import flower_peer
-
-            run["flower"] = flower = flower_peer.run_size(devices, data, rounds, deadline_s)
-            ours, theirs = run["median_round_seconds"], flower["median_round_seconds"]
-            ratios[f"ratio_vs_flower_{devices}"] = round(ours / theirs, 3) if ours and theirs else None
+            run, summary = _side_by_side(
+                devices,
+                pairs,
+                functools.partial(run_size, devices, strategy=strategy, **options),
+                functools.partial(flower_peer.run_size, devices, data, rounds, deadline_s),
+            )
+            ratios |= summary
+        else:
+            run = run_size(devices, strategy=strategy, **options)
+        run |= scale_task.compute_floor(scale_task.ScaleTask.build(devices, data, rounds, deadline_s))
         runs.append(run)
         if not run["completed"] and peer is None:
             break  # a ladder stops at its first failure; side by side, every size is compared
@@ -309,6 +282,7 @@ def describe(result: dict) -> list[str]:
                 f"{'completed' if flower['completed'] else 'FAILED'}; accuracy per round {flower['accuracy']}; "
                 f"rounds {flower['round_seconds']} s; updates per round {flower['updates_per_round']}; process tree "
                 f"peak {flower['tree_peak_pss_mib']} MiB, {flower['tree_cpu_seconds']} CPU-s; fedfleet / Flower "
-                f"median round {ratio}"
+                f"median round {ratio} (median of {len(run['pairs'])} ABBA pairs: "
+                f"{[pair['ratio'] for pair in run['pairs']]})"
             )
     return lines

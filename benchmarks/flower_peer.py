@@ -34,9 +34,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.emulation_scale import DIGITS, ROUNDS, ScaleData
 from benchmarks.process_tree import TreeSampler
+from benchmarks.scale_fleet import DIGITS, ROUNDS, ScaleData
 from benchmarks.scale_task import ScaleTask
+from device_agent.emulation.limits import thread_env
 
 _ROOT = Path(__file__).resolve().parents[1]
 INSTALL = "pip install 'fedfleet[flower]' (Flower's simulation engine: flwr[simulation], which brings Ray)"
@@ -176,7 +177,7 @@ def run_size(
         command += ["--rounds", str(rounds), "--out", str(out)]
         if deadline_s is not None:
             command += ["--deadline-s", str(deadline_s)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "FLWR_TELEMETRY_ENABLED": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+        env = {**os.environ, **thread_env(1), "FLWR_TELEMETRY_ENABLED": "0", "RAY_USAGE_STATS_ENABLED": "0"}
         start = time.monotonic()
         with log.open("wb") as sink:
             flower = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=_ROOT)

@@ -22,8 +22,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from benchmarks.emulation_scale import DIGITS, ROUNDS, ScaleData, scale_fleet
+from benchmarks.scale_fleet import DIGITS, ROUNDS, ScaleData, scale_fleet
 from coordinator.config.fleet import Fleet, parse_fleet
+from coordinator.rounds.closing import every_core
 from coordinator.rounds.evaluation import evaluate_global
 from coordinator.rounds.settings import EngineSettings
 from coordinator.run.fleet_data import fleet_data
@@ -105,7 +106,8 @@ class ScaleTask:
             state[key] = torch.tensor(np.asarray(array)).to(state[key].dtype)
         self.strategy.load_state_dict({f"global.{key}": value for key, value in state.items()})
         calibration = self.data.train_x[: EngineSettings.of(self.fleet, self.devices, 0.0).calibration_samples]
-        accuracy, _ = evaluate_global(self.strategy, (self.data.test_x, self.data.test_y), calibration)
+        with every_core():  # as the coordinator's round close evaluates, whatever threads the process started with
+            accuracy, _ = evaluate_global(self.strategy, (self.data.test_x, self.data.test_y), calibration)
         return self.global_arrays(), accuracy
 
 

@@ -34,7 +34,7 @@ def test_emulated_devices_take_the_predicted_training_time_unless_the_host_is_sl
 
 
 def test_the_scale_fleet_draws_fashion_mnist_shards_at_28x28() -> None:
-    from benchmarks.emulation_scale import ScaleData, scale_fleet
+    from benchmarks.scale_fleet import ScaleData, scale_fleet
     from coordinator.config.fleet import parse_fleet
 
     fleet = parse_fleet(scale_fleet(1000, 18999, ScaleData("fashion_mnist")), source="scale")
@@ -43,7 +43,7 @@ def test_the_scale_fleet_draws_fashion_mnist_shards_at_28x28() -> None:
 
 
 def test_fashion_mnist_at_scale_is_eight_14x14_images_a_device_unless_told_otherwise() -> None:
-    from benchmarks.emulation_scale import ScaleData, scale_fleet
+    from benchmarks.scale_fleet import ScaleData, scale_fleet
     from coordinator.config.fleet import parse_fleet
 
     recipe = ScaleData.recipe("fashion_mnist")
@@ -58,7 +58,7 @@ def test_fashion_mnist_at_scale_is_eight_14x14_images_a_device_unless_told_other
 
 
 def test_the_scale_fleet_takes_a_longer_round_deadline_when_asked() -> None:
-    from benchmarks.emulation_scale import ScaleData, scale_fleet
+    from benchmarks.scale_fleet import ScaleData, scale_fleet
     from coordinator.config.fleet import parse_fleet
 
     data = ScaleData("fashion_mnist")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from benchmarks.emulation import main
-from benchmarks.emulation_scale import DIGITS, scale_fleet
 from benchmarks.flower_peer import ClientFactory, FlowerMissing, require_flower
+from benchmarks.scale_fleet import DIGITS, scale_fleet
 from benchmarks.scale_task import ScaleTask
 from coordinator.config.fleet import parse_fleet
 from coordinator.strategies.base import ClientSlot
@@ -65,21 +65,40 @@ def test_the_flower_client_trains_what_a_fedfleet_device_trains() -> None:
     assert [a.shape for a in following] == [a.shape for a in start] and accuracy > 0.5  # ten classes: chance 0.1
 
 
-def test_with_the_flower_peer_each_size_runs_fedavg_on_both_sides_and_reports_the_ratio(monkeypatch) -> None:
+def test_with_the_flower_peer_each_size_alternates_the_engines_abba_and_reports_the_ratio_and_spread(
+    monkeypatch,
+) -> None:
     from benchmarks import emulation_scale, flower_peer, scale_task
 
-    asked: list[tuple[int, str]] = []
+    asked: list[tuple[str, int]] = []
+    fedfleet_rounds, flower_rounds = iter([3.0, 3.3, 3.0, 3.6]), iter([4.0, 3.0, 4.0, 4.0])
 
     def fleet_run(devices: int, **options: object) -> dict:
-        asked.append((devices, str(options["strategy"])))
-        return {"devices": devices, "completed": True, "median_round_seconds": 3.0}
+        assert options["strategy"] == "fedavg"
+        asked.append(("fedfleet", devices))
+        return {"devices": devices, "completed": True, "median_round_seconds": next(fedfleet_rounds)}
+
+    def flower_run(devices: int, *args: object) -> dict:
+        asked.append(("flower", devices))
+        return {"completed": True, "median_round_seconds": next(flower_rounds)}
 
     monkeypatch.setattr(emulation_scale, "run_size", fleet_run)
     monkeypatch.setattr(scale_task.ScaleTask, "build", classmethod(lambda cls, *args: None))
     monkeypatch.setattr(scale_task, "compute_floor", lambda task: {"compute_floor_seconds": 0.5})
-    monkeypatch.setattr(flower_peer, "run_size", lambda devices, *args: {"median_round_seconds": 4.0})
-    outcome = emulation_scale.scale([20, 10], rounds=2, peer="flower")
-    assert asked == [(10, "fedavg"), (20, "fedavg")] and outcome["strategy"] == "fedavg"
-    assert outcome["ratio_vs_flower_10"] == outcome["ratio_vs_flower_20"] == 0.75
-    assert [run["flower"]["median_round_seconds"] for run in outcome["runs"]] == [4.0, 4.0]
-    assert outcome["runs"][0]["compute_floor_seconds"] == 0.5
+    monkeypatch.setattr(flower_peer, "run_size", flower_run)
+    outcome = emulation_scale.scale([20, 10], rounds=2, peer="flower", pairs=2)
+    a_b_b_a = [("fedfleet", 10), ("flower", 10), ("flower", 10), ("fedfleet", 10)]
+    assert asked == [*a_b_b_a, ("fedfleet", 20), ("flower", 20), ("flower", 20), ("fedfleet", 20)]
+    assert outcome["strategy"] == "fedavg" and outcome["max_devices"] == 20
+    # Pair ratios 3.0/4.0 and 3.3/3.0 at 10 devices, 3.0/4.0 and 3.6/4.0 at 20: the median and the extremes.
+    assert outcome["ratio_vs_flower_10"] == 0.925 and outcome["spread_vs_flower_10"] == [0.75, 1.1]
+    assert outcome["ratio_vs_flower_20"] == 0.825 and outcome["spread_vs_flower_20"] == [0.75, 0.9]
+    first = outcome["runs"][0]
+    assert [pair["order"] for pair in first["pairs"]] == [["fedfleet", "flower"], ["flower", "fedfleet"]]
+    assert first["flower"]["median_round_seconds"] == 4.0 and first["compute_floor_seconds"] == 0.5
+
+
+def test_both_engines_trees_start_on_one_thread_per_process() -> None:
+    from benchmarks.emulation_scale import PINNED_THREADS
+
+    assert PINNED_THREADS == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
