@@ -256,7 +256,10 @@ def ask_broker_online(config: AgentConfig, address: BrokerAddress, timeout: floa
         client.disconnect()
         client.loop_stop()
     if "status" not in events:
-        never = f"no: the broker holds no status of {config.device} (its agent never connected)"
+        never = (
+            f"no: the broker holds no status of {config.device} for {login}: its agent never connected (or the "
+            "broker runs from broker files older than this kit's doctor login: restart the coordinator after provision)"
+        )
         return Check("agent online", True, never), None
     try:
         status = parse_message(events["status"])  # type: ignore[arg-type]

@@ -125,3 +125,33 @@ def test_an_unreadable_signing_key_is_named(kit: tuple, capsys: pytest.CaptureFi
     config.write_text(yaml.safe_dump({**raw, "signing_key": f"file:{root / 'signing.key'}"}))
     code, out = _doctor(config, capsys)
     assert "PASS  secrets readable" in out and "signing key" in out, out
+
+
+def test_a_kit_without_a_doctor_login_warns_that_the_broker_was_not_asked(
+    kit: tuple, capsys: pytest.CaptureFixture
+) -> None:
+    """Kits from before doctor logins (or for an external broker): only this machine's checks protect the agent."""
+    kits, _, root = kit
+    config = _config(kits, root, "no-doctor")
+    raw = yaml.safe_load(config.read_text())
+    del raw["broker"]["doctor"]
+    config.write_text(yaml.safe_dump(raw))
+    code, out = _doctor(config, capsys)
+    assert code == 0, out
+    assert "WARN  agent online           unknown: agent.yaml has no broker.doctor login (doctor@a)" in out
+    assert "hint: an agent of this device online on another machine would lose its session" in out
+    assert "PASS  login accepted" in out
+
+
+def test_a_doctor_login_the_broker_refuses_is_a_warning_naming_it(kit: tuple, capsys: pytest.CaptureFixture) -> None:
+    """The broker refuses the doctor login (here: no client certificate on its TLS listener): a WARN naming it."""
+    kits, _, root = kit
+    (root / "wrong.password").write_text("not-the-doctor-password\n")
+    config = _config(kits, root, "wrong-doctor")
+    raw = yaml.safe_load(config.read_text())
+    raw["broker"]["doctor"] = {"password": f"file:{root / 'wrong.password'}"}  # and no certificate
+    config.write_text(yaml.safe_dump(raw))
+    code, out = _doctor(config, capsys)
+    assert code == 0, out
+    assert "WARN  agent online           could not ask the broker as doctor@a" in out
+    assert "provision again and restart the coordinator" in out
