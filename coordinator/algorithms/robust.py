@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from device_agent.layers.factorized import factors_to_matrices
+from device_agent.layers.factorized import factors_to_matrices, weight_to_matrix
 
 REDUCE, EXPAND = ".reduce", ".expand"
 
@@ -255,18 +255,34 @@ def _draw_hashes(key: str, numel: int, size: int) -> tuple[Tensor, Tensor]:
 _hashes = _HashTables()
 
 
+def full_rank_form(name: str, value: Tensor) -> tuple[str, Tensor]:
+    """A layer's update under the name and shape a factor pair's A @ B has (:func:`dense`): a dense
+    ``X.weight`` of a linear layer becomes ``X``, a square-kernel convolution's ``X.weight`` also its
+    (C_out k, C_in k) matrix; other tensors are left as they are.
+
+    So a full-rank device's ``conv2.weight`` and a low-rank device's ``conv2`` meet in one sketch: sketched under
+    their own names, the update of FedHM's largest layers was compared only between devices of like rank, and
+    on a mixed-rank fleet every cosine between levels was read from the small unfactorized layers alone.
+    """
+    square = value.dim() == 2 or (value.dim() == 4 and value.shape[2] == value.shape[3])  # what FedHM factorizes
+    if name.endswith(".weight") and square:
+        return name.removesuffix(".weight"), weight_to_matrix(value)
+    return name, value
+
+
 def sketch(update: Mapping[str, Tensor], size: int = SKETCH_SIZE) -> Tensor:
     """A CountSketch (Charikar et al. 2002) of the update scaled to unit norm: ``size`` numbers whose dot
     products estimate the cosines of the full updates, so a round keeps one small vector per device.
 
-    Layers are hashed by name and shape, so only layers two updates share (FedHM's full-rank ``conv2.weight``
-    and a low-rank client's ``conv2``) meet in a bucket by design; a zero or non-finite update sketches to 0.
+    Layers are hashed by name and shape in their full-rank form (:func:`full_rank_form`), so a full-rank
+    weight and a factor pair's product of the same layer meet, and layers of other names or shapes do not;
+    a zero or non-finite update sketches to 0.
     """
     norm = total_norm(update.values())
     out = torch.zeros(size, dtype=torch.float64)
     if norm == 0 or not math.isfinite(norm):
         return out
-    for name, value in update.items():
+    for name, value in (full_rank_form(name, value) for name, value in update.items()):
         bucket, sign = _hashes.get(f"{name}:{tuple(value.shape)}", value.numel(), size)
         out.index_add_(0, bucket, value.reshape(-1).to(torch.float64) * sign / norm)
     return out

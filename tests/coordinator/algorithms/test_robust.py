@@ -25,7 +25,7 @@ from coordinator.algorithms.robust import (
     sketch,
     trimmed_mean,
 )
-from device_agent.layers.factorized import factors_to_matrices
+from device_agent.layers.factorized import factors_to_matrices, matrices_to_factors, weight_to_matrix
 
 
 def update_norms(upload: dict[str, torch.Tensor], sent: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -163,6 +163,39 @@ def test_layers_of_other_names_or_shapes_do_not_meet_in_a_sketch() -> None:
     assert abs(float(sketch({"a": weight}) @ sketch({"b": weight}))) < 0.1
     assert abs(float(sketch({"a": weight}) @ sketch({"a": weight.reshape(16, 32)}))) < 0.1
     assert not sketch({"a": torch.zeros(5)}).any() and not sketch({"a": torch.full((5,), float("inf"))}).any()
+
+
+def as_uploaded(direction: torch.Tensor, rank: int | None, seed: int) -> dict[str, torch.Tensor]:
+    """One device's update of a 3 x 3 convolution as the gate sketches it: ``conv.weight`` at full rank, else
+    the :func:`dense_updates` of a rank-``rank`` factor pair (``conv``, its A @ B matrix), plus noise."""
+    generator = torch.Generator().manual_seed(seed)
+    update = direction + torch.randn(direction.shape, generator=generator)
+    if rank is None:
+        return {"conv.weight": update, "conv.bias": direction[:, 0, 0, 0]}
+    u, s, v = torch.linalg.svd(weight_to_matrix(update))
+    reduce, expand = matrices_to_factors(u[:, :rank] * s[:rank], v[:rank], update.shape)
+    upload = {"conv.reduce": reduce, "conv.expand": expand}
+    sent = {k: torch.zeros_like(t) for k, t in upload.items()}  # sent 0: the upload's A @ B is the update
+    return dense_updates(upload, sent) | {"conv.bias": direction[:, 0, 0, 0]}
+
+
+def test_a_full_rank_weight_and_a_factor_pair_of_the_same_layer_meet_in_the_sketch() -> None:
+    direction = torch.randn(32, 16, 3, 3, generator=torch.Generator().manual_seed(11))
+    full, low = as_uploaded(2 * direction, None, seed=1), as_uploaded(2 * direction, 12, seed=2)
+    assert set(low) == {"conv", "conv.bias"} and low["conv"].shape == (96, 48)
+    true = cosine({"conv": weight_to_matrix(full["conv.weight"]), "conv.bias": full["conv.bias"]}, low)
+    assert true is not None and true > 0.5
+    assert float(sketch(full) @ sketch(low)) == pytest.approx(true, abs=0.05)  # not just conv.bias's share
+
+
+def test_a_mixed_rank_fleet_in_its_upload_forms_agrees_across_levels() -> None:
+    direction = torch.randn(32, 16, 3, 3, generator=torch.Generator().manual_seed(12))
+    ranks = [None, None, None, 24, 24, 24, 12, 12, 12, 12]  # FedHM at 1, 1/2 and 1/4 of a 48-rank layer
+    sketches = {f"h{i}": sketch(as_uploaded(0.5 * direction, r, seed=i)) for i, r in enumerate(ranks)}
+    honest = peer_cosines(sketches)
+    assert min(honest.values()) > 0.2  # full-rank devices compared with the low-rank ones on the conv layer too
+    sketches["h0"] = -sketches["h0"]  # a full-rank device reversed
+    assert [device for device, _, _ in iterated_outliers(sketches, -0.1, 3.0)] == ["h0"]
 
 
 def test_peer_cosines_leave_each_update_out_of_its_own_reference() -> None:
