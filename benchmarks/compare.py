@@ -21,7 +21,7 @@ Global accuracy under permuted labels is near chance by construction (no shared 
 the personalized column. Every strategy shows both accuracies; the one its paper reports is marked
 (*), and the papers' claims are checked as PASS/TIE/FAIL lines (``claims``).
 
-A strategy's score in one run is the mean of its last :data:`LAST_ROUNDS` rounds (one round's class mix
+A strategy's score in one run is the mean of its last :data:`benchmarks.stats.LAST_ROUNDS` rounds (one round's class mix
 decides less), and a claim is judged on the paired differences of the scores seed by seed (both strategies
 see the same split and initialization per seed): PASS when the 95 % confidence interval of the mean
 difference (Student's t) lies above zero, TIE when it straddles zero, FAIL when it lies below. Every seed's
@@ -59,6 +59,7 @@ import torch
 from benchmarks import fedlora
 from benchmarks.cell_cache import CacheMismatch, CellCache
 from benchmarks.machine import describe
+from benchmarks.stats import CONFIDENCE, last_rounds_mean, mean_std, paired_interval, verdict
 from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.strategies import STRATEGIES, ModelSpec, build_strategy
 from coordinator.strategies.fedlora import FineTune
@@ -93,9 +94,6 @@ RANKS = (1.0, 0.5, 0.25, 0.125)
 PRESETS: dict[str, tuple[str, dict[str, object]]] = {"simfed_paper": ("simfed", {"tau": 0.9, "alpha": 30.0})}
 """A strategy at its paper's settings, run beside the same strategy at fedfleet's defaults; the paper's claims
 are judged at the paper's settings (SimFed: tau 0.9, alpha 30; fedfleet's defaults are tau 0, alpha 1)."""
-LAST_ROUNDS = 3
-"""A run's score is the mean accuracy of its last rounds (as many as it has, up to this)."""
-CONFIDENCE = 0.95
 
 
 @dataclass(frozen=True)
@@ -204,50 +202,13 @@ def run_setting(
     start = time.perf_counter()
     test = (data.test_x, data.test_y)
     result = simulate(strategy, clients, rounds, train, test, data.train_x[:256], participation=setting.participation)
-    last = result.rounds[-LAST_ROUNDS:]
     return {
-        "accuracy": _mean_of([r.accuracy for r in last]),
-        "personalized_accuracy": _mean_of([r.personalized_accuracy for r in last]),
+        "accuracy": last_rounds_mean([r.accuracy for r in result.rounds]),
+        "personalized_accuracy": last_rounds_mean([r.personalized_accuracy for r in result.rounds]),
         "final_accuracy": result.final.accuracy,
         "upload_bytes_per_round": result.upload_bytes_per_round,
         "seconds": time.perf_counter() - start,
     }
-
-
-def _mean_of(values: list[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return statistics.fmean(known) if known else None
-
-
-def mean_std(values: list[float]) -> dict[str, Any]:
-    """Mean, sample standard deviation and every seed's value, in seed order."""
-    return {
-        "mean": statistics.fmean(values),
-        "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-        "seeds": values,
-    }
-
-
-def paired_interval(
-    ours: list[float], theirs: list[float], confidence: float = CONFIDENCE
-) -> tuple[float, float, float]:
-    """(mean, low, high) of the seed-by-seed differences ``ours - theirs``: Student's t interval of their mean."""
-    from scipy import stats
-
-    differences = [a - b for a, b in zip(ours, theirs, strict=True)]
-    mean = statistics.fmean(differences)
-    if len(differences) < 2:
-        return mean, -math.inf, math.inf  # one seed: no interval, nothing is separated
-    half = (
-        stats.t.ppf((1 + confidence) / 2, len(differences) - 1)
-        * statistics.stdev(differences)
-        / len(differences) ** 0.5
-    )
-    return mean, mean - half, mean + half
-
-
-def verdict(low: float, high: float) -> str:
-    return "PASS" if low > 0 else "FAIL" if high < 0 else "TIE"
 
 
 def load_data(dataset: str, train_samples: int, test_samples: int) -> LabeledData:
@@ -445,6 +406,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--seeds", type=int, default=5, help="seeds 0..K-1, paired across strategies (default: 5; claims need >= 2)"
     )
     parser.add_argument("--clients", type=int, help="number of clients (default: 8; fedlora 50, 10 %% asked per round)")
+    parser.add_argument(
+        "--participation",
+        type=float,
+        help="fedlora scenario: share of the clients asked per round (default 0.1); more clients a round make "
+        "its seeds agree more (one round's class mix decides less)",
+    )
     parser.add_argument("--epochs", type=int, default=1, help="local epochs per round (default: 1)")
     parser.add_argument(
         "--strategies",
@@ -488,6 +455,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.clients < 2:
         print("--clients must be >= 2 (the domains scenario has two domains)", file=sys.stderr)
         return 2
+    if args.participation is not None and args.scenario != "fedlora":
+        print("--participation is the fedlora scenario's (the others fix theirs)", file=sys.stderr)
+        return 2
+    if args.participation is not None and not 0 < args.participation <= 1:
+        print("--participation must be in (0, 1]", file=sys.stderr)
+        return 2
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     known = [*STRATEGIES, *PRESETS]
     strategies = known if args.strategies is None else [s.strip() for s in args.strategies.split(",")]
@@ -517,7 +490,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         chosen = None if args.strategies is None else strategies
+        participation = lora_bed.participation if args.participation is None else args.participation
         bed = replace(lora_bed, rounds=args.rounds, clients=args.clients, epochs=args.epochs)
+        bed = replace(bed, participation=participation)
         try:
             report = fedlora.report(bed, args.seeds, chosen, args.jobs, args.cache, args.allow_other_commit)
         except (DatasetError, CacheMismatch) as error:

@@ -109,7 +109,11 @@ def _fedlora(result: dict[str, Any]) -> list[str]:
             ]
             out.append(f"{setting} accuracy: " + ", ".join(figures))
     checks = result.get("checks", {})
-    out += [f"{name}: {'PASS' if ok else 'FAIL'}" for name, ok in checks.items()]
+    # A claim is a verdict with its interval (recorded before that: a bool), base_transfers a bool.
+    out += [
+        f"{name}: {ok['verdict']} ({ok['detail']})" if isinstance(ok, dict) else f"{name}: {'PASS' if ok else 'FAIL'}"
+        for name, ok in checks.items()
+    ]
     return out
 
 

@@ -93,6 +93,18 @@ def test_asking_for_a_fine_tuning_strategy_outside_its_scenario_is_refused(capsy
     assert "--strategies fedlora: fine-tuning strategies start from a pre-trained ViT" in capsys.readouterr().err
 
 
+def test_participation_sets_how_many_fedlora_clients_a_round_asks(monkeypatch, capsys) -> None:
+    beds = []
+    report = {"bed": {}, "probe_accuracy": 0.9, "pixel_probe_accuracy": 0.9, "checks": {}}
+    monkeypatch.setattr(compare.fedlora, "report", lambda bed, *args: beds.append(bed) or report)
+    assert compare.main(["--scenario", "fedlora", "--participation", "0.3", "--json"]) == 0
+    assert beds[0].participation == 0.3 and beds[0].clients == compare.fedlora.Bed().clients
+    assert compare.main(["--scenario", "domains", "--participation", "0.3"]) == 2
+    assert "--participation is the fedlora scenario's" in capsys.readouterr().err
+    assert compare.main(["--scenario", "fedlora", "--participation", "1.5"]) == 2
+    assert "--participation must be in (0, 1]" in capsys.readouterr().err
+
+
 def _row(accuracy: list[float], personalized: list[float], upload: float) -> dict:
     return {
         "accuracy": compare.mean_std(accuracy),
@@ -127,12 +139,6 @@ def test_claims_are_judged_on_paired_seed_differences_with_a_confidence_interval
     first = checks[0]
     assert first["difference"] == pytest.approx(0.02) and first["interval"][0] > 0
     assert "95% CI" in first["detail"] and "over 5 seeds" in first["detail"]
-
-
-def test_the_interval_is_students_t_and_one_seed_separates_nothing() -> None:
-    mean, _, high = compare.paired_interval([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])
-    assert (mean, high - mean) == (2.0, pytest.approx(4.303 * 1.0 / 3**0.5, abs=1e-3))  # t(0.975, 2) = 4.303
-    assert compare.verdict(*compare.paired_interval([0.9], [0.1])[1:]) == "TIE"
 
 
 def test_fashion_mnist_without_the_package_names_it(monkeypatch, capsys, tmp_path) -> None:

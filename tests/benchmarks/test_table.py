@@ -64,16 +64,23 @@ def test_each_strategy_is_shown_on_its_papers_metric_with_the_claims_tally():
 
 def test_the_fedlora_row_shows_the_bases_probe_each_entry_and_the_papers_checks():
     entry = {"accuracy": {"mean": 0.8771, "std": 0.01}, "upload_bytes_per_round": 2048.0}
+    claim = "fedlora_at_least_homogeneous_lora_at_smallest_r"
     fedlora = {
         "probe_accuracy": 0.893,
         "pixel_probe_accuracy": 0.939,
         "fedlora/dirichlet-0.1": {"ft": entry, "lora_r2": entry},
-        "checks": {"base_transfers": True, "fedlora_at_least_homogeneous_lora_at_smallest_r": False},
+        "checks": {
+            "base_transfers": True,
+            claim: {"verdict": "TIE", "detail": "fedlora - lora_r2 = +0.004"},
+        },
     }
     row = next(line for line in render(results(fedlora=fedlora)).splitlines() if line.startswith("| fedlora"))
     assert "`probe_accuracy` 0.893 (pixels 0.939)" in row
     assert "fedlora/dirichlet-0.1 accuracy: ft 0.877 (2 KiB up), lora_r2 0.877 (2 KiB up)" in row
-    assert "base_transfers: PASS; fedlora_at_least_homogeneous_lora_at_smallest_r: FAIL" in row
+    assert f"base_transfers: PASS; {claim}: TIE (fedlora - lora_r2 = +0.004)" in row
+    fedlora["checks"][claim] = False  # recorded before the intervals
+    row = next(line for line in render(results(fedlora=fedlora)).splitlines() if line.startswith("| fedlora"))
+    assert f"{claim}: FAIL" in row
 
 
 def test_the_table_replaces_only_what_lies_between_the_markers():
