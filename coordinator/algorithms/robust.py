@@ -179,10 +179,30 @@ def cosine(update: Mapping[str, Tensor], reference: Mapping[str, Tensor]) -> flo
     return dot / (left * right)
 
 
+def full_rank_form(name: str, value: Tensor) -> tuple[str, Tensor]:
+    """A layer's update under the name and shape a factor pair's A @ B has (:func:`dense`): a dense
+    ``X.weight`` of a linear layer becomes ``X``, a square-kernel convolution's ``X.weight`` also its
+    (C_out k, C_in k) matrix; other tensors are left as they are.
+
+    So a full-rank device's ``conv2.weight`` and a low-rank device's ``conv2`` meet in one sketch: sketched under
+    their own names, the update of FedHM's largest layers was compared only between devices of like rank, and
+    on a mixed-rank fleet every cosine between levels was read from the small unfactorized layers alone.
+    """
+    square = value.dim() == 2 or (value.dim() == 4 and value.shape[2] == value.shape[3])  # what FedHM factorizes
+    if name.endswith(".weight") and square:
+        return name.removesuffix(".weight"), weight_to_matrix(value)
+    return name, value
+
+
+def full_rank_forms(update: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Every layer of ``update`` in :func:`full_rank_form`."""
+    return dict(full_rank_form(name, value) for name, value in update.items())
+
+
 class DirectionReference:
     """The fleet's recent update direction, per layer: the sum of last round's accepted updates, each
-    scaled to unit norm (in a layer form the fleet uploads, e.g. FedHM's ``conv2`` factors and
-    ``conv2.weight`` side by side).
+    scaled to unit norm, in full-rank form (:func:`full_rank_form`: FedHM's ``conv2.weight`` and a low-rank
+    device's ``conv2`` factors add up under one name).
 
     Unit-scaled so that one update counts as one vote whatever its size: a large reversed update in
     the warm-up round (before the norm bound has a median) cannot turn the reference around. It
@@ -200,11 +220,11 @@ class DirectionReference:
             self.reference, self._sum = self._sum, {}
 
     def add(self, update: Mapping[str, Tensor]) -> None:
-        """Count one accepted update (:func:`dense_updates`) as one unit vote."""
+        """Count one accepted update (:func:`dense_updates`) as one unit vote, in its full-rank form."""
         norm = total_norm(update.values())
         if norm == 0 or not math.isfinite(norm):
             return
-        for name, value in update.items():
+        for name, value in full_rank_forms(update).items():
             unit = value.to(torch.float32) / norm
             if name not in self._sum:
                 self._sum[name] = unit
@@ -212,8 +232,8 @@ class DirectionReference:
                 self._sum[name] += unit
 
     def cosine(self, update: Mapping[str, Tensor]) -> float | None:
-        """The update's cosine with the reference (:func:`cosine`), or None without one."""
-        return cosine(update, self.reference) if self.reference else None
+        """The update's cosine with the reference (:func:`cosine`, in full-rank form), or None without one."""
+        return cosine(full_rank_forms(update), self.reference) if self.reference else None
 
 
 SKETCH_SIZE = 4096
@@ -255,21 +275,6 @@ def _draw_hashes(key: str, numel: int, size: int) -> tuple[Tensor, Tensor]:
 _hashes = _HashTables()
 
 
-def full_rank_form(name: str, value: Tensor) -> tuple[str, Tensor]:
-    """A layer's update under the name and shape a factor pair's A @ B has (:func:`dense`): a dense
-    ``X.weight`` of a linear layer becomes ``X``, a square-kernel convolution's ``X.weight`` also its
-    (C_out k, C_in k) matrix; other tensors are left as they are.
-
-    So a full-rank device's ``conv2.weight`` and a low-rank device's ``conv2`` meet in one sketch: sketched under
-    their own names, the update of FedHM's largest layers was compared only between devices of like rank, and
-    on a mixed-rank fleet every cosine between levels was read from the small unfactorized layers alone.
-    """
-    square = value.dim() == 2 or (value.dim() == 4 and value.shape[2] == value.shape[3])  # what FedHM factorizes
-    if name.endswith(".weight") and square:
-        return name.removesuffix(".weight"), weight_to_matrix(value)
-    return name, value
-
-
 def sketch(update: Mapping[str, Tensor], size: int = SKETCH_SIZE) -> Tensor:
     """A CountSketch (Charikar et al. 2002) of the update scaled to unit norm: ``size`` numbers whose dot
     products estimate the cosines of the full updates, so a round keeps one small vector per device.
@@ -282,7 +287,7 @@ def sketch(update: Mapping[str, Tensor], size: int = SKETCH_SIZE) -> Tensor:
     out = torch.zeros(size, dtype=torch.float64)
     if norm == 0 or not math.isfinite(norm):
         return out
-    for name, value in (full_rank_form(name, value) for name, value in update.items()):
+    for name, value in full_rank_forms(update).items():
         bucket, sign = _hashes.get(f"{name}:{tuple(value.shape)}", value.numel(), size)
         out.index_add_(0, bucket, value.reshape(-1).to(torch.float64) * sign / norm)
     return out

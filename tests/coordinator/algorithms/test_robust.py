@@ -188,6 +188,17 @@ def test_a_full_rank_weight_and_a_factor_pair_of_the_same_layer_meet_in_the_sket
     assert float(sketch(full) @ sketch(low)) == pytest.approx(true, abs=0.05)  # not just conv.bias's share
 
 
+def test_the_direction_reference_adds_full_rank_and_low_rank_updates_of_a_layer_together() -> None:
+    direction = torch.randn(32, 16, 3, 3, generator=torch.Generator().manual_seed(13))
+    reference = DirectionReference()
+    reference.add(as_uploaded(2 * direction, None, seed=1))
+    reference.next_round()
+    low = as_uploaded(2 * direction, 12, seed=2)
+    assert set(reference.reference) == {"conv", "conv.bias"}  # one sum per layer, whatever rank voted
+    assert reference.cosine(low) == pytest.approx(float(sketch(low) @ sketch(reference.reference)), abs=0.05)
+    assert reference.cosine(low) > 0.5 and reference.cosine({k: -v for k, v in low.items()}) < -0.5
+
+
 def test_a_mixed_rank_fleet_in_its_upload_forms_agrees_across_levels() -> None:
     direction = torch.randn(32, 16, 3, 3, generator=torch.Generator().manual_seed(12))
     ranks = [None, None, None, 24, 24, 24, 12, 12, 12, 12]  # FedHM at 1, 1/2 and 1/4 of a 48-rank layer
