@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from coordinator.cli.readiness import start_problems
-from coordinator.config.fleet import FleetError, load_fleet
+from coordinator.config.fleet import Device, Fleet, FleetError, load_fleet
 from coordinator.planning.planner import fmt_bytes, plan_fleet
 from profiles.catalog import ENV_VAR, ProfileError, load_catalog
 
@@ -60,9 +60,15 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
         "--json",
         action="store_true",
         help="print a JSON list of {device, profile, ratio, model, trainable_params, est_memory_bytes, "
-        "memory_budget_bytes, est_round_seconds, deadline_seconds, reason}",
+        "memory_budget_bytes, est_round_seconds, deadline_seconds, reason, samples, batch_size, local_epochs}",
     )
     parser.set_defaults(handler=_plan)
+
+
+def _sized(fleet: Fleet, device: Device) -> dict[str, int]:
+    """What the plan sized ``device`` at: the samples, batch and epochs its kit and assignments carry to it."""
+    train = fleet.training.for_device(device, seed=0)
+    return {"samples": fleet.samples_for(device), "batch_size": train.batch_size, "local_epochs": train.epochs}
 
 
 def _profiles(args: argparse.Namespace) -> int:
@@ -132,7 +138,8 @@ def _plan(args: argparse.Namespace) -> int:
         return 1
     rows = plan_fleet(fleet, catalog)
     if args.json:
-        print(json.dumps([row.as_dict() for row in rows], indent=2))
+        sizes = {device.id: _sized(fleet, device) for device in fleet.devices}
+        print(json.dumps([row.as_dict() | sizes[row.device] for row in rows], indent=2))
         return 0
     from rich.console import Console
     from rich.table import Table

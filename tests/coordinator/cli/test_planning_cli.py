@@ -29,6 +29,9 @@ PLAN_KEYS = {
     "est_round_seconds",
     "deadline_seconds",
     "reason",
+    "samples",
+    "batch_size",
+    "local_epochs",
 }
 
 
@@ -39,6 +42,11 @@ def test_plan_json_is_one_object_per_device_with_the_documented_keys(capsys: pyt
     assert all(set(row) == PLAN_KEYS for row in rows)
     assert all(row["ratio"] in {None, 1.0, 0.5, 0.25, 0.125} for row in rows)
     assert all(row["reason"] for row in rows)
+    fleet, _ = load_fleet(EXAMPLE)  # the sizes each device's kit and assignments carry
+    devices = {device.id: device for device in fleet.devices}
+    assert all(row["samples"] == fleet.samples_for(devices[row["device"]]) for row in rows)
+    assert all(row["batch_size"] == fleet.training.for_device(devices[row["device"]], 0).batch_size for row in rows)
+    assert {row["batch_size"] for row in rows} == {32, 16}  # an override shows
 
 
 def test_plan_table_names_every_device(capsys: pytest.CaptureFixture[str]) -> None:
