@@ -123,7 +123,7 @@ def test_frames_on_made_up_sub_topics_leave_no_state_behind(fresh_mosquitto) -> 
         mallory.publish([(mallory.topics.up, encode(manifest))])
         _settle()
         assert coordinator.receiving() == [manifest.transfer]
-        assert len(coordinator._incoming) == 1
+        assert len(coordinator.receivers.peers) == 1
     finally:
         mallory.close()
         coordinator.stop()

@@ -121,7 +121,7 @@ class FaultySession(Session):
         fault = index % 5 if first else None
         if fault == 0:
             if windowed:
-                self._settle_window(len(data))  # lost on the wire after the broker took it
+                self.window.settle(len(data))  # lost on the wire after the broker took it
             return None
         if fault == 1:
             super()._publish(topic, data, retain, transfer)  # duplicated
@@ -148,7 +148,7 @@ def test_loss_duplication_reordering_and_corruption_are_all_repaired(mosquitto, 
         coord.send(topics.down, payload).wait(60)
         assert inbox.arrived.wait(10)
         assert [c.data == payload for _, c in inbox.payloads] == [True]
-        stats = dev._incoming[topics.up].stats  # keyed by where its transfers are answered
+        stats = dev.receivers.peers[topics.up].stats  # keyed by where its transfers are answered
         assert stats.corrupt >= 8 and stats.duplicates >= 8 and stats.nacks >= 1
     finally:
         coord.stop()
@@ -259,7 +259,7 @@ def test_packets_queued_on_the_network_thread_go_out_without_waking_it_through_p
     coord = coordinator_session(mosquitto.fleet, mosquitto.address(), chunk_size=64 * 1024)
     dev.start()
     coord.start()
-    pair, wakes = dev._client._sockpairW, []
+    pair, wakes = dev.connection.client._sockpairW, []
 
     class Recorder:  # paho writes a byte here to wake its network thread out of select()
         def send(self, data: bytes) -> int:
@@ -269,7 +269,7 @@ def test_packets_queued_on_the_network_thread_go_out_without_waking_it_through_p
         def __getattr__(self, name: str) -> object:
             return getattr(pair, name)
 
-    dev._client._sockpairW = Recorder()
+    dev.connection.client._sockpairW = Recorder()
     try:
         payload = os.urandom(8 * 64 * 1024)
         coord.send(topics.down, payload).wait(30)  # each chunk PUBACKed by the device's network thread
@@ -406,7 +406,7 @@ def test_session_sockets_send_small_packets_without_waiting_for_nagle(mosquitto)
     coord, dev, _inbox, _topics = pair(mosquitto)
     try:
         for session in (coord, dev):
-            assert session._client.socket().getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            assert session.connection.client.socket().getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
     finally:
         coord.stop()
         dev.stop()
@@ -414,7 +414,7 @@ def test_session_sockets_send_small_packets_without_waiting_for_nagle(mosquitto)
 
 def test_uploads_are_verified_once_per_chunk_on_the_hashing_pool_and_the_seal_waits_for_them(mosquitto, monkeypatch):
     # paho's thread reads on while the pool hashes; a seal that overtook its chunks would nack them for nothing.
-    from device_agent.wire import session as session_module
+    from device_agent.wire import receiving as receiving_module
 
     hashed_on: list[str] = []
 
@@ -423,7 +423,7 @@ def test_uploads_are_verified_once_per_chunk_on_the_hashing_pool_and_the_seal_wa
         time.sleep(0.02)  # hashing slower than the link: the seal arrives while chunks wait for the pool
         return hashlib.sha256(data).digest() == digest
 
-    monkeypatch.setattr(session_module, "chunk_is_intact", slow_check)
+    monkeypatch.setattr(receiving_module, "chunk_is_intact", slow_check)
     inbox = Inbox()
     coord = coordinator_session(mosquitto.fleet, mosquitto.address(), on_payload=inbox.on_payload).start()
     dev, topics = device_session(mosquitto.fleet, "dev-a", mosquitto.address("dev-a"))
@@ -444,7 +444,7 @@ def test_uploads_are_verified_once_per_chunk_on_the_hashing_pool_and_the_seal_wa
 
 def test_a_manifest_waits_for_its_chunks_only_so_long_then_goes_on(mosquitto, monkeypatch, caplog):
     # A hashing pool that stopped keeping up must not stop the network thread's reading for good.
-    from device_agent.wire import session as session_module
+    from device_agent.wire import receiving as receiving_module
 
     release = threading.Event()
 
@@ -452,8 +452,8 @@ def test_a_manifest_waits_for_its_chunks_only_so_long_then_goes_on(mosquitto, mo
         release.wait(10)
         return hashlib.sha256(data).digest() == digest
 
-    monkeypatch.setattr(session_module, "chunk_is_intact", stuck_check)
-    monkeypatch.setattr(session_module, "AWAIT_CHUNKS_S", 0.3)
+    monkeypatch.setattr(receiving_module, "chunk_is_intact", stuck_check)
+    monkeypatch.setattr(receiving_module, "AWAIT_CHUNKS_S", 0.3)
     inbox = Inbox()
     coord = coordinator_session(mosquitto.fleet, mosquitto.address(), on_payload=inbox.on_payload).start()
     dev, topics = device_session(mosquitto.fleet, "dev-a", mosquitto.address("dev-a"), chunk_size=64 * 1024)
@@ -546,15 +546,15 @@ def test_an_idle_session_s_timer_sleeps_until_a_transfer_starts_and_repairs_it_a
     tick = dev._tick
     dev._tick = lambda now: (ticks.append(now), tick(now))
     try:
-        assert _until(lambda: dev._idle and coord._idle), "the sessions never went idle"
+        assert _until(lambda: dev.timer.idle and coord.timer.idle), "the sessions never went idle"
         ticks.clear()
         time.sleep(1.0)
         assert ticks == []  # 10 ticks at tick_s if it kept ticking while idle
         payload = os.urandom(300_000)
         coord.send(topics.down, payload).wait(5)
         assert inbox.arrived.wait(5) and inbox.payloads[0][1].data == payload
-        assert coord.lost and dev._incoming[topics.up].stats.nacks >= 1 and ticks
-        assert _until(lambda: dev._idle and coord._idle), "the sessions stayed busy after the transfer"
+        assert coord.lost and dev.receivers.peers[topics.up].stats.nacks >= 1 and ticks
+        assert _until(lambda: dev.timer.idle and coord.timer.idle), "the sessions stayed busy after the transfer"
     finally:
         coord.stop()
         dev.stop()
@@ -563,10 +563,10 @@ def test_an_idle_session_s_timer_sleeps_until_a_transfer_starts_and_repairs_it_a
 def test_an_idle_connection_s_network_thread_wakes_at_a_quarter_of_its_keepalive(fresh_mosquitto):
     coord, dev, inbox, topics = pair(fresh_mosquitto, keepalive_s=40)
     wakes = []
-    loop_misc = dev._client.loop_misc
-    dev._client.loop_misc = lambda: (wakes.append(time.monotonic()), loop_misc())[1]
+    loop_misc = dev.connection.client.loop_misc
+    dev.connection.client.loop_misc = lambda: (wakes.append(time.monotonic()), loop_misc())[1]
     try:
-        assert dev._client.idle_s == 10.0 and coord._client.idle_s == 10.0
+        assert dev.connection.client.idle_s == 10.0 and coord.connection.client.idle_s == 10.0
         time.sleep(0.5)  # past the connect's packets
         wakes.clear()
         time.sleep(2.5)
@@ -598,7 +598,7 @@ def test_a_timer_that_finds_a_shaped_link_pumping_waits_for_its_next_tick_instea
     pump = dev._pump
     dev._pump = lambda retry=True: (pumps.append(retry), pump(retry))[1]
     try:
-        assert _until(lambda: dev._idle), "the device session never went idle"
+        assert _until(lambda: dev.timer.idle), "the device session never went idle"
         dev.send(topics.up, os.urandom(8 * 64 * 1024)).wait(30)
         assert inbox.arrived.wait(10)
         assert len(pumps) < 50  # the first send pumps; the timer tries once per tick (0.2 s), not thousands of times
@@ -650,8 +650,8 @@ def test_the_timer_polls_only_the_peers_with_a_transfer_on_its_way(fresh_mosquit
         sending = threading.Thread(target=lambda: slow.send(topics_b.up, os.urandom(4 * 64 * 1024)))
         sending.start()
         assert _until(lambda: coord.receiving()), "dev-b's upload never opened"
-        polls = {key: [] for key in coord._incoming}
-        for key, receiver in coord._incoming.items():
+        polls = {key: [] for key in coord.receivers.peers}
+        for key, receiver in coord.receivers.peers.items():
             poll = receiver.poll
             receiver.poll = lambda now, poll=poll, key=key: (polls[key].append(now), poll(now))[1]
         time.sleep(0.6)
@@ -659,7 +659,7 @@ def test_the_timer_polls_only_the_peers_with_a_transfer_on_its_way(fresh_mosquit
         held.set()
         sending.join(10)
         assert _until(lambda: len(inbox.payloads) == 2)
-        assert _until(lambda: coord._idle and not coord.receiving())
+        assert _until(lambda: coord.timer.idle and not coord.receiving())
     finally:
         held.set()
         for session in (coord, done, slow):
