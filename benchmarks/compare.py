@@ -481,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         strategies = [s for s in strategies if s not in pretrained]
     torch.set_num_threads(1)
     arch = args.arch or DEFAULT_ARCH[args.dataset]
+    # Taken once, before the first cell: the tree a long run started from, not whatever it is when it ends.
+    provenance = describe()
     if args.scenario == "fedlora":
         other = [s for s in strategies if s not in fine_tuning([s])]
         if args.strategies is not None and other:
@@ -498,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         except (DatasetError, CacheMismatch) as error:
             print(f"fedlora: {error}", file=sys.stderr)
             return 2
-        print(json.dumps(report | {"provenance": describe()}, indent=2) if args.json else fedlora.table(report))
+        print(json.dumps(report | {"provenance": provenance}, indent=2) if args.json else fedlora.table(report))
         return 0
     train = TrainConfig(epochs=args.epochs, batch_size=32, lr=0.05)
     load = partial(load_data, args.dataset, args.train_samples, args.test_samples)
@@ -519,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
             "train": train.model_dump(),
         }
         try:
-            cache = CellCache(args.cache, config, describe(), args.allow_other_commit)
+            cache = CellCache(args.cache, config, provenance, args.allow_other_commit)
         except (CacheMismatch, OSError) as error:
             print(f"--cache: {error}", file=sys.stderr)
             return 2
@@ -532,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps(
                 results
                 | {"dataset": args.dataset, "arch": arch, "paper_metric": PAPER_METRIC, "checks": checks}
-                | {"provenance": describe()},
+                | {"provenance": provenance},
                 indent=2,
             )
         )

@@ -2,6 +2,7 @@
 the README's table from that: the one command behind every performance figure in the README.
 
     python -m benchmarks.suite [--only transport,export] [--results benchmarks/results.json] [--readme README.md]
+    python -m benchmarks.suite --record NAME out.json "the command that wrote out.json"
 
 Each benchmark runs in its own process (its imports and threads do not leak into the next) with the
 options below, which keep it to a few minutes on a 2-core machine; the README says what the
@@ -184,6 +185,32 @@ def run_suite(names: list[str], results_path: Path, readme: Path | None, timeout
     return results
 
 
+def record(name: str, output: Path, command: str, results_path: Path, readme: Path | None) -> dict[str, Any]:
+    """Keep a run made outside the suite (a long resumed ``compare``, say) as entry ``name``: its JSON
+    ``output`` must carry the ``provenance`` it ran under (commit, dirty flag, CPU, torch), which becomes
+    the entry's machine; the date is when it is recorded. A result without provenance is refused: its
+    figures could not be told from another commit's or another CPU's."""
+    try:
+        result = json.loads(output.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BenchmarkFailed(f"--record {name}: cannot read {output} as JSON ({exc})") from None
+    provenance = result.pop("provenance", None) if isinstance(result, dict) else None
+    if not isinstance(provenance, dict) or "commit" not in provenance:
+        raise BenchmarkFailed(
+            f"--record {name}: {output} carries no provenance (commit, CPU, torch); record the JSON of a "
+            "benchmark that writes it (benchmarks.compare --json does)"
+        )
+    results = load(results_path)
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    device = "cuda" if provenance.get("gpu") else "cpu"
+    results["benchmarks"][name] = {"command": command, "result": result, "machine": provenance}
+    results["benchmarks"][name] |= {"device": device, "date": date}
+    results_path.write_text(json.dumps(results, indent=1) + "\n")
+    if readme is not None:
+        readme.write_text(table.replace_table(readme.read_text(), table.render(results)))
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     known = [b.name for b in SUITE]
     parser = argparse.ArgumentParser(
@@ -195,13 +222,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", type=Path, default=Path("README.md"), help="table target (default: %(default)s)")
     parser.add_argument("--no-readme", action="store_true", help="only write the results file")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per benchmark (default: %(default)s)")
+    parser.add_argument(
+        "--record",
+        nargs=3,
+        metavar=("NAME", "JSON_FILE", "COMMAND"),
+        help="instead of running: keep JSON_FILE (a run's --json output, with its provenance) as entry NAME, "
+        "run by COMMAND",
+    )
     args = parser.parse_args(argv)
+    readme = None if args.no_readme else args.readme
+    if args.record:
+        name, output, command = args.record
+        try:
+            record(name, Path(output), command, args.results, readme)
+        except (BenchmarkFailed, table.TableError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        return 0
     names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else known
     unknown = sorted(set(names) - set(known))
     if unknown:
         parser.error(f"unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(known)}")
     try:
-        run_suite(names, args.results, None if args.no_readme else args.readme, args.timeout)
+        run_suite(names, args.results, readme, args.timeout)
     except (BenchmarkFailed, table.TableError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

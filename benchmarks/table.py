@@ -185,6 +185,7 @@ def _bad_inputs(result: dict[str, Any]) -> list[str]:
 FIGURES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "emulation": _emulation,
     "compare": _compare,
+    "compare_partial": _compare,
     "fedlora": _fedlora,
     "emulation_scale": _scale,
     "emulation_flower": _scale,
@@ -198,9 +199,11 @@ FIGURES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
 
 def machine_line(machine: dict[str, Any]) -> str:
     gpu = machine.get("gpu") or "no GPU"
+    commit = machine.get("commit")
+    source = f"commit {commit[:7]}{' (dirty)' if machine.get('dirty') else ''}" if commit else "commit not recorded"
     return (
         f"{machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, {fmt(machine.get('ram_gib', '?'))} GiB RAM, "
-        f"torch {machine.get('torch', '?')}, {gpu}"
+        f"torch {machine.get('torch', '?')}, {gpu}, {source}"
     )
 
 

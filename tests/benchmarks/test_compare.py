@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from benchmarks import compare
+from benchmarks.machine import source
 from coordinator.rounds.engine import RoundEngine
 from coordinator.strategies import STRATEGIES
 from device_agent.clients.spec import TrainConfig
@@ -99,6 +100,7 @@ def test_participation_sets_how_many_fedlora_clients_a_round_asks(monkeypatch, c
     monkeypatch.setattr(compare.fedlora, "report", lambda bed, *args: beds.append(bed) or report)
     assert compare.main(["--scenario", "fedlora", "--participation", "0.3", "--json"]) == 0
     assert beds[0].participation == 0.3 and beds[0].clients == compare.fedlora.Bed().clients
+    assert json.loads(capsys.readouterr().out)["provenance"]["commit"] == source()["commit"]  # what it ran at
     assert compare.main(["--scenario", "domains", "--participation", "0.3"]) == 2
     assert "--participation is the fedlora scenario's" in capsys.readouterr().err
     assert compare.main(["--scenario", "fedlora", "--participation", "1.5"]) == 2

@@ -93,3 +93,43 @@ def test_indented_json_and_json_after_progress_lines_are_both_read(stdout):
 def test_output_without_a_json_object_is_refused():
     with pytest.raises(suite.BenchmarkFailed, match="costmodel printed no JSON object"):
         suite.parse_output("costmodel", "done\n[1, 2]\n")
+
+
+def test_a_run_made_outside_the_suite_is_recorded_with_the_provenance_it_carries(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{BEGIN}\nstale\n{END}\n")
+    results_path = tmp_path / "results.json"
+    output = tmp_path / "out.json"
+    provenance = CPU_HOST | {"commit": "0123456789abcdef", "dirty": False}
+    output.write_text(json.dumps({"hetero-devices/dirichlet-0.5": {}, "checks": [], "provenance": provenance}))
+    command = "python -m benchmarks.compare --json --seeds 5"
+
+    assert (
+        main(
+            [
+                "--record",
+                "compare_partial",
+                str(output),
+                command,
+                "--results",
+                str(results_path),
+                "--readme",
+                str(readme),
+            ]
+        )
+        == 0
+    )
+
+    entry = json.loads(results_path.read_text())["benchmarks"]["compare_partial"]
+    assert entry["machine"] == provenance and entry["command"] == command
+    assert "provenance" not in entry["result"] and entry["device"] == "cpu" and entry["date"].endswith("UTC")
+    assert "| compare_partial | `python -m benchmarks.compare --json --seeds 5`" in readme.read_text()
+    assert "commit 0123456" in readme.read_text()
+
+
+def test_a_run_without_provenance_is_not_recorded(tmp_path, capsys):
+    output = tmp_path / "out.json"
+    output.write_text(json.dumps({"accuracy": 0.9}))
+    results_path = tmp_path / "results.json"
+    assert main(["--record", "x", str(output), "cmd", "--results", str(results_path), "--no-readme"]) == 1
+    assert "carries no provenance" in capsys.readouterr().err and not results_path.exists()

@@ -2,7 +2,8 @@ import pytest
 
 from benchmarks.table import BEGIN, END, TableError, render, replace_table
 
-MACHINE = {"cpu": "Test CPU", "cores": 2, "ram_gib": 15.6, "torch": "2.13.0", "gpu": None}
+MACHINE = {"cpu": "Test CPU", "cores": 2, "ram_gib": 15.6, "torch": "2.13.0", "gpu": None, "commit": "8b6ad29e0f"}
+MACHINE |= {"dirty": False}
 
 
 def results(**benchmarks: dict) -> dict:
@@ -26,8 +27,16 @@ def test_a_known_benchmark_shows_its_headlines_with_command_and_machine():
     assert "`fan_in_ratio` 0.857" in row
     assert "chunks" not in row  # not a headline of transport
     assert "`python -m benchmarks.transport --json`" in row
-    assert "Test CPU, 2 cores, 15.6 GiB RAM, torch 2.13.0, no GPU; cpu; 2026-11-23 15:00 UTC" in row
+    assert "Test CPU, 2 cores, 15.6 GiB RAM, torch 2.13.0, no GPU, commit 8b6ad29; cpu; 2026-11-23 15:00 UTC" in row
     assert table.startswith(BEGIN) and table.endswith(END)
+
+
+def test_the_machine_column_says_the_commit_and_a_dirty_tree_or_that_none_was_recorded():
+    entries = results(transport={"fan_in_ratio": 0.8})
+    entries["benchmarks"]["transport"]["machine"] = MACHINE | {"dirty": True}
+    assert "no GPU, commit 8b6ad29 (dirty); cpu" in render(entries)
+    entries["benchmarks"]["transport"]["machine"] = MACHINE | {"commit": None, "dirty": None}
+    assert "no GPU, commit not recorded; cpu" in render(entries)
 
 
 def test_an_unknown_benchmark_shows_every_top_level_scalar():
