@@ -26,6 +26,7 @@ from device_agent.wire.messages import Error, Message
 from device_agent.wire.session import Session, SessionConfig
 from device_agent.wire.topics import DeviceTopics
 from tests.paths import REPO_ROOT
+from tests.processes import stop_processes
 
 pytestmark = pytest.mark.slow
 
@@ -118,14 +119,7 @@ class Fleet:
         raise AssertionError(f"timed out waiting for {what}\n{logs}")
 
     def close(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes:
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_processes(self.processes, timeout=15)
         self.broker.stop()
 
 

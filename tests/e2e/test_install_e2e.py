@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import shlex
-import signal
 import site
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import pytest
 
 from coordinator.transport.broker.mosquitto import find_mosquitto
 from tests.coordinator.provision.kit_fixtures import make_fleet, provision_into
+from tests.processes import stop_processes
 
 pytestmark = pytest.mark.slow
 
@@ -116,11 +116,4 @@ def test_a_kit_installs_and_trains_over_tls_with_the_rest_of_the_fleet() -> None
         assert "a: online" in output
         print(f"device a: peak RSS while training {peak_rss / 2**20:.0f} MiB")
     finally:
-        for process in processes.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in processes.values():
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_processes(processes.values(), timeout=20)

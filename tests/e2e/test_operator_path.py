@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,7 @@ from coordinator.transport.broker.mosquitto import find_mosquitto
 from device_agent.data.datasets import FASHION_MNIST, FASHION_MNIST_DIR, load_dataset
 from export.targets import FASHION_MNIST_CLASSES
 from tests.e2e.conftest import run_torchless
+from tests.processes import stop_processes, wait_for_text
 
 pytestmark = pytest.mark.slow
 
@@ -65,14 +65,6 @@ def command(home: Path, *args: str, timeout: float = 300) -> subprocess.Complete
     return result
 
 
-def wait_for(log: Path, text: str, process: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in log.read_text():
-        assert process.poll() is None, f"exited ({process.returncode}) before {text!r}:\n{log.read_text()[-4000:]}"
-        assert time.monotonic() < deadline, f"no {text!r} in {timeout:g} s:\n{log.read_text()[-4000:]}"
-        time.sleep(0.2)
-
-
 def test_provision_run_stop_resume_export_and_infer_without_torch(operator_home: Path, torchless_python: Path) -> None:
     if find_mosquitto() is None:
         pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
@@ -104,7 +96,7 @@ def test_provision_run_stop_resume_export_and_infer_without_torch(operator_home:
             agents[device] = spawn(device, "device_agent", "run", "--kit", f"{device}/{device}")[1]
 
         first, first_log = spawn("coordinator-1", *start)
-        wait_for(first_log, "round 1 closed", first)
+        wait_for_text(first_log, "round 1 closed", first, timeout=240)
         first.send_signal(signal.SIGINT)
         first.wait(timeout=60)
         stopped = first_log.read_text()
@@ -130,14 +122,7 @@ def test_provision_run_stop_resume_export_and_infer_without_torch(operator_home:
             last_start = next(line for line in text.splitlines() if f"{device}: round {ROUNDS}: training at" in line)
             assert "s at the last round's pace" in last_start, last_start  # the time it expects, from round 1
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_processes(processes)
 
     run = f"runs/{run_dir.name}"
     merged = command(home, "coordinator", "export", run, "--merged", "--out", "merged.onnx", "--no-latency")

@@ -10,7 +10,6 @@ the round's deadline.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import yaml
 
 from tests.coordinator.one_device_fleet import coordinator_command, device_settings, one_device_fleet
 from tests.paths import REPO_ROOT
+from tests.processes import stop_processes
 from tests.program_bugs import BUG
 from tests.transport_fixtures import TestBroker
 
@@ -55,14 +55,7 @@ def test_a_program_raising_type_error_fails_its_round_and_the_agent_trains_the_n
         assert coordinator.returncode == 1, coordinator_log.read_text()[-3000:]
         assert "1 of 2 rounds failed" in coordinator_log.read_text()
     finally:
-        for process in (agent, coordinator):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in (agent, coordinator):
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_processes((agent, coordinator))
 
     rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first, second = (r["devices"][DEVICE] for r in rounds)

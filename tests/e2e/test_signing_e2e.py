@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from device_agent.wire.session import Session, SessionConfig
 from device_agent.wire.topics import DeviceTopics
 from device_agent.wire.transfer import make_manifest, new_transfer_id
 from tests.paths import REPO_ROOT
+from tests.processes import stop_processes
 
 pytestmark = pytest.mark.slow
 
@@ -134,14 +134,7 @@ def test_a_signing_fleet_accepts_its_devices_and_refuses_a_forger(tmp_path: Path
         coordinator.wait(timeout=90)
         assert coordinator.returncode == 0, logs()
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_processes(processes, timeout=15)
         broker.stop()
 
     assert "does not verify with d1's key" in refused["wrong_key"].detail, logs()

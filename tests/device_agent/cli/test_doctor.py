@@ -31,6 +31,7 @@ from device_agent.wire.session import BrokerAddress
 from device_agent.wire.topics import DeviceTopics
 from tests.coordinator.provision.kit_fixtures import kit_broker, make_fleet, provision_into
 from tests.paths import REPO_ROOT
+from tests.processes import wait_for_text
 
 
 @pytest.fixture(scope="module")
@@ -139,14 +140,6 @@ def _copy(kit: Path, to: Path) -> Path:
     return to
 
 
-def _wait_for(log: Path, text: str, process: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in log.read_text():
-        assert process.poll() is None, f"the agent exited ({process.returncode}):\n{log.read_text()}"
-        assert time.monotonic() < deadline, f"no {text!r} in {timeout} s:\n{log.read_text()}"
-        time.sleep(0.1)
-
-
 @pytest.mark.slow
 def test_doctor_on_another_copy_of_the_kit_leaves_the_online_agent_alone(
     kit: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -163,7 +156,7 @@ def test_doctor_on_another_copy_of_the_kit_leaves_the_online_agent_alone(
             env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
         )
     try:
-        _wait_for(log, "connected to mqtts://localhost", agent)
+        wait_for_text(log, "connected to mqtts://localhost", agent)
         code, out = _doctor(capsys, "--kit", str(second))
         assert code == 0, out
         assert "SKIP  login accepted         skipped: an agent for localhost:" in out
@@ -176,7 +169,7 @@ def test_doctor_on_another_copy_of_the_kit_leaves_the_online_agent_alone(
         # What the check prevents: doctor's login, forced, takes the agent's place on the broker.
         code, out = _doctor(capsys, "--kit", str(second), "--force")
         assert code == 0 and "PASS  login accepted" in out, out
-        _wait_for(log, "disconnected from", agent, timeout=10)
+        wait_for_text(log, "disconnected from", agent, timeout=10)
     finally:
         agent.send_signal(signal.SIGINT)
         agent.wait(30)
@@ -203,7 +196,7 @@ def test_doctor_asks_the_broker_and_leaves_an_agent_on_another_machine_alone(
         )
     online = "PASS  agent online           yes: the broker says a's agent is online ("
     try:
-        _wait_for(log, "connected to mqtts://localhost", agent)
+        wait_for_text(log, "connected to mqtts://localhost", agent)
         for _ in range(2):  # the second asking still finds the agent online: the first one took nothing over
             code, out = _doctor(capsys, "--kit", str(second))
             assert code == 0, out
