@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from coordinator.cli.app import main as coordinator
+from coordinator.emulation.contract import check_contract
 from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.strategies import STRATEGIES, ModelSpec, build_strategy
 from device_agent.clients import PROGRAMS
@@ -26,7 +27,6 @@ from device_agent.common.registry import Registry, RegistryError
 from device_agent.data.datasets import load_dataset
 from device_agent.data.partition import PartitionSpec, client_shard
 from device_agent.training.optimizer import TrainConfig
-from tests.coordinator.strategies.test_contract import check_contract
 
 NAME = "fedprox_test"
 
