@@ -185,7 +185,9 @@ def run_suite(names: list[str], results_path: Path, readme: Path | None, timeout
     return results
 
 
-def record(name: str, output: Path, command: str, results_path: Path, readme: Path | None) -> dict[str, Any]:
+def record(
+    name: str, output: Path, command: str, results_path: Path, readme: Path | None, note: str | None = None
+) -> dict[str, Any]:
     """Keep a run made outside the suite (a long resumed ``compare``, say) as entry ``name``: its JSON
     ``output`` must carry the ``provenance`` it ran under (commit, dirty flag, CPU, torch), which becomes
     the entry's machine; the date is when it is recorded. A result without provenance is refused: its
@@ -204,7 +206,7 @@ def record(name: str, output: Path, command: str, results_path: Path, readme: Pa
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     device = "cuda" if provenance.get("gpu") else "cpu"
     results["benchmarks"][name] = {"command": command, "result": result, "machine": provenance}
-    results["benchmarks"][name] |= {"device": device, "date": date}
+    results["benchmarks"][name] |= {"device": device, "date": date} | ({"note": note} if note else {})
     results_path.write_text(json.dumps(results, indent=1) + "\n")
     if readme is not None:
         readme.write_text(table.replace_table(readme.read_text(), table.render(results)))
@@ -229,12 +231,13 @@ def main(argv: list[str] | None = None) -> int:
         help="instead of running: keep JSON_FILE (a run's --json output, with its provenance) as entry NAME, "
         "run by COMMAND",
     )
+    parser.add_argument("--note", help="with --record: what the entry is not (a partial run, reduced sizes)")
     args = parser.parse_args(argv)
     readme = None if args.no_readme else args.readme
     if args.record:
         name, output, command = args.record
         try:
-            record(name, Path(output), command, args.results, readme)
+            record(name, Path(output), command, args.results, readme, args.note)
         except (BenchmarkFailed, table.TableError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1

@@ -115,13 +115,15 @@ def test_a_run_made_outside_the_suite_is_recorded_with_the_provenance_it_carries
                 str(results_path),
                 "--readme",
                 str(readme),
+                "--note",
+                "partial: one scenario",
             ]
         )
         == 0
     )
 
     entry = json.loads(results_path.read_text())["benchmarks"]["compare_partial"]
-    assert entry["machine"] == provenance and entry["command"] == command
+    assert entry["machine"] == provenance and entry["command"] == command and entry["note"] == "partial: one scenario"
     assert "provenance" not in entry["result"] and entry["device"] == "cpu" and entry["date"].endswith("UTC")
     assert "| compare_partial | `python -m benchmarks.compare --json --seeds 5`" in readme.read_text()
     assert "commit 0123456" in readme.read_text()
