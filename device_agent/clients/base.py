@@ -9,6 +9,7 @@ spec's strategy names when it is defined; the server strategy names the program 
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import ClassVar
@@ -52,6 +53,13 @@ class ClientProgram(ABC):
 
     Spec: ClassVar[type[SpecBase]]
     model: nn.Module
+    reuse_model: ClassVar[bool | None] = None
+    """Whether a model given back after a round (see :mod:`.pool`) may be reused by the next program of its spec.
+
+    Reuse needs a :meth:`load` that writes every parameter and buffer: the default one does (add steps after it
+    in :meth:`after_load`, which keeps reuse). A program that overrides :meth:`load` says which it is
+    (``True``: it writes everything; ``False``: build a fresh model each round); left unsaid, the model is
+    built fresh and a warning names the program, instead of reuse silently turning off."""
 
     def __init_subclass__(cls, register: bool = True, **kwargs: object) -> None:
         """A program whose spec names its strategies is registered under each name: nothing else to edit.
@@ -59,6 +67,13 @@ class ClientProgram(ABC):
         ``class Double(ClientProgram, register=False)`` keeps a test double or a variant out of the registry.
         """
         super().__init_subclass__(**kwargs)
+        if cls.load is not ClientProgram.load and cls.reuse_model is None:
+            warnings.warn(
+                f"{cls.__qualname__} overrides ClientProgram.load without saying whether its model may be reused "
+                "across rounds: it is built fresh each round. Set reuse_model = True if load writes every parameter "
+                "and buffer, reuse_model = False to keep this, or put the extra steps in after_load() instead.",
+                stacklevel=2,
+            )
         if register and "Spec" in cls.__dict__:
             for name in literal_names(cls.Spec):
                 PROGRAMS.register(name, cls)
@@ -74,7 +89,7 @@ class ClientProgram(ABC):
         self.spec = spec
         self.local_classes: torch.Tensor | None = None
         self._pooled: Pooled | None = None
-        if type(self).load is ClientProgram.load:
+        if self._reuses_model():
             key = self._pool_key()
             reused = MODELS.take(key) if key is not None else None
             self._pooled = reused or Pooled.fresh(self._uninitialized(spec))
@@ -82,6 +97,11 @@ class ClientProgram(ABC):
         else:
             self.model = self.build_model(spec)
         self.load(tensors, local)
+        self.after_load(tensors, local)
+
+    @classmethod
+    def _reuses_model(cls) -> bool:
+        return cls.reuse_model if cls.reuse_model is not None else cls.load is ClientProgram.load
 
     def _pool_key(self) -> tuple[type, SpecBase] | None:
         """Models of the same program and spec are interchangeable once loaded; None: a spec that cannot key."""
@@ -131,6 +151,10 @@ class ClientProgram(ABC):
         state or a frozen base override this, never the set-up around it.
         """
         load_tensors(self.model, tensors)
+
+    def after_load(self, tensors: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor] | None) -> None:  # noqa: B027
+        """Steps after :meth:`load` (freezing a part, keeping a copy of what was received): overriding this, not
+        ``load``, keeps a reused model (see :attr:`reuse_model`)."""
 
     @classmethod
     @abstractmethod

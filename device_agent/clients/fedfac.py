@@ -21,6 +21,7 @@ from device_agent.models import build_model
 
 class FedFacProgram(ClientProgram):
     Spec: ClassVar[type[FedFacSpec]] = FedFacSpec
+    reuse_model: ClassVar[bool | None] = False  # its load is its own: a fresh model each round
     spec: FedFacSpec
 
     def load(self, tensors: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor] | None) -> None:

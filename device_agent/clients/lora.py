@@ -34,6 +34,7 @@ TARGETS = {"attn": ATTENTION_TARGETS, "attn_mlp": ATTENTION_TARGETS + MLP_TARGET
 
 class LoRAProgram(ClientProgram):
     Spec: ClassVar[type[LoRASpec]] = LoRASpec
+    reuse_model: ClassVar[bool | None] = False  # its load is its own: a fresh model each round
     spec: LoRASpec
 
     def load(self, tensors: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor] | None) -> None:

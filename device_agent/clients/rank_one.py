@@ -37,6 +37,7 @@ class RankOneProgram(ClientProgram):
     """Builds the rank-one model and adds lambda * ||mu||_1 (on the live mu) to the loss."""
 
     spec: RankOneSpec
+    reuse_model: ClassVar[bool | None] = False  # its load is its own: a fresh model each round
 
     def __init__(
         self,

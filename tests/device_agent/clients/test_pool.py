@@ -90,3 +90,31 @@ def test_hooked_or_frozen_models_are_not_kept_and_the_pool_holds_its_bound() -> 
     assert pool.give("k", Pooled.fresh(build_model("cnn")))
     assert not pool.give("k", Pooled.fresh(build_model("cnn")))  # over max_bytes
     assert pool.take("k") is not None and pool.take("k") is None and pool.take("other") is None
+
+
+def test_a_program_overriding_load_says_whether_its_model_is_reused_or_is_warned(pool: ModelPool) -> None:
+    # Overriding load used to turn the pool off without a word; after_load keeps it, an unsaid override warns.
+    fedavg = type(build_program(FEDAVG, build_model("cnn", 10, 1).state_dict()))
+
+    class Noted(fedavg, register=False):
+        def after_load(self, tensors, local):
+            self.received = sorted(tensors)
+
+    weights = build_model("cnn", 10, 1).state_dict()
+    noted = Noted(FEDAVG, weights)
+    assert noted.received == sorted(weights) and noted._pooled is not None  # after_load ran, on a pooled model
+    with pytest.warns(UserWarning, match="overrides ClientProgram.load without saying"):
+
+        class OwnLoad(fedavg, register=False):
+            def load(self, tensors, local):
+                super().load(tensors, local)
+
+    assert not OwnLoad._reuses_model()
+
+    class Writes(fedavg, register=False):
+        reuse_model = True
+
+        def load(self, tensors, local):
+            super().load(tensors, local)
+
+    assert Writes._reuses_model()

@@ -39,6 +39,7 @@ SPEC = FedFacSpec(strategy="fedfac", model=ModelSpec("linear", 3, 1, 2), level=1
 
 class Linear(ClientProgram, register=False):
     Spec = FedFacSpec
+    reuse_model = False  # its load writes nothing: the fresh model's own weights
 
     def __init__(self, spec, tensors, local=None):
         super().__init__(spec, tensors, local)
