@@ -321,6 +321,10 @@ def test_any_status_counts_as_the_heartbeat_and_a_silent_agent_still_beats(tmp_p
         for _ in range(10):  # a status every 0.15 s, as a device in the middle of a round says what it does
             agent._events.put(lambda: agent._set_state("training", "busy"))
             time.sleep(0.15)
+        deadline = time.monotonic() + 10  # the agent's thread sends the tenth after this loop put it
+        while sum(getattr(m, "detail", None) == "busy" for m in list(coordinator.heard.queue)) < 10:
+            assert time.monotonic() < deadline, "the agent never sent its ten statuses"
+            time.sleep(0.01)
         busy = [m for m in list(coordinator.heard.queue) if isinstance(m, Status)]
         time.sleep(1.0)  # silent: heartbeats again
         beats = [m for m in list(coordinator.heard.queue)[len(busy) :] if isinstance(m, Status)]
