@@ -59,7 +59,7 @@ import torch
 from benchmarks import fedlora
 from benchmarks.cell_cache import CacheMismatch, CellCache
 from benchmarks.machine import describe
-from benchmarks.stats import CONFIDENCE, last_rounds_mean, mean_std, paired_interval, verdict
+from benchmarks.stats import CONFIDENCE, interval_of, last_rounds_mean, mean_std, paired_interval, verdict
 from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.strategies import STRATEGIES, ModelSpec, build_strategy
 from coordinator.strategies.fedlora import FineTune
@@ -321,7 +321,7 @@ def _at_least(results: dict, setting: str, metric: str, name: str, baseline: str
     return {
         "verdict": verdict(low, high),
         "difference": mean,
-        "interval": [low, high],
+        "interval": interval_of(low, high),
         "detail": f"{name} - {baseline} = {mean:+.3f}, {CONFIDENCE:.0%} CI [{low:+.3f}, {high:+.3f}] over "
         f"{len(ours['seeds'])} seeds ({name} {ours['mean']:.3f}, {baseline} {theirs['mean']:.3f})",
     }

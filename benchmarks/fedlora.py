@@ -37,7 +37,7 @@ from safetensors.torch import load_file
 
 from benchmarks.cell_cache import CellCache
 from benchmarks.machine import describe
-from benchmarks.stats import CONFIDENCE, last_rounds_mean, mean_std, paired_interval, verdict
+from benchmarks.stats import CONFIDENCE, interval_of, last_rounds_mean, mean_std, paired_interval, verdict
 from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.run.pretrain import class_subset, fit_probe, linear_probe, pretrain, save_checkpoint
 from coordinator.strategies import STRATEGIES, ModelSpec, build_strategy
@@ -295,7 +295,7 @@ WITHIN = 0.02
 def _judged(ours: dict, theirs: dict, margin: float = 0.0) -> dict[str, Any]:
     """The paired interval of ``ours - theirs`` over seeds, judged against ``-margin``."""
     mean, low, high = paired_interval(ours["accuracy"]["seeds"], theirs["accuracy"]["seeds"])
-    return {"verdict": verdict(low + margin, high + margin), "difference": mean, "interval": [low, high]}
+    return {"verdict": verdict(low + margin, high + margin), "difference": mean, "interval": interval_of(low, high)}
 
 
 def checks(results: dict) -> dict[str, dict[str, Any]]:
@@ -331,8 +331,10 @@ def checks(results: dict) -> dict[str, dict[str, Any]]:
 
 
 def _detail(what: str, check: dict[str, Any]) -> str:
-    if check["interval"] is None:
+    if check["difference"] is None:
         return what
+    if check["interval"] is None:
+        return f"{what} = {check['difference']:+.3f}, one seed: no interval"
     low, high = check["interval"]
     return f"{what} = {check['difference']:+.3f}, {CONFIDENCE:.0%} CI [{low:+.3f}, {high:+.3f}]"
 

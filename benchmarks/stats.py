@@ -52,9 +52,15 @@ def paired_interval(
     return mean, mean - half, mean + half
 
 
+def interval_of(low: float, high: float) -> list[float] | None:
+    """The interval as JSON keeps it: None for one seed's infinite one (json.dumps would write Infinity,
+    which is not JSON)."""
+    return [low, high] if math.isfinite(low) and math.isfinite(high) else None
+
+
 def verdict(low: float, high: float) -> str:
     """PASS when the interval lies above zero, FAIL when below, TIE when it straddles zero."""
     return "PASS" if low > 0 else "FAIL" if high < 0 else "TIE"
 
 
-__all__ = ["CONFIDENCE", "LAST_ROUNDS", "last_rounds_mean", "mean_std", "paired_interval", "verdict"]
+__all__ = ["CONFIDENCE", "LAST_ROUNDS", "interval_of", "last_rounds_mean", "mean_std", "paired_interval", "verdict"]

@@ -44,6 +44,13 @@ def test_a_rank_that_uploads_too_much_never_carries_the_within_2_points_claim() 
     assert "no LoRA rank uploads <= 1/10" in lean["detail"]
 
 
+def test_one_seed_judges_nothing_and_its_json_has_no_infinite_interval() -> None:
+    above = checks({"fedlora": entry([0.9], 10.0), "lora_r2": entry([0.5], 10.0)})
+    claim = above["fedlora_at_least_homogeneous_lora_at_smallest_r"]
+    assert (claim["verdict"], claim["interval"]) == ("TIE", None)
+    assert claim["detail"] == "fedlora - lora_r2 = +0.400, one seed: no interval"
+
+
 def test_a_claim_whose_entries_did_not_run_is_left_out() -> None:
     assert checks({"ft": entry(FT, 1000.0)}) == {}
     assert checks({"fedlora": entry(FT, 10.0), "lora_r16": entry(FT, 10.0)}) == {}

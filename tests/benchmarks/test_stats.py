@@ -7,6 +7,8 @@ def test_the_interval_is_students_t_and_one_seed_separates_nothing() -> None:
     mean, _, high = stats.paired_interval([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])
     assert (mean, high - mean) == (2.0, pytest.approx(4.303 * 1.0 / 3**0.5, abs=1e-3))  # t(0.975, 2) = 4.303
     assert stats.verdict(*stats.paired_interval([0.9], [0.1])[1:]) == "TIE"
+    assert stats.interval_of(*stats.paired_interval([0.9], [0.1])[1:]) is None  # JSON has no Infinity
+    assert stats.interval_of(-0.5, 0.25) == [-0.5, 0.25]
 
 
 def test_pairing_seeds_separates_what_their_spread_hides() -> None:
