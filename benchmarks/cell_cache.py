@@ -45,14 +45,14 @@ class CellCache:
                 )
             written = (found.get("provenance") or {}) if isinstance(found, dict) else {}
             ours = provenance or {}
-            if not allow_other_commit and (written.get("commit"), written.get("dirty")) != (
-                ours.get("commit"),
-                ours.get("dirty"),
-            ):
+            same = ("commit", "dirty", "changes_sha256")
+            if not allow_other_commit and any(written.get(key) != ours.get(key) for key in same):
                 raise CacheMismatch(
                     f"{path} holds cells of commit {written.get('commit') or 'unknown'}"
                     f"{' (dirty)' if written.get('dirty') else ''}, this checkout is {ours.get('commit') or 'unknown'}"
-                    f"{' (dirty)' if ours.get('dirty') else ''}: resuming would mix two versions of the code; "
+                    f"{' (dirty)' if ours.get('dirty') else ''}"
+                    f"{' with other uncommitted changes' if written.get('commit') == ours.get('commit') else ''}"
+                    ": resuming would mix two versions of the code; "
                     "move it away, or --allow-other-commit to keep its cells"
                 )
             header = found

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 import subprocess
@@ -26,8 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def source() -> dict[str, Any]:
-    """The commit the figures come from and whether the checkout had uncommitted changes (None outside git):
-    a figure of a dirty tree or of another commit is not the code at that commit."""
+    """The commit the figures come from, whether the checkout had uncommitted changes (None outside git) and
+    the SHA-256 of those changes (``git diff HEAD``): a figure of a dirty tree or of another commit is not the
+    code at that commit."""
 
     def git(*args: str) -> str | None:
         try:
@@ -38,7 +40,11 @@ def source() -> dict[str, Any]:
 
     commit = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": commit, "dirty": None if commit is None or status is None else bool(status)}
+    dirty = None if commit is None or status is None else bool(status)
+    # Two dirty trees at one commit are two versions of the code: the hash of the uncommitted changes tells them apart.
+    changes = git("diff", "HEAD") if dirty else None
+    digest = None if changes is None else hashlib.sha256(changes.encode()).hexdigest()
+    return {"commit": commit, "dirty": dirty, "changes_sha256": digest}
 
 
 def describe() -> dict[str, Any]:

@@ -68,3 +68,12 @@ def test_a_stopped_comparison_resumes_from_its_cache(monkeypatch, capsys, tmp_pa
 
     assert compare.main([*argv, "--rounds", "3"]) == 2
     assert "--cache: " in (err := capsys.readouterr().err) and "differs in: rounds" in err
+
+
+def test_cells_of_the_same_commit_with_other_uncommitted_changes_are_refused(tmp_path) -> None:
+    path = tmp_path / "cells.jsonl"
+    theirs = {"commit": "a" * 40, "dirty": True, "changes_sha256": "1" * 64}
+    CellCache(path, CONFIG, theirs).put("a", {"accuracy": 0.5})
+    assert CellCache(path, CONFIG, dict(theirs)).get("a") == {"accuracy": 0.5}  # the same edits: resumed
+    with pytest.raises(CacheMismatch, match="\\(dirty\\) with other uncommitted changes: resuming would mix"):
+        CellCache(path, CONFIG, theirs | {"changes_sha256": "2" * 64})
