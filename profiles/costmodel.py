@@ -55,12 +55,6 @@ RUNTIME_CONTEXT_BYTES = {"cpu": 300 * 2**20, "cuda": 600 * 2**20, "mps": 400 * 2
 ALLOCATOR_SLACK = {"cpu": 1.0, "cuda": 1.1, "mps": 1.1}
 _FULL_TILE = 64
 _TRAIN_MULTIPLIER = 3
-# Bytes a training step moves through an element-wise operator, over its forward pass's: ReLU (in place)
-# reads and writes x (2 units), its backward reads the gradient and the output and writes a gradient (3):
-# 5 / 2. Training-mode BatchNorm reads x twice and writes once (3), its backward reads the gradient and x
-# for the statistics' gradients, then both again to write the input's gradient (5): 8 / 3.
-_RELU_TRAIN_BYTES = 5 / 2
-_BATCHNORM_TRAIN_BYTES = 8 / 3
 _FP32 = 4
 
 
@@ -73,7 +67,6 @@ class OpCost:
     weight_bytes: float
     output_bytes: float = 0.0
     efficiency_scale: float = 1.0
-    train_bytes_factor: float = _TRAIN_MULTIPLIER
 
 
 def _tile_scale(out_channels: int, reduction: int) -> float:
@@ -153,10 +146,8 @@ def _op_cost(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.
         return OpCost(flops, io_bytes, weight_bytes, out_bytes, scale)
     if isinstance(module, nn.BatchNorm2d):
         # Training-mode BN reads its input twice (statistics, then normalize) and writes once.
-        return OpCost(0.0, io_bytes + x.numel() * _FP32, 0.0, out_bytes, train_bytes_factor=_BATCHNORM_TRAIN_BYTES)
-    if isinstance(module, nn.ReLU):
-        return OpCost(0.0, io_bytes, 0.0, out_bytes, train_bytes_factor=_RELU_TRAIN_BYTES)
-    if isinstance(module, nn.MaxPool2d | nn.AdaptiveAvgPool2d):
+        return OpCost(0.0, io_bytes + x.numel() * _FP32, 0.0, out_bytes)
+    if isinstance(module, nn.ReLU | nn.MaxPool2d | nn.AdaptiveAvgPool2d):
         return OpCost(0.0, io_bytes, 0.0, out_bytes)
     return None
 
@@ -374,7 +365,7 @@ def predict_step_seconds(work: Workload, profile: DeviceClass, efficiency: float
     seconds = 0.0
     for op in trace.ops:
         flops = op.flops * work.batch_size * _TRAIN_MULTIPLIER
-        moved = (op.activation_bytes * work.batch_size + op.weight_bytes) * op.train_bytes_factor
+        moved = (op.activation_bytes * work.batch_size + op.weight_bytes) * _TRAIN_MULTIPLIER
         seconds += max(flops / (flop_rate * op.efficiency_scale), moved / byte_rate)
     # Optimizer: reads weight, grad and each state, writes weight and states.
     optimizer_bytes = trace.trainable_params * _FP32 * (3 + 2 * OPTIMIZER_STATES[work.optimizer])
