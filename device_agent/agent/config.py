@@ -45,6 +45,16 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _resolved(ref: str | None, key: str) -> str | None:
+    """The secret ``ref`` points at (None without one); a missing variable or file is an error naming ``key``."""
+    if ref is None:
+        return None
+    try:
+        return resolve_secret(ref)
+    except SecretError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+
+
 class DoctorLogin(_Section):
     """The device's read-only login for ``device-agent doctor`` (user ``doctor@<device>``, from its kit).
 
@@ -68,12 +78,7 @@ class DoctorLogin(_Section):
         return self
 
     def resolve_password(self) -> str | None:
-        if self.password is None:
-            return None
-        try:
-            return resolve_secret(self.password)
-        except SecretError as exc:
-            raise ConfigError(f"broker.doctor.password: {exc}") from None
+        return _resolved(self.password, "broker.doctor.password")
 
 
 class BrokerConfig(_Section):
@@ -125,12 +130,7 @@ class BrokerConfig(_Section):
 
     def resolve_password(self) -> str | None:
         """The secret the reference points at; a missing variable or file is an error naming it."""
-        if self.password is None:
-            return None
-        try:
-            return resolve_secret(self.password)
-        except SecretError as exc:
-            raise ConfigError(f"broker.password: {exc}") from None
+        return _resolved(self.password, "broker.password")
 
 
 class DataConfig(_Section):
