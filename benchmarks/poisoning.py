@@ -39,7 +39,7 @@ from device_agent.data.datasets import LabeledData, load_dataset
 from device_agent.data.partition import PartitionSpec, client_shard
 from device_agent.training.optimizer import TrainConfig
 from device_agent.wire.codec import decode_tensors, encode_tensors
-from device_agent.wire.transfer import Completed, make_manifest
+from device_agent.wire.payload import Received
 
 MODELS = {"digits": ModelSpec("cnn", 10, 1, 8), "fashion_mnist": ModelSpec("cnn28", 10, 1, 28)}
 """The model each data set runs: the digits CNN on 8 x 8, the 28 x 28 CNN on Fashion-MNIST."""
@@ -239,7 +239,7 @@ class PoisoningLink(InProcessLink):
         self.malicious, self.attack, self.name = malicious, attack, name
         self._sent: dict[str, Tensors] = {}
         self._honest: dict[int, list[Tensors]] = {}
-        self._held: dict[int, list[tuple[str, Completed]]] = {}
+        self._held: dict[int, list[tuple[str, Received]]] = {}
         self._lock = threading.Lock()
 
     def send_payload(self, device: str, payload: bytes, manifest: Any) -> str:
@@ -249,37 +249,33 @@ class PoisoningLink(InProcessLink):
     def start(self, on_message, on_payload, on_refused=None) -> None:  # type: ignore[no-untyped-def]
         honest_count = len(self.devices) - len(self.malicious)
 
-        def intercept(device: str, completed: Completed) -> None:
-            round_ = completed.manifest.round
+        def intercept(device: str, received: Received) -> None:
+            round_ = received.round
             with self._lock:
                 if device not in self.malicious:
-                    self._honest.setdefault(round_, []).append(decode_tensors(completed.data))
+                    self._honest.setdefault(round_, []).append(decode_tensors(received.data))
                     release = len(self._honest[round_]) == honest_count
-                    ready = [(device, completed)] + (self._held.pop(round_, []) if release else [])
+                    ready = [(device, received)] + (self._held.pop(round_, []) if release else [])
                 else:
-                    self._held.setdefault(round_, []).append((device, completed))
+                    self._held.setdefault(round_, []).append((device, received))
                     ready = self._held.pop(round_) if len(self._honest.get(round_, [])) >= honest_count else []
             for sender, upload in ready:
                 on_payload(sender, self._tampered(sender, upload) if sender in self.malicious else upload)
 
         super().start(on_message, intercept, on_refused)
 
-    def _tampered(self, device: str, completed: Completed) -> Completed:
-        manifest = completed.manifest
-        meta = dict(manifest.meta)
+    def _tampered(self, device: str, received: Received) -> Received:
+        meta = dict(received.meta)
         if self.name in SAMPLE_INFLATION:
             meta["samples"] = str(int(meta["samples"]) * SAMPLE_INFLATION[self.name])
         if self.attack is None:
-            tensors = decode_tensors(completed.data)
+            tensors = decode_tensors(received.data)
         else:
-            trained = decode_tensors(completed.data)
+            trained = decode_tensors(received.data)
             shapes = {k: v.shape for k, v in trained.items()}
-            honest = [h for h in self._honest[manifest.round] if {k: v.shape for k, v in h.items()} == shapes]
+            honest = [h for h in self._honest[received.round] if {k: v.shape for k, v in h.items()} == shapes]
             tensors = self.attack(Upload(self._sent[device], trained, honest))
-        data = encode_tensors(tensors)
-        return Completed(
-            make_manifest(data, run=manifest.run, round=manifest.round, kind=manifest.kind, meta=meta), [data]
-        )
+        return received.replaced(data=encode_tensors(tensors), meta=meta)
 
 
 def fleet_clients(

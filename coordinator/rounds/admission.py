@@ -37,8 +37,8 @@ from coordinator.run.journal import JournalEntry
 from coordinator.run.rundir import RoundNotOpen, RunDir
 from coordinator.strategies import RoundAggregate
 from device_agent.wire.codec import CodecError, decode_tensors, encode_tensors
+from device_agent.wire.payload import Received
 from device_agent.wire.protocol import UPDATE_KIND, UploadMeta, UploadMetaError, parse_upload_meta, split_upload
-from device_agent.wire.transfer import Completed
 
 log = logging.getLogger("fedfleet.engine")
 
@@ -71,28 +71,27 @@ class Admission:
         self.signatures = signatures
         self.declared_extras = declared_extras
 
-    def admit(self, device: str, completed: Completed, open_: OpenRound | None, next_round: int) -> str:
+    def admit(self, device: str, received: Received, open_: OpenRound | None, next_round: int) -> str:
         """The receipt status (accepted, duplicate, late), or raises why the update is refused."""
-        manifest = completed.manifest
-        if manifest.kind != UPDATE_KIND:
-            raise UploadRefused("wrong_kind", f"expected a transfer of kind {UPDATE_KIND!r}, got {manifest.kind!r}")
+        if received.kind != UPDATE_KIND:
+            raise UploadRefused("wrong_kind", f"expected a transfer of kind {UPDATE_KIND!r}, got {received.kind!r}")
         if self.signatures is not None:
-            self.signatures.check(device, manifest)
-        if manifest.run != self.rundir.run_id:
-            raise UploadRefused("wrong_run", f"update for run {manifest.run!r}, but this run is {self.rundir.run_id!r}")
-        if open_ is None or manifest.round < open_.round:
-            if manifest.round < next_round:
+            self.signatures.check(device, received)
+        if received.run != self.rundir.run_id:
+            raise UploadRefused("wrong_run", f"update for run {received.run!r}, but this run is {self.rundir.run_id!r}")
+        if open_ is None or received.round < open_.round:
+            if received.round < next_round:
                 return "late"
-            raise UploadRefused("wrong_round", f"round {manifest.round} is not open")
-        if manifest.round != open_.round:
-            raise UploadRefused("wrong_round", f"round {manifest.round} is not open (the open round is {open_.round})")
+            raise UploadRefused("wrong_round", f"round {received.round} is not open")
+        if received.round != open_.round:
+            raise UploadRefused("wrong_round", f"round {received.round} is not open (the open round is {open_.round})")
         participant = open_.participants.get(device)
         if participant is None:
             raise UploadRefused("not_participant", f"{device!r} is not a participant of round {open_.round}")
         if participant.status == "accepted":
             return "duplicate"
-        data = completed.data
-        parsed = self.gate.meta(manifest.meta, self.expected_samples(device))
+        data = received.data
+        parsed = self.gate.meta(received.meta, self.expected_samples(device))
         try:
             tensors = decode_tensors(data)
             check_dtypes(tensors)
@@ -127,14 +126,13 @@ class Admission:
             log.log(level, "round %d: clipped %s's update (%s)", open_.round, device, describe_steps(screened.steps))
         try:
             # A clipped upload is journaled as folded, so its digest is not the transfer's: hashed again.
-            unchanged = manifest.digest is not None and not screened.steps
-            verified = (manifest.digest, manifest.chunk_size) if unchanged else None
-            self.rundir.accept_upload(open_.round, device, manifest.transfer, data, meta, verified)
+            verified = None if screened.steps else received.digest
+            self.rundir.accept_upload(open_.round, device, received.transfer, data, meta, verified)
         except RoundNotOpen:
             return "late"
         open_.aggregate.fold(device, screened.upload, weight, extras)
         self.gate.accepted(participant.level, screened, device)
-        participant.status, participant.payload_bytes = "accepted", len(completed.data)
+        participant.status, participant.payload_bytes = "accepted", len(received.data)
         participant.train_seconds, participant.local_accuracy = parsed.train_seconds, parsed.local_accuracy
         participant.host_seconds, participant.received = parsed.host_seconds, parsed.received
         participant.clipped = min(screened.steps.values()) if screened.steps else None

@@ -13,9 +13,9 @@ from coordinator.rounds.state import OpenRound
 from coordinator.rounds.upload_gate import UploadGate, squared_norms
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ClientSlot, Strategy
-from coordinator.transport.link import Link
+from coordinator.transport.link import Link, Outgoing
 from device_agent.wire.codec import encode_tensors
-from device_agent.wire.messages import Assignment, Manifest
+from device_agent.wire.messages import Assignment
 from device_agent.wire.protocol import ASSIGNMENT_KIND, round_seed
 
 log = logging.getLogger("fedfleet.engine")
@@ -26,7 +26,7 @@ class _Sent:
     """What a device was last sent, kept for sending it again."""
 
     payload: bytes
-    manifest: Manifest
+    outgoing: Outgoing
     assignment: Assignment
     at: float  # time.monotonic() when it was sent
 
@@ -66,9 +66,9 @@ class Dispatcher:
 
     def push(self, open_: OpenRound, slots: Sequence[ClientSlot], roster: Roster) -> None:
         assignments = self.strategy.configure(open_.round, list(slots))
-        # Devices whose payloads are byte-identical (FedHM at one level) share one manifest; personalized
+        # Devices whose payloads are byte-identical (FedHM at one level) share one prepared payload; personalized
         # strategies give each device its own payload at the same level, so the level is no key.
-        manifests: dict[bytes, Manifest] = {}
+        outgoing: dict[bytes, Outgoing] = {}
         norms: dict[bytes, dict[str, float]] = {}
         shared: dict[bytes, bytes] = {}
         encoded: dict[tuple[tuple[str, int], ...], bytes] = {}
@@ -88,13 +88,13 @@ class Dispatcher:
                 payload = encode_tensors(assignment.tensors)
                 encoded[held] = shared.setdefault(payload, payload)  # one copy per distinct payload, for re-sends
             payload = encoded[held]
-            if payload not in manifests:
-                manifests[payload] = self.link.prepare(
+            if payload not in outgoing:
+                outgoing[payload] = self.link.prepare(
                     payload, run=self.rundir.run_id, round=open_.round, kind=ASSIGNMENT_KIND
                 )
                 norms[payload] = squared_norms(assignment.tensors)
             self.gate.sent(slot.client_id, norms[payload], assignment.tensors)
-            transfer = self.link.send_payload(slot.client_id, payload, manifests[payload])
+            transfer = self.link.send_payload(slot.client_id, payload, outgoing[payload])
             device = roster.devices[slot.client_id].device
             seed = round_seed(self.rundir.seed, open_.round, order.index(slot.client_id))
             message = Assignment(
@@ -107,7 +107,7 @@ class Dispatcher:
             )
             self.link.send_control(slot.client_id, message)
             participant.assigned_at = time.monotonic()
-            self._assigned[slot.client_id] = _Sent(payload, manifests[payload], message, participant.assigned_at)
+            self._assigned[slot.client_id] = _Sent(payload, outgoing[payload], message, participant.assigned_at)
 
     def cancel(self, device: str) -> None:
         """The device is downloading or training: no deferred re-send."""
@@ -157,10 +157,10 @@ class Dispatcher:
 
     def _send_again(self, device: str, open_: OpenRound, sent: _Sent) -> None:
         now = time.monotonic()
-        transfer = self.link.send_payload(device, sent.payload, sent.manifest)
+        transfer = self.link.send_payload(device, sent.payload, sent.outgoing)
         again = sent.assignment.model_copy(update={"download": transfer, "deadline_s": max(1.0, open_.deadline - now)})
         self.link.send_control(device, again)
-        self._assigned[device] = _Sent(sent.payload, sent.manifest, again, now)
+        self._assigned[device] = _Sent(sent.payload, sent.outgoing, again, now)
         participant = open_.participants[device]
         participant.assigned_at = now
         if participant.status == "rejected":  # expected to answer again: the refusal grace no longer applies

@@ -60,8 +60,8 @@ from coordinator.transport.link import Link
 from device_agent.data.datasets import LabeledData
 from device_agent.wire.codec import CodecError
 from device_agent.wire.messages import INCOMPATIBLE, Error, Hello, Message, Receipt, RoundFailed, Status
+from device_agent.wire.payload import Received
 from device_agent.wire.protocol import UploadMetaError
-from device_agent.wire.transfer import Completed
 from profiles.schema import DeviceClass
 
 log = logging.getLogger("fedfleet.engine")
@@ -116,7 +116,7 @@ class RoundEngine:
         self.last = None
         self.stopping = threading.Event()
         self._events: queue.Queue[Callable[[], None]] = queue.Queue()
-        self._deferred: list[tuple[str, Completed]] = []
+        self._deferred: list[tuple[str, Received]] = []
         resume = rundir.resume()
         self.strategy.load_state_dict(resume.state)
         window = rundir.saved_norm_history()
@@ -237,8 +237,8 @@ class RoundEngine:
         self.dispatch.push(self.open, slots, self.roster)
         pushed = time.monotonic()
         deferred, self._deferred = self._deferred, []
-        for device, completed in deferred:
-            self._on_payload(device, completed)
+        for device, received in deferred:
+            self._on_payload(device, received)
         self.open.phases.update(plan=planned - started, push=pushed - planned)
         self.open.pushed = pushed
         self._await_answers(progress)
@@ -360,23 +360,22 @@ class RoundEngine:
         if reason == "transfer_refused" and participant is not None and participant.status == "assigned":
             participant.reject(reason, "its upload was refused by the link (transfer_refused)")
 
-    def _on_payload(self, device: str, completed: Completed) -> None:
-        manifest = completed.manifest
+    def _on_payload(self, device: str, received: Received) -> None:
         if device not in self.devices:
             log.warning("payload from %r, which is not in the fleet; ignored", device)
             return
-        if self.open is None and manifest.round == self.next_round and manifest.run == self.rundir.run_id:
+        if self.open is None and received.round == self.next_round and received.run == self.rundir.run_id:
             # An update for the round about to (re)open, e.g. right after a coordinator restart: keep it.
-            self._deferred.append((device, completed))
+            self._deferred.append((device, received))
             return
         try:
-            status = self.admission.admit(device, completed, self.open, self.next_round)
+            status = self.admission.admit(device, received, self.open, self.next_round)
         except (UpdateRejected, UploadMetaError, CodecError) as exc:
-            self.admission.refuse(device, manifest.round, exc, self.open)
-            self.link.send_control(device, Error(code="rejected", detail=str(exc)[:1000], transfer=manifest.transfer))
+            self.admission.refuse(device, received.round, exc, self.open)
+            self.link.send_control(device, Error(code="rejected", detail=str(exc)[:1000], transfer=received.transfer))
             return
         self.link.send_control(
-            device, Receipt(run=manifest.run, round=manifest.round, transfer=manifest.transfer, status=status)
+            device, Receipt(run=received.run, round=received.round, transfer=received.transfer, status=status)
         )
 
 

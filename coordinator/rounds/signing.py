@@ -13,7 +13,7 @@ from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.config.fleet import Fleet
 from coordinator.provision.layout import SIGNING_KEY, Kits
 from device_agent.agent.signing import SignatureError, UploadIdentity, parse_key, verify
-from device_agent.wire.messages import Manifest
+from device_agent.wire.payload import Received
 
 
 class SignatureRefused(UpdateRejected):
@@ -34,20 +34,22 @@ class UploadSignatures:
         self.fleet = fleet
         self._keys = dict(keys)
 
-    def check(self, device: str, manifest: Manifest) -> None:
-        """Return if ``manifest`` signs its payload as ``device``'s update of its run, round and transfer.
+    def check(self, device: str, received: Received) -> None:
+        """Return if ``received`` is signed as ``device``'s update of its run, round and transfer.
 
-        ``manifest`` is a completed transfer's: every chunk matched its seal, so its digest stands for
+        Its transport verified the bytes against its digest as they arrived, so the digest stands for
         the payload's bytes and nothing is hashed again here.
         """
-        if manifest.digest is None:
+        if received.digest is None:
             raise SignatureRefused(SignatureError("bad_signature", "an unsealed transfer carries no digest to verify"))
         key = self._keys.get(device)
         if key is None:
             raise SignatureRefused(SignatureError("bad_signature", f"no signing key for {device} in the kits"))
-        identity = UploadIdentity(self.fleet, manifest.run, manifest.round, device, manifest.transfer, manifest.digest)
+        identity = UploadIdentity(
+            self.fleet, received.run, received.round, device, received.transfer, received.digest.value
+        )
         try:
-            verify(key, manifest.meta, identity)
+            verify(key, received.meta, identity)
         except SignatureError as exc:
             raise SignatureRefused(exc) from None
 

@@ -8,7 +8,6 @@ is dropped with an error, so a resumed round folds exactly the uploads that were
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from collections.abc import Mapping
@@ -20,7 +19,7 @@ import torch
 
 from device_agent.common.atomic import append_line, atomic_write
 from device_agent.wire.codec import decode_tensors
-from device_agent.wire.transfer import transfer_digest
+from device_agent.wire.payload import PayloadDigest
 
 INDEX_FILE = "index.jsonl"
 
@@ -31,20 +30,6 @@ class RunDirError(Exception):
     """A run directory (or its journal) that cannot be used as it is; the message names the file."""
 
 
-def payload_digest(data: bytes, chunk_size: int | None) -> str:
-    """The transfer digest of ``data`` sent in ``chunk_size`` chunks (plain sha256 without a chunk size).
-
-    An accepted upload is journaled with the digest its transfer already verified, so the coordinator
-    hashes each received byte once; only a resume reads the file back and hashes it again.
-    """
-    if chunk_size is None:
-        return hashlib.sha256(data).hexdigest()
-    view = memoryview(data)
-    return transfer_digest(
-        [hashlib.sha256(view[i : i + chunk_size]).hexdigest() for i in range(0, len(data), chunk_size)]
-    )
-
-
 @dataclass(frozen=True)
 class JournalEntry:
     """One accepted upload of the open round, as persisted before it was acknowledged."""
@@ -52,15 +37,14 @@ class JournalEntry:
     round: int
     device: str
     transfer_id: str
-    sha256: str
-    """The payload's digest: its transfer digest when ``chunk_size`` is set, else its plain sha256."""
+    digest: PayloadDigest
+    """The digest the transport verified the payload against as it arrived (or its sha256, once changed)."""
     path: Path
     meta: dict[str, Any]
-    chunk_size: int | None = None
 
     def intact(self, data: bytes) -> bool:
         """Whether ``data`` still has the digest it was journaled with (read back on resume only)."""
-        return payload_digest(data, self.chunk_size) == self.sha256
+        return self.digest.matches(data)
 
 
 class RoundJournal:
@@ -89,10 +73,9 @@ class RoundJournal:
                     round=int(raw["round"]),
                     device=str(raw["device"]),
                     transfer_id=str(raw["transfer_id"]),
-                    sha256=str(raw["sha256"]),
+                    digest=PayloadDigest.from_record(raw),
                     path=journal / Path(raw["file"]).name,
                     meta=dict(raw.get("meta") or {}),
-                    chunk_size=None if raw.get("chunk_size") is None else int(raw["chunk_size"]),
                 )
             except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
                 raise RunDirError(
@@ -113,9 +96,13 @@ class RoundJournal:
         transfer_id: str,
         data: bytes,
         meta: Mapping[str, Any] | None,
-        verified: tuple[str, int] | None,
+        verified: PayloadDigest | None,
     ) -> bool:
-        """Append one accepted upload (its file first, then its index line: the commit point)."""
+        """Append one accepted upload (its file first, then its index line: the commit point).
+
+        ``verified``: the digest its transport already checked ``data`` against, so each received byte is
+        hashed once; without one (an upload changed before journaling) ``data`` is hashed here.
+        """
         journal = self.path
         if self._appended is None:
             entries = self.entries()
@@ -132,8 +119,7 @@ class RoundJournal:
             "device": device,
             "transfer_id": transfer_id,
             "file": name,
-            "sha256": payload_digest(data, None) if verified is None else verified[0],
-            "chunk_size": None if verified is None else verified[1],
+            **(verified or PayloadDigest.of(data)).record(),
             "bytes": len(data),
             "meta": dict(meta or {}),
         }
@@ -160,7 +146,7 @@ class RoundJournal:
         folder.mkdir(exist_ok=True)
         stem = f"round-{entry.round:06d}-{entry.device}-{entry.transfer_id}"
         note = {"round": entry.round, "device": entry.device, "transfer_id": entry.transfer_id}
-        note |= {"sha256": entry.sha256, "meta": entry.meta, "reason": reason, "quarantined_at": when}
+        note |= {"sha256": entry.digest.value, "meta": entry.meta, "reason": reason, "quarantined_at": when}
         atomic_write(folder / f"{stem}.json", json.dumps(note, sort_keys=True, default=str).encode())
         index = self.path / INDEX_FILE
         kept = [
@@ -208,4 +194,4 @@ def _names_file(line: str, name: str) -> bool:
         return False
 
 
-__all__ = ["INDEX_FILE", "JournalEntry", "RoundJournal", "RunDirError", "payload_digest"]
+__all__ = ["INDEX_FILE", "JournalEntry", "RoundJournal", "RunDirError"]

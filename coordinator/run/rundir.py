@@ -52,6 +52,7 @@ from coordinator.run.journal import JournalEntry, RoundJournal, RunDirError
 from coordinator.run.metrics import RoundMetrics, round_scores
 from device_agent.common.atomic import append_line, atomic_write, remove_temp_files
 from device_agent.common.validation import describe
+from device_agent.wire.payload import PayloadDigest
 
 FORMAT = 1
 RUN_FILE = "run.json"
@@ -418,13 +419,13 @@ class RunDir:
         transfer_id: str,
         payload: bytes | Mapping[str, torch.Tensor],
         meta: Mapping[str, Any] | None = None,
-        verified: tuple[str, int] | None = None,
+        verified: PayloadDigest | None = None,
     ) -> bool:
         """Persist an accepted upload before it is acknowledged; False if ``device`` already has one this round.
 
         ``payload`` is the upload's safetensors bytes as received, or its tensors. ``meta`` (JSON)
         carries what folding it needs again after a crash (ratio, samples, ...). ``verified``: the
-        (transfer digest, chunk size) its transfer already checked, journaled instead of hashing it again.
+        digest its transport already checked, journaled instead of hashing it again.
         The caller folds the upload only when this returns True, so a retransmission after a lost ack
         is never counted twice. Raises :class:`RoundNotOpen` for an upload that arrives after its round closed.
         """

@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from device_agent.wire.guard import InboundGuard, InboundLimits
 from device_agent.wire.messages import Manifest, Message
+from device_agent.wire.payload import Received
 from device_agent.wire.session import BrokerAddress, Delivery, Session, coordinator_session
 from device_agent.wire.topics import DeviceTopics, device_of
-from device_agent.wire.transfer import Completed, make_manifest
+from device_agent.wire.transfer import make_manifest
 
 if TYPE_CHECKING:
     from coordinator.config.fleet import Fleet
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("fedfleet.link")
 
 MessageHandler = Callable[[str, Message], None]
-PayloadHandler = Callable[[str, Completed], None]
+PayloadHandler = Callable[[str, Received], None]
 RefusalHandler = Callable[[str, str], None]
 """Told (device, reason) of every frame the transport refused before the engine saw it (rate, retained, bounds)."""
 
@@ -36,23 +37,32 @@ def _ignore_refusal(_device: str, _reason: str) -> None:
     """The default :data:`RefusalHandler`: the transport still logs each burst of refusals."""
 
 
+class Outgoing(Protocol):
+    """A payload made ready to send (hashed, described) once, for any number of devices: opaque to the engine.
+
+    Over MQTT it is the sealed manifest of a chunked transfer; another transport holds what it needs.
+    """
+
+
 class Link(Protocol):
     """What the engine needs from a transport. Handlers may run on any thread; the engine queues them."""
 
     def start(
         self, on_message: MessageHandler, on_payload: PayloadHandler, on_refused: RefusalHandler = _ignore_refusal
     ) -> None:
-        """Connect; from now on ``on_message(device, message)`` and ``on_payload(device, completed)`` fire."""
+        """Connect; from now on ``on_message(device, message)`` and ``on_payload(device, received)`` fire.
+
+        A :class:`~device_agent.wire.payload.Received` is complete and its bytes matched its digest."""
 
     def stop(self) -> None: ...
 
     def send_control(self, device: str, message: Message) -> None: ...
 
-    def prepare(self, payload: bytes, **fields: Any) -> Manifest:
-        """A sealed manifest for ``payload`` (``run``, ``round``, ``kind``...), reusable for many devices."""
+    def prepare(self, payload: bytes, **fields: Any) -> Outgoing:
+        """``payload`` described by ``fields`` (``run``, ``round``, ``kind``), ready to send to many devices."""
         ...
 
-    def send_payload(self, device: str, payload: bytes, manifest: Manifest) -> str:
+    def send_payload(self, device: str, payload: bytes, outgoing: Outgoing) -> str:
         """Start delivering ``payload`` to ``device``; returns the transfer id its assignment names."""
         ...
 
@@ -130,7 +140,7 @@ class MqttLink:
             self.fleet,
             self.broker,
             on_message=_by_device(on_message, "message"),
-            on_payload=_by_device(on_payload, "payload"),
+            on_payload=_by_device(lambda device, completed: on_payload(device, Received.of(completed)), "payload"),
             guard=InboundGuard(self.limits, on_refused, f"fleet {self.fleet}"),
             **self.session_config,
         )
@@ -151,8 +161,10 @@ class MqttLink:
     def prepare(self, payload: bytes, **fields: Any) -> Manifest:
         return make_manifest(payload, self._session().config.chunk_size, **fields)
 
-    def send_payload(self, device: str, payload: bytes, manifest: Manifest) -> str:
-        delivery = self._session().send(self.topics(device).down, payload, manifest=manifest)
+    def send_payload(self, device: str, payload: bytes, outgoing: Outgoing) -> str:
+        if not isinstance(outgoing, Manifest):
+            raise TypeError(f"the MQTT link sends what its prepare() made, not a {type(outgoing).__name__}")
+        delivery = self._session().send(self.topics(device).down, payload, manifest=outgoing)
         self._deliveries[device] = delivery
         return delivery.transfer
 
@@ -183,4 +195,4 @@ class MqttLink:
         return self._session().stats.bytes_out.get(self.topics(device).down, 0)
 
 
-__all__ = ["Link", "MessageHandler", "MqttLink", "PayloadHandler", "RefusalHandler"]
+__all__ = ["Link", "MessageHandler", "MqttLink", "Outgoing", "PayloadHandler", "RefusalHandler"]

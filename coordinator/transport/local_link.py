@@ -26,8 +26,9 @@ from coordinator.transport.link import MessageHandler, PayloadHandler, RefusalHa
 from device_agent.training.driver import RoundFailure, run_assignment
 from device_agent.wire.codec import encode_tensors
 from device_agent.wire.messages import Assignment, Manifest, Message, Status, encode
+from device_agent.wire.payload import PayloadDigest, Received
 from device_agent.wire.protocol import UPDATE_KIND, upload_meta
-from device_agent.wire.transfer import DEFAULT_CHUNK_SIZE, Completed, make_manifest, new_transfer_id
+from device_agent.wire.transfer import DEFAULT_CHUNK_SIZE, make_manifest, new_transfer_id
 
 log = logging.getLogger("fedfleet.local")
 
@@ -97,7 +98,7 @@ class InProcessLink:
     def prepare(self, payload: bytes, **fields: Any) -> Manifest:
         return make_manifest(payload, self.chunk_size, **fields)
 
-    def send_payload(self, device: str, payload: bytes, manifest: Manifest) -> str:
+    def send_payload(self, device: str, payload: bytes, outgoing: Manifest) -> str:
         transfer = new_transfer_id()
         self._payloads[transfer] = payload
         self._down[device] += len(payload)
@@ -148,11 +149,17 @@ class InProcessLink:
             meta = upload_meta(
                 result.samples, result.seconds, result.mean_loss, outcome.local_accuracy, received=outcome.received
             )
-            manifest = make_manifest(
-                data, self.chunk_size, run=assignment.run, round=assignment.round, kind=UPDATE_KIND, meta=meta
+            received = Received(
+                run=assignment.run,
+                round=assignment.round,
+                kind=UPDATE_KIND,
+                transfer=new_transfer_id(),
+                meta=meta,
+                digest=PayloadDigest.of(data, self.chunk_size),
+                data=data,
             )
             self._up[device_id] += len(data)
-            self._on_payload(device_id, Completed(manifest, [data]))
+            self._on_payload(device_id, received)
 
 
 __all__ = ["InProcessLink", "LocalDevice"]

@@ -21,6 +21,7 @@ from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
 from device_agent.agent.signing import UploadIdentity, signed_meta
 from device_agent.clients.base import is_norm_statistic
 from device_agent.wire.codec import encode_tensors
+from device_agent.wire.payload import PayloadDigest, Received
 from device_agent.wire.protocol import UPDATE_KIND
 from device_agent.wire.transfer import Completed, IncomingTransfers, make_manifest
 
@@ -89,7 +90,7 @@ def test_each_received_byte_is_hashed_once_from_chunk_to_journal(tmp_path: Path,
         _, completed = receiver.on_chunk(manifest.transfer, index, chunk, bytes.fromhex(manifest.chunks[index]), 0.0)
     assert completed is not None
     verified = counting.bytes
-    assert admission.admit("pi-1", completed, open_, next_round=1) == "accepted"
+    assert admission.admit("pi-1", Received.of(completed), open_, next_round=1) == "accepted"
     after = counting.bytes - verified
 
     assert len(data) <= verified < len(data) + 64 * (manifest.chunk_count + 2)  # chunks, then the digest list
@@ -98,7 +99,7 @@ def test_each_received_byte_is_hashed_once_from_chunk_to_journal(tmp_path: Path,
 
     monkeypatch.setattr(hashlib, "sha256", counting._real)
     (entry,) = rundir.resume().journal
-    assert entry.sha256 == manifest.digest and entry.chunk_size == CHUNK
+    assert entry.digest == PayloadDigest(manifest.digest, CHUNK)
     assert entry.intact(entry.path.read_bytes()) and not entry.intact(entry.path.read_bytes() + b"!")
     rundir.close()
 
@@ -110,7 +111,7 @@ def test_an_unsealed_or_foreign_digest_is_refused_before_the_journal(tmp_path: P
     forged = other.model_copy(update={"meta": manifest.meta})
 
     with pytest.raises(Exception, match="does not verify") as refused:
-        admission.admit("pi-1", Completed(forged, [data + b"x"]), open_, next_round=1)
+        admission.admit("pi-1", Received.of(Completed(forged, [data + b"x"])), open_, next_round=1)
     assert getattr(refused.value, "reason", None) == "bad_signature"
     assert rundir.resume().journal == []
     rundir.close()

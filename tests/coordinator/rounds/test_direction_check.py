@@ -17,7 +17,7 @@ from coordinator.transport.local_link import InProcessLink, LocalDevice
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import load_dataset
 from device_agent.wire.codec import decode_tensors, encode_tensors
-from device_agent.wire.transfer import Completed, make_manifest
+from device_agent.wire.payload import Received
 from tests.digit_clients import digit_clients
 
 SENT = {"w": torch.ones(100), "b": torch.zeros(10)}
@@ -78,16 +78,12 @@ class SignFlipLink(InProcessLink):
         return super().send_payload(device, payload, manifest)
 
     def start(self, on_message, on_payload, on_refused=None) -> None:  # type: ignore[no-untyped-def]
-        def intercept(device: str, completed: Completed) -> None:
+        def intercept(device: str, received: Received) -> None:
             if device == "bad":
-                trained, sent = decode_tensors(completed.data), self.sent[device]
+                trained, sent = decode_tensors(received.data), self.sent[device]
                 tensors = {k: 2 * sent[k] - v if v.is_floating_point() else v for k, v in trained.items()}
-                data, manifest = encode_tensors(tensors), completed.manifest
-                completed = Completed(
-                    make_manifest(data, run=manifest.run, round=manifest.round, kind=manifest.kind, meta=manifest.meta),
-                    [data],
-                )
-            on_payload(device, completed)
+                received = received.replaced(data=encode_tensors(tensors))
+            on_payload(device, received)
 
         super().start(on_message, intercept, on_refused)
 

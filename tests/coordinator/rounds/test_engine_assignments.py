@@ -22,7 +22,7 @@ from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData, load_dataset
 from device_agent.wire.codec import decode_tensors, encode_tensors
 from device_agent.wire.messages import Assignment, Manifest, Message, Status
-from device_agent.wire.transfer import Completed
+from device_agent.wire.payload import Received
 from tests.coordinator.rounds.uploads import with_nan
 from tests.digit_clients import digit_clients
 from tests.program_bugs import BUG, with_first_upload_bug
@@ -105,12 +105,12 @@ class RefusedOnceLink(RecordingLink):
         self.uploads: list[str] = []
 
     def start(self, on_message, on_payload, on_refused=None) -> None:
-        def intercept(device: str, completed: Completed) -> None:
+        def intercept(device: str, received: Received) -> None:
             self.uploads.append(device)
             if device == "b" and self.uploads.count("b") == 1:
-                completed = with_nan(completed)
+                received = with_nan(received)
                 threading.Timer(0.5, lambda: self._to_engine("b", Status(device="b", state="idle"))).start()
-            on_payload(device, completed)
+            on_payload(device, received)
 
         super().start(on_message, intercept)
 
@@ -119,9 +119,9 @@ class TooLargeLink(RecordingLink):
     """Every upload of ``b`` is refused by the transport (past ``limits.max_upload_bytes``); ``b`` then says idle."""
 
     def start(self, on_message, on_payload, on_refused=None) -> None:
-        def intercept(device: str, completed: Completed) -> None:
+        def intercept(device: str, received: Received) -> None:
             if device != "b":
-                on_payload(device, completed)
+                on_payload(device, received)
                 return
             on_refused("b", "transfer_refused")
             threading.Timer(0.1, lambda: self._to_engine("b", Status(device="b", state="idle"))).start()

@@ -26,7 +26,7 @@ from coordinator.transport.local_link import InProcessLink, LocalDevice
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData, load_dataset
 from device_agent.wire.messages import Assignment, Message, Status
-from device_agent.wire.transfer import Completed
+from device_agent.wire.payload import Received
 from tests.coordinator.rounds.uploads import with_nan
 from tests.digit_clients import digit_clients
 
@@ -47,11 +47,11 @@ class RefusedLink(InProcessLink):
     """Every upload of ``c`` arrives non-finite, so the gate refuses it; ``c`` then says idle, as an agent does."""
 
     def start(self, on_message, on_payload, on_refused=None) -> None:
-        def intercept(device: str, completed: Completed) -> None:
+        def intercept(device: str, received: Received) -> None:
             if device == "c":
-                completed = with_nan(completed)
+                received = with_nan(received)
                 threading.Timer(0.1, lambda: self._to_engine("c", Status(device="c", state="idle"))).start()
-            on_payload(device, completed)
+            on_payload(device, received)
 
         super().start(on_message, intercept)
 

@@ -16,7 +16,8 @@ from coordinator.rounds.engine import refusal_reason
 from coordinator.rounds.signing import SignatureRefused, upload_signatures
 from device_agent.agent.config import parse_config
 from device_agent.agent.signing import UploadIdentity, signed_meta
-from device_agent.wire.transfer import make_manifest
+from device_agent.wire.payload import Received
+from device_agent.wire.transfer import Completed, make_manifest
 
 PAYLOAD = b"the update's safetensors bytes"
 
@@ -51,6 +52,11 @@ def _resealed(manifest, payload: bytes):
     return other.model_copy(update={"meta": manifest.meta})
 
 
+def _arrived(manifest) -> Received:
+    """What the link hands the engine once the transfer ``manifest`` announced has arrived (its bytes unread)."""
+    return Received.of(Completed(manifest, []))
+
+
 def test_provisioning_makes_one_secret_key_per_device_and_keeps_it(provisioned, tmp_path: Path) -> None:
     fleet, kits = provisioned
     key_file = kits.participant("pi-1") / SIGNING_KEY
@@ -75,7 +81,7 @@ def test_the_gate_accepts_its_devices_signature_and_names_every_refusal(provisio
     signatures = upload_signatures(fleet, kits)
     assert signatures is not None
     key = bytes.fromhex((kits.participant("pi-1") / SIGNING_KEY).read_text())
-    signatures.check("pi-1", _upload(key))
+    signatures.check("pi-1", _arrived(_upload(key)))
 
     cases = {
         "bad_signature": ("pi-1", _upload(bytes(32))),  # signed with another key
@@ -88,7 +94,7 @@ def test_the_gate_accepts_its_devices_signature_and_names_every_refusal(provisio
     expected = {"tampered": "bad_signature", "impersonated": "bad_signature", "unsealed": "bad_signature"}
     for name, (device, manifest) in cases.items():
         with pytest.raises(SignatureRefused) as caught:
-            signatures.check(device, manifest)
+            signatures.check(device, _arrived(manifest))
         assert refusal_reason(caught.value) == expected.get(name, name), name
 
 

@@ -20,6 +20,7 @@ from device_agent.clients.base import is_norm_statistic
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import load_dataset
 from device_agent.wire.codec import encode_tensors
+from device_agent.wire.payload import Received
 from device_agent.wire.protocol import UPDATE_KIND
 from device_agent.wire.transfer import Completed, make_manifest
 from tests.digit_clients import digit_clients
@@ -131,7 +132,7 @@ def test_a_clipped_fedhm_upload_is_journaled_as_folded_so_a_resume_folds_the_sam
         return Admission(gate, rundir, lambda _d: 100), open_
 
     admission, open_ = fresh_round()
-    assert admission.admit("pi-1", Completed(manifest, [attack]), open_, next_round=1) == "accepted"
+    assert admission.admit("pi-1", Received.of(Completed(manifest, [attack])), open_, next_round=1) == "accepted"
     folded = open_.aggregate.aggregator.result()  # type: ignore[attr-defined]
     (entry,) = rundir.resume().journal
     assert entry.meta["clipped"] and entry.meta["samples"] == 200 and entry.meta["claimed_samples"] == 9700

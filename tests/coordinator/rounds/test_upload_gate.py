@@ -38,7 +38,8 @@ from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import load_dataset
 from device_agent.wire.codec import decode_tensors, encode_tensors
 from device_agent.wire.messages import Error
-from device_agent.wire.transfer import Completed, make_manifest
+from device_agent.wire.payload import Received
+from device_agent.wire.transfer import new_transfer_id
 from tests.digit_clients import digit_clients
 
 CNN = ModelSpec("cnn", 10, 1, 8)
@@ -52,15 +53,11 @@ class TamperingLink(InProcessLink):
         self.tamper = tamper
 
     def start(self, on_message, on_payload, on_refused=None) -> None:
-        def intercept(device: str, completed: Completed) -> None:
+        def intercept(device: str, received: Received) -> None:
             if device == "bad":
-                tensors, meta = self.tamper(decode_tensors(completed.data), dict(completed.manifest.meta))
-                data = encode_tensors(tensors)
-                manifest = completed.manifest
-                completed = Completed(
-                    make_manifest(data, run=manifest.run, round=manifest.round, kind=manifest.kind, meta=meta), [data]
-                )
-            on_payload(device, completed)
+                tensors, meta = self.tamper(decode_tensors(received.data), dict(received.meta))
+                received = received.replaced(data=encode_tensors(tensors), meta=meta)
+            on_payload(device, received)
 
         super().start(on_message, intercept)
 
@@ -246,21 +243,19 @@ class ForgingLink(InProcessLink):
         self.forger: str | None = None
 
     def start(self, on_message, on_payload, on_refused=None) -> None:
-        def sign_then_forge(device: str, completed: Completed) -> None:
-            manifest, data = completed.manifest, completed.data
+        def sign_then_forge(device: str, received: Received) -> None:
+            assert received.digest is not None
             identity = UploadIdentity(
-                "simulation", manifest.run, manifest.round, device, manifest.transfer, manifest.digest
+                "simulation", received.run, received.round, device, received.transfer, received.digest.value
             )
-            signed = manifest.model_copy(update={"meta": signed_meta(manifest.meta, self.key, identity)})
-            on_payload(device, Completed(signed, [data]))
+            signed = received.replaced(meta=signed_meta(received.meta, self.key, identity))
+            on_payload(device, signed)
             if self.forger is None:
                 self.forger = device
-                reweighted = {**signed.meta, "samples": str(int(manifest.meta["samples"]) * 100)}
-                forged = make_manifest(
-                    data, run=manifest.run, round=manifest.round, kind=manifest.kind, meta=reweighted
-                )
+                reweighted = {**signed.meta, "samples": str(int(received.meta["samples"]) * 100)}
+                forged = signed.replaced(meta=reweighted, transfer=new_transfer_id())
                 self.forged.add(forged.transfer)
-                on_payload(device, Completed(forged, [data]))
+                on_payload(device, forged)
 
         super().start(on_message, sign_then_forge, on_refused)
 

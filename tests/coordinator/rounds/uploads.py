@@ -7,13 +7,11 @@ import math
 import torch
 
 from device_agent.wire.codec import decode_tensors, encode_tensors
-from device_agent.wire.transfer import Completed, make_manifest
+from device_agent.wire.payload import Received
 
 
-def with_nan(completed: Completed) -> Completed:
-    """The same upload with its first tensor all NaN, re-sealed so only the gate's finiteness check refuses it."""
-    tensors = decode_tensors(completed.data)
+def with_nan(received: Received) -> Received:
+    """The same upload with its first tensor all NaN, digested again so only the gate's finiteness check refuses it."""
+    tensors = decode_tensors(received.data)
     key = next(iter(tensors))
-    data = encode_tensors({**tensors, key: torch.full_like(tensors[key], math.nan)})
-    m = completed.manifest
-    return Completed(make_manifest(data, run=m.run, round=m.round, kind=m.kind, meta=m.meta), [data])
+    return received.replaced(data=encode_tensors({**tensors, key: torch.full_like(tensors[key], math.nan)}))

@@ -9,8 +9,9 @@ import pytest
 
 from coordinator.config.fleet import parse_fleet
 from coordinator.transport.link import MqttLink
+from device_agent.wire.payload import Received
 from device_agent.wire.session import device_session
-from device_agent.wire.transfer import Completed, TransferError
+from device_agent.wire.transfer import TransferError
 from tests.transport_fixtures import TestBroker
 
 
@@ -29,8 +30,8 @@ def test_an_upload_over_the_fleets_max_upload_bytes_is_refused_and_a_smaller_one
     arrived: list[tuple[str, int]] = []
     done = threading.Event()
 
-    def on_payload(device: str, completed: Completed) -> None:
-        arrived.append((device, completed.manifest.size))
+    def on_payload(device: str, received: Received) -> None:
+        arrived.append((device, len(received.data)))
         done.set()
 
     link = MqttLink.of(fleet, mosquitto.address())
@@ -58,8 +59,8 @@ def test_closing_a_round_stops_its_downloads_and_refuses_its_late_uploads(mosqui
     arrived: list[int] = []
     done = threading.Event()
 
-    def on_payload(_device: str, completed: Completed) -> None:
-        arrived.append(completed.manifest.round)
+    def on_payload(_device: str, received: Received) -> None:
+        arrived.append(received.round)
         done.set()
 
     release = threading.Event()
