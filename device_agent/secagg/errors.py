@@ -20,8 +20,12 @@ class ProtocolViolation(SecAggError):
 
 
 class ProtocolAborted(SecAggError):
-    """Too few devices remain to finish the round's protocol; ``stage`` says where it stopped."""
+    """Too few devices remain to finish the round's protocol; ``stage`` says where it stopped.
 
-    def __init__(self, stage: str, message: str) -> None:
+    ``device`` and ``count``, where set, name the device whose masks could not be removed and how many of its
+    neighbours could help (fewer than the threshold).
+    """
+
+    def __init__(self, stage: str, message: str, device: str | None = None, count: int | None = None) -> None:
         super().__init__(f"secure aggregation aborted at {stage}: {message}")
-        self.stage = stage
+        self.stage, self.device, self.count = stage, device, count
