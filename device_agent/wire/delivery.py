@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from device_agent.wire.transfer import TransferError
+from device_agent.wire.engine.manifests import TransferError
 
 
 class Delivery:

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 from device_agent.wire import topics
 from device_agent.wire.budget import InboundBudget
+from device_agent.wire.engine.incoming import IncomingTransfers
 from device_agent.wire.messages import Hello, Manifest, Message, Status
-from device_agent.wire.transfer import IncomingTransfers
 
 log = logging.getLogger("fedfleet.wire")
 

@@ -13,10 +13,10 @@ from collections.abc import Callable
 import paho.mqtt.client as mqtt
 
 from device_agent.wire import topics
+from device_agent.wire.engine.frames import is_chunk_frame
 from device_agent.wire.guard import RETAINED_KINDS, InboundGuard
 from device_agent.wire.messages import Message, ProtocolError, VersionMismatch, encode, incompatible, parse_message
 from device_agent.wire.settings import SessionStats
-from device_agent.wire.transfer import is_chunk_frame
 
 log = logging.getLogger("fedfleet.wire")
 

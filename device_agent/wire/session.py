@@ -1,27 +1,30 @@
-"""One MQTT session speaking the wire protocol: the thin join of a connection, the transfers and the threads.
+"""One MQTT session speaking the wire protocol: the thin join of the transfer engine and its MQTT carrier.
 
 What it guarantees on top of paho (the parts live in the modules named):
 
 - a persistent MQTT session with a fixed client id, a last will and reconnects with backoff, every paho
-  callback guarded (``connection``);
-- payloads go out as verified chunked transfers (``transfer``); after every reconnect unfinished transfers are
-  resumed: senders re-announce (``sending``), receivers nack what they lack (``receiving``). Nothing relies on
-  the broker keeping messages for an offline client;
+  callback guarded (``connection``, over ``client.LeanClient``);
+- payloads go out as verified chunked transfers, kept by the sans-IO transfer engine (``engine``): frames in,
+  frames and events out. After every reconnect unfinished transfers are resumed: senders re-announce,
+  receivers nack what they lack. Nothing relies on the broker keeping messages for an offline client;
 - every size is checked before publishing, since paho ignores the broker's maximum packet size, and chunk
-  frames in flight are bounded (``window``);
+  frames in flight are bounded (the engine's window, held until each PUBACK: ``window``);
 - a malformed or unknown-version message is logged and dropped; the session carries on. A receiver facing
-  untrusted peers admits every frame through its ``guard`` first.
+  untrusted peers admits every frame through its ``guard`` first (``inbound``).
 
-Callbacks given by the user run on one dispatcher thread (``timer``), never on paho's network thread, so a slow
-or failing handler cannot stall or kill the connection. Inbound frames are decoded and parsed on paho's network
-thread; each chunk is then verified and filed on the process's hashing pool (``hashing``, ``receiving``) while
-that thread reads the next frame. The pool bounds the bytes waiting for it: past the bound paho's thread stops
-reading and TCP pushes back on the broker, which is what a receiver that cannot keep up should do; a link hook
-(``after_chunk_in``) that sleeps slows the reading the same way.
+The join maps topics to the engine's routes (the topic a peer is answered on: ``topics.answered_on``), calls
+the engine under one lock and publishes what it returns outside it. Callbacks given by the user run on one
+dispatcher thread (``timer``), never on paho's network thread, so a slow or failing handler cannot stall or
+kill the connection. Inbound frames are decoded and parsed on paho's network thread; each chunk is then
+verified on the process's hashing pool (``hashing``, ``receiving``) and filed into the engine there while
+that thread reads the next frame. The pool bounds the bytes waiting for it: past the bound paho's thread
+stops reading and TCP pushes back on the broker, which is what a receiver that cannot keep up should do; a
+link hook (``after_chunk_in``) that sleeps slows the reading the same way.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -32,26 +35,21 @@ import paho.mqtt.client as mqtt
 
 from device_agent.wire import topics
 from device_agent.wire.address import BrokerAddress
-from device_agent.wire.connection import Connection, LoginRefused
+from device_agent.wire.carrier import ChunkHook, MqttCarrier
+from device_agent.wire.connection import LoginRefused
 from device_agent.wire.delivery import Delivery
+from device_agent.wire.engine import NOTHING, Arrived, Outbound, OutgoingTransfer, Outputs, TransferEngine
+from device_agent.wire.engine.incoming import Completed
+from device_agent.wire.engine.manifests import for_sending
+from device_agent.wire.engine.receivers import Receivers
 from device_agent.wire.guard import InboundGuard
 from device_agent.wire.hashing import shared_pool
 from device_agent.wire.inbound import ChunkFrame, Inbound
-from device_agent.wire.messages import (
-    Ack,
-    Error,
-    Manifest,
-    Message,
-    Nack,
-    Status,
-    encode,
-)
-from device_agent.wire.receiving import Receivers
-from device_agent.wire.sending import Frames, Senders, check_packet, prepare
+from device_agent.wire.messages import Ack, Error, Manifest, Message, Nack, Status, encode
+from device_agent.wire.receiving import ChunkIntake
 from device_agent.wire.settings import SessionConfig, SessionStats
 from device_agent.wire.timer import Dispatcher, Timer
-from device_agent.wire.transfer import Completed, is_chunk_frame
-from device_agent.wire.window import SendWindow
+from device_agent.wire.topics import answered_on
 
 __all__ = [
     "BrokerAddress",
@@ -68,8 +66,6 @@ log = logging.getLogger("fedfleet.wire")
 
 MessageHandler = Callable[[str, Message], None]
 PayloadHandler = Callable[[str, Completed], None]
-# Told the size of each chunk frame (bytes on the wire); may block, which is how a link is shaped.
-ChunkHook = Callable[[int], object]
 
 
 class Session:
@@ -100,41 +96,38 @@ class Session:
     ) -> None:
         name = config.client_id
         self.config = config
-        self.stats = SessionStats()
-        self._guard_in = guard
-        self._subscriptions = list(subscriptions)
         self._on_message = on_message
         self._on_payload = on_payload
-        self._before_chunk_out = before_chunk_out
         self._after_chunk_in = after_chunk_in
         self._lock = threading.RLock()
-        """Guards the senders' and receivers' transfers; never held while publishing (paho holds its own lock
-        while it runs on_publish, which takes it)."""
-        self._mids: dict[int, str] = {}
+        """Guards the engine's transfers and the deliveries; never held while publishing (paho holds its own lock
+        while it runs on_publish, which takes it) nor while taking the window's (``window.lock``): a frame built
+        under that one may wait for the hashing pool, whose threads file chunks under this one."""
+        self.engine = TransferEngine(name, config.nack_after_s, config.send_window_bytes, topics.device_of, guard)
+        self._deliveries: dict[str, Delivery] = {}
         self._hashing = shared_pool()
         self.dispatcher = Dispatcher(name)
-        self.senders = Senders(name, self._lock, guard)
         self.timer = Timer(
             name,
             config.tick_s,
             self._lock,
-            busy=lambda: bool(self.senders) or bool(self.receivers),
+            busy=self.engine.busy,
             pump=lambda: self._pump(retry=False),
             tick=lambda now: self._tick(now),
         )
-        self.window = SendWindow(config.send_window_bytes, self.timer.due)
-        self.receivers = Receivers(
-            name,
-            self._lock,
-            config.nack_after_s,
-            reply=self._reply,
-            deliver=self._deliver_payload,
-            idle=lambda: self.timer.idle,
-            wake=self.timer.wake,
-            guard=guard,
+        self.carrier = MqttCarrier(
+            config,
+            self.engine,
+            self.timer.due,
+            subscriptions,
+            will,
+            self._on_connected,
+            self._handle_message,
+            before_chunk_out,
         )
+        self.connection, self.window, self.stats = self.carrier.connection, self.carrier.window, self.carrier.stats
+        self.intake = ChunkIntake(name, self._file_chunk, guard)
         self.inbound = Inbound(name, self.stats, lambda t, d, r: self._publish(t, d, retain=r), self._tell, guard)
-        self.connection = Connection(config, will, self._on_connected, self._handle_message, self._handle_publish)
         self._threads: list[threading.Thread] = []
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -164,19 +157,12 @@ class Session:
         return self
 
     def stop(self, settle_s: float = 1.0) -> None:
-        """Disconnect cleanly (the broker then discards the will) and stop every thread.
-
-        Waits up to ``settle_s`` for the broker to acknowledge what was published: a DISCONNECT sent while a
-        PUBLISH was unacknowledged closed the socket under the broker's PUBACK, and mosquitto, failing that
-        write before it read the DISCONNECT, published the will after a clean stop (8 of 30 stops right after
-        a retained status, 0 of 60 since).
-        """
+        """Disconnect cleanly (the broker then discards the will) once what was published is acknowledged, or
+        ``settle_s`` passed (``MqttCarrier.drain``), and stop every thread."""
         self.connection.stopping.set()
-        self.receivers.stopping.set()
+        self.intake.stopping.set()
         self.timer.due.set()
-        deadline = time.monotonic() + settle_s
-        while self.connected and self.window.unacknowledged() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        self.carrier.drain(settle_s)
         self.connection.stop()
         self.dispatcher.close()
         for thread in self._threads:
@@ -191,7 +177,7 @@ class Session:
 
     @property
     def connected(self) -> bool:
-        return self.connection.connected.is_set()
+        return self.carrier.connected
 
     @property
     def refused(self) -> str | None:
@@ -208,9 +194,15 @@ class Session:
         """Bytes of chunk frames handed to paho and not yet confirmed by the broker."""
         return self.window.in_window
 
+    @property
+    def receivers(self) -> Receivers:
+        """The engine's incoming transfers, per route a peer is answered on."""
+        return self.engine.receivers
+
     def receiving(self) -> list[str]:
         """Ids of inbound transfers started but not yet complete."""
-        return self.receivers.receiving()
+        with self._lock:
+            return self.engine.receivers.receiving()
 
     def wait_connected(self, timeout: float) -> bool:
         return self.connection.connected.wait(timeout)
@@ -233,9 +225,14 @@ class Session:
         binds); otherwise ``payload`` is announced with ``manifest_fields`` and hashed chunk by chunk
         as it is published.
         """
-        outgoing = prepare(self.config, payload, manifest, **manifest_fields)
-        delivery = self.senders.add(topic, outgoing)
-        self.window.enqueue(topic, outgoing.transfer, outgoing.start(self._hashing))
+        cfg = self.config
+        manifest = for_sending(payload, manifest, cfg.chunk_size, cfg.limits, **manifest_fields)
+        outgoing = OutgoingTransfer(manifest, payload, time.monotonic(), cfg.resend_after_s, cfg.max_attempts)
+        delivery = Delivery(outgoing.transfer)
+        with self._lock:  # never with the window's: a frame built under it may wait for the pool filing chunks
+            self._deliveries[outgoing.transfer] = delivery
+            self.engine.senders.add(topic, outgoing)
+        self.window.enqueue(topic, outgoing.transfer, outgoing.start(self._hashing.map))
         self.timer.wake()
         self._pump()
         return delivery
@@ -243,72 +240,85 @@ class Session:
     def cancel(self, stale: Callable[[Manifest], bool], why: str) -> int:
         """Stop sending every outgoing transfer whose manifest is ``stale`` (no more chunks, re-announcements
         or repairs); their deliveries fail with ``why``. How many were cancelled."""
-        return self.senders.cancel(stale, why)
+        with self._lock:
+            cancelled = self.engine.cancel(stale, why)
+        self._apply(cancelled)
+        return len(cancelled)
 
     def refuse(self, stale: Callable[[Manifest], bool], why: str) -> int:
         """From now on answer every new inbound transfer whose manifest is ``stale`` with an error saying ``why``,
         before any of its chunks is kept, and drop the unfinished ones already open (replaces the last rule).
         How many unfinished transfers were dropped."""
-        return self.receivers.refuse(stale, why)
+        with self._lock:
+            return self.engine.refuse(stale, why)
 
     # ---- the carrier: every frame leaves through _publish ------------------------------------
 
     def _pump(self, retry: bool = True) -> None:
-        self.window.pump(self._publish_windowed, self.senders.__contains__, retry)
+        self.window.pump(self._publish_windowed, retry)
 
-    def _publish_windowed(self, topic: str, frame: bytes, transfer: str) -> None:
+    def _publish_windowed(self, topic: str, frame: bytes, transfer: str | None) -> None:
         self._publish(topic, frame, transfer=transfer, windowed=True)
 
     def _publish(
         self, topic: str, data: bytes, retain: bool = False, transfer: str | None = None, windowed: bool = False
     ) -> None:
         # Never called with self._lock held (see there) nor the window's.
-        try:
-            check_packet(self.config.limits, len(data), "message")
-            if self._before_chunk_out is not None and transfer is not None and is_chunk_frame(data):
-                self._before_chunk_out(len(data))
-            self.stats.bytes_out[topic] = self.stats.bytes_out.get(topic, 0) + len(data)
-            info = self.connection.client.publish(topic, data, qos=1, retain=retain)
-        except BaseException:
-            if windowed:
-                self.window.settle(len(data))
-            raise
-        if transfer is not None and info.mid:
-            self._mids[info.mid] = transfer
-        self.window.handed(info.mid, len(data) if windowed else 0)
+        self.carrier.publish(topic, data, retain, transfer, windowed)
 
-    def _publish_frames(self, frames: Frames) -> None:
-        for topic, transfer, data in frames:
-            if transfer is not None and transfer not in self.senders:
-                continue  # cancelled, refused or failed on the way: its frames would only be dropped
-            self._publish(topic, data, transfer=transfer)
+    # ---- the join: what the engine returns, acted on outside the lock ---------------------------
 
-    def _reply(self, topic: str, replies: list[Message]) -> None:
-        for reply in replies:
-            self._publish(topics.reply_topic(topic), encode(reply))
+    def _apply(self, outputs: Outputs, topic: str | None = None) -> None:
+        """Publish the engine's frames, hand over its payloads (from ``topic``) and settle its deliveries."""
+        for out in outputs:
+            if isinstance(out, Outbound):
+                if out.transfer is not None and out.transfer not in self.engine.senders:
+                    continue  # cancelled, refused or failed on the way: its frames would only be dropped
+                self._publish(out.route, out.data, transfer=out.transfer)
+            elif isinstance(out, Arrived):
+                if self._on_payload is not None:
+                    self.dispatcher.put(functools.partial(self._on_payload, topic or out.route, out.completed))
+            else:
+                with self._lock:
+                    delivery = self._deliveries.pop(out.transfer, None)
+                if delivery is not None:
+                    delivery.refused = out.refused
+                    delivery.settle(out.error)
 
-    def _deliver_payload(self, topic: str, completed: Completed) -> None:
-        if self._on_payload is not None:
-            handler = self._on_payload
-            self.dispatcher.put(lambda: handler(topic, completed))
+    def _file_chunk(
+        self, topic: str, transfer: str, index: int, chunk: memoryview, digest: bytes, now: float, intact: bool
+    ) -> None:
+        """One verified chunk into the engine (on a hashing thread, see ``receiving``)."""
+        with self._lock:
+            outputs = self.engine.receivers.on_chunk(answered_on(topic), transfer, index, chunk, digest, now, intact)
+        if outputs:
+            self._apply(outputs, topic)
+
+    def _take_manifest(self, topic: str, manifest: Manifest, now: float) -> None:
+        """Start, seal or resume a transfer once its chunks read before the manifest are filed."""
+        self.intake.await_chunks(manifest.transfer)
+        with self._lock:
+            outputs = self.engine.on_manifest(answered_on(topic), manifest, now)
+            woke = self.timer.idle and self.engine.busy()
+        if woke:
+            self.timer.wake()
+        self._apply(outputs, topic)
 
     def _tick(self, now: float) -> None:
         """The timer's beat: re-announcements, nacks and expiries due (while connected)."""
         if not self.connected:
             return
-        frames = self.senders.poll(now, self.window.waiting())
-        frames += [(key, None, encode(reply)) for key, reply in self.receivers.poll(now)]
-        self._publish_frames(frames)
+        waiting = self.window.waiting()
+        with self._lock:
+            outputs = self.engine.tick(now, waiting)
+        self._apply(outputs)
 
     # ---- paho callbacks (network thread) ---------------------------------------------------
 
-    def _on_connected(self, client: mqtt.Client, flags: Any) -> None:
-        self.stats.connects += 1
-        for topic in self._subscriptions:
-            client.subscribe(topic, qos=1)
-        now = time.monotonic()
-        frames = self.senders.resume(now) + [(key, None, encode(nack)) for key, nack in self.receivers.resume(now)]
-        self._publish_frames(frames)
+    def _on_connected(self, flags: Any) -> None:
+        with self._lock:
+            frames = self.engine.resume(time.monotonic())
+        self._apply(frames)
         log.info(
             "%s: connected to %s (session present: %s, %d transfers resumed)",
             self.config.client_id,
@@ -317,33 +327,27 @@ class Session:
             len(frames),
         )
 
-    def _handle_publish(self, mid: int, reason: Any) -> None:
-        transfer = self._mids.pop(mid, None)
-        self.window.confirmed(mid)
-        if reason.is_failure:
-            self.stats.publish_denied += 1
-            log.warning("%s: broker refused a publish: %s", self.config.client_id, reason)
-            return
-        self.stats.published += 1
-        if transfer is not None:
-            self.senders.touch(transfer, time.monotonic())
-
     def _handle_message(self, msg: mqtt.MQTTMessage) -> None:
         now = time.monotonic()
         message = self.inbound.read(msg, now)
         if isinstance(message, ChunkFrame):
-            if not self.receivers.take_chunk(msg.topic, message, now):
+            if not self.intake.take_chunk(msg.topic, message, now):
                 self.stats.rejected += 1
             elif self._after_chunk_in is not None:
                 self._after_chunk_in(len(message))
-        elif isinstance(message, Manifest):
-            self.receivers.take_manifest(msg.topic, message, now)
+            return
+        outputs: Outputs = NOTHING
+        if isinstance(message, Manifest):
+            self._take_manifest(msg.topic, message, now)
         elif isinstance(message, Ack | Nack):
-            self._publish_frames(self.senders.answer(message, now, msg.topic))
+            with self._lock:
+                outputs = self.engine.on_answer(answered_on(msg.topic), message, now)
         elif message is not None:
-            if isinstance(message, Error) and message.transfer is not None:
-                self.senders.fail(message.transfer, f"{message.code}: {message.detail}")
+            if isinstance(message, Error):
+                with self._lock:
+                    outputs = self.engine.on_error(message)
             self._tell(msg.topic, message)
+        self._apply(outputs, msg.topic)
 
     def _tell(self, topic: str, message: Message) -> None:
         """Hand ``message`` to the owner's handler, on the dispatcher thread."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from device_agent.wire.address import BrokerAddress
-from device_agent.wire.transfer import DEFAULT_CHUNK_SIZE, Limits
+from device_agent.wire.engine.manifests import DEFAULT_CHUNK_SIZE, Limits
 
 
 @dataclass(frozen=True)

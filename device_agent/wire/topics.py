@@ -104,3 +104,12 @@ def acl_patterns(fleet: str) -> list[str]:
     """
     base = f"{ROOT}/{check_name('fleet', fleet)}/dev/%u"
     return [*(f"pattern write {base}/up/{sub}" for sub in UPLINK_SUBTOPICS), f"pattern read {base}/down/data"]
+
+
+def answered_on(topic: str) -> str:
+    """Where a peer's transfers on ``topic`` are answered (its opposite ``data`` topic): the transfer engine's
+    route, one per peer."""
+    try:
+        return reply_topic(topic)
+    except ValueError:
+        return topic  # not a device topic: only a session outside the fleet layout sees one
