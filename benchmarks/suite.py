@@ -103,6 +103,7 @@ SUITE: tuple[Benchmark, ...] = (
     # 30 simulations; 5 rounds take about 30 minutes on 2 shared cores (the module's default is 10 rounds).
     Benchmark("privacy", ("--rounds", "5", "--jobs", "2"), timeout_s=2 * 3600),
     Benchmark("soak", ("--minutes", "20"), timeout_s=3600),  # churn, broker and coordinator crashes for 20 minutes
+    Benchmark("secagg"),  # SecAgg+ at 10, 100 and 300 devices in one process, FedAvg and FedHM: about 2 minutes
 )
 
 

@@ -31,6 +31,13 @@ HEADLINES: dict[str, tuple[str, ...]] = {
     "costmodel": ("memory_rel_error_max", "time_ratio_rel_error_max"),
     "poisoning": ("worst_drop_one_in_ten", "worst_drop_two_in_ten"),
     "privacy": ("worst_gap_at_epsilon_8", "goal_met", "devices", "rounds", "seeds"),
+    "secagg": (
+        "bytes_ratio_fedavg_300",
+        "bytes_ratio_fedhm_300",
+        "server_seconds_fedavg_300",
+        "plain_server_seconds_fedavg_300",
+        "all_within_bound",
+    ),
 }
 
 

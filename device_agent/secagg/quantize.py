@@ -3,7 +3,8 @@
 A device maps each value x in [-clip, clip] to q = round((x + clip) / step), step = 2 clip / (2^bits - 1),
 so q is in [0, 2^bits - 1]. The sum of n devices' q is at most n (2^bits - 1) < 2^k with
 k = bits + ceil(log2 n): masked sums taken modulo 2^k then decode exactly to the sum of the q's, and the
-decoded float sum is within n * step / 2 of the true sum (round to nearest: at most half a step per value).
+decoded float sum is within n * step / 2 of the true sum (round to nearest: at most half a step per value;
+``error_bound`` also covers the float32 slack of the range check).
 
 Values outside [-clip, clip] are refused (``QuantizationError``) unless the caller asks to clip them: a
 silently clipped update is a different update. Non-finite values are always refused.
@@ -19,6 +20,8 @@ from numpy.typing import ArrayLike
 
 from device_agent.secagg.errors import ParameterError, QuantizationError
 
+RANGE_SLACK = 2.0**-20
+"""Relative tolerance of the range check: far above float32's rounding (2^-24), far below a quantization step."""
 MAX_MODULUS_BITS = 64
 """Arithmetic runs in numpy uint64, which wraps modulo 2^64; 2^k divides it for every k <= 64."""
 
@@ -59,22 +62,28 @@ class Quantizer:
         return 2 * self.clip / self.levels
 
     def error_bound(self, count: int) -> float:
-        """The largest difference, per element, between a decoded sum of ``count`` devices and the true sum."""
-        return count * self.step / 2
+        """The largest difference, per element, between a decoded sum of ``count`` devices and the true sum.
+
+        Half a step per device from rounding; a value within the range check's slack above ``clip`` is clamped
+        to it and then quantized exactly, so it is off by at most ``clip * RANGE_SLACK`` (below half a step for
+        bits <= 20).
+        """
+        return count * max(self.step / 2, self.clip * RANGE_SLACK)
 
     def encode(self, values: ArrayLike, clip: bool = False) -> np.ndarray:
         """``values`` (flat or not) as a flat uint64 vector in [0, levels]; out of range refused unless ``clip``."""
         array = np.asarray(values, dtype=np.float64).reshape(-1)
         if not np.all(np.isfinite(array)):
             raise QuantizationError(f"input has {int(np.sum(~np.isfinite(array)))} non-finite values")
-        if clip:
-            array = np.clip(array, -self.clip, self.clip)
-        elif array.size and float(np.max(np.abs(array))) > self.clip:
+        # A bound met in float32 (an update clipped on the device to norm `clip`) can exceed the float64 bound
+        # by a rounding: within RANGE_SLACK of it a value is in range, and clamped like the rest.
+        if not clip and array.size and float(np.max(np.abs(array))) > self.clip * (1 + RANGE_SLACK):
             worst = float(np.max(np.abs(array)))
             raise QuantizationError(
                 f"input value of magnitude {worst:.6g} outside the quantization range [-{self.clip}, {self.clip}] "
                 "(raise clip, or clip the update on the device before masking)"
             )
+        array = np.clip(array, -self.clip, self.clip)
         return np.rint((array + self.clip) / self.step).astype(np.uint64)
 
     def decode_sum(self, total: np.ndarray, count: int) -> np.ndarray:

@@ -44,6 +44,8 @@ def test_out_of_range_input_is_refused_naming_the_range_unless_clipped():
     with pytest.raises(QuantizationError, match=r"magnitude 0\.7 outside the quantization range \[-0\.5, 0\.5\]"):
         quantizer.encode([0.1, -0.7])
     assert quantizer.encode([0.1, -0.7], clip=True)[1] == 0
+    edge = np.float32(0.5) + np.float32(0.5) * np.float32(2**-23)  # the float32 just above the bound
+    assert quantizer.encode(np.array([edge, -edge], dtype=np.float32)).tolist() == [quantizer.levels, 0]
     with pytest.raises(QuantizationError, match="non-finite"):
         quantizer.encode([np.nan, 0.0], clip=True)
 

@@ -1,0 +1,25 @@
+"""benchmarks.secagg: what it uploads under SecAgg and one small real run."""
+
+import json
+
+from benchmarks import secagg
+
+
+def test_fedhm_uploads_its_dense_update_masked_instead_of_its_factors():
+    sizes = secagg.upload_sizes()
+    assert sizes["fedavg"] == (94_634, 94_634)  # the CNN's float state: parameters and BatchNorm statistics
+    factors, dense = sizes["fedhm"]
+    assert dense == 94_634 and factors < dense / 3
+
+
+def test_a_small_run_sums_within_the_bound_and_counts_every_exchange(capsys):
+    assert secagg.main(["--json", "--devices", "5", "--dropout", "0,0.2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["all_within_bound"] and len(report["rows"]) == 4
+    fedavg, dropped = report["rows"][0], report["rows"][1]
+    assert fedavg["neighbours"] == 4 and fedavg["survivors"] == 5 and dropped["survivors"] == 4
+    # 19-bit ring words (16 bits + ceil(log2 5)) take 4 bytes like float32: the masked upload costs what the
+    # plain one does, plus the protocol's keys and shares.
+    assert fedavg["modulus_bits"] == 19
+    assert 0 < fedavg["extra_bytes_per_device"] < 0.05 * fedavg["plain_bytes_per_device"]
+    assert report["provenance"]["cpu"] and "commit" in report["provenance"]
