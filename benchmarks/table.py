@@ -38,6 +38,7 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "plain_server_seconds_fedavg_300",
         "all_within_bound",
     ),
+    "secagg_accuracy": ("plain_accuracy", "secure_accuracy", "gap_points", "rounds", "devices"),
 }
 
 

@@ -36,7 +36,7 @@ class InProcessRun:
     """One run: ``run()`` drives it to its end; ``server`` and ``costs`` stay readable, also after an abort.
 
     ``keys``: per-device HMAC keys (each device holds its own, the server all); ``drop[stage]``: the devices
-    that send nothing from that stage on.
+    that send nothing from that stage on; ``clip``: devices clamp inputs to the quantization range.
     """
 
     def __init__(
@@ -46,7 +46,9 @@ class InProcessRun:
         inputs: Mapping[str, ArrayLike],
         drop: Mapping[str, Collection[str]] | None = None,
         keys: Mapping[str, bytes] | None = None,
+        clip: bool = False,
     ) -> None:
+        self.clip = clip
         self.drop = {stage: frozenset(devices) for stage, devices in (drop or {}).items()}
         unknown = set(self.drop) - set(STAGES)
         if unknown:
@@ -72,7 +74,7 @@ class InProcessRun:
                 down = encode(message)
                 costs.bytes_down[device] = costs.bytes_down.get(device, 0) + len(down)
                 started = time.perf_counter()
-                reply = _answer(self.devices[device], stage, decode(down), self.inputs)
+                reply = self._answer(self.devices[device], stage, decode(down))
                 costs.device_seconds[device] = costs.device_seconds.get(device, 0.0) + time.perf_counter() - started
                 up = encode(reply)
                 costs.bytes_up[device] = costs.bytes_up.get(device, 0) + len(up)
@@ -81,19 +83,18 @@ class InProcessRun:
         assert server.result is not None
         return server.result
 
+    def _answer(self, device: DeviceProtocol, stage: str, message: Message) -> Message:
+        if stage == "advertise":
+            return device.advertise(message)  # type: ignore[arg-type]
+        if stage == "share_keys":
+            return device.share_keys(message)  # type: ignore[arg-type]
+        if stage == "mask":
+            return device.mask(message, self.inputs[device.device], clip=self.clip)  # type: ignore[arg-type]
+        return device.unmask(message)  # type: ignore[arg-type]
+
     def _timed_server(self, call: Callable[[], _T]) -> _T:
         started = time.perf_counter()
         try:
             return call()
         finally:
             self.costs.server_seconds += time.perf_counter() - started
-
-
-def _answer(device: DeviceProtocol, stage: str, message: Message, inputs: Mapping[str, ArrayLike]) -> Message:
-    if stage == "advertise":
-        return device.advertise(message)  # type: ignore[arg-type]
-    if stage == "share_keys":
-        return device.share_keys(message)  # type: ignore[arg-type]
-    if stage == "mask":
-        return device.mask(message, inputs[device.device])  # type: ignore[arg-type]
-    return device.unmask(message)  # type: ignore[arg-type]
