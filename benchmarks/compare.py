@@ -33,6 +33,11 @@ and trained on ``cnn28`` (the small CNN pooled after its first conv too), so tha
 and seed fits 2 shared cores: ``--scenario all --seeds 3 --jobs 2`` is 162 cells, about 2.5 h here
 (``--cache FILE`` resumes a stopped run).
 
+Strategies run with the upload gate's screening off (``benchmarks.screening``: no update bound, no peer
+check), so that honest non-IID updates are neither clipped nor refused and the figures measure the
+methods; ``--screening`` keeps fleet.yaml's defaults. Each strategy's ``failed_rounds`` (summed over seeds,
+a round that lost an update under the simulation's quorum of every client) is in the JSON.
+
 Defaults are sized for 2 shared CPU cores: scikit-learn digits (8x8, 1797 images, 20 % held out)
 and the 0.1 M-parameter small CNN, whose FedHM hybrid factorizes conv2 and conv3; a scaled
 ResNet would spend minutes per round on the same data without changing what is compared.
@@ -56,7 +61,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import fedlora
+from benchmarks import fedlora, screening
 from benchmarks.cell_cache import CacheMismatch, CellCache
 from benchmarks.machine import describe
 from benchmarks.stats import CONFIDENCE, interval_of, last_rounds_mean, mean_std, paired_interval, verdict
@@ -111,6 +116,7 @@ class Cell:
     personalized: list[float] = field(default_factory=list)
     upload: list[float] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
+    failed_rounds: int = 0
 
 
 def scenarios(num_clients: int, seed: int) -> dict[str, list[Setting]]:
@@ -175,8 +181,15 @@ def levels_for(scale: LevelScale, num_clients: int, tiered: bool, data: LabeledD
 
 
 def run_setting(
-    name: str, setting: Setting, data: LabeledData, rounds: int, train: TrainConfig, arch: str = ARCH
+    name: str,
+    setting: Setting,
+    data: LabeledData,
+    rounds: int,
+    train: TrainConfig,
+    arch: str = ARCH,
+    limits: dict[str, object] = screening.OFF,
 ) -> dict:
+    """One cell; ``limits`` are fleet.yaml's (the upload gate's screening off by default, see the module doc)."""
     spec = setting.partition
     registered, params = strategy_of(name)
     cls = STRATEGIES[registered]
@@ -201,12 +214,15 @@ def run_setting(
     torch.manual_seed(spec.seed)
     start = time.perf_counter()
     test = (data.test_x, data.test_y)
-    result = simulate(strategy, clients, rounds, train, test, data.train_x[:256], participation=setting.participation)
+    result = simulate(
+        strategy, clients, rounds, train, test, data.train_x[:256], limits=limits, participation=setting.participation
+    )
     return {
         "accuracy": last_rounds_mean([r.accuracy for r in result.rounds]),
         "personalized_accuracy": last_rounds_mean([r.personalized_accuracy for r in result.rounds]),
         "final_accuracy": result.final.accuracy,
         "upload_bytes_per_round": result.upload_bytes_per_round,
+        "failed_rounds": len(result.failed_rounds),
         "seconds": time.perf_counter() - start,
     }
 
@@ -230,8 +246,10 @@ def _load_in_worker(load: Callable[[], LabeledData]) -> None:
     _WORKER_DATA.append(load())
 
 
-def _run_in_worker(name: str, setting: Setting, rounds: int, train: TrainConfig, arch: str) -> dict:
-    return run_setting(name, setting, _WORKER_DATA[0], rounds, train, arch)
+def _run_in_worker(
+    name: str, setting: Setting, rounds: int, train: TrainConfig, arch: str, limits: dict[str, object]
+) -> dict:
+    return run_setting(name, setting, _WORKER_DATA[0], rounds, train, arch, limits)
 
 
 def compare(
@@ -246,6 +264,7 @@ def compare(
     jobs: int = 1,
     load: Callable[[], LabeledData] | None = None,
     cache: CellCache | None = None,
+    limits: dict[str, object] = screening.OFF,
 ) -> dict:
     """Every (scenario, seed, setting, strategy) cell; ``jobs`` > 1 runs them in that many processes.
 
@@ -270,7 +289,7 @@ def compare(
         context = multiprocessing.get_context("spawn")
         pool = ProcessPoolExecutor(jobs, mp_context=context, initializer=_load_in_worker, initargs=(load,))
         futures = {
-            i: pool.submit(_run_in_worker, name, setting, rounds, train, arch)
+            i: pool.submit(_run_in_worker, name, setting, rounds, train, arch, limits)
             for i, (_scenario, _seed, setting, name) in enumerate(tasks)
             if i not in cached
         }
@@ -281,7 +300,11 @@ def compare(
             if i in cached:
                 row = cached[i]
             else:
-                row = futures[i].result() if pool is not None else run_setting(name, setting, data, rounds, train, arch)
+                row = (
+                    futures[i].result()
+                    if pool is not None
+                    else run_setting(name, setting, data, rounds, train, arch, limits)
+                )
                 if cache is not None:
                     cache.put(keys[i], row)
             print(
@@ -297,6 +320,7 @@ def compare(
             cell.personalized.append(row["personalized_accuracy"])
             cell.upload.append(row["upload_bytes_per_round"])
             cell.seconds.append(row["seconds"])
+            cell.failed_rounds += row["failed_rounds"]
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
@@ -309,6 +333,7 @@ def compare(
                     "personalized_accuracy": mean_std(c.personalized),
                     "upload_bytes_per_round": statistics.fmean(c.upload),
                     "wall_seconds": statistics.fmean(c.seconds),
+                    "failed_rounds": c.failed_rounds,
                 }
                 for name, c in by_strategy.items()
             }
@@ -414,6 +439,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--epochs", type=int, default=1, help="local epochs per round (default: 1)")
     parser.add_argument(
+        "--screening",
+        action="store_true",
+        help="keep the upload gate's screening at fleet.yaml's defaults (update bound, peer check); by default "
+        "it is off, so that honest non-IID updates are neither clipped nor refused (benchmarks/screening.py)",
+    )
+    parser.add_argument(
         "--strategies",
         help="comma-separated subset (default: every registered one the scenario applies to, and the paper "
         f"presets: {', '.join([*STRATEGIES, *PRESETS])})",
@@ -494,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen = None if args.strategies is None else strategies
         participation = lora_bed.participation if args.participation is None else args.participation
         bed = replace(lora_bed, rounds=args.rounds, clients=args.clients, epochs=args.epochs)
-        bed = replace(bed, participation=participation)
+        bed = replace(bed, participation=participation, screening=args.screening)
         try:
             report = fedlora.report(bed, args.seeds, chosen, args.jobs, args.cache, args.allow_other_commit)
         except (DatasetError, CacheMismatch) as error:
@@ -503,6 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report | {"provenance": provenance}, indent=2) if args.json else fedlora.table(report))
         return 0
     train = TrainConfig(epochs=args.epochs, batch_size=32, lr=0.05)
+    limits = screening.limits(args.screening)
     load = partial(load_data, args.dataset, args.train_samples, args.test_samples)
     try:
         data = load()
@@ -519,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": args.rounds,
             "clients": args.clients,
             "train": train.model_dump(),
+            "limits": limits,
         }
         try:
             cache = CellCache(args.cache, config, provenance, args.allow_other_commit)
@@ -526,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--cache: {error}", file=sys.stderr)
             return 2
     results = compare(
-        names, args.rounds, args.seeds, args.clients, train, strategies, data, arch, args.jobs, load, cache
+        names, args.rounds, args.seeds, args.clients, train, strategies, data, arch, args.jobs, load, cache, limits
     )
     checks = claims(results)
     if args.json:
@@ -534,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps(
                 results
                 | {"dataset": args.dataset, "arch": arch, "paper_metric": PAPER_METRIC, "checks": checks}
+                | {"screening": args.screening, "limits": limits}
                 | {"provenance": provenance},
                 indent=2,
             )

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from benchmarks import screening
 from benchmarks.cell_cache import CellCache
 from benchmarks.machine import describe
 from benchmarks.stats import CONFIDENCE, interval_of, last_rounds_mean, mean_std, paired_interval, verdict
@@ -74,8 +75,9 @@ class Bed:
     source_samples: int = 30_000
     target_train: int = 10_000
     target_test: int = 2_000
-    update_bound_factor: float | None = None
-    """fleet.yaml's ``limits.update_bound_factor``; off here, because it clips one-class clients' honest updates."""
+    screening: bool = False
+    """The upload gate's screening (update bound, peer check); off, as in every method benchmark: it clips and
+    refuses one-class clients' honest updates (``benchmarks.screening``)."""
 
 
 def default_base_dir() -> Path:
@@ -185,7 +187,7 @@ def run_cell(entry: str, seed: int, lr: float, bed: Bed, base: Path) -> dict:
         (target.test_x, target.test_y),
         target.train_x[:256],
         participation=bed.participation,
-        limits={"update_bound_factor": bed.update_bound_factor},
+        limits=screening.limits(bed.screening),
     )
     trainable = {STRATEGIES[name].upload_bytes(model, strategy.params, c.level) // 4 for c in clients}
     return {

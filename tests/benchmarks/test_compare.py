@@ -50,9 +50,11 @@ def test_device_tiers_follow_what_the_strategy_level_means() -> None:
 def test_all_scenarios_skip_the_fine_tuning_strategies_with_a_note(monkeypatch, capsys) -> None:
     ran: set[str] = set()
 
-    def run_setting(name, setting, data, rounds, train, arch="cnn") -> dict:
+    def run_setting(name, setting, data, rounds, train, arch="cnn", limits=None) -> dict:
         ran.add(name)
-        return {"accuracy": 0.5, "personalized_accuracy": 0.5, "upload_bytes_per_round": 1.0, "seconds": 0.0}
+        return {"accuracy": 0.5, "personalized_accuracy": 0.5, "upload_bytes_per_round": 1.0, "seconds": 0.0} | {
+            "failed_rounds": 0
+        }
 
     monkeypatch.setattr(compare, "run_setting", run_setting)
     assert compare.main(["--scenario", "all", "--rounds", "1", "--seeds", "1", "--json"]) == 0
@@ -61,6 +63,7 @@ def test_all_scenarios_skip_the_fine_tuning_strategies_with_a_note(monkeypatch, 
     assert ran == set(STRATEGIES) - fine_tuning | {"simfed_paper"}  # SimFed at its paper's settings too
     out = capsys.readouterr()
     assert set(json.loads(out.out)["domains/2-domains"]) == ran
+    assert json.loads(out.out)["screening"] is False and json.loads(out.out)["limits"] == compare.screening.OFF
     note, *progress = out.err.splitlines()  # then one progress line per cell
     settings = sum(len(found) for found in compare.scenarios(8, seed=0).values())
     assert len(progress) == len(ran) * settings and all(line.startswith("[") for line in progress)
@@ -73,9 +76,11 @@ def test_all_scenarios_skip_the_fine_tuning_strategies_with_a_note(monkeypatch, 
 def test_each_dataset_trains_its_own_cnn_unless_arch_is_given(monkeypatch, capsys, dataset, arch) -> None:
     archs: list[str] = []
 
-    def run_setting(name, setting, data, rounds, train, arch="cnn") -> dict:
+    def run_setting(name, setting, data, rounds, train, arch="cnn", limits=None) -> dict:
         archs.append(arch)
-        return {"accuracy": 0.5, "personalized_accuracy": 0.5, "upload_bytes_per_round": 1.0, "seconds": 0.0}
+        return {"accuracy": 0.5, "personalized_accuracy": 0.5, "upload_bytes_per_round": 1.0, "seconds": 0.0} | {
+            "failed_rounds": 0
+        }
 
     monkeypatch.setattr(compare, "run_setting", run_setting)
     monkeypatch.setattr(compare, "load_data", lambda *_args: load_dataset("digits", 8, 1))
@@ -182,3 +187,28 @@ def test_a_matched_width_never_has_fewer_parameters_than_fedhm_at_its_ratio(arch
             fedhm = compare.trainable_params(hybrid(arch, gamma, 10, 1))
             dense = compare.trainable_params(build_model(arch, 10, 1, width=width))
         assert fedhm <= dense <= 1.05 * fedhm or width == 1.0, (gamma, width, fedhm, dense)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("screening", [False, True])
+def test_compare_runs_the_strategies_with_the_gates_screening_off_unless_asked(monkeypatch, screening) -> None:
+    """Honest non-IID updates were clipped and refused under fleet.yaml's defaults: compare measured the gate."""
+    gates = []
+    original = RoundEngine.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        gates.append(self.settings.gate)
+
+    monkeypatch.setattr(RoundEngine, "__init__", spy)
+    data = load_dataset("digits", 8, 1)
+    setting = compare.scenarios(4, seed=0)["hetero-devices"][1]  # Dirichlet 0.1
+    limits = compare.screening.limits(screening)
+    row = compare.run_setting("fedavg", setting, data, rounds=1, train=TrainConfig(batch_size=32), limits=limits)
+    [gate] = gates
+    if screening:
+        assert gate.update_bound_factor == 1.5 and gate.peer_min_cosine == -0.1 and gate.peer_hard_floor == -0.25
+    else:
+        assert gate.update_bound_factor is None and gate.peer_min_cosine is None and gate.peer_hard_floor is None
+        assert row["failed_rounds"] == 0
+    assert gate.max_norm_ratio == 10.0  # the bound on absurd values stays either way
