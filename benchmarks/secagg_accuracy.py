@@ -7,7 +7,8 @@ point, every party in process), over the real round engine (``simulate``).
 This is not the round engine running SecAgg over the transport (not built yet): the secure run's round folds
 each upload's update (upload minus the global weights) into the protocol instead of a float sum, and the
 strategy closes the round on the unmasked mean. Everything else (training, shards, evaluation) is the same, so
-the accuracy gap is what quantization and the clip range do. Both runs average uniformly (equal IID shards).
+the accuracy gap is what quantization and the clip range do. Both runs average uniformly (equal IID shards) with
+the upload gate's screening off (``benchmarks.screening.OFF``): under SecAgg the coordinator cannot screen.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from benchmarks.compare import load_data
 from benchmarks.machine import describe
 from benchmarks.output import print_result
+from benchmarks.screening import OFF
 from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.strategies.base import ClientSlot, ModelSpec, RoundAggregate
 from coordinator.strategies.width import FedAvg, FedAvgParams, WidthRound
@@ -115,7 +117,8 @@ def run(secure: bool, args: argparse.Namespace, data: LabeledData) -> tuple[dict
     train = TrainConfig(lr=args.lr, epochs=args.epochs, batch_size=16, seed=args.seed)
     torch.manual_seed(args.seed)
     started = time.perf_counter()
-    result = simulate(strategy, clients, args.rounds, train, (data.test_x, data.test_y), data.train_x[:256])
+    test = (data.test_x, data.test_y)
+    result = simulate(strategy, clients, args.rounds, train, test, data.train_x[:256], limits=OFF)
     out = {
         "accuracy": [round(r.accuracy, 4) for r in result.rounds],
         "seconds": round(time.perf_counter() - started, 1),
