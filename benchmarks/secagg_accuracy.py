@@ -1,8 +1,8 @@
-"""Does SecAgg's quantization cost accuracy? FedAvg on Fashion-MNIST twice from one seed: the engine's float mean
+"""Does SecAgg's quantization cost accuracy? FedAvg on Fashion-MNIST twice per seed: the engine's float mean
 of the devices' uploads, and the mean of their updates summed by SecAgg+ (device_agent.secagg, 16-bit fixed
 point, every party in process), over the real round engine (``simulate``).
 
-    python -m benchmarks.secagg_accuracy [--json] [--devices 10] [--rounds 5] [--clip 0.5] [--bits 16]
+    python -m benchmarks.secagg_accuracy [--json] [--devices 10] [--rounds 5] [--seeds 3] [--clip 0.5] [--bits 16]
 
 This is not the round engine running SecAgg over the transport (not built yet): the secure run's round folds
 each upload's update (upload minus the global weights) into the protocol instead of a float sum, and the
@@ -14,6 +14,7 @@ the upload gate's screening off (``benchmarks.screening.OFF``): under SecAgg the
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -94,10 +95,10 @@ class SecureRound(WidthRound):
             offset += size
 
 
-def run(secure: bool, args: argparse.Namespace, data: LabeledData) -> tuple[dict, dict[str, torch.Tensor]]:
+def run(secure: bool, args: argparse.Namespace, data: LabeledData, seed: int) -> tuple[dict, dict[str, torch.Tensor]]:
     """The run's accuracy per round (and clipped fraction), and the final global trainable weights."""
     torch.set_num_threads(1)
-    spec = PartitionSpec("iid", args.devices, seed=args.seed)
+    spec = PartitionSpec("iid", args.devices, seed=seed)
     clients = [
         SimClient(
             f"d{i:03d}",
@@ -109,13 +110,9 @@ def run(secure: bool, args: argparse.Namespace, data: LabeledData) -> tuple[dict
     ]
     model = ModelSpec(ARCH, data.num_classes, data.in_channels, data.image_size)
     params = FedAvgParams()
-    strategy = (
-        SecureFedAvg(model, params, args.seed, args.clip, args.bits)
-        if secure
-        else UniformFedAvg(model, params, args.seed)
-    )
-    train = TrainConfig(lr=args.lr, epochs=args.epochs, batch_size=16, seed=args.seed)
-    torch.manual_seed(args.seed)
+    strategy = SecureFedAvg(model, params, seed, args.clip, args.bits) if secure else UniformFedAvg(model, params, seed)
+    train = TrainConfig(lr=args.lr, epochs=args.epochs, batch_size=16, seed=seed)
+    torch.manual_seed(seed)
     started = time.perf_counter()
     test = (data.test_x, data.test_y)
     result = simulate(strategy, clients, args.rounds, train, test, data.train_x[:256], limits=OFF)
@@ -129,6 +126,21 @@ def run(secure: bool, args: argparse.Namespace, data: LabeledData) -> tuple[dict
     return out, {key: value for key, value in strategy.global_state().items() if key in trainable}
 
 
+def compare_seed(seed: int, args: argparse.Namespace, data: LabeledData) -> dict:
+    """Plain and secure runs from one seed: accuracies per round, and how far the final weights drifted apart."""
+    (plain, plain_weights), (secure, secure_weights) = run(False, args, data, seed), run(True, args, data, seed)
+    difference = torch.cat([(secure_weights[k] - plain_weights[k]).double().reshape(-1) for k in plain_weights])
+    reference = torch.cat([value.double().reshape(-1) for value in plain_weights.values()])
+    return {
+        "seed": seed,
+        "plain": plain,
+        "secure": secure,
+        "gap_points": round(100 * (plain["accuracy"][-1] - secure["accuracy"][-1]), 2),
+        "weights_max_abs_difference": float(difference.abs().max()),
+        "weights_relative_difference": float(difference.norm() / reference.norm()),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true")
@@ -140,30 +152,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--clip", type=float, default=0.5, help="quantization range [-clip, clip] of an update")
     parser.add_argument("--bits", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, default=3)
     args = parser.parse_args(argv)
     data = load_data("fashion_mnist", args.devices * args.samples_per_device, args.test_samples)
-    (plain, plain_weights), (secure, secure_weights) = run(False, args, data), run(True, args, data)
-    gap = 100 * (plain["accuracy"][-1] - secure["accuracy"][-1])
-    keys = list(plain_weights)
-    difference = torch.cat([(secure_weights[k] - plain_weights[k]).double().reshape(-1) for k in keys])
-    reference = torch.cat([plain_weights[k].double().reshape(-1) for k in keys])
+    rows = [compare_seed(seed, args, data) for seed in range(args.seeds)]
+    plain = [row["plain"]["accuracy"][-1] for row in rows]
+    secure = [row["secure"]["accuracy"][-1] for row in rows]
     result = {
         "benchmark": "secagg_accuracy",
         "dataset": "fashion_mnist",
         "arch": ARCH,
         "devices": args.devices,
         "rounds": args.rounds,
+        "seeds": args.seeds,
         "clip": args.clip,
         "bits": args.bits,
-        "plain_accuracy": plain["accuracy"][-1],
-        "secure_accuracy": secure["accuracy"][-1],
-        "gap_points": round(gap, 2),
-        "clipped_fraction": secure["clipped_fraction"],
-        "weights_max_abs_difference": float(difference.abs().max()),
-        "weights_relative_difference": float(difference.norm() / reference.norm()),
-        "plain": plain,
-        "secure": secure,
+        "plain_accuracy": round(statistics.fmean(plain), 4),
+        "secure_accuracy": round(statistics.fmean(secure), 4),
+        "gap_points": round(100 * (statistics.fmean(plain) - statistics.fmean(secure)), 2),
+        # The seed-to-seed spread of the plain runs: how much a run's accuracy moves for reasons other than SecAgg.
+        "plain_seed_std_points": round(100 * statistics.stdev(plain), 2) if len(plain) > 1 else None,
+        "clipped_fraction": max(row["secure"]["clipped_fraction"] for row in rows),
+        "runs": rows,
         "provenance": describe(),
     }
     print_result(result, args.json)

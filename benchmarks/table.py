@@ -38,7 +38,7 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "plain_server_seconds_fedavg_300",
         "all_within_bound",
     ),
-    "secagg_accuracy": ("plain_accuracy", "secure_accuracy", "gap_points", "rounds", "devices"),
+    "secagg_accuracy": ("plain_accuracy", "secure_accuracy", "gap_points", "plain_seed_std_points", "seeds"),
 }
 
 
