@@ -104,7 +104,7 @@ SUITE: tuple[Benchmark, ...] = (
     Benchmark("privacy", ("--rounds", "5", "--jobs", "2"), timeout_s=2 * 3600),
     Benchmark("soak", ("--minutes", "20"), timeout_s=3600),  # churn, broker and coordinator crashes for 20 minutes
     Benchmark("secagg"),  # SecAgg+ at 10, 100 and 300 devices in one process, FedAvg and FedHM: about 2 minutes
-    Benchmark("secagg_accuracy"),  # FedAvg on Fashion-MNIST, 10 devices, 5 rounds, plain vs SecAgg'd mean: 2 minutes
+    Benchmark("secagg_accuracy"),  # FedAvg on Fashion-MNIST, 10 devices, 5 rounds, 3 seeds, plain vs SecAgg: 5 minutes
 )
 
 

@@ -90,6 +90,8 @@ class ServerProtocol:
         self._auth = auth
         self._expected: frozenset[str] = frozenset(params.participants)
         self._received: dict[str, Message] = {}
+        self._fingerprints: dict[str, bytes] = {}
+        """SHA-256 of each taken message's signed bytes: a redelivered copy is ignored, a different one refused."""
         self._keys: dict[str, AdvertiseKeys] = {}
         self._in: frozenset[str] = frozenset()  # devices still in after the last closed stage
         self._masked_sum: np.ndarray | None = None
@@ -118,17 +120,18 @@ class ServerProtocol:
         if message.device not in self._expected:
             raise ProtocolViolation(f"{message.KIND} from {message.device}, not expected at stage {self.stage.value}")
         check(message, self._auth)
-        earlier = self._received.get(message.device)
+        fingerprint = hashlib.sha256(message.signed_bytes()).digest()
+        earlier = self._fingerprints.get(message.device)
         if earlier is not None:
-            if earlier.signed_bytes() != message.signed_bytes():
+            if earlier != fingerprint:
                 raise ProtocolViolation(f"{message.device} sent two different {message.KIND} messages")
             return
         self._validate(message)
         if isinstance(message, MaskedInput):
             self._fold(message)
-            # Keep only its identity (for duplicates), never the masked vector itself.
-            message = MaskedInput(message.session, message.device, hashlib.sha256(message.masked).digest(), "")
+            message = MaskedInput(message.session, message.device, b"")  # never keep the masked vector itself
         self._received[message.device] = message
+        self._fingerprints[message.device] = fingerprint
 
     def advance(self) -> list[Message]:
         """Close the open stage: the messages of the next one, or (after unmasking) ``result`` set and []."""
@@ -169,7 +172,7 @@ class ServerProtocol:
         self._masked_sum = vector if self._masked_sum is None else self._masked_sum + vector
 
     def _next(self, stage: ServerStage, expected: Iterable[str]) -> None:
-        self.stage, self._expected, self._received = stage, frozenset(expected), {}
+        self.stage, self._expected, self._received, self._fingerprints = stage, frozenset(expected), {}, {}
 
     def _close_advertise(self) -> list[Message]:
         self._keys = {device: message for device, message in self._received.items()}  # type: ignore[misc]

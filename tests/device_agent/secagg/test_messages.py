@@ -6,7 +6,7 @@ import pytest
 
 from device_agent.secagg.auth import HmacAuth, signed
 from device_agent.secagg.device import DeviceProtocol
-from device_agent.secagg.errors import ParameterError, ProtocolViolation
+from device_agent.secagg.errors import ParameterError, ProtocolAborted, ProtocolViolation
 from device_agent.secagg.messages import (
     AdvertiseKeys,
     EncryptedShares,
@@ -122,3 +122,36 @@ def test_params_name_what_is_wrong():
         Params(devices(5), threshold=2, neighbours=4, length=0, clip=1.0, bits=8)
     with pytest.raises(ParameterError, match=r"^clip"):
         Params(devices(5), threshold=2, neighbours=4, length=1, clip=-1.0, bits=8)
+
+
+def test_a_redelivered_masked_input_counts_once_and_a_different_one_is_refused(session, params):
+    server, protocols = _advertised(session, params)
+    for message in server.advance():
+        server.receive(protocols[message.recipient].share_keys(message))
+    masked = {m.recipient: protocols[m.recipient].mask(m, [0.25] * 5) for m in server.advance()}
+    for message in masked.values():
+        server.receive(message)
+        server.receive(decode(encode(message)))  # a QoS 1 redelivery of the same message
+    altered = signed(dataclasses.replace(masked["dev-00"], masked=bytes(20)), HmacAuth(KEYS))
+    with pytest.raises(ProtocolViolation, match="dev-00 sent two different masked_input"):
+        server.receive(altered)
+    for message in server.advance():
+        server.receive(protocols[message.recipient].unmask(message))
+    server.advance()
+    assert server.result is not None and server.result.total == pytest.approx([1.0] * 5, abs=server.result.error_bound)
+
+
+def test_device_takes_neighbour_keys_from_its_own_neighbourhood_only(session):
+    params = Params(devices(7), threshold=3, neighbours=4, length=3, clip=1.0, bits=8)
+    server = ServerProtocol(session, params)
+    protocols = {d: DeviceProtocol(d) for d in params.participants}
+    for setup in server.start():
+        server.receive(protocols[setup.recipient].advertise(setup))
+    message = next(m for m in server.advance() if m.recipient == "dev-00")
+    stranger = next(d for d in params.participants if d not in server.graph["dev-00"] and d != "dev-00")
+    foreign = dataclasses.replace(message, keys=(*message.keys[:-1], (stranger, b"\x01" * 32, b"\x02" * 32)))
+    with pytest.raises(ProtocolViolation, match=rf"\['{stranger}'\] are not neighbours dev-00"):
+        protocols["dev-00"].share_keys(foreign)
+    too_few = dataclasses.replace(message, keys=message.keys[:2])
+    with pytest.raises(ProtocolAborted, match="2 of dev-00's neighbours advertised keys, threshold 3"):
+        protocols["dev-00"].share_keys(too_few)
