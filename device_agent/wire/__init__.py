@@ -2,6 +2,7 @@
 
 Transport knows bytes and messages, not federated learning: ``messages`` (JSON control messages,
 versioned), ``codec`` (tensors as safetensors bytes), ``topics`` (MQTT layout confining each
-device), ``transfer`` (chunking, verification and resends as pure state machines) and ``session``
-(paho-mqtt glue: connection, persistence, reconnects, driving the state machines).
+device), ``engine`` (chunked, verified, resumable transfers, sans-IO: frames in, frames and events out;
+``transfer`` re-exports its names), ``carrier`` with ``connection`` and ``client`` (paho-mqtt: persistence,
+will, reconnects) and ``session`` (the join of the two: threads, locks, handlers).
 """

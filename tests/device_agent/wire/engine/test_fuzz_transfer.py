@@ -11,15 +11,11 @@ import tracemalloc
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from device_agent.wire.engine.frames import HEADER_SIZE, chunk_frame, parse_chunk_frame
+from device_agent.wire.engine.incoming import IncomingTransfers
+from device_agent.wire.engine.manifests import make_manifest
+from device_agent.wire.engine.outgoing import OutgoingTransfer
 from device_agent.wire.messages import Ack, Error, Manifest, Nack, ProtocolError, parse_message
-from device_agent.wire.transfer import (
-    HEADER_SIZE,
-    IncomingTransfers,
-    OutgoingTransfer,
-    chunk_frame,
-    make_manifest,
-    parse_chunk_frame,
-)
 
 FUZZ = settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
 IDS = ["0" * 32, "1" * 32]

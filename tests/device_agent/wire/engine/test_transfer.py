@@ -1,4 +1,5 @@
-"""The transfer state machines over a simulated lossy link, driven by a fake clock."""
+"""The two sides of one transfer (``engine.outgoing``, ``engine.incoming``) over a simulated lossy link, driven by
+a fake clock."""
 
 import hashlib
 import os
@@ -6,18 +7,11 @@ import random
 
 import pytest
 
+from device_agent.wire.engine.frames import chunk_frame, is_chunk_frame, parse_chunk_frame
+from device_agent.wire.engine.incoming import IncomingTransfers
+from device_agent.wire.engine.manifests import Limits, PayloadTooLarge, announce, make_manifest
+from device_agent.wire.engine.outgoing import OutgoingTransfer
 from device_agent.wire.messages import Ack, Nack, ProtocolError, encode, parse_message
-from device_agent.wire.transfer import (
-    IncomingTransfers,
-    Limits,
-    OutgoingTransfer,
-    PayloadTooLarge,
-    announce,
-    chunk_frame,
-    is_chunk_frame,
-    make_manifest,
-    parse_chunk_frame,
-)
 
 CHUNK = 1024
 
