@@ -8,14 +8,17 @@ Ten digits clients (iid shards) run in process through the real round engine and
 what it uploads (it signs what it sends, so only the gate's bounds and the aggregation stand in
 its way); label flipping and the backdoor (a corner square relabelled 0 on half its images) poison its
 data instead, and the backdoor's success on triggered test images is reported. ``at_the_cut`` is the
-adaptive attacker: the most reversed update the peer check cannot refuse. ``--privacy`` adds DP-FedAvg's
+adaptive attacker: the most reversed update the peer check cannot refuse (it reads the round's agreement
+from the honest updates and aims inside the cut the gate applies). ``--privacy`` adds DP-FedAvg's
 clipping and noise (the backdoor defence of docs/robust-aggregation.md). The omniscient attacks ("a little is enough",
 min-max) see every honest upload of the round before they craft theirs. ``--no-defense`` turns the
 update bound, both direction checks and the sample-weight cap off: the gate as it was before them.
 
 The JSON holds ``clean_accuracy`` per strategy, ``attacks`` (one entry per strategy, attack and
-number of malicious devices, with the final ``accuracy`` and its ``drop`` from clean), and
-``worst_drop_one_in_ten`` / ``worst_drop_two_in_ten`` over them all.
+number of malicious devices, with the final ``accuracy`` and its ``drop`` from clean, the honest and
+malicious updates left out, and the rounds that failed), and ``worst_drop_one_in_ten`` /
+``worst_drop_two_in_ten`` over them all. A run's quorum is its honest devices: a round that refused only
+attackers did what it should and is not failed.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -32,6 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from coordinator.algorithms.robust import dense_updates, peer_cosines, sketch
+from coordinator.config.limits import FleetLimits, GateSettings
 from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.strategies import ModelSpec, build_strategy
 from coordinator.transport.local_link import InProcessLink, LocalDevice
@@ -63,6 +69,8 @@ class Upload:
     trained: Tensors
     honest: list[Tensors]
     """This round's honest uploads of the same shapes (used by the omniscient attacks only)."""
+    target: float = -0.09
+    """The cosine with the round's mean honest update the adaptive attacker (:func:`at_the_cut`) aims at."""
 
 
 def floats(tensors: Mapping[str, Tensor]) -> list[str]:
@@ -143,15 +151,33 @@ def colluding_reversal(u: Upload) -> Tensors:
     return {**u.trained, **{k: u.sent[k] - (mean[k] - u.sent[k]) for k in keys}}
 
 
-AT_THE_CUT = -0.09
-"""The cosine the adaptive attacker aims at: just inside the peer check's fixed floor (-0.1), which every cut
-of the relative rule lies at or below (``coordinator.algorithms.robust.peer_cut``)."""
+AT_THE_CUT_MARGIN = 0.01
+"""How far inside the peer check's cut the adaptive attacker aims (:func:`cut_target`)."""
+
+
+def cut_target(gate: GateSettings, honest: Mapping[str, Tensor]) -> float:
+    """The most reversed cosine the peer check lets through this round, less :data:`AT_THE_CUT_MARGIN`, as an
+    attacker that knows the gate and sees the round's honest updates reads it: ``peer_hard_floor`` where the honest
+    updates' median cosine (their direction sketches, :func:`~coordinator.algorithms.robust.peer_cosines`) is under
+    ``peer_min_agreement``, else ``peer_min_cosine`` (with the relative rule's spread, a cut can only lie lower).
+    ``honest``: device -> its update's sketch. No peer check: -1 (anything passes)."""
+    floor, hard, agreement = gate.peer_min_cosine, gate.peer_hard_floor, gate.peer_min_agreement
+    if floor is None:
+        return -1.0
+    cosines = peer_cosines(honest) if len(honest) >= 3 else {}
+    agrees = agreement is None or not cosines or statistics.median(cosines.values()) >= agreement
+    if agrees:
+        cut: float | None = floor if hard is None else max(floor, hard)
+    else:
+        cut = hard
+    return -1.0 if cut is None else cut + AT_THE_CUT_MARGIN
 
 
 def at_the_cut(u: Upload) -> Tensors:
     """An adaptive attacker that knows the gate: the most reversed update the peer check cannot refuse.
 
-    Its update has cosine :data:`AT_THE_CUT` with the round's mean honest update and the mean honest norm (so
+    Its update has cosine ``u.target`` (:func:`cut_target`) with the round's mean honest update and the mean honest
+    norm (so
     the update bound does not clip it); the rest of its direction is its own update made orthogonal to the
     mean, so colluders do not send copies. Measured in the upload's own space (FedHM's factors).
     """
@@ -163,7 +189,7 @@ def at_the_cut(u: Upload) -> Tensors:
     along = mean / mean.norm().clamp_min(1e-30)
     across = own - (own @ along) * along
     across = across / across.norm().clamp_min(1e-30)
-    direction = AT_THE_CUT * along + (1 - AT_THE_CUT**2) ** 0.5 * across
+    direction = u.target * along + (1 - u.target**2) ** 0.5 * across
     return {**u.trained, **unflattened(sent + float(honest.norm(dim=1).mean()) * direction, u.trained, keys)}
 
 
@@ -233,12 +259,19 @@ class PoisoningLink(InProcessLink):
     """
 
     def __init__(
-        self, devices: Sequence[LocalDevice], malicious: set[str], attack: Callable[[Upload], Tensors] | None, name: str
+        self,
+        devices: Sequence[LocalDevice],
+        malicious: set[str],
+        attack: Callable[[Upload], Tensors] | None,
+        name: str,
+        gate: GateSettings | None = None,
     ) -> None:
         super().__init__(devices)
         self.malicious, self.attack, self.name = malicious, attack, name
+        self.gate = gate or GateSettings()
+        """The gate the adaptive attacker knows (the run's limits)."""
         self._sent: dict[str, Tensors] = {}
-        self._honest: dict[int, list[Tensors]] = {}
+        self._honest: dict[int, dict[str, Tensors]] = {}
         self._held: dict[int, list[tuple[str, Received]]] = {}
         self._lock = threading.Lock()
 
@@ -253,7 +286,7 @@ class PoisoningLink(InProcessLink):
             round_ = received.round
             with self._lock:
                 if device not in self.malicious:
-                    self._honest.setdefault(round_, []).append(decode_tensors(received.data))
+                    self._honest.setdefault(round_, {})[device] = decode_tensors(received.data)
                     release = len(self._honest[round_]) == honest_count
                     ready = [(device, received)] + (self._held.pop(round_, []) if release else [])
                 else:
@@ -264,6 +297,11 @@ class PoisoningLink(InProcessLink):
 
         super().start(on_message, intercept, on_refused)
 
+    def _target(self, honest: Mapping[str, Tensors]) -> float:
+        """:func:`cut_target` for this round's honest updates, sketched as the gate sketches them."""
+        sketches = {d: sketch(dense_updates(upload, self._sent[d])) for d, upload in honest.items()}
+        return cut_target(self.gate, sketches)
+
     def _tampered(self, device: str, received: Received) -> Received:
         meta = dict(received.meta)
         if self.name in SAMPLE_INFLATION:
@@ -273,8 +311,12 @@ class PoisoningLink(InProcessLink):
         else:
             trained = decode_tensors(received.data)
             shapes = {k: v.shape for k, v in trained.items()}
-            honest = [h for h in self._honest[received.round] if {k: v.shape for k, v in h.items()} == shapes]
-            tensors = self.attack(Upload(self._sent[device], trained, honest))
+            round_honest = self._honest[received.round]
+            honest = [h for h in round_honest.values() if {k: v.shape for k, v in h.items()} == shapes]
+            upload = Upload(self._sent[device], trained, honest)
+            if self.attack is at_the_cut:
+                upload = replace(upload, target=self._target(round_honest))
+            tensors = self.attack(upload)
         return received.replaced(data=encode_tensors(tensors), meta=meta)
 
 
@@ -297,6 +339,22 @@ def fleet_clients(
     return clients
 
 
+@dataclass(frozen=True)
+class RunResult:
+    """One run of :func:`run_one`."""
+
+    accuracy: float
+    honest_refused: int
+    """Honest updates the gate refused (a round's honest device whose update was not aggregated)."""
+    attack_success: float
+    """The backdoor's success on the final model (:func:`attack_success`; on a clean run, how often the trigger
+    alone says the target)."""
+    failed_rounds: list[int]
+    """Rounds that aggregated fewer than the honest devices (the quorum of a run with attackers)."""
+    malicious_refused: int
+    """Malicious updates not aggregated over the run: refused, or sat out by the backoff after refusals."""
+
+
 def run_one(
     strategy_name: str,
     attack: str | None,
@@ -308,26 +366,30 @@ def run_one(
     limits: Mapping[str, object] | None,
     privacy: Mapping[str, object] | None = None,
     params: Mapping[str, object] | None = None,
-) -> tuple[float, int, float]:
-    """Final global accuracy of one run (``attack`` None: the clean fleet), how many honest updates the
-    gate refused (a round's honest device whose update was not aggregated) and the backdoor's success
-    on the final model (:func:`attack_success`; on a clean run, how often the trigger alone says the target)."""
+) -> RunResult:
+    """One clean (``attack`` None) or attacked run. Its quorum is the honest devices' share of the fleet: a round
+    that refused every attacker aggregated all it should, and only one that lost an honest update fails."""
     poison = attack if attack in DATA_POISONING else None
     fleet = fleet_clients(data, clients, malicious, poison, LEVELS[strategy_name])
     bad = {c.client_id for c in fleet[:malicious]} if attack else set()
     devices = [LocalDevice(c.client_id, c.train, c.test) for c in fleet]
-    link = PoisoningLink(devices, bad, ATTACKS.get(attack or ""), attack or "")
+    gate = FleetLimits.model_validate(dict(limits or {})).gate()
+    link = PoisoningLink(devices, bad, ATTACKS.get(attack or ""), attack or "", gate)
     model = MODELS["digits" if data.image_size == 8 else "fashion_mnist"]
     strategy = build_strategy(strategy_name, model, dict(params or {}), seed=0)
     test = (data.test_x, data.test_y)
     calibration = data.train_x[:256]
-    result = simulate(strategy, fleet, rounds, train, test, calibration, link=link, limits=limits, privacy=privacy)
+    quorum = (clients - len(bad)) / clients
+    result = simulate(
+        strategy, fleet, rounds, train, test, calibration, link=link, limits=limits, privacy=privacy, quorum=quorum
+    )
     accuracy = result.final.accuracy
     if accuracy is None or not math.isfinite(accuracy):
         raise RuntimeError(f"{strategy_name} {attack}: no final accuracy")
     honest = {c.client_id for c in fleet} - bad
     refused = sum(len(honest - set(record.upload_bytes)) for record in result.rounds)
-    return accuracy, refused, attack_success(strategy.global_model(), data)
+    caught = sum(len(bad - set(record.upload_bytes)) for record in result.rounds)
+    return RunResult(accuracy, refused, attack_success(strategy.global_model(), data), result.failed_rounds, caught)
 
 
 def poisoning(
@@ -356,33 +418,39 @@ def poisoning(
     limits = {**(limits or {}), **({} if defense else NO_DEFENSE)}
     clean: dict[str, float] = {}
     honest_refused_clean: dict[str, int] = {}
+    failed_rounds_clean: dict[str, list[int]] = {}
     trigger_clean: dict[str, float] = {}
     entries: list[dict[str, Any]] = []
 
-    def run(name: str, attack: str | None, malicious: int) -> tuple[float, int, float]:
+    def run(name: str, attack: str | None, malicious: int) -> RunResult:
         return run_one(name, attack, malicious, rounds, clients, train, data, limits, privacy, (params or {}).get(name))
 
     for name in strategies:
-        clean[name], honest_refused_clean[name], trigger_clean[name] = run(name, None, 0)
+        baseline = run(name, None, 0)
+        clean[name], honest_refused_clean[name] = baseline.accuracy, baseline.honest_refused
+        trigger_clean[name], failed_rounds_clean[name] = baseline.attack_success, baseline.failed_rounds
         progress(f"{name} clean: {clean[name]:.3f} ({honest_refused_clean[name]} honest updates refused)")
         for attack in attacks:
             for malicious in fractions:
-                accuracy, refused, success = run(name, attack, malicious)
-                drop = clean[name] - accuracy
+                outcome = run(name, attack, malicious)
+                drop = clean[name] - outcome.accuracy
                 entry = {
                     "strategy": name,
                     "attack": attack,
                     "malicious": malicious,
-                    "accuracy": accuracy,
+                    "accuracy": outcome.accuracy,
                     "drop": drop,
-                    "honest_refused": refused,
+                    "honest_refused": outcome.honest_refused,
+                    "malicious_refused": outcome.malicious_refused,
+                    "failed_rounds": outcome.failed_rounds,
                 }
                 if attack == "backdoor":
-                    entry["attack_success"] = success
+                    entry["attack_success"] = outcome.attack_success
                 entries.append(entry)
-                result = f"{accuracy:.3f} (drop {drop:+.3f}, {refused} honest refused)"
+                result = f"{outcome.accuracy:.3f} (drop {drop:+.3f}, {outcome.honest_refused} honest refused, "
+                result += f"{outcome.malicious_refused} malicious refused, failed rounds {outcome.failed_rounds})"
                 if attack == "backdoor":
-                    result += f", backdoor success {success:.3f} (clean model: {trigger_clean[name]:.3f})"
+                    result += f", backdoor success {outcome.attack_success:.3f} (clean: {trigger_clean[name]:.3f})"
                 progress(f"{name} {attack} {malicious}/{clients}: {result}")
 
     def backdoor(malicious: int) -> float | None:
@@ -410,6 +478,7 @@ def poisoning(
         },
         "clean_accuracy": clean,
         "honest_refused_clean": honest_refused_clean,
+        "failed_rounds_clean": failed_rounds_clean,
         "trigger_on_clean_model": trigger_clean,
         "backdoor_success_one_in_ten": backdoor(max(1, clients // 10)),
         "attacks": entries,

@@ -330,6 +330,7 @@ def iterated_outliers(
     spread: float,
     duplicate: float = DUPLICATE_COSINE,
     hard_floor: float | None = None,
+    agreement: float | None = None,
 ) -> list[tuple[str, float, float]]:
     """The round's outliers taken out one at a time, worst first, as (device, cosine, cut): after each, every
     cosine, the median and the spread are computed again without it, so an attacker's vote leaves the honest
@@ -341,7 +342,7 @@ def iterated_outliers(
         cosines = peer_cosines(remaining, duplicate)
         if len(cosines) < 3:
             break
-        cut = peer_cut(cosines, floor, spread, hard_floor)
+        cut = peer_cut(cosines, floor, spread, hard_floor, agreement)
         worst = min(cosines, key=cosines.__getitem__)
         if cosines[worst] >= cut:
             break
@@ -350,22 +351,33 @@ def iterated_outliers(
     return removed
 
 
-def peer_cut(cosines: Mapping[str, float], floor: float, spread: float, hard_floor: float | None = None) -> float:
-    """The cosine below which an update is an outlier of its round: under ``floor`` and also ``spread`` scaled
-    median absolute deviations (a robust standard deviation) below the round's median; but never below
-    ``hard_floor``, under which an update is refused whatever the round's spread.
+def peer_cut(
+    cosines: Mapping[str, float],
+    floor: float,
+    spread: float,
+    hard_floor: float | None = None,
+    agreement: float | None = None,
+) -> float:
+    """The cosine below which an update is an outlier of its round.
 
-    Early in training honest updates agree (median cosines 0.4-0.8) and a reversed one sits far below;
-    once the model converges they are mostly gradient noise, spread around 0, and a fixed floor alone
-    would refuse the honest ones on its low side (a 20-minute soak refused 73 at -0.10 to -0.20). On a
-    mixed-rank fleet the spread is wide in every round, and the relative cut alone let two reversed updates
-    at -0.28 to -0.36 through for 20 rounds: the hard floor (-0.25 by default) holds those.
+    In a round whose updates agree (median cosine at least ``agreement``; None: every round): under ``floor``
+    and also ``spread`` scaled median absolute deviations (a robust standard deviation) below the round's
+    median. In every round: under ``hard_floor``, whatever the rest says. A round that does not agree has no
+    direction to point against, so only the hard floor judges it (-inf without one: nothing refused).
+
+    Early in training honest updates agree (median cosines 0.3-0.8, none of the soaks' honest updates below -0.02
+    in such a round) and a reversed update sits far below the floor. Once a model on non-IID shards converges,
+    each device pulls toward its own optimum, against the others' pull (at the fleet's optimum the pulls cancel),
+    and with gradient noise the round's cosines spread around 0 or below: 20-minute soaks refused up to 34 honest
+    updates at -0.10 to -0.30 with a floor or relative cut there. A reversal then reverses mostly noise.
     """
     values = list(cosines.values())
     median = statistics.median(values)
+    lowest = -math.inf if hard_floor is None else hard_floor
+    if agreement is not None and median < agreement:
+        return lowest
     deviation = 1.4826 * statistics.median(abs(v - median) for v in values)
-    cut = min(floor, median - spread * deviation)
-    return cut if hard_floor is None else max(cut, hard_floor)
+    return max(min(floor, median - spread * deviation), lowest)
 
 
 def coordinate_median(updates: Sequence[Tensor]) -> Tensor:

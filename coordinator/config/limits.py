@@ -56,17 +56,23 @@ class GateSettings:
     """
     peer_min_cosine: float | None = -0.1
     """At the round's close, refuse an update whose cosine with the sum of the round's other updates (each a unit
-    vote) is below this, fewer than half the round at most; None: off. A same-round reference, so it holds on
-    non-IID data where consecutive rounds point apart (docs/robust-aggregation.md)."""
+    vote) is below this, in a round whose updates agree (``peer_min_agreement``), fewer than half the round at most;
+    None: off. A same-round reference, so it holds on non-IID data where consecutive rounds point apart
+    (docs/robust-aggregation.md)."""
     peer_min_updates: int = 4
     """Updates a round needs (with a direction sketch) before the peer check judges any of them."""
-    peer_spread: float = 3.0
-    """An update is refused only when it is also this many (scaled) median absolute deviations below the round's
-    median cosine: once a model converges, honest updates are mostly noise and their cosines spread around 0."""
-    peer_hard_floor: float | None = -0.25
-    """The peer check refuses an update below this cosine whatever ``peer_spread`` allows (None: the relative rule
-    alone): on a mixed-rank fleet the spread is wide and two reversed updates at -0.28 to -0.36 passed every round,
-    while honest updates of a converged model reached -0.20."""
+    peer_min_agreement: float | None = 0.1
+    """``peer_min_cosine`` and ``peer_spread`` judge only a round whose median cosine is at least this (None: every
+    round); a round below it has no direction to point against and only ``peer_hard_floor`` judges it. Once a
+    model converges on non-IID shards, honest updates spread around 0 and down to -0.30 (soaks' medians -0.14 to
+    0.09): a floor there refused up to 34 honest updates in 20 minutes."""
+    peer_spread: float = 0.0
+    """In a round that agrees, an update is refused only when it is also this many (scaled) median absolute
+    deviations below the round's median cosine; 0: ``peer_min_cosine`` alone (no honest update of a round that
+    agreed was seen below -0.02, while a wide spread let two reversed updates at -0.3 through)."""
+    peer_hard_floor: float | None = -0.35
+    """The peer check refuses an update below this cosine in every round, whether the round agrees or not (None:
+    none); below the lowest honest cosine of every soak (-0.30), above colluders' reversed updates."""
     sample_weight_factor: float | None = 2.0
     """An upload weighs at most this many times the samples the fleet expects of its device; None: no cap."""
 
@@ -89,6 +95,8 @@ class GateSettings:
             raise ValueError(f"peer_spread must be >= 0, got {self.peer_spread}")
         if self.peer_hard_floor is not None and not -1 <= self.peer_hard_floor < 1:
             raise ValueError(f"peer_hard_floor must be in [-1, 1) (or None), got {self.peer_hard_floor}")
+        if self.peer_min_agreement is not None and not -1 <= self.peer_min_agreement < 1:
+            raise ValueError(f"peer_min_agreement must be in [-1, 1) (or None), got {self.peer_min_agreement}")
         if self.peer_min_updates < 3:
             raise ValueError(f"peer_min_updates must be >= 3, got {self.peer_min_updates}")
         if self.sample_weight_factor is not None and self.sample_weight_factor < 1:
@@ -170,18 +178,25 @@ class FleetLimits(BaseModel):
     peer_min_updates: int = Field(
         GateSettings.peer_min_updates, ge=3, description="updates a round needs before the peer check judges any"
     )
+    peer_min_agreement: float | None = Field(
+        GateSettings.peer_min_agreement,
+        ge=-1,
+        lt=1,
+        description="peer_min_cosine and peer_spread judge only a round whose median cosine is at least this; "
+        "below it (a converged model's honest updates spread around 0) only peer_hard_floor does; null: every round",
+    )
     peer_spread: float = Field(
         GateSettings.peer_spread,
         ge=0,
-        description="the peer check refuses only updates also this many median absolute deviations below the "
-        "round's median cosine (honest updates of a converged model spread around 0)",
+        description="in a round that agrees, the peer check refuses only updates also this many median absolute "
+        "deviations below the round's median cosine; 0: peer_min_cosine alone",
     )
     peer_hard_floor: float | None = Field(
         GateSettings.peer_hard_floor,
         ge=-1,
         lt=1,
-        description="the peer check refuses an update whose cosine is below this whatever peer_spread allows "
-        "(on a mixed-rank fleet the spread is wide); null: the relative rule alone",
+        description="the peer check refuses an update whose cosine is below this in every round, whether it "
+        "agrees or not; null: none",
     )
     sample_weight_factor: float | None = Field(
         GateSettings.sample_weight_factor,
@@ -238,6 +253,7 @@ class FleetLimits(BaseModel):
             direction_min_cosine=self.direction_min_cosine,
             peer_min_cosine=self.peer_min_cosine,
             peer_min_updates=self.peer_min_updates,
+            peer_min_agreement=self.peer_min_agreement,
             peer_spread=self.peer_spread,
             peer_hard_floor=self.peer_hard_floor,
             sample_weight_factor=self.sample_weight_factor,

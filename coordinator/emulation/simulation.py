@@ -127,10 +127,12 @@ def simulation_fleet(
     limits: Mapping[str, object] | None = None,
     participation: float = 1.0,
     privacy: Mapping[str, object] | None = None,
+    quorum: float = 1.0,
 ) -> dict:
     """The fleet.yaml of a simulation: one device per client, every training option from ``train``,
     fleet.yaml's ``limits`` from ``limits`` (the upload gate's bounds); ``participation`` < 1 asks that
-    fraction of the clients each round (a large fleet's partial rounds)."""
+    fraction of the clients each round (a large fleet's partial rounds); ``quorum`` is the share of a round's
+    devices it must aggregate not to count as failed (below 1 where some are expected to be refused)."""
     model = strategy.model
     training = {
         "optimizer": train.optimizer,
@@ -159,7 +161,7 @@ def simulation_fleet(
         "rounds": rounds,
         "participation": participation,
         "round_deadline_s": 86400,
-        "quorum": 1.0,
+        "quorum": quorum,
         "training": training,
         "evaluation": {"server": server_evaluation},
         "devices": [
@@ -182,19 +184,21 @@ def simulate(
     limits: Mapping[str, object] | None = None,
     participation: float = 1.0,
     privacy: Mapping[str, object] | None = None,
+    quorum: float = 1.0,
 ) -> SimulationResult:
     """Run ``rounds`` rounds of ``strategy`` over ``clients``; ``train.seed`` seeds the run.
 
     ``server_evaluation=False`` runs as a coordinator without data: ``test`` and ``calibration`` go unused.
     ``link`` replaces the in-process devices (transport ``in_process``) with another transport whose
     devices are named by the clients' ids. ``limits`` and ``privacy`` are fleet.yaml's sections of those names
-    (validated the same way), e.g. the update bound, or DP-FedAvg's clipping and noise.
+    (validated the same way), e.g. the update bound, or DP-FedAvg's clipping and noise. ``quorum``: see
+    :func:`simulation_fleet` (a round with its quorum still waits for the rest within the laggards' grace).
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     if not clients:
         raise ValueError("a simulation needs at least one client")
-    raw = simulation_fleet(strategy, clients, rounds, train, server_evaluation, limits, participation, privacy)
+    raw = simulation_fleet(strategy, clients, rounds, train, server_evaluation, limits, participation, privacy, quorum)
     fleet = parse_fleet(raw, source="simulation")
     if link is None:
         link = fleet_link(fleet, devices=[LocalDevice(c.client_id, c.train, c.test) for c in clients])

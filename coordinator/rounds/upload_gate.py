@@ -25,7 +25,8 @@ of last round (:class:`~coordinator.algorithms.robust.DirectionReference`, full 
 rounds can point apart on non-IID data, so that check is opt-in; the peer check is on by default: each
 update leaves a direction sketch (:func:`~coordinator.algorithms.robust.sketch`) and at the close
 :meth:`UploadGate.peer_outliers` names those whose cosine with the sum of the round's others is below
-``peer_min_cosine`` (the caller takes them out of the aggregate).
+``peer_hard_floor``, or below ``peer_min_cosine`` in a round whose updates agree (the caller takes them out of
+the aggregate).
 """
 
 from __future__ import annotations
@@ -353,19 +354,28 @@ class UploadGate:
         return peer_cosines(self._sketches)
 
     def peer_outliers(self) -> dict[str, str]:
-        """The round's updates below ``peer_min_cosine`` and ``peer_spread`` deviations below the round's median, or
-        below ``peer_hard_floor`` (:func:`~coordinator.algorithms.robust.peer_cut`), taken out one at a time with
-        every cosine computed again without them (:func:`~coordinator.algorithms.robust.iterated_outliers`), fewer
-        than half, with why."""
-        floor = self.settings.peer_min_cosine
-        if floor is None or len(self._sketches) < self.settings.peer_min_updates:
+        """The round's updates below ``peer_hard_floor``, or, in a round that agrees, below ``peer_min_cosine`` and
+        ``peer_spread`` deviations below the round's median (:func:`~coordinator.algorithms.robust.peer_cut`), taken
+        out one at a time with every cosine computed again without them
+        (:func:`~coordinator.algorithms.robust.iterated_outliers`), fewer than half, with why."""
+        settings = self.settings
+        floor = settings.peer_min_cosine
+        if floor is None or len(self._sketches) < settings.peer_min_updates:
             return {}
-        hard = self.settings.peer_hard_floor
-        or_below = "" if hard is None else f", or below {hard:g}"
+        hard, agreement = settings.peer_hard_floor, settings.peer_min_agreement
+        rule = f"below {floor:g}" + (
+            f" and {settings.peer_spread:g} deviations below the round's median" if settings.peer_spread else ""
+        )
+        if agreement is not None:
+            rule += f" where the round's median is at least {agreement:g}"
+        if hard is not None:
+            rule += f"; below {hard:g} in any round"
         return {
-            device: f"update has cosine {cos:.3g} with the sum of the round's other updates (at least {cut:.3g}: "
-            f"below {floor:g} and {self.settings.peer_spread:g} deviations below the round's median{or_below})"
-            for device, cos, cut in iterated_outliers(self._sketches, floor, self.settings.peer_spread, hard_floor=hard)
+            device: f"update has cosine {cos:.3g} with the sum of the round's other updates "
+            f"(at least {cut:.3g}: {rule})"
+            for device, cos, cut in iterated_outliers(
+                self._sketches, floor, settings.peer_spread, hard_floor=hard, agreement=agreement
+            )
         }
 
     def sample_weight(self, claimed: int, expected_samples: int) -> int:

@@ -6,17 +6,20 @@ import pytest
 import torch
 
 from benchmarks.poisoning import (
-    AT_THE_CUT,
+    AT_THE_CUT_MARGIN,
     ATTACKS,
     BACKDOOR_TARGET,
     Upload,
     at_the_cut,
     backdoored,
+    cut_target,
     main,
     poisoning,
     table,
     triggered,
 )
+from coordinator.algorithms.robust import sketch
+from coordinator.config.limits import GateSettings
 from device_agent.training.optimizer import TrainConfig
 
 TRAIN = TrainConfig(epochs=1, batch_size=32, lr=0.05)
@@ -70,18 +73,38 @@ def test_the_backdoor_stamps_a_corner_square_on_half_a_shard_and_relabels_those(
     assert (triggered(torch.zeros(1, 1, 28, 28))[0, 0] > 0).sum() == 100  # 10 x 10 on 28 x 28
 
 
-def test_the_adaptive_attacker_sits_just_inside_the_fixed_floor_at_the_honest_norm() -> None:
+def test_the_adaptive_attacker_sits_at_its_target_cosine_at_the_honest_norm() -> None:
     generator = torch.Generator().manual_seed(0)
     sent = {"w": torch.zeros(50)}
     common = torch.randn(50, generator=generator)
     honest = [{"w": common + 0.3 * torch.randn(50, generator=generator)} for _ in range(8)]
-    upload = at_the_cut(Upload(sent, {"w": torch.randn(50, generator=generator)}, honest))["w"]
+    upload = at_the_cut(Upload(sent, {"w": torch.randn(50, generator=generator)}, honest, target=-0.34))["w"]
     mean = torch.stack([h["w"] for h in honest]).mean(0)
-    assert float(torch.nn.functional.cosine_similarity(upload, mean, dim=0)) == pytest.approx(AT_THE_CUT, abs=1e-5)
-    assert float(upload.norm()) == pytest.approx(float(torch.stack([h["w"] for h in honest]).norm(dim=1).mean()))
+    assert float(torch.nn.functional.cosine_similarity(upload, mean, dim=0)) == pytest.approx(-0.34, abs=1e-5)
+    norms = torch.stack([h["w"] for h in honest]).norm(dim=1)
+    assert float(upload.norm()) == pytest.approx(float(norms.mean()), rel=1e-5)
+
+
+def test_the_adaptive_attacker_aims_inside_the_cut_the_gate_applies_this_round() -> None:
+    generator = torch.Generator().manual_seed(3)
+    common = torch.randn(4000, generator=generator)
+    agreeing = {f"h{i}": sketch({"w": common + torch.randn(4000, generator=generator)}) for i in range(8)}
+    noise = {f"h{i}": sketch({"w": torch.randn(4000, generator=generator)}) for i in range(8)}
+    gate = GateSettings()
+    assert cut_target(gate, agreeing) == pytest.approx(gate.peer_min_cosine + AT_THE_CUT_MARGIN)
+    assert cut_target(gate, noise) == pytest.approx(gate.peer_hard_floor + AT_THE_CUT_MARGIN)  # no agreement
+    assert cut_target(GateSettings(peer_min_agreement=None), noise) == pytest.approx(-0.09)
+    assert cut_target(GateSettings(peer_min_cosine=None), agreeing) == -1.0  # no peer check: anything passes
 
 
 @pytest.mark.slow
+def test_a_round_that_refused_its_attacker_is_not_failed() -> None:
+    result = poisoning(["fedavg"], ["update_x-1"], [1], rounds=3, clients=5, train=TRAIN)
+    [entry] = result["attacks"]
+    assert entry["malicious_refused"] >= 1 and entry["honest_refused"] == 0  # the flipper was refused ...
+    assert entry["failed_rounds"] == [] and result["failed_rounds_clean"] == {"fedavg": []}  # ... and no round failed
+
+
 def test_a_backdoor_run_reports_its_success_on_triggered_images() -> None:
     result = poisoning(["fedavg"], ["backdoor"], [1], rounds=2, clients=5, train=TRAIN)
     [entry] = result["attacks"]

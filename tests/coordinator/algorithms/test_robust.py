@@ -312,6 +312,25 @@ def test_the_cut_follows_the_round_so_a_converged_rounds_noise_is_not_refused() 
     assert peer_cut(wide, -0.1, 3.0) < -0.3 and peer_cut(wide, -0.1, 3.0, -0.25) == -0.25  # never under the floor
 
 
+def test_a_round_without_agreement_is_judged_by_the_hard_floor_alone() -> None:
+    # a converged non-IID round like the soak's round 57: honest cosines around 0, one at -0.196 (it was refused)
+    converged = {"a": -0.196, "b": -0.05, "c": 0.0, "d": 0.01, "e": 0.02, "f": 0.03, "g": 0.05, "h": 0.08}
+    assert peer_cut(converged, -0.1, 3.0) == -0.1  # the relative rule refused the honest tail
+    assert peer_cut(converged, -0.1, 0.0, -0.35, agreement=0.1) == -0.35  # no direction to judge: the hard floor
+    assert peer_cut(converged, -0.1, 0.0, agreement=0.1) == float("-inf")  # without one, nobody refused
+    agreeing = {"a": 0.62, "b": 0.58, "c": 0.55, "d": 0.66, "e": 0.3, "flip": -0.3}
+    assert peer_cut(agreeing, -0.1, 0.0, -0.35, agreement=0.1) == -0.1  # agreeing: the floor judges
+
+
+def test_in_an_agreeing_round_the_floor_refuses_reversals_however_wide_the_spread() -> None:
+    sketches = wide_fleet()
+    sketches["f3"], sketches["f4"] = -sketches.pop("h3"), -sketches.pop("h4")  # two devices reverse their own
+    relative = iterated_outliers(sketches, -0.1, 3.0, hard_floor=-0.35, agreement=0.1)
+    assert [d for d, _, _ in relative] == ["f3"]  # the spread sank the cut: only the hard floor held one
+    removed = iterated_outliers(sketches, -0.1, 0.0, hard_floor=-0.35, agreement=0.1)
+    assert sorted(d for d, _, _ in removed) == ["f3", "f4"] and all(cut == -0.1 for _, _, cut in removed)
+
+
 @given(
     rounds=st.lists(
         st.lists(st.floats(0, 1e6, allow_nan=False), max_size=12),

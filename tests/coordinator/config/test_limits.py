@@ -58,3 +58,19 @@ def test_the_update_bound_is_on_by_default_and_each_setting_is_checked_by_name()
     for key, value in (("update_bound_action", "drop"), ("update_bound_factor", 0.5), ("sample_weight_factor", 0)):
         with pytest.raises(FleetError, match=f"limits.{key}"):
             parse_fleet({**MINIMAL, "limits": {key: value}}, CATALOG)
+
+
+def test_the_peer_check_judges_agreeing_rounds_by_its_floor_and_every_round_by_the_hard_floor() -> None:
+    gate = parse_fleet(MINIMAL, CATALOG).limits.gate()
+    assert (gate.peer_min_cosine, gate.peer_min_agreement, gate.peer_spread, gate.peer_hard_floor) == (
+        -0.1,
+        0.1,
+        0.0,
+        -0.35,
+    )
+    gate = parse_fleet({**MINIMAL, "limits": {"peer_min_agreement": None}}, CATALOG).limits.gate()
+    assert gate.peer_min_agreement is None  # every round judged by the floor, as before 2026-11-29
+    with pytest.raises(FleetError, match=r"limits\.peer_min_agreement"):
+        parse_fleet({**MINIMAL, "limits": {"peer_min_agreement": 1.5}}, CATALOG)
+    with pytest.raises(ValueError, match="peer_min_agreement"):
+        GateSettings(peer_min_agreement=-2)
