@@ -40,7 +40,7 @@ from coordinator.algorithms.robust import dense_updates, peer_cosines, sketch
 from coordinator.config.limits import FleetLimits, GateSettings
 from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.strategies import ModelSpec, build_strategy
-from coordinator.transport.local_link import InProcessLink, LocalDevice
+from coordinator.transport.memory_link import LocalDevice, MemoryLink
 from device_agent.data.datasets import LabeledData, load_dataset
 from device_agent.data.partition import PartitionSpec, client_shard
 from device_agent.training.optimizer import TrainConfig
@@ -251,7 +251,7 @@ SAMPLE_INFLATION = {"weights_x-9.5_samples_x97": 97}
 """Attacks that also claim this many times their real samples (under the gate's 100x refusal bound)."""
 
 
-class PoisoningLink(InProcessLink):
+class PoisoningLink(MemoryLink):
     """In-process devices of which ``malicious`` rewrite their upload with ``attack`` after training.
 
     Malicious uploads are held until every honest one of the round is in, so the omniscient attacks

@@ -247,7 +247,7 @@ class Transport(_Strict):
     kind: Literal["mqtt", "in_process"] = Field(
         "mqtt",
         description="mqtt: devices are agents on the broker (coordinator start); in_process: devices are "
-        "threads of this process with their data in memory, which only simulate() sets up",
+        "agents on threads of this process, over memory, with their data in memory, which only simulate() sets up",
     )
 
 

@@ -1,11 +1,11 @@
 """Run any strategy for N rounds on in-process clients, through the same round engine as a fleet.
 
 ``simulate`` builds a small fleet (one device per client, fixed levels), a throwaway run
-directory and an :class:`~coordinator.transport.local_link.InProcessLink`, and runs
-:class:`~coordinator.rounds.engine.RoundEngine` on them: the same planning hook, upload gate, journal,
-seeding, static BN and evaluation as ``coordinator start`` (see :mod:`coordinator.rounds.evaluation`),
-with every payload encoded and decoded as on the wire. Only the transport and the planner differ:
-clients keep the level they are given.
+directory and a :class:`~coordinator.transport.memory_link.MemoryLink` (one real agent per client, over
+memory), and runs :class:`~coordinator.rounds.engine.RoundEngine` on them: the same planning hook, upload
+gate, journal, seeding, static BN and evaluation as ``coordinator start`` (see
+:mod:`coordinator.rounds.evaluation`), the same device runtime as a fleet's, with every payload encoded and
+decoded as on the wire. Only the transport and the planner differ: clients keep the level they are given.
 
 Per round it reports the global accuracy (None with ``server_evaluation=False``: a coordinator with
 no data), the federated accuracy (the devices' evaluation of the model they received, on their test
@@ -34,7 +34,7 @@ from coordinator.run.rundir import RunDir
 from coordinator.strategies.base import ClientSlot, Strategy
 from coordinator.transport.fleet_link import fleet_link
 from coordinator.transport.link import Link
-from coordinator.transport.local_link import LocalDevice
+from coordinator.transport.memory_link import LocalDevice
 from device_agent.clients.spec import TrainConfig
 from device_agent.common.profile import DeviceProfile
 from device_agent.data.datasets import LabeledData
@@ -222,7 +222,7 @@ def simulate(
                     wait_timeout_s=60,
                     calibration_samples=len(calibration),
                     gate=fleet.limits.gate(),
-                    rejected_grace_s=0.0,  # in-process devices never send a second update
+                    rejected_grace_s=0.0,  # a refused client is not waited for: its agent would train it again
                 ),
                 planner=fixed_levels({c.client_id: c.level for c in clients}),
             )

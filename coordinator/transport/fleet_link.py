@@ -1,9 +1,9 @@
 """The Link fleet.yaml's ``transport:`` section asks for, so a new transport is one more ``kind`` here.
 
 ``mqtt`` (the default) is :class:`~coordinator.transport.link.MqttLink` on the fleet's broker: what
-``coordinator start`` runs. ``in_process`` is :class:`~coordinator.transport.local_link.InProcessLink`
-over devices whose data is in this process: what ``simulate()`` builds. Each needs what only its caller
-has (a started broker's address, the devices' shards), and a missing one is named.
+``coordinator start`` runs. ``in_process`` is :class:`~coordinator.transport.memory_link.MemoryLink`: real
+agents in this process over memory, their data in memory: what ``simulate()`` builds. Each needs what only
+its caller has (a started broker's address, the devices' shards), and a missing one is named.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from coordinator.transport.link import Link, MqttLink
-from coordinator.transport.local_link import InProcessLink, LocalDevice
+from coordinator.transport.memory_link import LocalDevice, MemoryLink
 from device_agent.wire.session import BrokerAddress
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ def fleet_link(
             "transport.kind: in_process needs the devices' data in this process, which only simulate() has; "
             "use kind: mqtt to reach agents"
         )
-    return InProcessLink(devices)
+    return MemoryLink(devices, fleet.fleet)
 
 
 __all__ = ["fleet_link"]

@@ -1,10 +1,11 @@
 """The round engine's port to its devices, addressed by device id.
 
 The engine speaks to a :class:`Link`: control messages and payloads out, messages and verified
-payloads in, byte counters per device. It never sees topics, client ids, wills or ACL names:
-those belong to :class:`MqttLink`, the link of a real fleet. ``coordinator.transport.local_link`` is the
-in-process link the simulation and the comparison benchmark use, so both run the same round
-core as ``coordinator start``.
+payloads in (a :class:`~device_agent.wire.payload.Received` with an opaque digest), byte counters per
+device. It never sees topics, client ids, wills, ACL names, manifests or chunks: those belong to
+:class:`MqttLink`, the link of a real fleet. ``coordinator.transport.memory_link`` runs real agents in this
+process over memory for the simulation and the comparison benchmark, so both run the same round core and
+the same device runtime as ``coordinator start``.
 """
 
 from __future__ import annotations

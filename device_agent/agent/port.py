@@ -47,6 +47,9 @@ class Upload(Protocol):
 class CoordinatorPort(Protocol):
     """What the agent needs from a transport. Handlers may run on any thread; the agent queues them."""
 
+    where: str
+    """Where the coordinator is reached, for the agent's log (a broker's URL)."""
+
     def start(self, on_message: MessageHandler, on_payload: PayloadHandler, timeout: float | None = None) -> None:
         """Connect (reconnecting on its own from then on); raises ``ConnectionError`` if it cannot."""
         ...
@@ -95,6 +98,7 @@ class MqttPort:
             cert_file=broker.cert_file,
             key_file=broker.key_file,
         )
+        self.where = broker.url
         self.fleet, self.device, self.protocol = config.fleet, config.device, broker.protocol
         self.keepalive_s = broker.keepalive_s
         self.topics = DeviceTopics(config.fleet, config.device)

@@ -35,6 +35,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Protocol
 
 from torch import Tensor
 
@@ -109,6 +110,17 @@ class SentUpdate:
 Split = tuple[Tensor, Tensor]
 
 
+class DeviceData(Protocol):
+    """Where an agent's data comes from: its files (:class:`LocalData`), or tensors a simulation holds."""
+
+    samples: int | None
+    """At most this many training samples (None: the whole share); what the agent says it trains on."""
+
+    def for_model(self, image_size: int, in_channels: int, num_classes: int) -> tuple[Split, Split]:
+        """The (train, test) shards, shaped for a model of this input and classes."""
+        ...
+
+
 class LocalData:
     """This device's (train, test) data, loaded once per model input shape.
 
@@ -149,11 +161,13 @@ class Agent:
         profile: DeviceProfile | None = None,
         hooks: RuntimeHooks | HooksFor | None = None,
         port: CoordinatorPort | None = None,
+        data: DeviceData | None = None,
     ) -> None:
         """``hooks`` (or a function of the torch device that makes them) shape this device; none on real hardware.
 
         The runtime never imports emulation: ``device-agent run`` and the worker inject the emulated
-        device's hooks, a test its own. ``port`` defaults to the MQTT session ``config`` describes.
+        device's hooks, a test its own. ``port`` defaults to the MQTT session ``config`` describes, ``data``
+        to the files ``config.data`` names.
         """
         self.config = config
         self.device = resolve_device(config.device_type)
@@ -164,7 +178,7 @@ class Agent:
         self.outbox = Outbox(state / "outbox")
         self.signing_key = config.resolve_signing_key()
         self.kept = KeptStore(state / "kept")
-        self.data = LocalData(config)
+        self.data: DeviceData = data or LocalData(config)
         self._events: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._stopping = threading.Event()
         self._assignments: dict[str, Assignment] = {}
@@ -195,7 +209,7 @@ class Agent:
             )
         except ConnectionError as exc:
             raise AgentError(str(exc)) from None
-        log.info("%s: connecting to fleet %s at %s", self.config.device, self.config.fleet, self.config.broker.url)
+        log.info("%s: connecting to fleet %s at %s", self.config.device, self.config.fleet, self.port.where)
         beat = self.config.heartbeat_s
         try:
             while not self._stopping.is_set():
@@ -442,4 +456,4 @@ def run_agent(config: AgentConfig, profile: DeviceProfile | None = None, hooks: 
     return 0
 
 
-__all__ = ["Agent", "AgentError", "run_agent"]
+__all__ = ["Agent", "AgentError", "DeviceData", "LocalData", "run_agent"]

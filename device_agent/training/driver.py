@@ -1,7 +1,7 @@
 """One assigned round on the device side, from the received bytes to a trained round or a failure.
 
-The agent runtime (over MQTT) and the coordinator's in-process link both call :func:`run_assignment`,
-so both answer the same failure the same way. Whatever goes wrong inside a round (a client program's
+The agent runtime calls :func:`run_assignment` over any transport (MQTT, or memory in a simulation),
+so every device answers the same failure the same way. Whatever goes wrong inside a round (a client program's
 bug, a payload that does not fit, a device out of memory, unreadable data) becomes a
 :class:`RoundFailure` with one reason code from :func:`classify`, the exception's type and its message;
 the device answers ``round_failed`` and takes the next round. Nothing a program raises may end the

@@ -1,6 +1,6 @@
 """One small in-process run watched by a :class:`FleetWatch`: two devices, one of which sends a NaN loss.
 
-The engine runs behind an :class:`InProcessLink` exactly as ``coordinator.emulation.simulation`` runs it, with the
+The engine runs behind an :class:`MemoryLink` exactly as ``coordinator.emulation.simulation`` runs it, with the
 watch as its progress callback, so the observers see real engine state (refusals included) in seconds.
 """
 
@@ -19,7 +19,7 @@ from coordinator.rounds.engine import EngineSettings, RoundEngine
 from coordinator.run.metrics import RoundMetrics
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ModelSpec, build_strategy
-from coordinator.transport.local_link import LocalDevice
+from coordinator.transport.memory_link import LocalDevice
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData, load_dataset
 from tests.coordinator.rounds.test_upload_gate import TamperingLink, nan_loss

@@ -11,7 +11,7 @@ from coordinator.privacy.accountant import RoundCharge, epsilon
 from coordinator.rounds.engine import EngineSettings, RoundEngine
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ModelSpec, build_strategy
-from coordinator.transport.local_link import InProcessLink, LocalDevice
+from coordinator.transport.memory_link import LocalDevice, MemoryLink
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import load_dataset
 from tests.digit_clients import digit_clients
@@ -29,7 +29,7 @@ def engine_for(raw: dict, rundir: RunDir, clients) -> RoundEngine:
         build_strategy("fedhm", CNN, {"weighting": "uniform"}, seed=0),
         rundir,
         data,
-        InProcessLink([LocalDevice(c.client_id, c.train, c.test) for c in clients]),
+        MemoryLink([LocalDevice(c.client_id, c.train, c.test) for c in clients]),
         EngineSettings(min_devices=len(clients), wait_timeout_s=60, calibration_samples=128),
         planner=fixed_levels({c.client_id: c.level for c in clients}),
     )

@@ -13,7 +13,7 @@ from coordinator.config.limits import GateSettings
 from coordinator.emulation.simulation import simulate
 from coordinator.rounds.upload_gate import UploadGate, UploadRefused, squared_norms
 from coordinator.strategies import ModelSpec, build_strategy
-from coordinator.transport.local_link import InProcessLink, LocalDevice
+from coordinator.transport.memory_link import LocalDevice, MemoryLink
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import load_dataset
 from device_agent.wire.codec import decode_tensors, encode_tensors
@@ -66,7 +66,7 @@ def test_the_check_is_off_by_default_and_its_threshold_configurable() -> None:
         second_round_gate(GateSettings(direction_min_cosine=0.99)).norm("good", 1.0, honest(8))
 
 
-class SignFlipLink(InProcessLink):
+class SignFlipLink(MemoryLink):
     """Device ``bad`` trains honestly, then uploads what it was sent minus its update (float tensors)."""
 
     def __init__(self, devices: list[LocalDevice]) -> None:

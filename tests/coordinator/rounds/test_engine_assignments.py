@@ -16,7 +16,7 @@ from coordinator.emulation.simulation import fixed_levels, simulation_fleet
 from coordinator.rounds.engine import EngineSettings, RoundEngine
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ModelSpec, build_strategy
-from coordinator.transport.local_link import InProcessLink, LocalDevice
+from coordinator.transport.memory_link import LocalDevice, MemoryLink
 from device_agent.clients import PROGRAMS
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData, load_dataset
@@ -30,7 +30,7 @@ from tests.program_bugs import BUG, with_first_upload_bug
 CNN = ModelSpec("cnn", 10, 1, 8)
 
 
-class RecordingLink(InProcessLink):
+class RecordingLink(MemoryLink):
     """Records to whom each assignment went."""
 
     def __init__(self, devices: list[LocalDevice]) -> None:
@@ -52,7 +52,7 @@ class LossyLink(RecordingLink):
         if isinstance(message, Assignment) and device == "b" and "b" not in self.assignments:
             self.assignments.append(device)
             idle = Status(device="b", state="idle")
-            threading.Timer(self.idle_after_s, lambda: self._to_engine("b", idle)).start()
+            threading.Timer(self.idle_after_s, lambda: self.hub.to_coordinator("b", idle)).start()
             return
         super().send_control(device, message)
 
@@ -81,7 +81,7 @@ class JustDeliveredLink(LossyLink):
     def send_control(self, device: str, message: Message) -> None:
         if isinstance(message, Assignment) and device == "b" and "b" not in self.assignments:
             heartbeat = Status(device="b", state="idle")
-            threading.Timer(self.idle_after_s + 1.5, lambda: self._to_engine("b", heartbeat)).start()
+            threading.Timer(self.idle_after_s + 1.5, lambda: self.hub.to_coordinator("b", heartbeat)).start()
         self._record_and_send(device, message)
 
     def _record_and_send(self, device: str, message: Message) -> None:
@@ -98,7 +98,7 @@ class JustDeliveredLink(LossyLink):
 
 
 class RefusedOnceLink(RecordingLink):
-    """Device ``b``'s first upload is corrupted on the way (NaN); ``b`` then reports idle, as an agent does."""
+    """Device ``b``'s first upload is corrupted on the way (NaN); its agent, refused, then reports idle."""
 
     def __init__(self, devices: list[LocalDevice]) -> None:
         super().__init__(devices)
@@ -109,7 +109,6 @@ class RefusedOnceLink(RecordingLink):
             self.uploads.append(device)
             if device == "b" and self.uploads.count("b") == 1:
                 received = with_nan(received)
-                threading.Timer(0.5, lambda: self._to_engine("b", Status(device="b", state="idle"))).start()
             on_payload(device, received)
 
         super().start(on_message, intercept)
@@ -124,12 +123,12 @@ class TooLargeLink(RecordingLink):
                 on_payload(device, received)
                 return
             on_refused("b", "transfer_refused")
-            threading.Timer(0.1, lambda: self._to_engine("b", Status(device="b", state="idle"))).start()
+            threading.Timer(0.1, lambda: self.hub.to_coordinator("b", Status(device="b", state="idle"))).start()
 
         super().start(on_message, intercept)
 
 
-class BadAssignmentOnceLink(InProcessLink):
+class BadAssignmentOnceLink(MemoryLink):
     """Device ``b``'s first assignment arrives with one tensor in float64, as a buggy strategy might send it."""
 
     def __init__(self, devices: list[LocalDevice]) -> None:
@@ -146,11 +145,11 @@ class BadAssignmentOnceLink(InProcessLink):
 
 def run_round(
     tmp_path: Path,
-    link_type: type[InProcessLink],
+    link_type: type[MemoryLink],
     resend_after_s: float = 0.2,
     rejected_grace_s: float = 10.0,
     rounds: int = 1,
-) -> tuple[RoundEngine, InProcessLink]:
+) -> tuple[RoundEngine, MemoryLink]:
     """FedAvg rounds (one by default) of devices a and b on digits, with a 20 s deadline."""
     data = load_dataset("digits", 8, 1)
     clients = digit_clients(["a", "b"])
@@ -242,7 +241,7 @@ def test_a_program_raising_type_error_in_process_fails_that_round_with_the_reaso
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(PROGRAMS, "fedavg", with_first_upload_bug(PROGRAMS["fedavg"]))
-    run_round(tmp_path, InProcessLink, rounds=2)
+    run_round(tmp_path, MemoryLink, rounds=2)
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     first, second = (json.loads(line)["devices"] for line in metrics)
     failed = [row for row in first.values() if row["status"] == "failed"]

@@ -18,7 +18,7 @@ from coordinator.planning.planner import DevicePlan
 from coordinator.rounds.engine import EngineSettings, RoundEngine
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ModelSpec, build_strategy
-from coordinator.transport.local_link import InProcessLink, LocalDevice
+from coordinator.transport.memory_link import LocalDevice, MemoryLink
 from device_agent.data.datasets import LabeledData
 from device_agent.wire.messages import Hello, Status, incompatible
 from tests.device_agent.agent.test_misconfiguration import PROFILE
@@ -50,7 +50,7 @@ def idle_engine(tmp_path: Path, wait_timeout_s: float, fleet: dict = FLEET, min_
         strategy,
         rundir,
         LabeledData(x, y, x, y, 10),
-        InProcessLink([LocalDevice("laptop-01", (x, y), (x, y))]),
+        MemoryLink([LocalDevice("laptop-01", (x, y), (x, y))]),
         EngineSettings(min_devices=min_devices, wait_timeout_s=wait_timeout_s),
         planner=_nobody_fits,
     )

@@ -18,7 +18,7 @@ from coordinator.rounds.engine import EngineSettings, RoundEngine
 from coordinator.run.metrics import DeviceRoundMetrics, DeviceStatus, RoundMetrics
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ModelSpec, build_strategy
-from coordinator.transport.local_link import InProcessLink, LocalDevice
+from coordinator.transport.memory_link import LocalDevice, MemoryLink
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData, load_dataset
 from device_agent.wire.messages import Assignment, Message
@@ -76,7 +76,7 @@ def test_the_live_table_title_says_a_round_failed() -> None:
     assert round_table(engine).title == good
 
 
-class LostOnceLink(InProcessLink):
+class LostOnceLink(MemoryLink):
     """Device ``b``'s first assignment is lost and ``b`` never says idle: only a retry sends it again."""
 
     def __init__(self, devices: list[LocalDevice]) -> None:

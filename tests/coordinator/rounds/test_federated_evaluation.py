@@ -1,6 +1,6 @@
 """A coordinator with no data: the round engine runs on the devices' federated evaluation alone.
 
-The engine runs in-process (:class:`InProcessLink`, as ``simulate`` does) with fleet.yaml
+The engine runs in-process (:class:`MemoryLink`, as ``simulate`` does) with fleet.yaml
 ``evaluation: {server: false}`` and no test split of its own; each round's figure is what the
 devices measured for the model they received.
 """
@@ -21,7 +21,7 @@ from coordinator.run.metrics import round_scores
 from coordinator.run.report import write_report
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ModelSpec, build_strategy
-from coordinator.transport.local_link import InProcessLink, LocalDevice
+from coordinator.transport.memory_link import LocalDevice, MemoryLink
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData
 from tests.digit_clients import digit_clients
@@ -36,7 +36,7 @@ def clients() -> list[SimClient]:
     return digit_clients(["pi-0", "pi-1"])
 
 
-class SilentLink(InProcessLink):
+class SilentLink(MemoryLink):
     """Device ``pi-1`` trains but its update never arrives (the coordinator stops before it would)."""
 
     def start(self, on_message, on_payload, on_refused=None) -> None:
@@ -46,7 +46,7 @@ class SilentLink(InProcessLink):
 
 
 def engine_without_server_data(
-    clients: list[SimClient], run_dir: Path, rounds: int, link: type[InProcessLink] = InProcessLink
+    clients: list[SimClient], run_dir: Path, rounds: int, link: type[MemoryLink] = MemoryLink
 ) -> RoundEngine:
     strategy = build_strategy("fedavg", CNN, {}, seed=0)
     raw = simulation_fleet(strategy, clients, rounds, TrainConfig(batch_size=32), server_evaluation=False)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
 from pathlib import Path
 
 import pytest
@@ -22,10 +21,10 @@ from coordinator.rounds.state import OpenRound, Participant
 from coordinator.run.report import write_report
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ModelSpec, build_strategy
-from coordinator.transport.local_link import InProcessLink, LocalDevice
+from coordinator.transport.memory_link import LocalDevice, MemoryLink
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData, load_dataset
-from device_agent.wire.messages import Assignment, Message, Status
+from device_agent.wire.messages import Assignment, Message
 from device_agent.wire.payload import Received
 from tests.coordinator.rounds.uploads import with_nan
 from tests.digit_clients import digit_clients
@@ -34,7 +33,7 @@ CNN = ModelSpec("cnn", 10, 1, 8)
 DEADLINE_S = 60
 
 
-class SilentLink(InProcessLink):
+class SilentLink(MemoryLink):
     """Device ``c`` said ``idle`` once (the link's start does, as a retained status would) and is silent since:
     its assignments go nowhere."""
 
@@ -43,20 +42,19 @@ class SilentLink(InProcessLink):
             super().send_control(device, message)
 
 
-class RefusedLink(InProcessLink):
-    """Every upload of ``c`` arrives non-finite, so the gate refuses it; ``c`` then says idle, as an agent does."""
+class RefusedLink(MemoryLink):
+    """Every upload of ``c`` arrives non-finite, so the gate refuses it; ``c``'s agent then says idle."""
 
     def start(self, on_message, on_payload, on_refused=None) -> None:
         def intercept(device: str, received: Received) -> None:
             if device == "c":
                 received = with_nan(received)
-                threading.Timer(0.1, lambda: self._to_engine("c", Status(device="c", state="idle"))).start()
             on_payload(device, received)
 
         super().start(on_message, intercept)
 
 
-def run_fleet(tmp_path: Path, link_type: type[InProcessLink], rounds: int, grace_min_s: float) -> RoundEngine:
+def run_fleet(tmp_path: Path, link_type: type[MemoryLink], rounds: int, grace_min_s: float) -> RoundEngine:
     """FedAvg rounds of devices a, b, c on digits: a 60 s deadline, quorum 2 of 3, backoff after 2 misses."""
     data = load_dataset("digits", 8, 1)
     clients = digit_clients(["a", "b", "c"])

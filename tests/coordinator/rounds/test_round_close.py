@@ -26,7 +26,7 @@ from coordinator.rounds.upload_gate import UploadGate
 from coordinator.run.metrics import DeviceRoundMetrics, received_metrics
 from coordinator.run.rundir import QUARANTINE_DIR, RunDir
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
-from coordinator.transport.local_link import InProcessLink, LocalDevice
+from coordinator.transport.memory_link import LocalDevice, MemoryLink
 from device_agent.clients.base import is_norm_statistic
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import load_dataset
@@ -124,7 +124,7 @@ def test_a_poisoned_journal_entry_is_quarantined_on_resume_and_the_run_goes_on(t
         build_strategy("fedavg", CNN, {}, seed=0),
         rundir,
         data,
-        InProcessLink([LocalDevice(c.client_id, c.train, c.test) for c in clients]),
+        MemoryLink([LocalDevice(c.client_id, c.train, c.test) for c in clients]),
         EngineSettings(min_devices=2, wait_timeout_s=60, calibration_samples=len(data.train_x)),
         planner=fixed_levels({c.client_id: c.level for c in clients}),
     )

@@ -15,7 +15,7 @@ from coordinator.rounds.state import OpenRound, Participant
 from coordinator.rounds.upload_gate import UploadGate, UploadRefused, squared_norms
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
-from coordinator.transport.local_link import InProcessLink, LocalDevice
+from coordinator.transport.memory_link import LocalDevice, MemoryLink
 from device_agent.clients.base import is_norm_statistic
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import load_dataset
@@ -165,7 +165,7 @@ def test_a_resumed_run_bounds_updates_by_the_norm_history_it_had_not_the_warm_up
             build_strategy("fedavg", CNN, {}, seed=0),
             rundir,
             data,
-            InProcessLink([LocalDevice(c.client_id, c.train, c.test) for c in clients]),
+            MemoryLink([LocalDevice(c.client_id, c.train, c.test) for c in clients]),
             EngineSettings(min_devices=3, wait_timeout_s=60, calibration_samples=len(data.train_x)),
             planner=fixed_levels({c.client_id: c.level for c in clients}),
         )

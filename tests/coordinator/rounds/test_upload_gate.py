@@ -1,6 +1,6 @@
 """The upload gate: a broken or hostile upload is refused and logged, the round goes on, nothing of it counts.
 
-The fleet is in-process (the engine behind an :class:`InProcessLink`), one device of which
+The fleet is in-process (the engine behind an :class:`MemoryLink`), one device of which
 tampers with what it sends after training, as a compromised or buggy device would.
 """
 
@@ -30,7 +30,7 @@ from coordinator.rounds.upload_gate import (
 )
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
-from coordinator.transport.local_link import InProcessLink, LocalDevice
+from coordinator.transport.memory_link import LocalDevice, MemoryLink
 from device_agent.agent.probe import probe_device
 from device_agent.agent.signing import UploadIdentity, signed_meta
 from device_agent.clients.base import is_norm_statistic
@@ -45,7 +45,7 @@ from tests.digit_clients import digit_clients
 CNN = ModelSpec("cnn", 10, 1, 8)
 
 
-class TamperingLink(InProcessLink):
+class TamperingLink(MemoryLink):
     """Device ``bad`` rewrites its update (tensors or meta) after it trained."""
 
     def __init__(self, devices: list[LocalDevice], tamper) -> None:
@@ -228,7 +228,7 @@ def test_a_fresh_refusal_is_no_answer_until_its_grace_has_passed() -> None:
     assert open_.answered(devices, rejected_before=100.0)
 
 
-class ForgingLink(InProcessLink):
+class ForgingLink(MemoryLink):
     """Devices sign their updates; right after the first genuine one, a login holder resends it claiming 100x samples.
 
     The forgery follows the first update, not the last: events are applied in order, so it is answered while the

@@ -109,6 +109,8 @@ def test_a_bad_assignment_fails_its_round_named_and_the_next_round_trains(
 class FakeCoordinator:
     """A :class:`~device_agent.agent.port.CoordinatorPort` in memory: what a test coordinator sends and hears."""
 
+    where = "a test's fake coordinator"
+
     def __init__(self) -> None:
         self.heard: queue.Queue[Message | dict] = queue.Queue()
         self.connects = 0
