@@ -8,19 +8,25 @@ import sys
 import time
 
 # A process whose stop either returns at once (graceful) or does nothing (a hung shutdown), then waits.
+# The stop says it started (so a test can wait for the first signal to be handled), then returns at once
+# (graceful) or does nothing more (a hung shutdown); the process then waits. argv: mode, grace in seconds.
 _PROCESS = """
 import sys, threading
 from device_agent.agent.stopping import stop_on_signals
 done = threading.Event()
-stop_on_signals(done.set if sys.argv[1] == "graceful" else (lambda: None), grace_s=0.5)
+def stop():
+    print("stopping", flush=True)
+    if sys.argv[1] == "graceful":
+        done.set()
+stop_on_signals(stop, grace_s=float(sys.argv[2]))
 print("ready", flush=True)
-done.wait(30)
+done.wait(60)
 """
 
 
 def run_and_terminate(mode: str) -> tuple[int, float]:
     """Exit code and seconds from SIGTERM to exit."""
-    process = subprocess.Popen([sys.executable, "-c", _PROCESS, mode], stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen([sys.executable, "-c", _PROCESS, mode, "0.5"], stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None and process.stdout.readline().strip() == "ready"
     sent = time.monotonic()
     process.send_signal(signal.SIGTERM)
@@ -65,9 +71,10 @@ def test_a_signal_arriving_while_the_main_thread_holds_the_stop_s_lock_still_exi
 
 
 def test_a_second_signal_exits_at_once() -> None:
-    process = subprocess.Popen([sys.executable, "-c", _PROCESS, "hung"], stdout=subprocess.PIPE, text=True)
+    # A grace far longer than the test waits: the exit can only come from the second signal.
+    process = subprocess.Popen([sys.executable, "-c", _PROCESS, "hung", "60"], stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None and process.stdout.readline().strip() == "ready"
     process.send_signal(signal.SIGINT)
-    time.sleep(0.1)
+    assert process.stdout.readline().strip() == "stopping"  # the first signal was handled
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=20) == 128 + signal.SIGTERM

@@ -12,6 +12,7 @@ import hashlib
 import os
 import time
 import tracemalloc
+from collections.abc import Callable
 
 import pytest
 
@@ -60,7 +61,8 @@ def test_unsealed_transfers_expire_free_their_memory_and_tell_the_sender() -> No
 @pytest.mark.slow
 def test_all_peers_together_cannot_hold_more_than_the_total_cap(fresh_mosquitto) -> None:
     broker = fresh_mosquitto
-    limits = InboundLimits(max_total_pending_bytes=6 << 20, idle_s=1.0)
+    # dev-b must be refused while dev-a's transfer is held: idle_s is that window, wide enough for a loaded host.
+    limits = InboundLimits(max_total_pending_bytes=6 << 20, idle_s=4.0)
     refused: list[tuple[str, str]] = []
     guard = InboundGuard(limits, on_refused=lambda peer, reason: refused.append((peer, reason)))
     coordinator = coordinator_session(broker.fleet, broker.address(), guard=guard)
@@ -71,29 +73,38 @@ def test_all_peers_together_cannot_hold_more_than_the_total_cap(fresh_mosquitto)
         )
         for name in heard
     }
+
+    def errors(device: str) -> list[Error]:
+        return [m for m in heard[device] if isinstance(m, Error)]
+
     coordinator.start()
     try:
         for session, _ in devices.values():
             session.start()
         first, second = announce(4 << 20, CHUNK, kind="update"), announce(4 << 20, CHUNK, kind="update")
         devices["dev-a"][0].publish(devices["dev-a"][1].up, first)  # announced, never a chunk: held as pending
-        time.sleep(0.5)
+        assert _until(lambda: coordinator.receiving() == [first.transfer]), "dev-a's transfer was never held"
         devices["dev-b"][0].publish(devices["dev-b"][1].up, second)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not any(isinstance(m, Error) for m in heard["dev-b"]):
-            time.sleep(0.1)
-        (refusal,) = [m for m in heard["dev-b"] if isinstance(m, Error)]
+        assert _until(lambda: errors("dev-b")), "dev-b was never answered"
+        (refusal,) = errors("dev-b")
         assert refusal.code == "too_large" and "from all peers" in refusal.detail
         assert ("dev-b", "transfer_refused") in refused
 
-        while time.monotonic() < deadline and not any(isinstance(m, Error) for m in heard["dev-a"]):
-            time.sleep(0.1)
-        (expiry,) = [m for m in heard["dev-a"] if isinstance(m, Error)]
+        assert _until(lambda: errors("dev-a")), "dev-a's transfer never expired"
+        (expiry,) = errors("dev-a")
         assert expiry.transfer == first.transfer and "expired" in expiry.detail
         devices["dev-b"][0].publish(devices["dev-b"][1].up, second)  # room again: admitted this time
-        time.sleep(1.0)
-        assert len([m for m in heard["dev-b"] if isinstance(m, Error)]) == 1
+        assert _until(lambda: coordinator.receiving() == [second.transfer]), "dev-b's transfer was not admitted"
+        assert len(errors("dev-b")) == 1
     finally:
         for session, _ in devices.values():
             session.stop()
         coordinator.stop()
+
+
+def _until(condition: Callable[[], object], timeout: float = 30.0) -> bool:
+    """Wait for ``condition`` (polled), at most ``timeout`` seconds: whether it holds."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(condition())
