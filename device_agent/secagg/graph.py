@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from device_agent.secagg.errors import ParameterError
 
@@ -46,15 +46,21 @@ def suggested(devices: int) -> tuple[int, int]:
     return k // 2 + 1, k
 
 
-def neighbour_graph(participants: Sequence[str], neighbours: int, seed: bytes) -> dict[str, frozenset[str]]:
-    """Each participant's neighbours: H(neighbours, n) over the participants in an order drawn from ``seed``."""
+def ring_order(participants: Sequence[str], seed: bytes) -> list[str]:
+    """The participants in the ring order the graph is laid over: a shuffle drawn from ``seed``."""
     order = sorted(set(participants))
     if len(order) != len(participants):
         raise ParameterError("participants: device ids must be distinct")
+    random.Random(int.from_bytes(hashlib.sha256(seed).digest(), "big")).shuffle(order)
+    return order
+
+
+def neighbour_graph(participants: Sequence[str], neighbours: int, seed: bytes) -> dict[str, frozenset[str]]:
+    """Each participant's neighbours: H(neighbours, n) over the participants in an order drawn from ``seed``."""
+    order = ring_order(participants, seed)
     n = len(order)
     if not 2 <= neighbours <= n - 1 or (neighbours % 2 and neighbours != n - 1):
         raise ParameterError(f"neighbours: {neighbours} is not a valid degree for {n} devices (even, 2..{n - 1})")
-    random.Random(int.from_bytes(hashlib.sha256(seed).digest(), "big")).shuffle(order)
     if neighbours == n - 1:
         return {device: frozenset(order) - {device} for device in order}
     links: dict[str, set[str]] = {device: set() for device in order}
@@ -64,3 +70,18 @@ def neighbour_graph(participants: Sequence[str], neighbours: int, seed: bytes) -
             links[device].add(other)
             links[other].add(device)
     return {device: frozenset(peers) for device, peers in links.items()}
+
+
+def components(graph: Mapping[str, frozenset[str]], members: Iterable[str]) -> list[set[str]]:
+    """The connected components of ``graph`` restricted to ``members``, largest first."""
+    left, found = set(members), []
+    while left:
+        start = left.pop()
+        component, frontier = {start}, [start]
+        while frontier:
+            for peer in graph[frontier.pop()] & left:
+                left.discard(peer)
+                component.add(peer)
+                frontier.append(peer)
+        found.append(component)
+    return sorted(found, key=len, reverse=True)

@@ -29,6 +29,7 @@ from device_agent.secagg import crypto, shamir
 from device_agent.secagg.auth import Authenticator, check, signed
 from device_agent.secagg.device import SEALED_BYTES, pair_seed, pair_sign
 from device_agent.secagg.errors import ProtocolAborted, ProtocolViolation
+from device_agent.secagg.graph import components
 from device_agent.secagg.messages import (
     AdvertiseKeys,
     EncryptedShares,
@@ -208,6 +209,15 @@ class ServerProtocol:
             raise ProtocolAborted(
                 ServerStage.MASK.value,
                 f"{len(survivors)} devices sent masked input, fewer than the threshold {self.params.threshold}",
+            )
+        # Pairwise masks cancel only within a connected group of survivors: were they split, a coordinator that
+        # kept the masked inputs could sum each group apart after unmasking, and learn more than the total.
+        groups = components(self.graph, survivors)
+        if len(groups) > 1:
+            raise ProtocolAborted(
+                ServerStage.MASK.value,
+                f"the {len(survivors)} devices that sent masked input fall into {len(groups)} groups with no "
+                f"neighbours in common (sizes {[len(g) for g in groups]}): unmasking would reveal each group's sum",
             )
         dropped = self._in - survivors
         # Who must be unmasked (every survivor; every dropped device a survivor masked against) needs

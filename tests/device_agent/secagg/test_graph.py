@@ -3,7 +3,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from device_agent.secagg.errors import ParameterError
-from device_agent.secagg.graph import neighbour_graph, suggested, validate
+from device_agent.secagg.graph import components, neighbour_graph, ring_order, suggested, validate
 
 
 def _devices(n):
@@ -55,3 +55,12 @@ def test_bad_parameters_name_themselves(devices, threshold, neighbours, message)
 def test_duplicate_ids_are_refused():
     with pytest.raises(ParameterError, match="distinct"):
         neighbour_graph(["a", "b", "a", "c"], 2, b"")
+
+
+def test_components_of_the_surviving_ring():
+    order = ring_order(_devices(10), b"s")
+    graph = neighbour_graph(_devices(10), 2, b"s")  # a plain ring in `order`
+    assert components(graph, _devices(10)) == [set(_devices(10))]
+    alive = set(order) - {order[0], order[5]}
+    assert sorted(map(sorted, components(graph, alive))) == sorted([sorted(order[1:5]), sorted(order[6:])])
+    assert components(graph, []) == []

@@ -9,6 +9,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from device_agent.secagg.errors import ProtocolAborted, ProtocolViolation
+from device_agent.secagg.graph import ring_order
 from device_agent.secagg.local import STAGES, InProcessRun
 from device_agent.secagg.messages import Params, Session
 from device_agent.secagg.quantize import to_bytes
@@ -28,6 +29,17 @@ def test_no_dropout_sum_equals_plain_sum(session):
     assert result.survivors == params.participants and result.dropped == ()
     assert np.max(np.abs(result.total - _plain_sum(inputs, params.participants))) <= result.error_bound
     assert np.allclose(result.mean, result.total / 10)
+
+
+def _connected(graph, members):
+    members = set(members)
+    reached, frontier = set(), [next(iter(members))]
+    while frontier:
+        device = frontier.pop()
+        if device not in reached:
+            reached.add(device)
+            frontier.extend(graph[device] & members)
+    return reached == members
 
 
 def _prune(graph, members, threshold):
@@ -70,7 +82,8 @@ def test_unmasked_sum_is_the_survivors_plain_sum_whatever_drops_out(n, fractions
             assert abort.stage == ServerStage.MASK.value
             assert abort.count == len(graph[abort.device] & (server.members - drop["mask"])) < threshold
         elif abort.stage == ServerStage.MASK.value:
-            assert len(server.members - drop["mask"]) < threshold
+            sent = server.members - drop["mask"]
+            assert len(sent) < threshold or not _connected(graph, sent)
         else:
             before = set(params.participants) - drop["advertise"]
             kept = _prune(graph, before, threshold)
@@ -188,3 +201,18 @@ def test_device_refuses_to_reveal_both_shares_of_a_device_and_to_answer_twice(se
     device.unmask(request)
     with pytest.raises(ProtocolViolation, match="unmask_request at stage done"):
         device.unmask(request)
+
+
+def test_survivors_split_into_groups_abort_rather_than_reveal_each_groups_sum(session):
+    # A ring of 12 where each device masks against the 2 nearest on either side: losing two pairs of
+    # opposite devices leaves two arcs of 4 with no mask in common. Every device still has 2 live neighbours
+    # (the threshold), so only the split stops it: a coordinator that kept the masked inputs could add up
+    # each arc's after unmasking.
+    params = Params(devices(12), threshold=2, neighbours=4, length=6, clip=1.0, bits=8)
+    order = ring_order(params.participants, f"{session.label}/graph".encode())
+    drop = {"mask": {order[0], order[1], order[6], order[7]}}
+    with pytest.raises(ProtocolAborted, match=r"8 devices that sent masked input fall into 2 groups .* \[4, 4\]"):
+        InProcessRun(session, params, inputs_for(params), drop=drop).run()
+    drop = {"mask": {order[0], order[1], order[6]}}  # one arc still joins the rest: unmasked as usual
+    result = InProcessRun(session, params, inputs_for(params), drop=drop).run()
+    assert len(result.survivors) == 9
