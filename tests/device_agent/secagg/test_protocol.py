@@ -216,3 +216,9 @@ def test_survivors_split_into_groups_abort_rather_than_reveal_each_groups_sum(se
     drop = {"mask": {order[0], order[1], order[6]}}  # one arc still joins the rest: unmasked as usual
     result = InProcessRun(session, params, inputs_for(params), drop=drop).run()
     assert len(result.survivors) == 9
+
+
+def test_in_process_run_names_an_unknown_stage(session):
+    params = Params(devices(3), threshold=2, neighbours=2, length=1, clip=1.0, bits=8)
+    with pytest.raises(ValueError, match=r"drop: unknown stages \['upload'\]"):
+        InProcessRun(session, params, inputs_for(params), drop={"upload": {"dev-00"}})
