@@ -136,6 +136,8 @@ class DeviceProtocol:
         for device, sealed in message.shares:
             key = share_key(share_pair.private, self._peer_keys[device][0], session, device, self.device)
             plaintext = crypto.unseal(key, sealed, share_aad(session, device, self.device))
+            if len(plaintext) != 2 * shamir.SHARE_BYTES:
+                raise ProtocolViolation(f"shares from {device} are {len(plaintext)} bytes, not two 33-byte shares")
             held[device] = (plaintext[: shamir.SHARE_BYTES], plaintext[shamir.SHARE_BYTES :])
         bits = params.quantizer.modulus_bits
         masked = params.quantizer.encode(values, clip=clip) + crypto.expand(self._seed, params.length, bits)
