@@ -12,23 +12,20 @@ from pathlib import Path
 
 from coordinator.config.fleet import Fleet
 from coordinator.run.fleet_data import no_server_data
-from coordinator.transport.broker.mosquitto import find_mosquitto
-from device_agent.common.schema import SecretError, resolve_secret
+from coordinator.transport.registry import transport_of
 from device_agent.data.datasets import BUILT_IN, DatasetError, check_source
 
 
 def start_problems(fleet: Fleet) -> list[str]:
     """One line per reason ``start`` would fail here, each starting with the fleet.yaml key to fix."""
-    return [*_transport_problems(fleet), *_data_problems(fleet), *_broker_problems(fleet)]
+    return [*_data_problems(fleet), *_transport_problems(fleet)]
 
 
 def _transport_problems(fleet: Fleet) -> list[str]:
-    if fleet.transport.kind == "mqtt":
-        return []
-    return [
-        f"transport.kind: {fleet.transport.kind} runs the devices inside the coordinator with their data in "
-        "memory, which only simulate() sets up; start reaches real agents: use kind: mqtt (the default)"
-    ]
+    try:
+        return transport_of(fleet).problems(fleet)
+    except ValueError as exc:
+        return [str(exc)]
 
 
 def _data_problems(fleet: Fleet) -> list[str]:
@@ -50,24 +47,3 @@ def _data_problems(fleet: Fleet) -> list[str]:
     if not Path(dataset.path).exists():
         return [f"dataset.path: {dataset.path}: no such file or folder on this machine"]
     return []
-
-
-def _broker_problems(fleet: Fleet) -> list[str]:
-    broker = fleet.broker
-    refs = [("broker.password", broker.password)]
-    refs += [(f"devices[{i}].credentials", d.credentials) for i, d in enumerate(fleet.devices)]
-    problems = []
-    for key, ref in refs:
-        if ref is not None:
-            try:
-                resolve_secret(ref)
-            except SecretError as exc:
-                problems.append(f"{key}: {exc}")
-    if broker.ca_file is not None and not Path(broker.ca_file).is_file():
-        problems.append(f"broker.ca_file: {broker.ca_file}: no such file")
-    if broker.mode == "managed" and broker.tls and find_mosquitto() is None:
-        problems.append(
-            "broker.tls: a managed TLS broker runs mosquitto, which is not installed here "
-            "(apt install mosquitto); or set broker.mode: amqtt for a plain development broker"
-        )
-    return problems

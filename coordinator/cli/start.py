@@ -34,17 +34,14 @@ from coordinator.run.rundir import RunDir, RunDirError, latest_unfinished
 from coordinator.run.storage import out_of_space_message
 from coordinator.strategies import build_strategy
 from coordinator.transport.allocator import keep_freed_buffers
-from coordinator.transport.broker.base import BrokerError, BrokerSettings, queue_limits
-from coordinator.transport.broker.credentials import COORDINATOR_USER, Credentials
-from coordinator.transport.broker.factory import ExternalBroker, external_broker, make_broker
-from coordinator.transport.broker.kit import KitBroker
+from coordinator.transport.broker.base import BrokerError
+from coordinator.transport.broker.credentials import Credentials
 from coordinator.transport.broker.mosquitto import find_mosquitto
-from coordinator.transport.broker.scratch import scratch_dir, sweep_stale
-from coordinator.transport.broker.supervisor import PID_FILE, BrokerSupervisor
-from coordinator.transport.fleet_link import fleet_link
+from coordinator.transport.broker.scratch import sweep_stale
+from coordinator.transport.kinds.mqtt import BrokerServices
+from coordinator.transport.registry import FleetSetup, transport_of
 from device_agent.agent.config import ConfigError
 from device_agent.data.datasets import DatasetError
-from device_agent.wire.session import BrokerAddress
 
 log = logging.getLogger("fedfleet.coordinator")
 
@@ -145,31 +142,6 @@ def fleet_kits(fleet: Fleet, kits_dir: Path, emulated: bool = False) -> tuple[Ki
     return kits, read_credentials(fleet, kits)
 
 
-def _broker(fleet: Fleet, credentials: dict[str, Credentials], kits: Kits):
-    settings = fleet.broker
-    coordinator = credentials[COORDINATOR_USER]
-    if settings.mode == "external":
-        assert settings.url is not None
-        ca = str(settings.ca_file) if settings.ca_file else None
-        return external_broker(settings.url, coordinator.username, coordinator.password, ca)
-    if settings.mode == "managed" and (settings.tls or find_mosquitto()):
-        host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
-        tls = coordinator_tls(kits) if settings.tls else {}
-        address = BrokerAddress(host, settings.port, coordinator.username, coordinator.password, bool(tls), **tls)
-        return KitBroker(kits.broker / CONFIG, address)
-    # mosquitto drops root to its own user: the work dir must be reachable by it (not under a 0700 home).
-    workdir = scratch_dir(f"fedfleet-{fleet.fleet}-broker-")
-    broker_settings = BrokerSettings(
-        fleet.fleet,
-        workdir,
-        {COORDINATOR_USER: coordinator, **credentials},
-        host=settings.host,
-        port=settings.port,
-        **queue_limits(len(fleet.devices)),
-    )
-    return make_broker(broker_settings, prefer="amqtt" if settings.mode == "amqtt" else "auto")
-
-
 EXIT_PRIVACY_BUDGET = 3
 """``coordinator start`` / ``emulate`` stopped before a round that would have passed fleet.yaml's privacy budget."""
 
@@ -232,9 +204,11 @@ def run_start(
             print(f"new run {rundir.run_id} in {run_dir}")
         kits, credentials = fleet_kits(fleet, args.kits or default_kits(args.fleet, fleet), emulated=plain_fallback)
         signatures = upload_signatures(fleet, kits)
-        broker = _broker(fleet, credentials, kits)
-        if not isinstance(broker, ExternalBroker):
-            broker = BrokerSupervisor(broker, run_dir / PID_FILE)
+        tls = coordinator_tls(kits) if fleet.broker.tls else {}
+        setup = FleetSetup(fleet, run_dir, credentials, tls, kits.broker / CONFIG, plain_fallback)
+        services = transport_of(fleet).services(setup)
+        if on_broker_ready is not None and not isinstance(services, BrokerServices):
+            raise FleetError(f"transport.kind: {fleet.transport.kind}: emulation runs its agents on a broker (mqtt)")
         watch = Watch(args, rundir.metrics)
     except (FleetError, RunDirError, DatasetError, ConfigError, BrokerError, ObserveError, ValueError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)
@@ -246,14 +220,13 @@ def run_start(
     engine: RoundEngine | None = None
     try:
         try:
-            broker.start()
-        except BrokerError as exc:
+            services.start()
+        except (BrokerError, ConnectionError) as exc:
             print(f"coordinator: error: {exc}", file=sys.stderr)
             return 1
-        address = broker.address_for(credentials[COORDINATOR_USER])
-        print(f"broker: {address.url} ({fleet.broker.mode}, MQTT {broker.protocol})")
-        if on_broker_ready is not None:
-            before_broker_stops = on_broker_ready(address.url, credentials, run_dir, broker.protocol)
+        print(services.describe())
+        if isinstance(services, BrokerServices) and services.address is not None and on_broker_ready is not None:
+            before_broker_stops = on_broker_ready(services.address.url, credentials, run_dir, services.protocol)
         min_devices = args.min_devices or max(1, math.ceil(fleet.quorum * len(fleet.devices)))
         engine = RoundEngine(
             fleet,
@@ -261,13 +234,12 @@ def run_start(
             strategy,
             rundir,
             data,
-            fleet_link(fleet, address, protocol=broker.protocol),
+            services.link(),
             EngineSettings.of(fleet, min_devices, args.wait_timeout),
             signatures=signatures,
         )
         signal.signal(signal.SIGTERM, lambda *_: engine.stop())
-        if isinstance(broker, BrokerSupervisor):
-            broker.on_give_up = lambda _why: engine.stop()
+        services.on_give_up(lambda _why: engine.stop())
         finished = _run(engine, live=not args.no_live and sys.stdout.isatty(), watch=watch)
     except KeyboardInterrupt:
         finished = False
@@ -281,10 +253,10 @@ def run_start(
         watch.stop()
         if before_broker_stops is not None:
             before_broker_stops()
-        broker.stop()
+        services.stop()
         rundir.close()
-    if isinstance(broker, BrokerSupervisor) and broker.failure:
-        print(f"coordinator: error: {broker.failure}; resume with: {resume_command(args, run_dir)}", file=sys.stderr)
+    if services.failure:
+        print(f"coordinator: error: {services.failure}; resume with: {resume_command(args, run_dir)}", file=sys.stderr)
         return 1
     if finished:
         from coordinator.run.exporting import export_finished_run

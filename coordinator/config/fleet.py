@@ -244,10 +244,12 @@ class Training(_Strict):
 class Transport(_Strict):
     """How the coordinator reaches its devices: the engine's Link (``coordinator.transport.link``)."""
 
-    kind: Literal["mqtt", "in_process"] = Field(
+    kind: str = Field(
         "mqtt",
-        description="mqtt: devices are agents on the broker (coordinator start); in_process: devices are "
-        "agents on threads of this process, over memory, with their data in memory, which only simulate() sets up",
+        pattern=r"^[a-z][a-z0-9_-]*$",
+        description="a registered transport (coordinator.transport.registry; plugins add more): mqtt, devices are "
+        "agents on the broker (coordinator start); in_process, devices are agents on threads of this process, "
+        "over memory, with their data in memory, which only simulate() sets up",
     )
 
 

@@ -32,9 +32,9 @@ from coordinator.rounds.engine import EngineSettings, RoundEngine
 from coordinator.run.metrics import failed_rounds
 from coordinator.run.rundir import RunDir
 from coordinator.strategies.base import ClientSlot, Strategy
-from coordinator.transport.fleet_link import fleet_link
 from coordinator.transport.link import Link
 from coordinator.transport.memory_link import LocalDevice
+from coordinator.transport.registry import transport_of
 from device_agent.clients.spec import TrainConfig
 from device_agent.common.profile import DeviceProfile
 from device_agent.data.datasets import LabeledData
@@ -128,11 +128,13 @@ def simulation_fleet(
     participation: float = 1.0,
     privacy: Mapping[str, object] | None = None,
     quorum: float = 1.0,
+    transport: str = "in_process",
 ) -> dict:
     """The fleet.yaml of a simulation: one device per client, every training option from ``train``,
     fleet.yaml's ``limits`` from ``limits`` (the upload gate's bounds); ``participation`` < 1 asks that
     fraction of the clients each round (a large fleet's partial rounds); ``quorum`` is the share of a round's
-    devices it must aggregate not to count as failed (below 1 where some are expected to be refused)."""
+    devices it must aggregate not to count as failed (below 1 where some are expected to be refused);
+    ``transport`` the registered transport whose in-memory devices run it."""
     model = strategy.model
     training = {
         "optimizer": train.optimizer,
@@ -148,7 +150,7 @@ def simulation_fleet(
     return {
         "fleet": "simulation",
         "broker": {"mode": "managed"},
-        "transport": {"kind": "in_process"},
+        "transport": {"kind": transport},
         "model": {
             "arch": model.arch,
             "num_classes": model.num_classes,
@@ -185,23 +187,32 @@ def simulate(
     participation: float = 1.0,
     privacy: Mapping[str, object] | None = None,
     quorum: float = 1.0,
+    transport: str = "in_process",
 ) -> SimulationResult:
     """Run ``rounds`` rounds of ``strategy`` over ``clients``; ``train.seed`` seeds the run.
 
     ``server_evaluation=False`` runs as a coordinator without data: ``test`` and ``calibration`` go unused.
-    ``link`` replaces the in-process devices (transport ``in_process``) with another transport whose
-    devices are named by the clients' ids. ``limits`` and ``privacy`` are fleet.yaml's sections of those names
-    (validated the same way), e.g. the update bound, or DP-FedAvg's clipping and noise. ``quorum``: see
-    :func:`simulation_fleet` (a round with its quorum still waits for the rest within the laggards' grace).
+    ``transport`` names the registered transport (:mod:`coordinator.transport.registry`) whose
+    :meth:`~coordinator.transport.registry.Transport.simulation_link` carries the clients (``in_process``: real
+    agents over memory); ``link`` replaces it with a Link of devices named by the clients' ids. ``limits`` and
+    ``privacy`` are fleet.yaml's sections of those names (validated the same way), e.g. the update bound,
+    or DP-FedAvg's clipping and noise. ``quorum``: see :func:`simulation_fleet` (a round with its quorum
+    still waits for the rest within the laggards' grace).
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     if not clients:
         raise ValueError("a simulation needs at least one client")
-    raw = simulation_fleet(strategy, clients, rounds, train, server_evaluation, limits, participation, privacy, quorum)
+    raw = simulation_fleet(
+        strategy, clients, rounds, train, server_evaluation, limits, participation, privacy, quorum, transport
+    )
     fleet = parse_fleet(raw, source="simulation")
     if link is None:
-        link = fleet_link(fleet, devices=[LocalDevice(c.client_id, c.train, c.test) for c in clients])
+        kind = transport_of(fleet)
+        problems = kind.problems(fleet, simulation=True)
+        if problems:
+            raise ValueError("; ".join(problems))
+        link = kind.simulation_link(fleet, [LocalDevice(c.client_id, c.train, c.test) for c in clients])
     data = LabeledData(
         calibration, calibration.new_zeros(len(calibration)), test[0], test[1], strategy.model.num_classes
     )

@@ -57,6 +57,15 @@ def test_devices_in_process_are_for_simulate_not_for_start() -> None:
     ]
 
 
+def test_a_transport_no_package_registered_is_named_with_those_that_are() -> None:
+    grpc = _fleet(dataset={"name": "digits"}, transport={"kind": "grpc"})
+
+    assert start_problems(grpc) == [
+        "transport.kind: 'grpc' is not a registered transport (registered: in_process, mqtt); a package adds one "
+        "under the entry point group 'fedfleet.transports'"
+    ]
+
+
 def test_start_refuses_before_it_creates_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(yaml.safe_dump({"fleet": "lab", "broker": {"mode": "amqtt"}, "devices": DEVICES}))

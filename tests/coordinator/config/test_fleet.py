@@ -129,7 +129,7 @@ MISTAKES = [
     ("limits.norm_bound_factor", 1, "limits.norm_bound_factor: Input should be greater than 1"),
     ("limits.rejected_grace_s", -1, "limits.rejected_grace_s: Input should be greater than or equal to 0"),
     ("limits.resend_after_s", 0, "limits.resend_after_s: Input should be greater than 0"),
-    ("transport.kind", "grpc", "transport.kind: Input should be 'mqtt' or 'in_process'"),
+    ("transport.kind", "Grpc!", "transport.kind: String should match pattern"),
     ("transport.knd", "mqtt", "transport.knd: Extra inputs are not permitted (did you mean 'kind'?)"),
     ("roundz", 3, "roundz: Extra inputs are not permitted (did you mean 'rounds'?)"),
     ("broker.prot", 1883, "broker.prot: Extra inputs are not permitted (did you mean 'port'?)"),

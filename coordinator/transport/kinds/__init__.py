@@ -1,0 +1,1 @@
+"""The built-in transports; each module registers one in :data:`coordinator.transport.registry.TRANSPORTS`."""

@@ -1,0 +1,102 @@
+"""Transports by name: how the coordinator reaches its devices is a plugin, registered like a strategy.
+
+fleet.yaml's ``transport.kind`` names a :class:`Transport` in :data:`TRANSPORTS`. The built-in ones are in
+:mod:`coordinator.transport.kinds` (``mqtt``, the default: a broker and agents on it; ``in_process``: real
+agents in this process over memory, what ``simulate()`` runs); another installed package adds one under the
+entry point group ``fedfleet.transports`` (a module that calls ``TRANSPORTS.register(name, transport)``),
+with no edit of fedfleet itself. A transport gives ``coordinator start`` its :class:`Services` (what must
+run beside the coordinator, e.g. a managed broker, and the engine's :class:`~coordinator.transport.link.Link`)
+and ``simulate()`` a link to in-memory devices; it may do one and refuse the other in :meth:`Transport.problems`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from coordinator.transport.broker.credentials import Credentials
+from coordinator.transport.link import Link
+from coordinator.transport.memory_link import LocalDevice
+from device_agent.common.registry import Registry
+
+if TYPE_CHECKING:
+    from coordinator.config.fleet import Fleet
+
+ENTRY_POINT_GROUP = "fedfleet.transports"
+
+
+@dataclass(frozen=True)
+class FleetSetup:
+    """What ``coordinator start`` has made for a run before its transport starts."""
+
+    fleet: Fleet
+    run_dir: Path
+    credentials: Mapping[str, Credentials] = field(default_factory=dict)
+    """Each login the kits hold (the coordinator's and every device's)."""
+    tls: Mapping[str, str] = field(default_factory=dict)
+    """The coordinator's CA and client certificate files from the kits, when the fleet uses TLS."""
+    broker_config: Path | None = None
+    """The broker configuration the kits carry (a managed TLS broker runs from it)."""
+    plain_fallback: bool = False
+    """Every process is on this host (emulation): a development fallback beats a refusal."""
+
+
+class Services(Protocol):
+    """What runs beside the coordinator for one run (a managed broker; possibly nothing), and its Link."""
+
+    failure: str | None
+    """Why the services gave up while the run went on (a broker that could not be restarted), else None."""
+
+    def start(self) -> None:
+        """Start; raises ``ConnectionError`` or ``RuntimeError`` subclasses with a message for the operator."""
+        ...
+
+    def stop(self) -> None: ...
+
+    def describe(self) -> str:
+        """The start-up line: where devices reach this coordinator."""
+        ...
+
+    def link(self) -> Link:
+        """The engine's Link, once started."""
+        ...
+
+    def on_give_up(self, stop: Callable[[str], None]) -> None:
+        """Call ``stop(why)`` if the services fail for good while the run goes on."""
+        ...
+
+
+class Transport:
+    """One way of reaching devices. Override what it supports; :meth:`problems` says what it does not."""
+
+    def problems(self, fleet: Fleet, simulation: bool = False) -> list[str]:
+        """One line per reason this transport cannot run ``fleet`` (``simulation``: under ``simulate()``),
+        each starting with the fleet.yaml key to fix."""
+        return []
+
+    def services(self, setup: FleetSetup) -> Services:
+        """The services of a real run (``coordinator start``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not run a fleet (coordinator start)")
+
+    def simulation_link(self, fleet: Fleet, devices: Sequence[LocalDevice], **options: Any) -> Link:
+        """The Link of devices whose data is in this process (``simulate()``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not run a simulation")
+
+
+TRANSPORTS: Registry[Transport] = Registry("transport", "coordinator.transport.kinds", ENTRY_POINT_GROUP)
+
+
+def transport_of(fleet: Fleet) -> Transport:
+    """The transport ``fleet.transport.kind`` names; an unknown one is an error listing those registered."""
+    kind = fleet.transport.kind
+    if kind not in TRANSPORTS:
+        raise ValueError(
+            f"transport.kind: {kind!r} is not a registered transport (registered: {', '.join(TRANSPORTS)}); "
+            f"a package adds one under the entry point group {ENTRY_POINT_GROUP!r}"
+        )
+    return TRANSPORTS[kind]
+
+
+__all__ = ["ENTRY_POINT_GROUP", "TRANSPORTS", "FleetSetup", "Services", "Transport", "transport_of"]
