@@ -36,7 +36,6 @@ from coordinator.strategies.base import (
 from coordinator.strategies.levels import RANK, LevelScale
 from device_agent.clients.base import ClientProgram, is_norm_statistic
 from device_agent.clients.fedhm import FedHMProgram
-from device_agent.clients.spec import FedHMSpec
 from device_agent.layers.hybrid import factorization_plan
 
 
@@ -144,8 +143,8 @@ class FedHM(Strategy):
     @classmethod
     def client_model(cls, model: ModelSpec, params: BaseModel, level: float) -> nn.Module:
         """The hybrid at rank ratio gamma = ``level``, as ``FedHMProgram`` builds it."""
-        spec = FedHMSpec(
-            strategy="fedhm", model=model, level=level, frobenius_decay=params.frobenius_decay, send_classes=False
+        spec = cls.program.Spec.model_construct(  # shapes only: a subclass's extra spec fields do not change them
+            strategy=cls.name, model=model, level=level, frobenius_decay=params.frobenius_decay, send_classes=False
         )  # type: ignore[attr-defined]
         with torch.device("meta"):
             return cls.program.build_model(spec)
@@ -154,17 +153,23 @@ class FedHM(Strategy):
         levels = factorize(self._global, self.plan, {slot.level for slot in clients})
         return {
             slot.client_id: Assignment(
-                FedHMSpec(
-                    strategy="fedhm",
+                self.program.Spec(
+                    strategy=self.name,
                     model=self.model,
                     level=slot.level,
                     frobenius_decay=self.params.frobenius_decay,
                     send_classes=self.params.label_masked_classifier is not ClassifierRule.OFF and slot.level < 1,
+                    **self.spec_fields(),
                 ),
                 dict(levels[slot.level]),
             )
             for slot in clients
         }
+
+    def spec_fields(self) -> dict[str, object]:
+        """What a subclass's client spec adds to ``FedHMSpec``'s fields (a proximal ``mu``, say): a FedHM variant
+        is a subclass with its own ``name``, ``program`` and these, not a copy of :meth:`configure`."""
+        return {}
 
     def open_round(self, round: int, clients: Sequence[ClientSlot]) -> RoundAggregate:
         aggregator = StreamingAggregator(

@@ -65,3 +65,35 @@ def test_label_masked_classifier_is_a_validated_strategy_option():
     assert build_strategy("fedhm", SPEC, {}, 0).params.label_masked_classifier.value == "off"
     with pytest.raises(ValueError, match="label_masked_classifier"):
         build_strategy("fedhm", SPEC, {"label_masked_classifier": "sometimes"}, 0)
+
+
+def test_a_fedhm_variant_adds_spec_fields_without_copying_configure() -> None:
+    """A proximal FedHM: its spec adds ``mu``; the subclass names its program and fields, nothing else."""
+    from typing import Literal
+
+    from coordinator.strategies.fedhm import FedHM
+    from device_agent.clients.fedhm import FedHMProgram
+    from device_agent.clients.spec import FedHMSpec
+
+    class ProxSpec(FedHMSpec):
+        strategy: Literal["fedhm_prox_test"]  # type: ignore[assignment]
+        mu: float
+
+    class ProxProgram(FedHMProgram, register=False):
+        Spec = ProxSpec
+
+    class ProxFedHM(FedHM, register=False):
+        name = "fedhm_prox_test"
+        program = ProxProgram
+
+        def spec_fields(self) -> dict[str, object]:
+            return {"mu": 0.25}
+
+    strategy = ProxFedHM(ModelSpec("cnn", 10, 1, 8), FedHM.Params())
+    sent = strategy.configure(1, [ClientSlot("a", 0.5, 10), ClientSlot("b", 1.0, 10)])
+    assert {type(a.spec) for a in sent.values()} == {ProxSpec}
+    assert [(a.spec.strategy, a.spec.level, a.spec.mu) for a in sent.values()] == [
+        ("fedhm_prox_test", 0.5, 0.25),
+        ("fedhm_prox_test", 1.0, 0.25),
+    ]
+    assert set(sent["a"].tensors) == set(strategy.client_model(strategy.model, strategy.params, 0.5).state_dict())
