@@ -9,8 +9,6 @@ registries find it, the contract check passes, ``coordinator plan`` plans it and
 
 from __future__ import annotations
 
-import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +25,7 @@ from device_agent.common.registry import Registry, RegistryError
 from device_agent.data.datasets import load_dataset
 from device_agent.data.partition import PartitionSpec, client_shard
 from device_agent.training.optimizer import TrainConfig
+from tests.plugins import installed_plugin
 
 NAME = "fedprox_test"
 
@@ -85,25 +84,16 @@ class FedProx(FedAvg):
 @pytest.fixture
 def fedprox_plugin(tmp_path: Path) -> Iterator[None]:
     """Install the two-module plugin on sys.path with real entry points; take it away afterwards."""
-    (tmp_path / "fedprox_client.py").write_text(textwrap.dedent(CLIENT))
-    (tmp_path / "fedprox_server.py").write_text(textwrap.dedent(SERVER))
-    info = tmp_path / "fedprox_plugin-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fedprox-plugin\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text(
-        "[fedfleet.strategies]\nfedprox_test = fedprox_server\n\n[fedfleet.clients]\nfedprox_test = fedprox_client\n"
-    )
-    sys.path.insert(0, str(tmp_path))
-    try:
-        STRATEGIES.reload()
-        PROGRAMS.reload()
-        yield
-    finally:
-        sys.path.remove(str(tmp_path))
-        STRATEGIES.unregister(NAME)
-        PROGRAMS.unregister(NAME)
-        for module in ("fedprox_client", "fedprox_server"):
-            sys.modules.pop(module, None)
+    entry_points = {"fedfleet.strategies": {NAME: "fedprox_server"}, "fedfleet.clients": {NAME: "fedprox_client"}}
+    modules = {"fedprox_client": CLIENT, "fedprox_server": SERVER}
+    with installed_plugin(tmp_path, "fedprox-plugin", entry_points, modules):
+        try:
+            STRATEGIES.reload()
+            PROGRAMS.reload()
+            yield
+        finally:
+            STRATEGIES.unregister(NAME)
+            PROGRAMS.unregister(NAME)
 
 
 @pytest.mark.slow
@@ -152,15 +142,8 @@ def test_a_name_taken_twice_or_a_broken_plugin_is_named(tmp_path: Path) -> None:
     registry.register("x", int)
     with pytest.raises(RegistryError, match=r"strategy 'x' is registered twice: by builtins.int and builtins.str"):
         registry.register("x", str)
-    info = tmp_path / "broken-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[fedfleet.test-broken]\nbroken = no_such_module_here\n")
-    sys.path.insert(0, str(tmp_path))
-    try:
-        with pytest.raises(
-            RegistryError, match=r"plugin 'broken' \(no_such_module_here.*failed to load: ModuleNotFound"
-        ):
-            registry.load()
-    finally:
-        sys.path.remove(str(tmp_path))
+    with (
+        installed_plugin(tmp_path, "broken", {"fedfleet.test-broken": {"broken": "no_such_module_here"}}),
+        pytest.raises(RegistryError, match=r"plugin 'broken' \(no_such_module_here.*failed to load: ModuleNotFound"),
+    ):
+        registry.load()

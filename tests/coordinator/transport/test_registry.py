@@ -8,8 +8,6 @@ registry holds, and that the devices on it are the same ``Agent`` as on a broker
 from __future__ import annotations
 
 import json
-import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from coordinator.transport.registry import TRANSPORTS, transport_of
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import load_dataset
 from tests.digit_clients import digit_clients
+from tests.plugins import installed_plugin
 
 PLUGIN = '''
 """The loopback transport: every device of the fleet is an agent in the coordinator's process."""
@@ -86,19 +85,13 @@ CNN = ModelSpec("cnn", 10, 1, 8)
 @pytest.fixture
 def loopback_plugin(tmp_path: Path) -> Iterator[None]:
     """Install the one-module plugin on sys.path with a real entry point; take it away afterwards."""
-    (tmp_path / "loopback_transport.py").write_text(textwrap.dedent(PLUGIN))
-    info = tmp_path / "loopback_transport-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: loopback-transport\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[fedfleet.transports]\nloopback = loopback_transport\n")
-    sys.path.insert(0, str(tmp_path))
-    try:
-        TRANSPORTS.reload()
-        yield
-    finally:
-        sys.path.remove(str(tmp_path))
-        TRANSPORTS.unregister("loopback")
-        sys.modules.pop("loopback_transport", None)
+    entry_points = {"fedfleet.transports": {"loopback": "loopback_transport"}}
+    with installed_plugin(tmp_path, "loopback-transport", entry_points, {"loopback_transport": PLUGIN}):
+        try:
+            TRANSPORTS.reload()
+            yield
+        finally:
+            TRANSPORTS.unregister("loopback")
 
 
 def test_the_built_in_transports_are_registered_and_each_says_what_it_cannot_run() -> None:
