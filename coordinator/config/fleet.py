@@ -32,6 +32,7 @@ from coordinator.config.checkpoints import Retention
 from coordinator.config.evaluation import EvaluationSettings
 from coordinator.config.limits import FleetLimits
 from coordinator.config.logins import COORDINATOR_USER
+from coordinator.config.secure import SecureAggregation, round_size
 from coordinator.privacy.settings import PrivacySettings
 from coordinator.privacy.support import privacy_problem
 from coordinator.strategies import STRATEGIES
@@ -380,6 +381,9 @@ class Fleet(_Strict):
     privacy: PrivacySettings | None = Field(
         None, description="user-level differential privacy (DP-FedAvg): clipping, noise, accountant, budget"
     )
+    secure_aggregation: SecureAggregation | None = Field(
+        None, description="SecAgg+: the coordinator learns only the sum of a round's updates (FedAvg only)"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -479,6 +483,19 @@ class Fleet(_Strict):
                 f"privacy.delta: {self.privacy.delta:g} is not below 1 / {len(self.devices)} devices: such a delta "
                 "allows publishing one device's data outright; use e.g. 1e-5"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _secure_aggregation_fits(self) -> Fleet:
+        """Secure aggregation needs a sum strategy, no screening, no DP (yet), and parameters fit for a round."""
+        if self.secure_aggregation is None:
+            return self
+        size = round_size(len(self.devices), self.participation)
+        problems = self.secure_aggregation.problems(
+            size, self.strategy.name, self.limits.model_dump(), self.privacy is not None
+        )
+        if problems:
+            raise ValueError("secure_aggregation: " + "; ".join(problems))
         return self
 
     def sized_samples(self, device: Device) -> int | None:

@@ -34,6 +34,7 @@ MAX_BYTES_BY_TYPE = {
     "assignment": 64 << 10,
     "manifest": MAX_MESSAGE_BYTES,
     "nack": MAX_MESSAGE_BYTES,
+    "secagg": MAX_MESSAGE_BYTES,
 }
 MAX_OTHER_BYTES = 32 << 10
 
@@ -201,6 +202,20 @@ class RoundFailed(_Message):
     detail: str = ""
 
 
+class SecAgg(_Message):
+    """One secure-aggregation protocol message (``device_agent.secagg.messages``' wire form, base64) of a round.
+
+    Either way: the coordinator's setup, keys, shares and unmask requests, a device's answers. The protocol
+    message inside is signed and names its session itself; ``run`` and ``round`` only route it. A masked input
+    is the model's size (4 bytes a value): this carrier holds models up to ~190k values (1 MiB in base64).
+    """
+
+    type: Literal["secagg"] = "secagg"
+    run: Annotated[str, Field(pattern=_NAME)]
+    round: Annotated[int, Field(ge=0)]
+    body: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9+/]+={0,2}$")]
+
+
 INCOMPATIBLE = "incompatible"
 
 
@@ -227,7 +242,8 @@ def refuses_version(error: Error, version: object = PROTOCOL_VERSION) -> bool:
 
 
 Message = Annotated[
-    Hello | Assignment | Manifest | Ack | Nack | Status | Error | Receipt | RoundFailed, Field(discriminator="type")
+    Hello | Assignment | Manifest | Ack | Nack | Status | Error | Receipt | RoundFailed | SecAgg,
+    Field(discriminator="type"),
 ]
 _ADAPTER: TypeAdapter[Message] = TypeAdapter(Message)
 

@@ -1,3 +1,4 @@
+import base64
 import json
 
 import pytest
@@ -9,6 +10,7 @@ from device_agent.wire.messages import (
     Hello,
     Manifest,
     ProtocolError,
+    SecAgg,
     Status,
     VersionMismatch,
     encode,
@@ -75,3 +77,16 @@ def test_an_incompatible_answer_says_whether_it_is_about_this_side_s_version() -
     assert refuses_version(incompatible(PROTOCOL_VERSION))
     assert not refuses_version(incompatible(2)) and not refuses_version(incompatible("3"))
     assert not refuses_version(Error(code="rejected", detail=incompatible(PROTOCOL_VERSION).detail))
+
+
+def test_a_secure_aggregation_message_carries_its_protocol_bytes_as_base64() -> None:
+    body = base64.b64encode(bytes(range(256)) * 2000).decode()  # ~680 KB: a masked input of 128k values
+    message = SecAgg(run="run-1", round=3, body=body)
+
+    parsed = parse_message(encode(message))
+
+    assert isinstance(parsed, SecAgg) and base64.b64decode(parsed.body) == bytes(range(256)) * 2000
+    with pytest.raises(ProtocolError, match="body"):
+        parse_message(encode(message).replace(b'"body":"', b'"body":"{'))
+    with pytest.raises(ProtocolError, match="exceeds"):
+        parse_message(encode(SecAgg(run="run-1", round=3, body="A" * (1 << 20))))

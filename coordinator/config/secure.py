@@ -1,0 +1,70 @@
+"""fleet.yaml ``secure_aggregation``: SecAgg+ (device_agent.secagg) for a round's updates, and where it cannot run.
+
+Under secure aggregation the coordinator learns only the sum of a round's updates. Whatever reads one device's
+update is then out: the upload gate's screening (update bound, direction and peer checks) and strategies whose
+aggregate is not a plain sum of what devices send. ``problems`` names each such contradiction with its key.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
+
+from device_agent.secagg.errors import ParameterError
+from device_agent.secagg.graph import validate
+from device_agent.secagg.quantize import Quantizer
+
+SUPPORTED_STRATEGIES = frozenset({"fedavg"})
+"""Strategies whose round runs under secure aggregation: FedAvg's aggregate is the mean of the updates, a sum."""
+SCREENING = ("update_bound_factor", "direction_min_cosine", "peer_min_cosine", "peer_hard_floor")
+"""The ``limits`` that read one device's update: each must be null (off) under secure aggregation."""
+
+
+class SecureAggregation(BaseModel):
+    """SecAgg+ parameters (docs/secure-aggregation.md): the sparse graph's degree, the threshold, the quantization."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    threshold: int = Field(
+        description="neighbours of a device that must stay to the end for its masks to be removed (2..neighbours)"
+    )
+    neighbours: int = Field(
+        description="the degree of the SecAgg+ graph: even, or the round's devices - 1 (every other device)"
+    )
+    clip: PositiveFloat = Field(
+        0.5, description="update values must lie in [-clip, clip]: a device clamps its update to it before masking"
+    )
+    bits: int = Field(16, ge=1, le=32, description="quantization levels per value: 2^bits - 1")
+
+    def problems(self, devices: int, strategy: str, limits: Mapping[str, object], privacy: bool) -> list[str]:
+        """What contradicts this setting in a fleet of ``devices`` a round (``key: why``), empty when it fits."""
+        found = []
+        if strategy not in SUPPORTED_STRATEGIES:
+            found.append(
+                f"strategy.name: {strategy!r} does not run under secure aggregation (only "
+                f"{', '.join(sorted(SUPPORTED_STRATEGIES))}: its aggregate must be a plain sum of the devices' uploads)"
+            )
+        screening = [key for key in SCREENING if limits.get(key) is not None]
+        if screening:
+            found.append(
+                f"limits: {', '.join(screening)} read each device's update, which the coordinator never sees under "
+                "secure aggregation; set them to null (the fleet then has no screening against poisoned updates)"
+            )
+        if privacy:
+            found.append("privacy: differential privacy together with secure aggregation is not implemented yet")
+        try:
+            validate(devices, self.threshold, self.neighbours)
+            Quantizer(clip=self.clip, bits=self.bits, devices=devices)
+        except ParameterError as exc:
+            found.append(f"{exc} (a round asks {devices} devices)")
+        return found
+
+
+def round_size(devices: int, participation: float) -> int:
+    """How many devices a round asks when every device can take part (``ParticipantDraw``'s count)."""
+    return math.ceil(participation * devices)
+
+
+__all__ = ["SCREENING", "SUPPORTED_STRATEGIES", "SecureAggregation", "round_size"]
