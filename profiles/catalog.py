@@ -9,7 +9,6 @@ Directories come from the caller (e.g. fleet.yaml's ``profile_dirs``) and from t
 from __future__ import annotations
 
 import difflib
-import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
@@ -18,12 +17,12 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from device_agent.common.paths import profile_files
+from device_agent.common.paths import PROFILES_ENV, profile_dirs, profile_files
 from device_agent.common.profile import DeviceProfile
 from device_agent.common.validation import describe
 from profiles.schema import DeviceClass
 
-ENV_VAR = "FEDFLEET_PROFILES"
+ENV_VAR = PROFILES_ENV
 # A reported device that has not measured its link: a modest Wi-Fi guess, on the safe side.
 _UNMEASURED_NETWORK = {"downlink_mbps": 50.0, "uplink_mbps": 20.0, "latency_ms": 20.0}
 
@@ -81,9 +80,8 @@ def unknown_profile_message(name: str, known: Iterable[str]) -> str:
 def load_catalog(extra_dirs: Iterable[Path] = (), include_builtin: bool = True) -> Catalog:
     """Shipped profiles, then ``FEDFLEET_PROFILES`` directories, then ``extra_dirs``; later names win."""
     catalog = Catalog()
-    files = builtin_profile_files() if include_builtin else []
-    env_dirs = [Path(part) for part in os.environ.get(ENV_VAR, "").split(os.pathsep) if part]
-    for directory in [*env_dirs, *extra_dirs]:
+    files: list[Path] = []
+    for directory in profile_dirs(extra_dirs, shipped=include_builtin):
         try:
             files.extend(profile_files(Path(directory)))
         except NotADirectoryError as exc:

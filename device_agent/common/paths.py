@@ -8,9 +8,14 @@ usual meaning (relative to the working directory): they are resolved by the shel
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+import importlib.util
+import os
+from collections.abc import Iterable, MutableMapping
 from pathlib import Path
 from typing import Any
+
+PROFILES_ENV = "FEDFLEET_PROFILES"
+"""Folders of device profiles (``os.pathsep``-separated) that come after the shipped ones and before a config's."""
 
 
 def anchor(value: Any, base: Path) -> Any:
@@ -49,3 +54,23 @@ def profile_files(directory: Path) -> list[Path]:
     if not directory.is_dir():
         raise NotADirectoryError(f"profile directory {directory} does not exist")
     return sorted([*directory.glob("*.yaml"), *directory.glob("*.yml")])
+
+
+def shipped_profile_dir() -> Path | None:
+    """The ``profiles/devices`` folder installed with fedfleet, found without importing the package."""
+    spec = importlib.util.find_spec("profiles")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations))) / "devices"
+    return folder if folder.is_dir() else None
+
+
+def profile_dirs(extra: Iterable[Path] = (), shipped: bool = True) -> list[Path]:
+    """Profile folders in increasing precedence: shipped, ``$FEDFLEET_PROFILES``, then ``extra``.
+
+    The one search order of the coordinator's catalog and the emulator's profiles, so a name means the same
+    profile to both.
+    """
+    found = shipped_profile_dir() if shipped else None
+    env = [Path(part) for part in os.environ.get(PROFILES_ENV, "").split(os.pathsep) if part]
+    return [*([found] if found else []), *env, *(Path(d) for d in extra)]

@@ -15,7 +15,6 @@ agent never imports the coordinator's planning code.
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,12 +29,10 @@ from device_agent.agent.config import parse_config
 from device_agent.agent.probe import measure_matmul_gflops, resolve_device
 from device_agent.common.atomic import atomic_write
 from device_agent.common.names import PASSWORD_ENV
-from device_agent.common.paths import profile_files
+from device_agent.common.paths import profile_dirs, profile_files
 from device_agent.common.profile import ComputeSpec, MemorySpec, NetworkSpec
 from device_agent.common.validation import describe
 from device_agent.emulation.limits import slowdown_factor
-
-PROFILES_ENV = "FEDFLEET_PROFILES"
 
 
 def password_env(index: int | None = None) -> str:
@@ -122,22 +119,6 @@ class DataShare:
         }
         sizes = {"samples": self.samples, "test_samples": self.test_samples}
         return config | {key: value for key, value in sizes.items() if value is not None}
-
-
-def shipped_profile_dir() -> Path | None:
-    """The ``profiles/devices`` folder installed with fedfleet, found without importing the package."""
-    spec = importlib.util.find_spec("profiles")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    folder = Path(next(iter(spec.submodule_search_locations))) / "devices"
-    return folder if folder.is_dir() else None
-
-
-def profile_dirs(extra: Iterable[Path] = ()) -> list[Path]:
-    """Profile folders in increasing precedence: shipped, ``$FEDFLEET_PROFILES``, then ``extra`` (as the planner)."""
-    shipped = shipped_profile_dir()
-    env = [Path(part) for part in os.environ.get(PROFILES_ENV, "").split(os.pathsep) if part]
-    return [*([shipped] if shipped else []), *env, *(Path(d) for d in extra)]
 
 
 def read_profile(path: Path) -> ProfileSpec:

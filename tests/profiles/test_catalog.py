@@ -84,6 +84,18 @@ def test_profile_directories_come_from_the_environment_too(tmp_path: Path, monke
     assert load_catalog()["env-box"].memory.total == 6 * 2**30
 
 
+def test_the_planner_and_the_emulator_find_a_name_in_the_same_file(tmp_path: Path, monkeypatch) -> None:
+    """One search order (shipped, $FEDFLEET_PROFILES, then a config's folders): a later folder's profile
+    of a shipped name replaces it for both."""
+    from device_agent.emulation.profile_config import find_profile
+
+    _write_profile(tmp_path, "raspberry-pi-5", "7 GiB")
+    monkeypatch.setenv(ENV_VAR, str(tmp_path))
+
+    assert load_catalog().origins["raspberry-pi-5"] == tmp_path / "raspberry-pi-5.yaml"
+    assert load_catalog()["raspberry-pi-5"].memory.total == 7 * 2**30 == find_profile("raspberry-pi-5").memory.total
+
+
 def test_an_unknown_name_suggests_the_closest() -> None:
     with pytest.raises(KeyError, match="did you mean 'jetson-nano'"):
         load_catalog()["jetson-nanoo"]
