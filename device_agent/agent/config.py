@@ -133,6 +133,20 @@ class BrokerConfig(_Section):
         return _resolved(self.password, "broker.password")
 
 
+class TransportConfig(_Section):
+    """How the agent reaches its coordinator: a port kind of :data:`device_agent.agent.ports.PORTS`.
+
+    ``broker:`` stays a section of its own (what ``mqtt`` connects to), not one under ``transport:``.
+    """
+
+    kind: str = Field(
+        "mqtt",
+        pattern=r"^[a-z][a-z0-9_-]*$",
+        description="a registered port kind (device_agent.agent.ports; a package adds one under the entry point "
+        "group fedfleet.ports): mqtt, the device's MQTT session on broker:",
+    )
+
+
 class DataConfig(_Section):
     dataset: DatasetName = "digits"
     path: str | None = None
@@ -206,6 +220,7 @@ class EmulationConfig(_Section):
 class AgentConfig(_Section):
     device: DeviceName
     fleet: FleetName
+    transport: TransportConfig = Field(default_factory=TransportConfig)
     broker: BrokerConfig = Field(default_factory=BrokerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     device_type: str = "auto"

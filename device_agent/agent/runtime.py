@@ -43,9 +43,10 @@ from device_agent import __version__
 from device_agent.agent.config import AgentConfig
 from device_agent.agent.hooks import HooksFor, RuntimeHooks
 from device_agent.agent.kept import KeptStore
-from device_agent.agent.lock import AlreadyRunning, claim_device, device_key, hold
+from device_agent.agent.lock import AlreadyRunning, claim_device, hold
 from device_agent.agent.outbox import Outbox, OutboxCorrupt, OutboxItem
-from device_agent.agent.port import CoordinatorPort, MqttPort, Signer, Upload
+from device_agent.agent.port import CoordinatorPort, Signer, Upload
+from device_agent.agent.ports import port_kind_of
 from device_agent.agent.probe import resolve_device
 from device_agent.agent.signing import UploadIdentity, signed_meta
 from device_agent.agent.speed import measured_profile
@@ -67,8 +68,6 @@ from device_agent.wire.messages import (
     refuses_version,
 )
 from device_agent.wire.protocol import UPDATE_KIND, upload_meta
-from device_agent.wire.reachability import wait_for_broker
-from device_agent.wire.session import BrokerAddress
 from device_agent.wire.transfer import new_transfer_id
 
 log = logging.getLogger("fedfleet.agent")
@@ -166,8 +165,9 @@ class Agent:
         """``hooks`` (or a function of the torch device that makes them) shape this device; none on real hardware.
 
         The runtime never imports emulation: ``device-agent run`` and the worker inject the emulated
-        device's hooks, a test its own. ``port`` defaults to the MQTT session ``config`` describes, ``data``
-        to the files ``config.data`` names.
+        device's hooks, a test its own. ``port`` defaults to the one ``config.transport.kind`` makes
+        (:mod:`device_agent.agent.ports`; ``mqtt``: the MQTT session on ``config.broker``), ``data`` to the
+        files ``config.data`` names.
         """
         self.config = config
         self.device = resolve_device(config.device_type)
@@ -190,7 +190,7 @@ class Agent:
         self._said = 0.0
         """When the last status went out (``time.monotonic()``)."""
         self._connects = 0
-        self.port = port or MqttPort(config, self.hooks.before_chunk_out, self.hooks.after_chunk_in)
+        self.port = port or port_kind_of(config).port(config, self.hooks.before_chunk_out, self.hooks.after_chunk_in)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -427,19 +427,20 @@ def run_agent(config: AgentConfig, profile: DeviceProfile | None = None, hooks: 
     """Run until SIGINT/SIGTERM; the exit code of ``device-agent run``.
 
     Holds the state directory's lock and the device's claim on this machine (``device_agent.agent.lock``)
-    throughout: a second agent with the same login would take over this one's broker session.
+    throughout: a second agent with the same login would take over this one's broker session. Before it
+    connects, the port kind's preflight waits for the way to the coordinator (``mqtt``: the broker's TCP port).
     """
+    kind = port_kind_of(config)  # an unknown transport.kind is refused before anything is held or loaded
     try:
         check_source(config.data.source)
     except DatasetError as exc:
         raise AgentError(str(exc)) from None
-    broker = BrokerAddress.from_url(config.broker.url)
     try:
         lock = hold(Path(config.state_dir))
     except AlreadyRunning as exc:
         raise AgentError(str(exc)) from None
     try:
-        claim = claim_device(device_key(broker.host, broker.port, config.fleet, config.device), config.state_dir)
+        claim = claim_device(kind.claim_key(config), config.state_dir)
     except AlreadyRunning as exc:
         lock.close()
         raise AgentError(str(exc)) from None
@@ -447,11 +448,11 @@ def run_agent(config: AgentConfig, profile: DeviceProfile | None = None, hooks: 
         agent = Agent(config, profile, hooks)  # first: a setting of this device (no CUDA...) fails before any waiting
         started = time.monotonic()
         try:
-            wait_for_broker(broker.host, broker.port, config.connect_timeout_s)
+            kind.preflight(config, config.connect_timeout_s)
         except ConnectionError as exc:
             raise AgentError(str(exc)) from None
         stop_on_signals(agent.stop)
-        # The rest of the budget for the MQTT connection itself: a TLS handshake that fails is not retried forever.
+        # The rest of the budget for the connection itself: a TLS handshake that fails is not retried forever.
         agent.run(connect_timeout=max(1.0, config.connect_timeout_s - (time.monotonic() - started)))
     return 0
 

@@ -1,0 +1,53 @@
+"""Port kinds by name: how ``device-agent run`` reaches its coordinator is a plugin, like a strategy.
+
+agent.yaml's ``transport.kind`` names a :class:`PortKind` in :data:`PORTS`. The built-in ones are in
+:mod:`device_agent.agent.port_kinds` (``mqtt``, the default: the device's MQTT session on ``broker:``);
+another installed package adds one under the entry point group ``fedfleet.ports`` (a module that calls
+``PORTS.register(name, kind)``), with no edit of fedfleet itself. It is the device's half of a transport:
+the coordinator's half registers under ``fedfleet.transports`` (the agent never imports the coordinator).
+"""
+
+from __future__ import annotations
+
+from device_agent.agent.config import AgentConfig, ConfigError
+from device_agent.agent.port import CoordinatorPort
+from device_agent.common.registry import Registry
+from device_agent.wire.session import ChunkHook
+
+ENTRY_POINT_GROUP = "fedfleet.ports"
+
+
+class PortKind:
+    """One way for an agent to reach its coordinator: it makes the port, and may check the way is open first."""
+
+    def port(
+        self, config: AgentConfig, before_chunk_out: ChunkHook | None = None, after_chunk_in: ChunkHook | None = None
+    ) -> CoordinatorPort:
+        """The agent's port; the hooks (an emulated device's link shaping) run around every chunk sent or received."""
+        raise NotImplementedError(f"{type(self).__name__} makes no port")
+
+    def preflight(self, config: AgentConfig, give_up_s: float) -> None:
+        """Return once the coordinator's side can be reached (``device-agent run`` waits here before connecting);
+        raise ``ConnectionError`` naming the cause after ``give_up_s`` s. Nothing to wait for by default."""
+
+    def claim_key(self, config: AgentConfig) -> str:
+        """What two agents on one machine must not share (``device_agent.agent.lock``): by default the device's
+        login in its fleet on this kind of transport."""
+        return f"{config.transport.kind}:{config.fleet}/{config.device}"
+
+
+PORTS: Registry[PortKind] = Registry("port kind", "device_agent.agent.port_kinds", ENTRY_POINT_GROUP)
+
+
+def port_kind_of(config: AgentConfig) -> PortKind:
+    """The kind ``config.transport.kind`` names; an unknown one is a ``ConfigError`` listing those registered."""
+    kind = config.transport.kind
+    if kind not in PORTS:
+        raise ConfigError(
+            f"transport.kind: {kind!r} is not a registered port kind (registered: {', '.join(PORTS)}); "
+            f"a package adds one under the entry point group {ENTRY_POINT_GROUP!r}"
+        )
+    return PORTS[kind]
+
+
+__all__ = ["ENTRY_POINT_GROUP", "PORTS", "PortKind", "port_kind_of"]
