@@ -1,8 +1,8 @@
 """A port kind is a plugin: one module in another package, registered through an entry point, no edit of fedfleet.
 
-The plugin here, ``recorder``, is a coordinator that only listens: its port writes what the agent says to a file in
-the agent's state folder and, once it has heard the agent's hello, stops the agent's process as Ctrl-C would. Enough
-to show that ``Agent`` and ``device-agent run`` take whatever port agent.yaml's ``transport.kind`` names.
+The plugin, ``recorder`` (:mod:`tests.device_agent.recorder_port`), is a coordinator that only listens: its port
+writes what the agent says to a file and, once it has heard the agent's hello, stops the agent's process as Ctrl-C
+would. Enough to show that ``Agent`` and ``device-agent run`` take whatever port agent.yaml's ``transport.kind`` names.
 """
 
 from __future__ import annotations
@@ -17,101 +17,21 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-import yaml
 
 from device_agent.agent.config import ConfigError, load_config, parse_config
 from device_agent.agent.lock import device_key
 from device_agent.agent.port import MqttPort
 from device_agent.agent.ports import PORTS, port_kind_of
 from device_agent.agent.runtime import Agent, run_agent
+from tests.device_agent.recorder_port import agent_yaml, heard, recorder_installed
 from tests.device_profiles import reported_profile
 from tests.paths import REPO_ROOT
-from tests.plugins import installed_plugin
-
-PLUGIN = '''
-"""The recorder port kind: the agent's coordinator is a file that records what the agent says."""
-
-import json
-import os
-import signal
-from pathlib import Path
-
-from device_agent.agent.ports import PORTS, PortKind
-from device_agent.wire.messages import Hello
-
-
-def after_hello():
-    """Stop this agent's process the way Ctrl-C does (device-agent run's signal handler)."""
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-class RecorderPort:
-    def __init__(self, config):
-        self.where = f"a recording in {config.state_dir}"
-        self.file = Path(config.state_dir) / "heard.jsonl"
-        self.connects = 0
-
-    def _write(self, entry):
-        with self.file.open("a") as out:
-            out.write(json.dumps(entry) + "\\n")
-
-    def start(self, on_message, on_payload, timeout=None):
-        self.connects = 1
-
-    def stop(self):
-        self._write({"stopped": True})
-
-    def publish(self, message, retain=False):
-        self._write(message.model_dump(mode="json"))
-        if isinstance(message, Hello):
-            after_hello()
-
-    def send(self, payload, sign=None, **fields):
-        raise AssertionError("nothing was assigned, so nothing is uploaded")
-
-    def cancel(self, transfer):
-        pass
-
-    def fatal(self):
-        return None
-
-
-class Recorder(PortKind):
-    def port(self, config, before_chunk_out=None, after_chunk_in=None):
-        return RecorderPort(config)
-
-    def preflight(self, config, give_up_s):
-        Path(config.state_dir, "preflight.json").write_text(json.dumps({"give_up_s": give_up_s}))
-
-
-PORTS.register("recorder", Recorder())
-'''
 
 
 @pytest.fixture
 def recorder_plugin(tmp_path: Path) -> Iterator[Path]:
-    """Install the one-module plugin with a real entry point; its folder, for a subprocess's PYTHONPATH too."""
-    site = tmp_path / "site"
-    site.mkdir()
-    entry_points = {"fedfleet.ports": {"recorder": "recorder_port"}}
-    with installed_plugin(site, "recorder-port", entry_points, {"recorder_port": PLUGIN}):
-        PORTS.reload()
-        try:
-            yield site
-        finally:
-            PORTS.unregister("recorder")
-
-
-def _agent_yaml(folder: Path, kind: str) -> Path:
-    path = folder / "agent.yaml"
-    path.write_text(
-        yaml.safe_dump({"device": "dev-a", "fleet": "lab", "transport": {"kind": kind}, "state_dir": "state"})
-    )
-    return path
-
-
-def _heard(state: Path) -> list[dict]:
-    return [json.loads(line) for line in (state / "heard.jsonl").read_text().splitlines()]
+    with recorder_installed(tmp_path / "site") as site:
+        yield site
 
 
 def test_mqtt_is_the_default_kind_and_its_claim_is_one_login_on_one_broker() -> None:
@@ -125,7 +45,7 @@ def test_mqtt_is_the_default_kind_and_its_claim_is_one_login_on_one_broker() -> 
 def test_an_unknown_kind_is_refused_at_start_naming_the_registered_ones_and_the_entry_point_group(
     tmp_path: Path,
 ) -> None:
-    config = load_config(_agent_yaml(tmp_path, "pigeon"))
+    config = load_config(agent_yaml(tmp_path, "pigeon"))
 
     with pytest.raises(ConfigError) as refused:
         run_agent(config)
@@ -150,7 +70,7 @@ def test_an_agent_takes_the_port_of_the_kind_agent_yaml_names(
     heard_hello = threading.Event()
     plugin: ModuleType = sys.modules["recorder_port"]
     monkeypatch.setattr(plugin, "after_hello", heard_hello.set)  # this test's process is not the agent's to stop
-    agent = Agent(load_config(_agent_yaml(tmp_path, "recorder")), reported_profile())
+    agent = Agent(load_config(agent_yaml(tmp_path, "recorder")), reported_profile())
     serving = threading.Thread(target=agent.run, daemon=True)
     serving.start()
     try:
@@ -160,14 +80,14 @@ def test_an_agent_takes_the_port_of_the_kind_agent_yaml_names(
         serving.join(30)
 
     assert type(agent.port).__name__ == "RecorderPort" and agent.port.where == f"a recording in {tmp_path / 'state'}"
-    heard = _heard(tmp_path / "state")
-    assert heard[0]["type"] == "hello" and heard[0]["device"] == "dev-a"
-    assert heard[-1] == {"stopped": True}
+    said = heard(tmp_path / "state")
+    assert said[0]["type"] == "hello" and said[0]["device"] == "dev-a"
+    assert said[-1] == {"stopped": True}
 
 
 @pytest.mark.slow
 def test_device_agent_run_uses_a_port_kind_from_another_package(recorder_plugin: Path, tmp_path: Path) -> None:
-    config = _agent_yaml(tmp_path, "recorder")
+    config = agent_yaml(tmp_path, "recorder")
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(recorder_plugin), str(REPO_ROOT)])}
     command = [sys.executable, "-m", "device_agent", "run", "--config", str(config), "--log-level", "WARNING"]
 
@@ -176,6 +96,6 @@ def test_device_agent_run_uses_a_port_kind_from_another_package(recorder_plugin:
     assert done.returncode == 0, done.stderr
     state = tmp_path / "state"
     assert json.loads((state / "preflight.json").read_text()) == {"give_up_s": 300.0}  # connect_timeout_s
-    heard = _heard(state)
-    assert heard[0]["type"] == "hello" and heard[0]["device"] == "dev-a"
-    assert heard[-1] == {"stopped": True}  # stopped gracefully on the signal, not killed
+    said = heard(state)
+    assert said[0]["type"] == "hello" and said[0]["device"] == "dev-a"
+    assert said[-1] == {"stopped": True}  # stopped gracefully on the signal, not killed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 
@@ -9,15 +10,17 @@ import pytest
 import torch
 import yaml
 
-from device_agent.agent.config import ConfigError, EmulationConfig
+from device_agent.agent.config import ConfigError, EmulationConfig, load_config
 from device_agent.emulation.launcher import AgentSpec, pack_specs, worker_command, write_agent_list
 from device_agent.emulation.limits import EmulatedDevice
 from device_agent.emulation.profile_config import DataShare, agent_config, password_env, write_agent_config
 from device_agent.emulation.slots import ComputeSlots
-from device_agent.emulation.worker import read_agent_list
+from device_agent.emulation.worker import Worker, read_agent_list
 from device_agent.training.driver import run_assignment
 from device_agent.training.local_round import TrainedRound
+from tests.device_agent.recorder_port import agent_yaml, heard, recorder_installed
 from tests.device_agent.training.test_driver import NothingKept, digits, fedavg_round
+from tests.device_profiles import reported_profile
 
 
 def _agent(tmp_path: Path, index: int, device_type: str = "cpu") -> AgentSpec:
@@ -157,3 +160,27 @@ def test_on_cuda_a_workers_devices_share_the_slots_library_handles_instead_of_on
     mib = 2**20
     print(f"16 devices: {through_slots / mib:.0f} MiB via one slot thread, {each_their_own / mib:.0f} MiB on their own")
     assert each_their_own > 4 * max(through_slots, 2**20)
+
+
+def test_a_worker_serves_its_devices_over_the_port_kind_their_agent_yaml_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hellos = threading.Semaphore(0)
+    with recorder_installed(tmp_path / "site"):
+        monkeypatch.setattr(sys.modules["recorder_port"], "after_hello", hellos.release)  # the worker is this process
+        folders = [tmp_path / device for device in ("dev-00", "dev-01")]
+        configs = [load_config(agent_yaml(folder, device=folder.name)) for folder in folders]
+        worker = Worker(configs, profile=reported_profile())
+        serving = threading.Thread(target=worker.run, kwargs={"stagger_s": 0.0}, daemon=True)
+        serving.start()
+        try:
+            assert hellos.acquire(timeout=60) and hellos.acquire(timeout=60)
+        finally:
+            worker.stop()
+            serving.join(30)
+
+    assert [type(agent.port).__name__ for agent in worker.agents] == ["RecorderPort", "RecorderPort"]
+    for folder in folders:
+        said = heard(folder / "state")
+        assert said[0]["type"] == "hello" and said[0]["device"] == folder.name and said[-1] == {"stopped": True}
+    assert worker.errors == {}
