@@ -1,11 +1,11 @@
 """Poisoning: an honest fleet against 1 and 2 of 10 malicious but authenticated devices.
 
     python -m benchmarks.poisoning [--json] [--rounds 8] [--strategies fedavg,fedhm] [--attacks ...] [--no-defense]
-        [--privacy JSON] [--dataset digits|fashion_mnist] [--train-samples N]
+        [--privacy JSON] [--dataset digits|fashion_mnist] [--train-samples N] [--alpha A]
 
-Ten digits clients (iid shards) run in process through the real round engine and upload gate
-(``coordinator.emulation.simulation``). A malicious device trains like the others, then rewrites
-what it uploads (it signs what it sends, so only the gate's bounds and the aggregation stand in
+Ten digits clients (iid shards, or Dirichlet(A) label shards with ``--alpha``) run in process through the
+real round engine and upload gate (``coordinator.emulation.simulation``). A malicious device trains like the
+others, then rewrites what it uploads (it signs what it sends, so only the gate's bounds and the aggregation stand in
 its way); label flipping and the backdoor (a corner square relabelled 0 on half its images) poison its
 data instead, and the backdoor's success on triggered test images is reported. ``at_the_cut`` is the
 adaptive attacker: the most reversed update the peer check cannot refuse (it reads the round's agreement
@@ -321,11 +321,16 @@ class PoisoningLink(MemoryLink):
 
 
 def fleet_clients(
-    data: LabeledData, count: int, malicious: int, poison: str | None, levels: Sequence[float]
+    data: LabeledData,
+    count: int,
+    malicious: int,
+    poison: str | None,
+    levels: Sequence[float],
+    alpha: float | None = None,
 ) -> list[SimClient]:
-    """``count`` iid clients; the first ``malicious`` poison their data when ``poison`` says how
-    (``label_flip``: labels y -> 9 - y; ``backdoor``: :func:`backdoored`)."""
-    spec = PartitionSpec("iid", count, seed=0)
+    """``count`` clients, iid or with Dirichlet(``alpha``) label shards; the first ``malicious`` poison their data
+    when ``poison`` says how (``label_flip``: labels y -> 9 - y; ``backdoor``: :func:`backdoored`)."""
+    spec = PartitionSpec("iid", count, seed=0) if alpha is None else PartitionSpec("dirichlet", count, 0, alpha)
     clients = []
     for i in range(count):
         x, y = client_shard(data.train_x, data.train_y, spec, i)
@@ -366,11 +371,12 @@ def run_one(
     limits: Mapping[str, object] | None,
     privacy: Mapping[str, object] | None = None,
     params: Mapping[str, object] | None = None,
+    alpha: float | None = None,
 ) -> RunResult:
     """One clean (``attack`` None) or attacked run. Its quorum is the honest devices' share of the fleet: a round
     that refused every attacker aggregated all it should, and only one that lost an honest update fails."""
     poison = attack if attack in DATA_POISONING else None
-    fleet = fleet_clients(data, clients, malicious, poison, LEVELS[strategy_name])
+    fleet = fleet_clients(data, clients, malicious, poison, LEVELS[strategy_name], alpha)
     bad = {c.client_id for c in fleet[:malicious]} if attack else set()
     devices = [LocalDevice(c.client_id, c.train, c.test) for c in fleet]
     gate = FleetLimits.model_validate(dict(limits or {})).gate()
@@ -406,11 +412,13 @@ def poisoning(
     dataset: str = "digits",
     train_samples: int | None = None,
     params: Mapping[str, Mapping[str, object]] | None = None,
+    alpha: float | None = None,
 ) -> dict[str, Any]:
     """Clean and attacked runs; ``limits`` (fleet.yaml's section) tunes the gate, ``defense=False`` turns it off,
     ``privacy`` (fleet.yaml's section) adds DP-FedAvg's clipping and noise, the backdoor defence of Sun et al. 2019;
     ``train_samples`` keeps the first N training images (Fashion-MNIST's 60,000 are more than a benchmark needs);
-    ``params`` are strategy parameters by strategy name (FedHM under ``privacy`` needs ``weighting: uniform``)."""
+    ``params`` are strategy parameters by strategy name (FedHM under ``privacy`` needs ``weighting: uniform``);
+    ``alpha`` gives the clients Dirichlet(alpha) label shards instead of iid ones."""
     model = MODELS[dataset]
     data = load_dataset(dataset, model.image_size, model.in_channels)
     if train_samples is not None:
@@ -423,7 +431,8 @@ def poisoning(
     entries: list[dict[str, Any]] = []
 
     def run(name: str, attack: str | None, malicious: int) -> RunResult:
-        return run_one(name, attack, malicious, rounds, clients, train, data, limits, privacy, (params or {}).get(name))
+        strategy_params = (params or {}).get(name)
+        return run_one(name, attack, malicious, rounds, clients, train, data, limits, privacy, strategy_params, alpha)
 
     for name in strategies:
         baseline = run(name, None, 0)
@@ -469,6 +478,7 @@ def poisoning(
             "model": model.arch,
             "dataset": dataset,
             "train_samples": len(data.train_y),
+            "partition": "iid" if alpha is None else f"dirichlet({alpha:g})",
             "privacy": privacy,
             "params": params,
             "defense": "off (update bound, direction checks and sample-weight cap disabled)"
@@ -529,6 +539,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--dataset", choices=sorted(MODELS), default="digits", help="(default: digits)")
     parser.add_argument("--train-samples", type=int, metavar="N", help="use the first N training images (default: all)")
+    parser.add_argument(
+        "--alpha", type=float, metavar="A", help="Dirichlet(A) label shards instead of iid ones (default: iid)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return parser
 
@@ -550,6 +563,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.alpha is not None and not args.alpha > 0:
+        print(f"--alpha must be > 0 (a Dirichlet concentration), got {args.alpha}", file=sys.stderr)
+        return 2
     fractions = [int(m) for m in args.malicious.split(",") if m]
     if any(not 0 < m < args.clients for m in fractions):
         print(f"--malicious counts must be in 1..{args.clients - 1}", file=sys.stderr)
@@ -569,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
         params=json.loads(args.params),
         dataset=args.dataset,
         train_samples=args.train_samples,
+        alpha=args.alpha,
     )
     print(json.dumps(result, indent=2) if args.json else table(result))
     return 0

@@ -13,6 +13,7 @@ from benchmarks.poisoning import (
     at_the_cut,
     backdoored,
     cut_target,
+    fleet_clients,
     main,
     poisoning,
     table,
@@ -20,6 +21,8 @@ from benchmarks.poisoning import (
 )
 from coordinator.algorithms.robust import sketch
 from coordinator.config.limits import GateSettings
+from coordinator.emulation.simulation import SimClient
+from device_agent.data.datasets import load_dataset
 from device_agent.training.optimizer import TrainConfig
 
 TRAIN = TrainConfig(epochs=1, batch_size=32, lr=0.05)
@@ -110,3 +113,15 @@ def test_a_backdoor_run_reports_its_success_on_triggered_images() -> None:
     [entry] = result["attacks"]
     assert 0 <= entry["attack_success"] <= 1 and result["backdoor_success_one_in_ten"] == entry["attack_success"]
     assert result["trigger_on_clean_model"]["fedavg"] < 0.5
+
+
+def test_alpha_gives_the_clients_label_skewed_shards() -> None:
+    data = load_dataset("digits", 8, 1)
+
+    def top_share(client: SimClient) -> float:
+        labels = client.train[1]
+        return float(torch.bincount(labels).max()) / len(labels)
+
+    iid = [top_share(c) for c in fleet_clients(data, 10, 0, None, (1.0,))]
+    skewed = [top_share(c) for c in fleet_clients(data, 10, 0, None, (1.0,), alpha=0.1)]
+    assert max(iid) < 0.25 and sum(skewed) / len(skewed) > 0.5  # iid: about a tenth each; Dirichlet(0.1): one class
