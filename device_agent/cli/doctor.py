@@ -28,6 +28,7 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 
 from device_agent.agent.config import AgentConfig, ConfigError, load_config, load_kit
 from device_agent.agent.lock import device_key, device_running_here, running_agent
+from device_agent.agent.ports import port_kind_of
 from device_agent.common.names import TORCH_CPU_INDEX
 from device_agent.data.datasets import DatasetError, check_source
 from device_agent.wire.messages import ProtocolError, Status, encode, parse_message
@@ -400,10 +401,14 @@ def diagnose(source: Path, timeout: float = 5.0, *, kit: bool = False, force: bo
     """
     try:
         config = load_kit(source) if kit else load_config(source)
+        port_kind_of(config)
     except ConfigError as exc:
         return [Check("config", False, str(exc), "fix agent.yaml (the message names the key)")]
     where = f"kit {source}" if kit else str(source)
     checks = [Check("config", True, f"{where}: device {config.device}, fleet {config.fleet}")]
+    if config.transport.kind != "mqtt":  # the broker, TLS and login checks below are the mqtt port's
+        skipped = f"skipped: transport.kind is {config.transport.kind!r}; doctor checks the way to the coordinator "
+        return [*checks, Check("broker", None, skipped + "for mqtt only"), *_local_checks(config)]
     broker = config.broker
     try:
         password = broker.resolve_password()
@@ -441,5 +446,9 @@ def diagnose(source: Path, timeout: float = 5.0, *, kit: bool = False, force: bo
             checks += check_login(config, address, timeout)
     else:
         checks.append(Check("login accepted", None, "skipped: no verified connection to the broker"))
-    checks += [check_cpu(), *check_torch(config), check_data(config), *check_resources(config)]
-    return checks
+    return checks + _local_checks(config)
+
+
+def _local_checks(config: AgentConfig) -> list[Check]:
+    """What this machine needs whatever the transport: CPU, torch, the data, disk and memory."""
+    return [check_cpu(), *check_torch(config), check_data(config), *check_resources(config)]

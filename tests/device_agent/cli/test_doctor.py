@@ -30,6 +30,7 @@ from device_agent.wire.messages import Status, encode
 from device_agent.wire.session import BrokerAddress
 from device_agent.wire.topics import DeviceTopics
 from tests.coordinator.provision.kit_fixtures import kit_broker, make_fleet, provision_into
+from tests.device_agent.recorder_port import agent_yaml, recorder_installed
 from tests.paths import REPO_ROOT
 from tests.processes import wait_for_text
 
@@ -262,3 +263,22 @@ def test_the_doctor_login_reads_its_devices_status_and_nothing_else(kit: Path) -
         client.loop_stop()
     assert received == ["fedfleet/kitfleet/dev/a/up/status"]  # a's retained status; not b's, not its own writes
     assert [acks[mid].is_failure for mid in mids] == [True, True], acks
+
+
+def test_doctor_refuses_an_unknown_port_kind_in_its_config_check(tmp_path: Path) -> None:
+    checks = doctor.diagnose(agent_yaml(tmp_path, "pigeon"))
+
+    assert [(c.name, c.ok) for c in checks] == [("config", False)]
+    assert "transport.kind: 'pigeon' is not a registered port kind (registered: mqtt" in checks[0].detail
+
+
+def test_doctor_checks_the_broker_for_mqtt_only_and_this_machine_for_any_port_kind(tmp_path: Path) -> None:
+    with recorder_installed(tmp_path / "site"):
+        checks = {check.name: check for check in doctor.diagnose(agent_yaml(tmp_path / "dev-a"))}
+
+    assert checks["config"].ok and checks["broker"].ok is None
+    assert checks["broker"].detail == (
+        "skipped: transport.kind is 'recorder'; doctor checks the way to the coordinator for mqtt only"
+    )
+    assert "login accepted" not in checks and "secrets readable" not in checks
+    assert checks["data"].ok and checks["cpu"].ok  # what the machine needs whatever the transport
