@@ -133,11 +133,15 @@ class BrokerConfig(_Section):
         return _resolved(self.password, "broker.password")
 
 
-class TransportConfig(_Section):
+class TransportConfig(BaseModel):
     """How the agent reaches its coordinator: a port kind of :data:`device_agent.agent.ports.PORTS`.
 
-    ``broker:`` stays a section of its own (what ``mqtt`` connects to), not one under ``transport:``.
+    Every key besides ``kind`` is that kind's own setting (``model_extra``), which the kind checks at start
+    (:meth:`device_agent.agent.ports.PortKind.problems`: ``mqtt`` takes none). ``broker:`` stays a section of
+    its own (what ``mqtt`` connects to), not one under ``transport:``.
     """
+
+    model_config = ConfigDict(extra="allow")
 
     kind: str = Field(
         "mqtt",

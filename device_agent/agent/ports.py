@@ -26,6 +26,16 @@ class PortKind:
         """The agent's port; the hooks (an emulated device's link shaping) run around every chunk sent or received."""
         raise NotImplementedError(f"{type(self).__name__} makes no port")
 
+    def problems(self, config: AgentConfig) -> list[str]:
+        """One line per setting of agent.yaml's ``transport:`` this kind cannot use, each starting with its key.
+
+        A kind's own settings are the section's keys besides ``kind``; by default it takes none.
+        """
+        return [
+            f"transport.{key}: not a setting of port kind {config.transport.kind!r}"
+            for key in sorted(config.transport.model_extra or {})
+        ]
+
     def preflight(self, config: AgentConfig, give_up_s: float) -> None:
         """Return once the coordinator's side can be reached (``device-agent run`` waits here before connecting);
         raise ``ConnectionError`` naming the cause after ``give_up_s`` s. Nothing to wait for by default."""
@@ -40,14 +50,19 @@ PORTS: Registry[PortKind] = Registry("port kind", "device_agent.agent.port_kinds
 
 
 def port_kind_of(config: AgentConfig) -> PortKind:
-    """The kind ``config.transport.kind`` names; an unknown one is a ``ConfigError`` listing those registered."""
-    kind = config.transport.kind
-    if kind not in PORTS:
+    """The kind ``config.transport.kind`` names, its settings checked; a ``ConfigError`` names an unknown kind
+    (listing those registered) or each setting the kind refuses."""
+    name = config.transport.kind
+    if name not in PORTS:
         raise ConfigError(
-            f"transport.kind: {kind!r} is not a registered port kind (registered: {', '.join(PORTS)}); "
+            f"transport.kind: {name!r} is not a registered port kind (registered: {', '.join(PORTS)}); "
             f"a package adds one under the entry point group {ENTRY_POINT_GROUP!r}"
         )
-    return PORTS[kind]
+    kind = PORTS[name]
+    problems = kind.problems(config)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return kind
 
 
 __all__ = ["ENTRY_POINT_GROUP", "PORTS", "PortKind", "port_kind_of"]

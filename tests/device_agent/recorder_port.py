@@ -1,6 +1,7 @@
 """``recorder``, a port kind from another package: a coordinator that only listens, for the tests of port kinds.
 
-Its port writes what the agent says to ``heard.jsonl`` in the agent's state folder (and its preflight to
+Its port writes what the agent says to a file in the agent's state folder (its one setting, ``transport.record``,
+default ``heard.jsonl``) (and its preflight to
 ``preflight.json``) and, once it has heard the agent's hello, calls the module's ``after_hello``: by default it
 stops the agent's process as Ctrl-C would, which is how ``device-agent run`` ends under test; a test that hosts the
 agent in its own process replaces it.
@@ -37,8 +38,8 @@ def after_hello():
 
 class RecorderPort:
     def __init__(self, config):
-        self.where = f"a recording in {config.state_dir}"
-        self.file = Path(config.state_dir) / "heard.jsonl"
+        self.file = Path(config.state_dir) / config.transport.model_extra.get("record", "heard.jsonl")
+        self.where = f"a recording in {self.file}"
         self.connects = 0
 
     def _write(self, entry):
@@ -67,6 +68,14 @@ class RecorderPort:
 
 
 class Recorder(PortKind):
+    def problems(self, config):
+        settings = dict(config.transport.model_extra)
+        record = settings.pop("record", "heard.jsonl")
+        wrong = [f"transport.{key}: not a setting of port kind 'recorder' (it takes record)" for key in settings]
+        if not isinstance(record, str):
+            wrong.append(f"transport.record: a file name in the state folder, got {record!r}")
+        return wrong
+
     def port(self, config, before_chunk_out=None, after_chunk_in=None):
         return RecorderPort(config)
 
@@ -92,16 +101,16 @@ def recorder_installed(folder: Path) -> Iterator[Path]:
             PORTS.unregister("recorder")
 
 
-def agent_yaml(folder: Path, kind: str = "recorder", device: str = "dev-a") -> Path:
-    """``folder/agent.yaml`` for ``device`` of fleet lab on port kind ``kind``, its state in ``folder/state``."""
+def agent_yaml(folder: Path, kind: str = "recorder", device: str = "dev-a", **settings: object) -> Path:
+    """``folder/agent.yaml`` for ``device`` of fleet lab on port kind ``kind`` with its ``settings``, its state in
+    ``folder/state``."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "agent.yaml"
-    path.write_text(
-        yaml.safe_dump({"device": device, "fleet": "lab", "transport": {"kind": kind}, "state_dir": "state"})
-    )
+    transport = {"kind": kind, **settings}
+    path.write_text(yaml.safe_dump({"device": device, "fleet": "lab", "transport": transport, "state_dir": "state"}))
     return path
 
 
-def heard(state: Path) -> list[dict]:
+def heard(state: Path, record: str = "heard.jsonl") -> list[dict]:
     """What the recorder's port heard, in order (``{"stopped": true}`` last once the agent has stopped)."""
-    return [json.loads(line) for line in (state / "heard.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (state / record).read_text().splitlines()]

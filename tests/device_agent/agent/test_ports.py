@@ -59,6 +59,22 @@ def test_an_unknown_kind_is_refused_at_start_naming_the_registered_ones_and_the_
         Agent(config, reported_profile())
 
 
+def test_each_setting_a_kind_refuses_is_a_config_error_naming_its_key(recorder_plugin: Path, tmp_path: Path) -> None:
+    mqtt = load_config(agent_yaml(tmp_path / "mqtt", "mqtt", url="mqtt://elsewhere:1883"))
+    recorder = load_config(agent_yaml(tmp_path / "recorder", record=3, colour="red"))
+
+    with pytest.raises(ConfigError) as mqtt_refused:
+        run_agent(mqtt)
+    with pytest.raises(ConfigError) as recorder_refused:
+        Agent(recorder, reported_profile())
+
+    assert str(mqtt_refused.value) == "transport.url: not a setting of port kind 'mqtt'"  # broker: holds its url
+    assert str(recorder_refused.value) == (
+        "transport.colour: not a setting of port kind 'recorder' (it takes record); "
+        "transport.record: a file name in the state folder, got 3"
+    )
+
+
 def test_a_kind_that_is_not_a_name_is_a_config_error_naming_its_key() -> None:
     with pytest.raises(ConfigError, match=r"transport\.kind"):
         parse_config({"device": "dev-a", "fleet": "lab", "transport": {"kind": "My Port"}})
@@ -70,7 +86,7 @@ def test_an_agent_takes_the_port_of_the_kind_agent_yaml_names(
     heard_hello = threading.Event()
     plugin: ModuleType = sys.modules["recorder_port"]
     monkeypatch.setattr(plugin, "after_hello", heard_hello.set)  # this test's process is not the agent's to stop
-    agent = Agent(load_config(agent_yaml(tmp_path, "recorder")), reported_profile())
+    agent = Agent(load_config(agent_yaml(tmp_path, "recorder", record="said.jsonl")), reported_profile())
     serving = threading.Thread(target=agent.run, daemon=True)
     serving.start()
     try:
@@ -79,8 +95,9 @@ def test_an_agent_takes_the_port_of_the_kind_agent_yaml_names(
         agent.stop()
         serving.join(30)
 
-    assert type(agent.port).__name__ == "RecorderPort" and agent.port.where == f"a recording in {tmp_path / 'state'}"
-    said = heard(tmp_path / "state")
+    assert type(agent.port).__name__ == "RecorderPort"
+    assert agent.port.where == f"a recording in {tmp_path / 'state' / 'said.jsonl'}"  # its own setting, taken
+    said = heard(tmp_path / "state", "said.jsonl")
     assert said[0]["type"] == "hello" and said[0]["device"] == "dev-a"
     assert said[-1] == {"stopped": True}
 
