@@ -193,6 +193,12 @@ def at_the_cut(u: Upload) -> Tensors:
     return {**u.trained, **unflattened(sent + float(honest.norm(dim=1).mean()) * direction, u.trained, keys)}
 
 
+def under_the_floor(u: Upload) -> Tensors:
+    """:func:`at_the_cut` aimed just inside the hard floor in every round: refused where the round agrees, but a
+    pair of them pulls the round's median cosine down, toward the point where only the hard floor judges it."""
+    return at_the_cut(u)
+
+
 ATTACKS: dict[str, Callable[[Upload], Tensors] | None] = {
     "weights_x-1": scaled_weights(-1.0),
     "weights_x-3": scaled_weights(-3.0),
@@ -210,6 +216,7 @@ ATTACKS: dict[str, Callable[[Upload], Tensors] | None] = {
     "colluders_reversed": colluding_reversal,
     "backdoor": None,
     "at_the_cut": at_the_cut,
+    "under_the_floor": under_the_floor,
 }
 """Model-poisoning attacks by name; ``label_flip`` (labels y -> 9 - y) and ``backdoor`` poison the data and upload
 honestly."""
@@ -316,6 +323,9 @@ class PoisoningLink(MemoryLink):
             upload = Upload(self._sent[device], trained, honest)
             if self.attack is at_the_cut:
                 upload = replace(upload, target=self._target(round_honest))
+            elif self.attack is under_the_floor:
+                hard = self.gate.peer_hard_floor
+                upload = replace(upload, target=-1.0 if hard is None else hard + AT_THE_CUT_MARGIN)
             tensors = self.attack(upload)
         return received.replaced(data=encode_tensors(tensors), meta=meta)
 
