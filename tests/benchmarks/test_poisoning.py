@@ -64,7 +64,7 @@ def test_an_unknown_attack_is_named(capsys) -> None:
     assert main(["--attacks", "sign_flop"]) == 2
     assert "unknown attack 'sign_flop'" in capsys.readouterr().err
     assert "min_max" in ATTACKS and "little_is_enough" in ATTACKS and "label_flip" in ATTACKS
-    assert "colluders_reversed" in ATTACKS
+    assert "colluders_reversed" in ATTACKS and "at_the_cut" in ATTACKS and "under_the_floor" in ATTACKS
 
 
 def test_the_backdoor_stamps_a_corner_square_on_half_a_shard_and_relabels_those() -> None:
