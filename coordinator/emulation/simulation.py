@@ -129,12 +129,14 @@ def simulation_fleet(
     privacy: Mapping[str, object] | None = None,
     quorum: float = 1.0,
     transport: str = "in_process",
+    secure_aggregation: Mapping[str, object] | None = None,
 ) -> dict:
     """The fleet.yaml of a simulation: one device per client, every training option from ``train``,
     fleet.yaml's ``limits`` from ``limits`` (the upload gate's bounds); ``participation`` < 1 asks that
     fraction of the clients each round (a large fleet's partial rounds); ``quorum`` is the share of a round's
     devices it must aggregate not to count as failed (below 1 where some are expected to be refused);
-    ``transport`` the registered transport whose in-memory devices run it."""
+    ``transport`` the registered transport whose in-memory devices run it; ``secure_aggregation`` fleet.yaml's
+    section of that name."""
     model = strategy.model
     training = {
         "optimizer": train.optimizer,
@@ -171,6 +173,7 @@ def simulation_fleet(
         ],
         **({"limits": dict(limits)} if limits else {}),
         **({"privacy": dict(privacy)} if privacy else {}),
+        **({"secure_aggregation": dict(secure_aggregation)} if secure_aggregation else {}),
     }
 
 
@@ -188,6 +191,8 @@ def simulate(
     privacy: Mapping[str, object] | None = None,
     quorum: float = 1.0,
     transport: str = "in_process",
+    secure_aggregation: Mapping[str, object] | None = None,
+    run_dir: Path | None = None,
 ) -> SimulationResult:
     """Run ``rounds`` rounds of ``strategy`` over ``clients``; ``train.seed`` seeds the run.
 
@@ -197,14 +202,26 @@ def simulate(
     agents over memory); ``link`` replaces it with a Link of devices named by the clients' ids. ``limits`` and
     ``privacy`` are fleet.yaml's sections of those names (validated the same way), e.g. the update bound,
     or DP-FedAvg's clipping and noise. ``quorum``: see :func:`simulation_fleet` (a round with its quorum
-    still waits for the rest within the laggards' grace).
+    still waits for the rest within the laggards' grace). ``secure_aggregation``: fleet.yaml's section (SecAgg+,
+    FedAvg only, with ``limits`` that screen nothing). ``run_dir``: where the run directory goes (kept for the
+    caller to read), else a temporary one.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     if not clients:
         raise ValueError("a simulation needs at least one client")
     raw = simulation_fleet(
-        strategy, clients, rounds, train, server_evaluation, limits, participation, privacy, quorum, transport
+        strategy,
+        clients,
+        rounds,
+        train,
+        server_evaluation,
+        limits,
+        participation,
+        privacy,
+        quorum,
+        transport,
+        secure_aggregation,
     )
     fleet = parse_fleet(raw, source="simulation")
     if link is None:
@@ -219,7 +236,7 @@ def simulate(
     with tempfile.TemporaryDirectory(prefix="fedfleet-simulation-") as tmp:
         fleet_file = Path(tmp) / "fleet.yaml"
         fleet_file.write_text(yaml.safe_dump(raw))
-        rundir = RunDir.create(Path(tmp) / "run", fleet_file, strategy.state_dict(), seed=train.seed)
+        rundir = RunDir.create(run_dir or Path(tmp) / "run", fleet_file, strategy.state_dict(), seed=train.seed)
         try:
             engine = RoundEngine(
                 fleet,

@@ -41,6 +41,7 @@ from coordinator.rounds.draw import ParticipantDraw, Planner
 from coordinator.rounds.failures import round_failed
 from coordinator.rounds.laggards import LaggardGrace
 from coordinator.rounds.roster import Roster
+from coordinator.rounds.secure import SecureRound
 from coordinator.rounds.settings import EngineSettings
 from coordinator.rounds.signing import UploadSignatures
 from coordinator.rounds.state import (
@@ -57,9 +58,12 @@ from coordinator.run.metrics import PrivacyMetrics
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ClientSlot, Strategy
 from coordinator.transport.link import Link
+from device_agent.agent.secure import MASKED_KIND
 from device_agent.data.datasets import LabeledData
+from device_agent.secagg import ParameterError, Session
+from device_agent.secagg.auth import HmacAuth
 from device_agent.wire.codec import CodecError
-from device_agent.wire.messages import INCOMPATIBLE, Error, Hello, Message, Receipt, RoundFailed, Status
+from device_agent.wire.messages import INCOMPATIBLE, Error, Hello, Message, Receipt, RoundFailed, SecAgg, Status
 from device_agent.wire.payload import Received
 from device_agent.wire.protocol import UploadMetaError
 from profiles.schema import DeviceClass
@@ -113,6 +117,9 @@ class RoundEngine:
         self.laggards = LaggardGrace(settings.laggard_grace_factor, settings.laggard_grace_min_s)
         self.closer = RoundCloser(self.strategy, fleet, data, link, self.roster, settings.calibration_samples)
         self.open: OpenRound | None = None
+        self.secure: SecureRound | None = None
+        """The open round's secure aggregation (fleet.yaml ``secure_aggregation``), None without it."""
+        self._secure_auth = None if signatures is None else HmacAuth(signatures.keys)
         self.last = None
         self.stopping = threading.Event()
         self._events: queue.Queue[Callable[[], None]] = queue.Queue()
@@ -233,6 +240,10 @@ class RoundEngine:
             lambda: {d: a.tensors for d, a in self.strategy.configure(round_, slots).items()},
         )
         self._journal = []
+        if self.fleet.secure_aggregation is not None:
+            if not self._exchange_keys(round_, slots, progress):
+                return False
+            slots = [slot for slot in slots if slot.client_id in self.secure.members]  # type: ignore[union-attr]
         planned = time.monotonic()
         self.dispatch.push(self.open, slots, self.roster)
         pushed = time.monotonic()
@@ -241,7 +252,10 @@ class RoundEngine:
             self._on_payload(device, received)
         self.open.phases.update(plan=planned - started, push=pushed - planned)
         self.open.pushed = pushed
-        self._await_answers(progress)
+        if self.secure is not None:
+            self._await_secure_sum(progress)
+        else:
+            self._await_answers(progress)
         if self.stopping.is_set():
             return False
         self.link.close_round(round_)
@@ -261,11 +275,51 @@ class RoundEngine:
             )
         self.rundir.save_norm_history(round_, self.admission.gate.history.window())
         self.rundir.complete_round(round_, self.strategy.state_dict(), self.last)
-        self.open = None
+        self.open, self.secure = None, None
         log_closed(self.last, self.fleet.quorum)
         self.draw.backoff.record(self.last)
         progress(self)
         return True
+
+    def _exchange_keys(self, round_: int, slots: list[ClientSlot], progress: Callable[[RoundEngine], None]) -> bool:
+        """Secure aggregation's key exchange, before any assignment: who does not take part in it is left out."""
+        open_, settings = self.open, self.fleet.secure_aggregation
+        assert open_ is not None and settings is not None
+        sent = self.strategy.configure(round_, slots)[slots[0].client_id].tensors
+        # A new attempt on every (re)opening of the round: a resumed round never reuses a mask.
+        session = Session(self.fleet.fleet, self.rundir.run_id, round_, attempt=time.time_ns())
+        devices = [slot.client_id for slot in slots]
+        try:
+            self.secure = SecureRound(settings, session, devices, sent, self.link, self._secure_auth)
+        except ParameterError as exc:
+            raise RuntimeError(
+                f"round {round_}: secure_aggregation does not fit the {len(slots)} devices drawn: {exc}"
+            ) from None
+        self.secure.start()
+        while not self.secure.keys_exchanged and not self.stopping.is_set():
+            self._pump(self.secure.stage_deadline, progress)
+            self.secure.tick(open_.deadline)
+        why = self.secure.error or "did not take part in the secure-aggregation key exchange"
+        for device, participant in open_.participants.items():
+            if device not in self.secure.members:
+                participant.status, participant.reason, participant.error = "failed", "secure_aggregation", why
+        return not self.stopping.is_set()
+
+    def _await_secure_sum(self, progress: Callable[[RoundEngine], None]) -> None:
+        """Until the survivors' sum is unmasked (or the protocol stopped), then fold it into the round."""
+        open_, secure = self.open, self.secure
+        assert open_ is not None and secure is not None
+        while not secure.finished and not self.stopping.is_set():
+            self._pump(open_.deadline if secure.masking else secure.stage_deadline, progress)
+            gone = [d for d, p in open_.participants.items() if p.status == "failed" or not self.devices[d].online]
+            secure.tick(open_.deadline, gone)
+        if secure.result is not None:
+            secure.fold_into(open_.aggregate, open_)
+            return
+        for participant in open_.participants.values():
+            if participant.status != "failed":
+                participant.status, participant.reason = "failed", "secure_aggregation"
+                participant.error = secure.error or "the coordinator stopped"
 
     def _population(self, round_: int, drawn: int) -> int:
         """The devices a round's participants were drawn from: this draw's, or the saved one of a resumed round."""
@@ -343,6 +397,9 @@ class RoundEngine:
                 self.dispatch.resend(device, self.open, arrived)
             else:
                 self.dispatch.cancel(device)
+        elif isinstance(message, SecAgg):
+            if self.secure is not None:
+                self.secure.on_message(device, message)
         elif isinstance(message, RoundFailed):
             round_failed(self.open, device, message, self.rundir.run_id, self.draw, self.strategy)
         elif isinstance(message, Error) and message.code == INCOMPATIBLE:
@@ -363,6 +420,10 @@ class RoundEngine:
     def _on_payload(self, device: str, received: Received) -> None:
         if device not in self.devices:
             log.warning("payload from %r, which is not in the fleet; ignored", device)
+            return
+        if received.kind == MASKED_KIND:  # never an update: a masked input only counts within the protocol's sum
+            if self.secure is not None:
+                self.secure.on_masked(device, received)
             return
         if self.open is None and received.round == self.next_round and received.run == self.rundir.run_id:
             # An update for the round about to (re)open, e.g. right after a coordinator restart: keep it.

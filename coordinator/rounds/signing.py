@@ -34,6 +34,11 @@ class UploadSignatures:
         self.fleet = fleet
         self._keys = dict(keys)
 
+    @property
+    def keys(self) -> Mapping[str, bytes]:
+        """Every device's key: secure aggregation's messages are signed with it too."""
+        return self._keys
+
     def check(self, device: str, received: Received) -> None:
         """Return if ``received`` is signed as ``device``'s update of its run, round and transfer.
 

@@ -48,6 +48,7 @@ from device_agent.agent.outbox import Outbox, OutboxCorrupt, OutboxItem
 from device_agent.agent.port import CoordinatorPort, Signer, Upload
 from device_agent.agent.ports import port_kind_of
 from device_agent.agent.probe import resolve_device
+from device_agent.agent.secure import MASKED_KIND, SecureRounds, update_vector
 from device_agent.agent.signing import UploadIdentity, signed_meta
 from device_agent.agent.speed import measured_profile
 from device_agent.agent.stopping import stop_on_signals
@@ -57,6 +58,7 @@ from device_agent.data.partition import capped, client_shard
 from device_agent.training.driver import RoundFailure, run_assignment
 from device_agent.training.local_round import TrainedRound
 from device_agent.training.progress import Pace, TrainingProgress
+from device_agent.wire.codec import decode_tensors
 from device_agent.wire.messages import (
     INCOMPATIBLE,
     Assignment,
@@ -64,6 +66,7 @@ from device_agent.wire.messages import (
     Hello,
     Message,
     Receipt,
+    SecAgg,
     Status,
     refuses_version,
 )
@@ -191,6 +194,7 @@ class Agent:
         """When the last status went out (``time.monotonic()``)."""
         self._connects = 0
         self.port = port or port_kind_of(config).port(config, self.hooks.before_chunk_out, self.hooks.after_chunk_in)
+        self.secure = SecureRounds(config.device, self.signing_key, self.port.publish, self._send_masked)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -257,6 +261,8 @@ class Agent:
             self._on_assignment(message)
         elif isinstance(message, Receipt):
             self._forget(message.run, message.round, f"receipt: {message.status}")
+        elif isinstance(message, SecAgg):
+            self.secure.on_message(message)
         elif isinstance(message, Error) and message.code == INCOMPATIBLE:
             if refuses_version(message):  # the coordinator cannot read what this agent sends
                 raise AgentError(f"the coordinator cannot work with this agent: {message.detail}")
@@ -331,11 +337,17 @@ class Agent:
         self._set_state("training", f"round {assignment.round} at level {assignment.spec.level:g}")
         # The payload goes to run_assignment as its only reference, which frees it once decoded.
         progress = TrainingProgress(self.config.device, assignment.round, assignment.deadline_s)
+        secure = self.secure.expects(assignment.run, assignment.round)
+        sent = decode_tensors(self._payloads[transfer]) if secure else None  # what the masked update is taken from
         outcome = run_assignment(
             assignment, self._payloads.pop(transfer), self._shards, self.kept, self.device, self.hooks, progress
         )
         if isinstance(outcome, RoundFailure):
             self._fail(assignment, outcome)
+        elif sent is not None:  # under secure aggregation the update leaves masked, never plain (no outbox)
+            self.secure.trained(assignment.run, assignment.round, update_vector(sent, outcome.upload))
+            # Not idle: the update is still to go (masked once the neighbours' shares are here); no re-assignment.
+            self._set_state("uploading", f"round {assignment.round}, masked")
         else:
             self._send(self._store(assignment, outcome))
 
@@ -389,6 +401,9 @@ class Agent:
             transfer=transfer,
         )
         self._sent[(item.run, item.round)] = SentUpdate(item, transfer, upload, time.monotonic(), resends)
+
+    def _send_masked(self, run: str, round_: int, masked: bytes) -> None:
+        self.port.send(masked, None, run=run, round=round_, kind=MASKED_KIND, transfer=new_transfer_id())
 
     def _signer(self, item: OutboxItem, transfer: str) -> Signer | None:
         """Signs an upload's meta over the digest of the transfer as sent; None when this device does not sign."""

@@ -1,0 +1,193 @@
+"""A round under secure aggregation (fleet.yaml ``secure_aggregation``): the coordinator learns only the sum.
+
+The engine runs :class:`SecureRound` instead of decoding each device's update. Its order, over the Link:
+
+1. keys: every participant gets a ``Setup``, advertises fresh keys and shares its secrets with its neighbours
+   (:mod:`device_agent.secagg`); this takes a round trip each and happens before any assignment is sent, while
+   the devices are idle, so a device that does not answer is left out before it trains;
+2. the survivors of the key exchange get their neighbours' shares and then their assignments; each trains,
+   masks its update (trained minus received) and sends the masked input as a payload
+   (:data:`~device_agent.agent.secure.MASKED_KIND`), folded into one running sum on arrival;
+3. at the round's deadline (or once every device sent its masked input), the devices still there return the
+   shares that remove the masks, and :meth:`fold_into` hands the strategy the sum: the new global model is the
+   sent model plus the survivors' mean update.
+
+Nothing of one device's update reaches the journal, the metrics or the log: no upload is journaled (a resumed
+round runs the protocol again, as a new session ``attempt``, with fresh keys and masks), and the server
+protocol keeps only the running masked sum. FedAvg under secure aggregation weights every survivor the same
+(the plain FedAvg weights by samples): the sum hides how many samples each device trained on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from coordinator.config.secure import SecureAggregation
+from coordinator.rounds.state import OpenRound
+from coordinator.strategies import RoundAggregate
+from coordinator.transport.link import Link
+from device_agent.agent.secure import unwrap, vector_keys, wrap
+from device_agent.secagg import Aggregate, Params, ServerProtocol, Session
+from device_agent.secagg.auth import Authenticator
+from device_agent.secagg.errors import ProtocolAborted, SecAggError
+from device_agent.secagg.messages import decode
+from device_agent.secagg.server import ServerStage
+from device_agent.wire.messages import SecAgg
+from device_agent.wire.payload import Received
+
+log = logging.getLogger("fedfleet.engine")
+
+KEY_EXCHANGE_S = 30.0
+"""The longest the key exchange (advertise, share keys) waits per stage before the round's assignments go out."""
+UNMASK_GRACE_S = 30.0
+"""The longest the unmasking stage waits for the survivors' shares after the masked inputs are in."""
+
+
+class SecureRound:
+    """One round's SecAgg+ run: ``start``, feed it ``on_message`` / ``on_masked``, ``tick`` it, read ``result``."""
+
+    def __init__(
+        self,
+        settings: SecureAggregation,
+        session: Session,
+        participants: Sequence[str],
+        sent: Mapping[str, Tensor],
+        link: Link,
+        auth: Authenticator | None = None,
+        stage_s: float = KEY_EXCHANGE_S,
+    ) -> None:
+        """``sent``: the model every participant is assigned (FedAvg's one model), whose update is masked;
+        ``stage_s``: the longest a key-exchange stage waits (the unmasking stage waits at least as long)."""
+        self.keys = vector_keys(sent)
+        self.sent = {key: sent[key] for key in self.keys}
+        length = sum(self.sent[key].numel() for key in self.keys)
+        params = Params(
+            tuple(sorted(participants)), settings.threshold, settings.neighbours, length, settings.clip, settings.bits
+        )
+        self.server = ServerProtocol(session, params, auth)
+        self.session, self.link = session, link
+        self.stage_s = stage_s
+        self.stage_deadline = time.monotonic() + stage_s
+        self.error: str | None = None
+        """Why the protocol stopped without a sum (``ProtocolAborted``), or None."""
+
+    @property
+    def result(self) -> Aggregate | None:
+        return self.server.result
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None or self.error is not None
+
+    @property
+    def keys_exchanged(self) -> bool:
+        """Past the key exchange: the members may be sent their assignments."""
+        return self.server.stage in (ServerStage.MASK, ServerStage.UNMASK, ServerStage.DONE) or self.error is not None
+
+    @property
+    def masking(self) -> bool:
+        return self.server.stage is ServerStage.MASK
+
+    def start(self) -> None:
+        self._send(self.server.start())
+
+    def on_message(self, device: str, message: SecAgg) -> None:
+        """A device's protocol message; one naming another device, or out of turn, is logged and dropped."""
+        if (message.run, message.round) != (self.session.run, self.session.round):
+            return
+        try:
+            inner = unwrap(message)
+        except SecAggError as exc:
+            log.warning("round %d: %s sent a malformed secure-aggregation message: %s", self.session.round, device, exc)
+            return
+        self._receive(device, inner)
+
+    def on_masked(self, device: str, received: Received) -> None:
+        """A device's masked input (a payload); folded into the running sum, never kept alone."""
+        if (received.run, received.round) != (self.session.run, self.session.round):
+            return
+        try:
+            inner = decode(received.data)
+        except SecAggError as exc:
+            log.warning("round %d: %s sent a malformed masked input: %s", self.session.round, device, exc)
+            return
+        self._receive(device, inner)
+
+    def tick(self, round_deadline: float, gone: Collection[str] = ()) -> None:
+        """Close the open stage once no one is pending but the ``gone`` (failed, offline), or at its deadline.
+
+        Who did not answer by then has dropped out of the protocol.
+        """
+        if self.finished:
+            return
+        now = time.monotonic()
+        deadline = round_deadline if self.masking else self.stage_deadline
+        if self.server.pending() - set(gone) and now < deadline:
+            return
+        try:
+            self._send(self.server.advance())
+        except ProtocolAborted as exc:
+            self.error = str(exc)
+            log.warning("round %d: secure aggregation aborted: %s", self.session.round, exc)
+            return
+        grace = max(UNMASK_GRACE_S, self.stage_s) if self.server.stage is ServerStage.UNMASK else self.stage_s
+        self.stage_deadline = time.monotonic() + grace
+
+    @property
+    def members(self) -> frozenset[str]:
+        """The devices still in the protocol."""
+        return self.server.members if self.error is None else frozenset()
+
+    def fold_into(self, aggregate: RoundAggregate, open_: OpenRound) -> None:
+        """Hand the strategy's round the survivors' sum: as if each had uploaded sent + the mean update.
+
+        The survivors count as the round's accepted devices; FedAvg's round then averages to exactly that model.
+        """
+        result = self.result
+        assert result is not None
+        sums, counts = getattr(aggregate, "sums", None), getattr(aggregate, "counts", None)
+        if sums is None or counts is None:
+            raise TypeError(f"{type(aggregate).__name__} does not take a secure sum (only FedAvg's rounds do)")
+        count, total, offset = len(result.survivors), torch.from_numpy(result.total), 0
+        for key in self.keys:
+            sent = self.sent[key].to(torch.float64)
+            part = total[offset : offset + sent.numel()].reshape(sent.shape)
+            offset += sent.numel()
+            sums[key] = sums[key] + sent * count + part
+            counts[key] = counts[key] + count
+        aggregate.received.extend(result.survivors)  # type: ignore[attr-defined]
+        now = time.monotonic()
+        for device in result.survivors:
+            participant = open_.participants[device]
+            participant.status, participant.answered_at = "accepted", participant.answered_at or now
+        log.info(
+            "round %d: secure sum of %d updates (%d dropped), at most %.3g off the exact sum per value",
+            self.session.round,
+            count,
+            len(result.dropped),
+            result.error_bound,
+        )
+
+    def _receive(self, device: str, message: object) -> None:
+        if getattr(message, "device", None) != device:
+            log.warning("round %d: %s sent a secure-aggregation message of another device", self.session.round, device)
+            return
+        try:
+            self.server.receive(message)  # type: ignore[arg-type]
+        except SecAggError as exc:
+            log.warning("round %d: %s: %s", self.session.round, device, exc)
+            return
+        if not self.server.pending():
+            self.tick(0.0)  # every answer of the stage is in: go on at once
+
+    def _send(self, messages: Sequence[object]) -> None:
+        for message in messages:
+            self.link.send_control(message.device, wrap(self.session.run, self.session.round, message))  # type: ignore[attr-defined]
+
+
+__all__ = ["KEY_EXCHANGE_S", "UNMASK_GRACE_S", "SecureRound"]

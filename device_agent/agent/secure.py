@@ -1,0 +1,174 @@
+"""Secure aggregation in the agent: answers a round's SecAgg+ messages and sends its update masked, never plain.
+
+The coordinator runs a round's key exchange (``Setup``, keys, shares: :mod:`device_agent.secagg`) before it sends
+the round's assignment, so the agent knows before training that this round's update must not leave in the clear.
+The runtime hands every :class:`~device_agent.wire.messages.SecAgg` message to :class:`SecureRounds` and,
+after training such a round, its update (trained minus received, every trainable float tensor in key order)
+instead of uploading it. The masked input, the size of the model, travels as a payload of kind
+:data:`MASKED_KIND`; the other protocol messages are small and travel as control messages.
+
+A round's protocol that fails on this device (a message out of order, a signature that does not verify) only
+makes it a dropout: the coordinator's protocol carries on without it. Nothing is kept on disk: a device that
+restarts mid-protocol has dropped out of that run of it, and a coordinator that restarts opens a new run (a new
+session ``attempt``), which masks the same update afresh.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from torch import Tensor
+
+from device_agent.clients.base import is_norm_statistic
+from device_agent.secagg import DeviceProtocol, SecAggError
+from device_agent.secagg.auth import HmacAuth
+from device_agent.secagg.errors import ProtocolViolation
+from device_agent.secagg.messages import (
+    ForwardedShares,
+    Message,
+    NeighbourKeys,
+    Session,
+    Setup,
+    UnmaskRequest,
+    decode,
+    encode,
+)
+from device_agent.wire.messages import SecAgg
+
+log = logging.getLogger("fedfleet.agent")
+
+MASKED_KIND = "secagg_masked"
+"""The payload kind of a masked input (a ``MaskedInput`` in its wire form); the engine never decodes it as an update."""
+
+
+def wrap(run: str, round_: int, message: Message) -> SecAgg:
+    """A protocol message as the control message that carries it."""
+    return SecAgg(run=run, round=round_, body=base64.b64encode(encode(message)).decode())
+
+
+def unwrap(message: SecAgg) -> Message:
+    """The protocol message a :class:`SecAgg` carries; ``ProtocolViolation`` if it is not one."""
+    try:
+        data = base64.b64decode(message.body, validate=True)
+    except binascii.Error as exc:
+        raise ProtocolViolation(f"secure-aggregation message body is not base64: {exc}") from None
+    return decode(data)
+
+
+def vector_keys(sent: Mapping[str, Tensor]) -> list[str]:
+    """The tensors a masked update covers: every trainable float tensor of what was sent, in key order."""
+    return sorted(key for key, value in sent.items() if value.is_floating_point() and not is_norm_statistic(key))
+
+
+def update_vector(sent: Mapping[str, Tensor], trained: Mapping[str, Tensor]) -> np.ndarray:
+    """The round's update as one flat float64 vector: trained minus sent over :func:`vector_keys`."""
+    parts = [(trained[key].double() - sent[key].double()).reshape(-1).numpy() for key in vector_keys(sent)]
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+@dataclass
+class _Run:
+    """One run of the protocol on this device: its state machine, and what masking waits for."""
+
+    protocol: DeviceProtocol
+    session: Session
+    clip: float
+    update: np.ndarray | None = None
+    forwarded: ForwardedShares | None = None
+    masked: bool = False
+
+
+class SecureRounds:
+    """This device's runs of the protocol, one per (run, round); ``send`` publishes, ``upload`` sends a payload."""
+
+    def __init__(
+        self,
+        device: str,
+        key: bytes | None,
+        send: Callable[[SecAgg], None],
+        upload: Callable[[str, int, bytes], None],
+    ) -> None:
+        self.device = device
+        self._auth = None if key is None else HmacAuth({device: key})
+        self._send, self._upload = send, upload
+        self._runs: dict[tuple[str, int], _Run] = {}
+        self._updates: dict[tuple[str, int], np.ndarray] = {}
+        """Updates trained under secure aggregation, kept for a protocol restarted by a restarted coordinator."""
+
+    def expects(self, run: str, round_: int) -> bool:
+        """Whether the coordinator opened secure aggregation for this round: its update goes masked."""
+        return (run, round_) in self._runs
+
+    def on_message(self, message: SecAgg) -> None:
+        key = (message.run, message.round)
+        try:
+            inner = unwrap(message)
+            if isinstance(inner, Setup):
+                earlier = self._runs.get(key)
+                if earlier is not None and earlier.session == inner.session:
+                    return  # redelivered: answered already (fresh keys now would contradict that answer)
+                self._forget_before(message.run, message.round)
+                protocol = DeviceProtocol(self.device, self._auth)
+                state = self._runs[key] = _Run(protocol, inner.session, inner.params.clip, self._updates.get(key))
+                self._send(wrap(*key, state.protocol.advertise(inner)))
+                return
+            state = self._runs.get(key)
+            if state is None:
+                log.info("%s: %s of round %d, not open here: ignored", self.device, inner.KIND, key[1])
+                return
+            if isinstance(inner, NeighbourKeys):
+                self._send(wrap(*key, state.protocol.share_keys(inner)))
+            elif isinstance(inner, ForwardedShares):
+                state.forwarded = inner
+                self._mask(key, state)
+            elif isinstance(inner, UnmaskRequest):
+                self._send(wrap(*key, state.protocol.unmask(inner)))
+            else:
+                raise ProtocolViolation(f"{inner.KIND} is a device's message, not the coordinator's")
+        except SecAggError as exc:
+            # This device drops out of the run: the coordinator's protocol goes on without it.
+            log.warning("%s: round %d secure aggregation: %s", self.device, key[1], exc)
+            self._runs.pop(key, None)
+
+    def trained(self, run: str, round_: int, update: np.ndarray) -> None:
+        """The round's update is ready: it is masked as soon as the neighbours' shares are here."""
+        key = (run, round_)
+        self._updates = {key: update}  # only the newest round's: an older one is never asked for again
+        state = self._runs.get(key)
+        if state is not None:
+            state.update = update
+            try:
+                self._mask(key, state)
+            except SecAggError as exc:
+                log.warning("%s: round %d secure aggregation: %s", self.device, round_, exc)
+                self._runs.pop(key, None)
+
+    def _mask(self, key: tuple[str, int], state: _Run) -> None:
+        if state.masked or state.forwarded is None or state.update is None:
+            return
+        clamped = int(np.sum(np.abs(state.update) > state.clip))
+        if clamped:  # the sum then differs from the plain one by more than the quantization error: say so
+            log.warning(
+                "%s: round %d: %d of %d update values outside [-%g, %g] clamped before masking",
+                self.device,
+                key[1],
+                clamped,
+                state.update.size,
+                state.clip,
+                state.clip,
+            )
+        masked = state.protocol.mask(state.forwarded, state.update, clip=True)
+        state.masked, state.update = True, None
+        self._upload(*key, encode(masked))
+
+    def _forget_before(self, run: str, round_: int) -> None:
+        for key in [k for k in self._runs if k[0] != run or k[1] < round_]:
+            del self._runs[key]
+
+
+__all__ = ["MASKED_KIND", "SecureRounds", "unwrap", "update_vector", "vector_keys", "wrap"]

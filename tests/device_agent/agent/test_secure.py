@@ -1,0 +1,120 @@
+"""The agent's side of secure aggregation: SecureRounds answers each stage over the SecAgg control message and
+sends the update masked, whenever training ends relative to the neighbours' shares."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from device_agent.agent.secure import SecureRounds, unwrap, update_vector, vector_keys, wrap
+from device_agent.secagg import Params, ServerProtocol, Session
+from device_agent.secagg.auth import HmacAuth
+from device_agent.secagg.messages import decode
+from device_agent.wire.messages import SecAgg, encode, parse_message
+
+DEVICES = ("d0", "d1", "d2", "d3")
+KEYS = {device: f"key-{device}".encode() for device in DEVICES}
+SESSION = Session("lab", "run-1", 4)
+LENGTH = 50
+
+
+class Fleet:
+    """Four devices' SecureRounds and the coordinator's ServerProtocol, every message through its wire form."""
+
+    def __init__(self) -> None:
+        params = Params(DEVICES, threshold=2, neighbours=3, length=LENGTH, clip=0.5, bits=16)
+        self.server = ServerProtocol(SESSION, params, HmacAuth(KEYS))
+        self.uploads: dict[str, bytes] = {}
+        self.devices = {
+            device: SecureRounds(device, KEYS[device], self._to_server, self._upload(device)) for device in DEVICES
+        }
+
+    def _to_server(self, message: SecAgg) -> None:
+        self.server.receive(unwrap(parse_message(encode(message))))  # type: ignore[arg-type]
+
+    def _upload(self, device: str):
+        def upload(run: str, round_: int, data: bytes) -> None:
+            assert (run, round_) == ("run-1", 4)
+            self.uploads[device] = data
+            self.server.receive(decode(data))
+
+        return upload
+
+    def deliver(self, messages, skip: frozenset[str] = frozenset()) -> None:
+        for message in messages:
+            if message.device not in skip:
+                wire = parse_message(encode(wrap("run-1", 4, message)))
+                self.devices[message.device].on_message(wire)  # type: ignore[arg-type]
+
+
+def test_the_coordinator_unmasks_the_sum_and_each_upload_is_masked() -> None:
+    fleet, rng = Fleet(), np.random.default_rng(0)
+    updates = {device: rng.uniform(-0.5, 0.5, LENGTH) for device in DEVICES}
+    fleet.deliver(fleet.server.start())
+    assert all(fleet.devices[d].expects("run-1", 4) for d in DEVICES)
+    fleet.deliver(fleet.server.advance())  # neighbour keys
+    fleet.devices["d0"].trained("run-1", 4, updates["d0"])  # trained before the shares came: waits for them
+    assert fleet.uploads == {}
+    fleet.deliver(fleet.server.advance())  # forwarded shares: d0 masks now
+    assert set(fleet.uploads) == {"d0"}
+    for device in DEVICES[1:]:  # the others trained after the shares came: masked at once
+        fleet.devices[device].trained("run-1", 4, updates[device])
+    fleet.deliver(fleet.server.advance())  # unmask requests
+    fleet.server.advance()
+
+    result = fleet.server.result
+    assert result is not None and result.survivors == DEVICES
+    assert np.max(np.abs(result.total - sum(updates.values()))) <= result.error_bound
+    for device, data in fleet.uploads.items():  # what left each device is nowhere near its update
+        masked = np.frombuffer(decode(data).masked, dtype="<u4").astype(np.float64)  # type: ignore[attr-defined]
+        assert not np.allclose(masked, np.rint((updates[device] + 0.5) / (1 / (2**16 - 1))))
+
+
+def test_a_device_that_drops_after_masking_is_still_in_the_sum() -> None:
+    fleet, rng = Fleet(), np.random.default_rng(1)
+    updates = {device: rng.uniform(-0.5, 0.5, LENGTH) for device in DEVICES}
+    fleet.deliver(fleet.server.start())
+    fleet.deliver(fleet.server.advance())
+    fleet.deliver(fleet.server.advance())
+    for device in DEVICES:
+        fleet.devices[device].trained("run-1", 4, updates[device])
+    fleet.deliver(fleet.server.advance(), skip=frozenset({"d3"}))  # d3 never answers the unmask request
+    fleet.server.advance()
+
+    assert fleet.server.result is not None
+    assert np.max(np.abs(fleet.server.result.total - sum(updates.values()))) <= fleet.server.result.error_bound
+
+
+def test_a_redelivered_setup_is_answered_once_and_a_stray_message_drops_only_that_device() -> None:
+    fleet = Fleet()
+    setups = fleet.server.start()
+    fleet.deliver(setups)
+    fleet.deliver(setups[:1])  # redelivered: answering with fresh keys would contradict the first answer
+    keys = fleet.server.advance()
+    assert len(keys) == len(DEVICES)
+
+    stray = wrap("run-1", 4, keys[1])  # d1's neighbour keys, delivered to d0
+    fleet.devices["d0"].on_message(stray)
+
+    assert not fleet.devices["d0"].expects("run-1", 4)  # d0 dropped out of this run, its peers did not
+    assert fleet.devices["d1"].expects("run-1", 4)
+
+
+def test_a_body_that_is_not_a_protocol_message_is_refused() -> None:
+    rounds = SecureRounds("d0", None, lambda _m: pytest.fail("answered"), lambda *_a: pytest.fail("uploaded"))
+    rounds.on_message(SecAgg(run="run-1", round=4, body="AAAA"))
+    assert not rounds.expects("run-1", 4)
+
+
+def test_the_update_vector_is_trained_minus_sent_over_trainable_float_tensors_in_key_order() -> None:
+    sent = {
+        "b.weight": torch.zeros(2),
+        "a.weight": torch.ones(2, 2),
+        "bn.running_mean": torch.zeros(3),
+        "bn.num_batches_tracked": torch.tensor(0),
+    }
+    trained = {**sent, "b.weight": torch.tensor([0.5, -0.25]), "a.weight": torch.full((2, 2), 1.125)}
+
+    assert vector_keys(sent) == ["a.weight", "b.weight"]
+    assert update_vector(sent, trained).tolist() == [0.125] * 4 + [0.5, -0.25]
