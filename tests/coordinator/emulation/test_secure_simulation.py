@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from benchmarks.screening import OFF
@@ -70,3 +71,35 @@ def test_a_secure_fedavg_run_ends_where_the_plain_one_does_and_keeps_no_single_u
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [sum(d["status"] == "accepted" for d in m["devices"].values()) for m in metrics] == [DEVICES, DEVICES]
     assert all(d["payload_bytes"] == 0 for m in metrics for d in m["devices"].values())
+
+
+@pytest.mark.slow
+def test_a_device_whose_training_fails_drops_out_and_the_others_sum_still_closes_the_round(tmp_path: Path) -> None:
+    data = load_dataset("digits", 8, 1)
+    fleet = clients()
+    x, y = fleet[4].train
+    fleet[4] = SimClient("c4", 1.0, (x, torch.full_like(y, 99)), fleet[4].test)  # labels past the classes: fails
+    runs = {}
+    for secure in (False, True):
+        run_dir = tmp_path / ("secure" if secure else "plain")
+        runs[secure] = simulate(
+            build_strategy("fedavg", ModelSpec("cnn", 10, 1, 8), {}, seed=0),
+            fleet,
+            1,
+            TrainConfig(epochs=1, seed=0),
+            (data.test_x, data.test_y),
+            data.train_x[:128],
+            limits=OFF,
+            quorum=0.8,
+            secure_aggregation=SECURE if secure else None,
+            run_dir=run_dir,
+        )
+
+    assert not runs[True].failed_rounds
+    (metrics,) = [json.loads(line) for line in (tmp_path / "secure" / "metrics.jsonl").read_text().splitlines()]
+    assert {d: m["status"] for d, m in metrics["devices"].items()} == {
+        **{f"c{i}": "accepted" for i in range(4)},
+        "c4": "failed",
+    }
+    # c4 advertised keys and shared them, then dropped: its masks were removed with its neighbours' shares.
+    assert largest_gap(tmp_path / "plain", tmp_path / "secure", 1) <= HALF_STEP + 1e-6
