@@ -243,7 +243,8 @@ class RoundEngine:
         if self.fleet.secure_aggregation is not None:
             if not self._exchange_keys(round_, slots, progress):
                 return False
-            slots = [slot for slot in slots if slot.client_id in self.secure.members]  # type: ignore[union-attr]
+            members = frozenset() if self.secure is None else self.secure.members
+            slots = [slot for slot in slots if slot.client_id in members]
         planned = time.monotonic()
         self.dispatch.push(self.open, slots, self.roster)
         pushed = time.monotonic()
@@ -291,14 +292,16 @@ class RoundEngine:
         devices = [slot.client_id for slot in slots]
         try:
             self.secure = SecureRound(settings, session, devices, sent, self.link, self._secure_auth)
-        except ParameterError as exc:
-            raise RuntimeError(
-                f"round {round_}: secure_aggregation does not fit the {len(slots)} devices drawn: {exc}"
-            ) from None
+        except ParameterError as exc:  # too few devices drawn for the threshold: this round fails, the run goes on
+            why = f"secure_aggregation does not fit the {len(slots)} devices drawn: {exc}"
+            log.warning("round %d: %s", round_, why)
+            for participant in open_.participants.values():
+                participant.status, participant.reason, participant.error = "failed", "secure_aggregation", why
+            return True
         self.secure.start()
         while not self.secure.keys_exchanged and not self.stopping.is_set():
             self._pump(self.secure.stage_deadline, progress)
-            self.secure.tick(open_.deadline)
+            self.secure.tick(open_.deadline, [d for d in open_.participants if not self.devices[d].online])
         why = self.secure.error or "did not take part in the secure-aggregation key exchange"
         for device, participant in open_.participants.items():
             if device not in self.secure.members:

@@ -62,12 +62,16 @@ class SecureRound:
         stage_s: float = KEY_EXCHANGE_S,
     ) -> None:
         """``sent``: the model every participant is assigned (FedAvg's one model), whose update is masked;
-        ``stage_s``: the longest a key-exchange stage waits (the unmasking stage waits at least as long)."""
+        ``stage_s``: the longest a key-exchange stage waits (the unmasking stage waits at least as long).
+        Raises ``ParameterError`` when the threshold cannot be met by this many participants."""
         self.keys = vector_keys(sent)
         self.sent = {key: sent[key] for key in self.keys}
         length = sum(self.sent[key].numel() for key in self.keys)
+        # A round that drew fewer devices than fleet.yaml's round size (some offline) connects each to all the
+        # others at most: more neighbours than configured, never fewer, and the same threshold.
+        neighbours = min(settings.neighbours, len(participants) - 1)
         params = Params(
-            tuple(sorted(participants)), settings.threshold, settings.neighbours, length, settings.clip, settings.bits
+            tuple(sorted(participants)), settings.threshold, neighbours, length, settings.clip, settings.bits
         )
         self.server = ServerProtocol(session, params, auth)
         self.session, self.link = session, link

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from coordinator.config.secure import SecureAggregation
@@ -11,7 +12,7 @@ from coordinator.rounds.secure import SecureRound
 from coordinator.rounds.state import OpenRound, Participant
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
 from device_agent.agent.secure import MASKED_KIND, SecureRounds, update_vector, wrap
-from device_agent.secagg import DeviceProtocol, Session
+from device_agent.secagg import DeviceProtocol, ParameterError, Session
 from device_agent.wire.messages import Message, encode, parse_message
 from device_agent.wire.payload import Received
 
@@ -106,3 +107,15 @@ def test_a_message_naming_another_device_is_dropped() -> None:
     assert secure.server.pending() == frozenset(DEVICES)
     secure.on_message("d1", wrap("run-1", 1, keys))
     assert secure.server.pending() == frozenset(DEVICES) - {"d1"}
+
+
+def test_a_round_that_drew_fewer_devices_connects_each_to_all_others_and_keeps_the_threshold() -> None:
+    strategy = build_strategy("fedavg", ModelSpec("cnn", 10, 1, 8), {}, seed=0)
+    sent = strategy.configure(1, [ClientSlot("d0", 1.0, 100)])["d0"].tensors
+    settings = SecureAggregation(threshold=3, neighbours=4)
+
+    secure = SecureRound(settings, Session("lab", "run-1", 1), ["d0", "d1", "d2", "d3"], sent, Link())  # type: ignore[arg-type]
+
+    assert (secure.server.params.neighbours, secure.server.params.threshold) == (3, 3)
+    with pytest.raises(ParameterError, match="threshold"):
+        SecureRound(settings, Session("lab", "run-1", 1), ["d0", "d1", "d2"], sent, Link())  # type: ignore[arg-type]
