@@ -291,7 +291,8 @@ class RoundEngine:
         session = Session(self.fleet.fleet, self.rundir.run_id, round_, attempt=time.time_ns())
         devices = [slot.client_id for slot in slots]
         try:
-            self.secure = SecureRound(settings, session, devices, sent, self.link, self._secure_auth)
+            samples = {slot.client_id: slot.num_samples for slot in slots}
+            self.secure = SecureRound(settings, session, devices, sent, self.link, self._secure_auth, samples=samples)
         except ParameterError as exc:  # too few devices drawn for the threshold: this round fails, the run goes on
             why = f"secure_aggregation does not fit the {len(slots)} devices drawn: {exc}"
             log.warning("round %d: %s", round_, why)

@@ -14,8 +14,9 @@ The engine runs :class:`SecureRound` instead of decoding each device's update. I
 
 Nothing of one device's update reaches the journal, the metrics or the log: no upload is journaled (a resumed
 round runs the protocol again, as a new session ``attempt``, with fresh keys and masks), and the server
-protocol keeps only the running masked sum. FedAvg under secure aggregation weights every survivor the same
-(the plain FedAvg weights by samples): the sum hides how many samples each device trained on.
+protocol keeps only the running masked sum. Updates are weighted by samples as FedAvg's are: each device scales
+its update by its fleet.yaml share over the round's largest (public numbers, sent with its setup) and the sum is
+divided by the survivors' weights.
 """
 
 from __future__ import annotations
@@ -60,20 +61,25 @@ class SecureRound:
         link: Link,
         auth: Authenticator | None = None,
         stage_s: float = KEY_EXCHANGE_S,
+        samples: Mapping[str, int] | None = None,
     ) -> None:
         """``sent``: the model every participant is assigned (FedAvg's one model), whose update is masked;
         ``stage_s``: the longest a key-exchange stage waits (the unmasking stage waits at least as long).
+        ``samples``: each participant's share (fleet.yaml's): updates are weighted by it, as FedAvg's are (each
+        device scales its update by its share over the largest; none: every device the same).
         Raises ``ParameterError`` when the threshold cannot be met by this many participants."""
         self.keys = vector_keys(sent)
         self.sent = {key: sent[key] for key in self.keys}
         length = sum(self.sent[key].numel() for key in self.keys)
-        # A round that drew fewer devices than fleet.yaml's round size (some offline) connects each to all the
-        # others at most: more neighbours than configured, never fewer, and the same threshold.
+        # A round that drew fewer devices than fleet.yaml's round size (some offline) may have fewer than
+        # `neighbours` + 1: each is then a neighbour of all the others (SecAgg's complete graph), same threshold.
         neighbours = min(settings.neighbours, len(participants) - 1)
-        params = Params(
-            tuple(sorted(participants)), settings.threshold, neighbours, length, settings.clip, settings.bits
-        )
+        devices = tuple(sorted(participants))
+        params = Params(devices, settings.threshold, neighbours, length, settings.clip, settings.bits)
         self.server = ServerProtocol(session, params, auth)
+        largest = max(samples.values(), default=0) if samples else 0
+        self.weights = {d: samples[d] / largest for d in devices} if samples and largest > 0 else None
+        """The factor each device scales its update by; the unmasked sum is divided by the survivors' total."""
         self.session, self.link = session, link
         self.stage_s = stage_s
         self.stage_deadline = time.monotonic() + stage_s
@@ -98,7 +104,9 @@ class SecureRound:
         return self.server.stage is ServerStage.MASK
 
     def start(self) -> None:
-        self._send(self.server.start())
+        for setup in self.server.start():
+            weight = None if self.weights is None else self.weights[setup.device]
+            self.link.send_control(setup.device, wrap(self.session.run, self.session.round, setup, weight))
 
     def on_message(self, device: str, message: SecAgg) -> None:
         """A device's protocol message; one naming another device, or out of turn, is logged and dropped."""
@@ -148,7 +156,7 @@ class SecureRound:
         return self.server.members if self.error is None else frozenset()
 
     def fold_into(self, aggregate: RoundAggregate, open_: OpenRound) -> None:
-        """Hand the strategy's round the survivors' sum: as if each had uploaded sent + the mean update.
+        """Hand the strategy's round the survivors' sum: as if each had uploaded sent + the weighted mean update.
 
         The survivors count as the round's accepted devices; FedAvg's round then averages to exactly that model.
         """
@@ -157,7 +165,9 @@ class SecureRound:
         sums, counts = getattr(aggregate, "sums", None), getattr(aggregate, "counts", None)
         if sums is None or counts is None:
             raise TypeError(f"{type(aggregate).__name__} does not take a secure sum (only FedAvg's rounds do)")
-        count, total, offset = len(result.survivors), torch.from_numpy(result.total), 0
+        weights = self.weights or {}
+        count = sum(weights.get(device, 1.0) for device in result.survivors)  # the weights the sum carries
+        total, offset = torch.from_numpy(result.total), 0
         for key in self.keys:
             sent = self.sent[key].to(torch.float64)
             part = total[offset : offset + sent.numel()].reshape(sent.shape)
@@ -172,7 +182,7 @@ class SecureRound:
         log.info(
             "round %d: secure sum of %d updates (%d dropped), at most %.3g off the exact sum per value",
             self.session.round,
-            count,
+            len(result.survivors),
             len(result.dropped),
             result.error_bound,
         )

@@ -46,9 +46,9 @@ MASKED_KIND = "secagg_masked"
 """The payload kind of a masked input (a ``MaskedInput`` in its wire form); the engine never decodes it as an update."""
 
 
-def wrap(run: str, round_: int, message: Message) -> SecAgg:
-    """A protocol message as the control message that carries it."""
-    return SecAgg(run=run, round=round_, body=base64.b64encode(encode(message)).decode())
+def wrap(run: str, round_: int, message: Message, weight: float | None = None) -> SecAgg:
+    """A protocol message as the control message that carries it (``weight``: see :class:`SecAgg`)."""
+    return SecAgg(run=run, round=round_, body=base64.b64encode(encode(message)).decode(), weight=weight)
 
 
 def unwrap(message: SecAgg) -> Message:
@@ -78,6 +78,7 @@ class _Run:
     protocol: DeviceProtocol
     session: Session
     clip: float
+    weight: float
     update: np.ndarray | None = None
     forwarded: ForwardedShares | None = None
     masked: bool = False
@@ -114,7 +115,9 @@ class SecureRounds:
                     return  # redelivered: answered already (fresh keys now would contradict that answer)
                 self._forget_before(message.run, message.round)
                 protocol = DeviceProtocol(self.device, self._auth)
-                state = self._runs[key] = _Run(protocol, inner.session, inner.params.clip, self._updates.get(key))
+                weight = 1.0 if message.weight is None else message.weight
+                clip = inner.params.clip
+                state = self._runs[key] = _Run(protocol, inner.session, clip, weight, self._updates.get(key))
                 self._send(wrap(*key, state.protocol.advertise(inner)))
                 return
             state = self._runs.get(key)
@@ -151,18 +154,19 @@ class SecureRounds:
     def _mask(self, key: tuple[str, int], state: _Run) -> None:
         if state.masked or state.forwarded is None or state.update is None:
             return
-        clamped = int(np.sum(np.abs(state.update) > state.clip))
+        update = state.update * state.weight  # the sum of weighted updates, divided by the weights' sum at the end
+        clamped = int(np.sum(np.abs(update) > state.clip))
         if clamped:  # the sum then differs from the plain one by more than the quantization error: say so
             log.warning(
                 "%s: round %d: %d of %d update values outside [-%g, %g] clamped before masking",
                 self.device,
                 key[1],
                 clamped,
-                state.update.size,
+                update.size,
                 state.clip,
                 state.clip,
             )
-        masked = state.protocol.mask(state.forwarded, state.update, clip=True)
+        masked = state.protocol.mask(state.forwarded, update, clip=True)
         state.masked, state.update = True, None
         self._upload(*key, encode(masked))
 

@@ -207,13 +207,16 @@ class SecAgg(_Message):
 
     Either way: the coordinator's setup, keys, shares and unmask requests, a device's answers. The protocol
     message inside is signed and names its session itself; ``run`` and ``round`` only route it. A masked input
-    is the model's size (4 bytes a value): this carrier holds models up to ~190k values (1 MiB in base64).
+    is the model's size and travels as a payload, not in this message.
     """
 
     type: Literal["secagg"] = "secagg"
     run: Annotated[str, Field(pattern=_NAME)]
     round: Annotated[int, Field(ge=0)]
     body: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9+/]+={0,2}$")]
+    weight: Annotated[float, Field(gt=0, le=1)] | None = None
+    """With the coordinator's setup: the factor the device scales its update by (its samples over the round's
+    largest share; public, from fleet.yaml), so that the unmasked sum is the sample-weighted one."""
 
 
 INCOMPATIBLE = "incompatible"

@@ -90,3 +90,11 @@ def test_a_secure_aggregation_message_carries_its_protocol_bytes_as_base64() -> 
         parse_message(encode(message).replace(b'"body":"', b'"body":"{'))
     with pytest.raises(ProtocolError, match="exceeds"):
         parse_message(encode(SecAgg(run="run-1", round=3, body="A" * (1 << 20))))
+
+
+def test_a_secure_aggregation_weight_is_a_fraction_in_0_1() -> None:
+    assert parse_message(encode(SecAgg(run="r", round=1, body="AAAA", weight=0.25))).weight == 0.25  # type: ignore[union-attr]
+    plain = encode(SecAgg(run="r", round=1, body="AAAA"))
+    for weight in (b"0.0", b"1.5"):
+        with pytest.raises(ProtocolError, match="weight"):
+            parse_message(plain.replace(b'"weight":null', b'"weight":' + weight))
