@@ -1,0 +1,123 @@
+"""Secure aggregation over a real mosquitto: the round engine and five real Agents, each on its own MQTT login.
+
+Round 1 sums all five devices' masked updates; in round 2 one agent dies as its training starts (after the key
+exchange, so its pairwise masks are in the others' inputs), and the round still closes on the other four.
+(With three devices and the smallest threshold, 2, no dropout can be survived: each survivor keeps 1 neighbour.)
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from benchmarks.screening import OFF
+from coordinator.config.fleet import parse_fleet
+from coordinator.emulation.simulation import fixed_levels, simulation_fleet
+from coordinator.rounds.engine import EngineSettings, RoundEngine
+from coordinator.run.rundir import RunDir
+from coordinator.strategies import ModelSpec, build_strategy
+from coordinator.transport.broker.base import BrokerSettings
+from coordinator.transport.broker.credentials import generate_credentials
+from coordinator.transport.broker.mosquitto import MosquittoBroker, find_mosquitto
+from coordinator.transport.broker.scratch import scratch_dir
+from coordinator.transport.link import MqttLink
+from coordinator.transport.memory_link import LocalDevice
+from device_agent.agent.config import parse_config
+from device_agent.agent.hooks import RuntimeHooks
+from device_agent.agent.probe import probe_device
+from device_agent.agent.runtime import Agent
+from device_agent.clients.spec import TrainConfig
+from device_agent.data.datasets import LabeledData, load_dataset
+from tests.digit_clients import digit_clients
+from tests.transport_fixtures import TestBroker
+
+
+@pytest.fixture
+def broker() -> Iterator[TestBroker]:
+    """A mosquitto with a login for each of the five devices (the shared fixture has three)."""
+    if find_mosquitto() is None:
+        pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
+    running = MosquittoBroker(BrokerSettings("test", scratch_dir("fedfleet-broker-"), generate_credentials(DEVICES)))
+    running.start()
+    yield TestBroker(running, "test", running.settings.credentials)
+    running.stop()
+
+
+DEVICES = ["dev-a", "dev-b", "dev-c", "dev-d", "dev-e"]
+
+
+class DiesInRound(RuntimeHooks):
+    """Ends the agent's thread as it starts training its ``round``-th round: a device losing power mid-protocol."""
+
+    def __init__(self, round_: int) -> None:
+        self.round, self.started = round_, 0
+
+    def before_training(self, level: float) -> None:
+        self.started += 1
+        if self.started == self.round:
+            raise SystemExit("powered off")
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # dev-c's thread powered off
+def test_two_secure_rounds_over_mqtt_one_device_dying_mid_protocol(broker: TestBroker, tmp_path: Path) -> None:
+    data = load_dataset("digits", 8, 1)
+    clients = digit_clients(DEVICES)
+    strategy = build_strategy("fedavg", ModelSpec("cnn", 10, 1, 8), {}, seed=0)
+    raw = simulation_fleet(strategy, clients, 2, TrainConfig(batch_size=32), limits=OFF, quorum=0.8) | {
+        "fleet": "test",
+        "round_deadline_s": 120,
+        "secure_aggregation": {"threshold": 2, "neighbours": 4},
+    }
+    fleet_file = tmp_path / "fleet.yaml"
+    fleet_file.write_text(yaml.safe_dump(raw))
+    rundir = RunDir.create(tmp_path / "run", fleet_file, strategy.state_dict(), seed=0)
+    profile = probe_device(0.2, "cpu")
+    agents = []
+    for client in clients:
+        secret = tmp_path / f"{client.client_id}.password"
+        secret.write_text(broker.credentials[client.client_id].password)
+        config = parse_config(
+            {
+                "device": client.client_id,
+                "fleet": broker.fleet,
+                "broker": {"url": broker.address(client.client_id).url, "password": f"file:{secret}"},
+                "device_type": "cpu",
+                "state_dir": str(tmp_path / "agents" / client.client_id),
+                "heartbeat_s": 2,
+            }
+        )
+        hooks = DiesInRound(2) if client.client_id == "dev-c" else RuntimeHooks()
+        agents.append(Agent(config, profile, hooks, data=LocalDevice(client.client_id, client.train, client.test)))
+    for agent in agents:
+        threading.Thread(target=agent.run, name=f"agent-{agent.config.device}", daemon=True).start()
+    calibration = data.train_x[:128]
+    engine = RoundEngine(
+        parse_fleet(raw),
+        {},
+        strategy,
+        rundir,
+        LabeledData(calibration, calibration.new_zeros(128), data.test_x, data.test_y, 10),
+        MqttLink(broker.fleet, broker.address()),
+        EngineSettings(min_devices=len(DEVICES), wait_timeout_s=60),
+        planner=fixed_levels(dict.fromkeys(DEVICES, 1.0)),
+    )
+    try:
+        assert engine.run()
+        metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    finally:
+        rundir.close()
+        for agent in agents:
+            agent.stop()
+
+    statuses = [{d: m["status"] for d, m in row["devices"].items()} for row in metrics]
+    assert statuses[0] == dict.fromkeys(DEVICES, "accepted")
+    assert statuses[1] == {**dict.fromkeys(DEVICES, "accepted"), "dev-c": statuses[1]["dev-c"]}
+    assert statuses[1]["dev-c"] != "accepted"
+    assert metrics[1]["accuracy"] > 0.5
+    assert not (tmp_path / "run" / "journal").exists() or not any((tmp_path / "run" / "journal").rglob("*.*"))
