@@ -63,20 +63,8 @@ class DiesInRound(RuntimeHooks):
             raise SystemExit("powered off")
 
 
-@pytest.mark.slow
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # dev-c's thread powered off
-def test_two_secure_rounds_over_mqtt_one_device_dying_mid_protocol(broker: TestBroker, tmp_path: Path) -> None:
-    data = load_dataset("digits", 8, 1)
-    clients = digit_clients(DEVICES)
-    strategy = build_strategy("fedavg", ModelSpec("cnn", 10, 1, 8), {}, seed=0)
-    raw = simulation_fleet(strategy, clients, 2, TrainConfig(batch_size=32), limits=OFF, quorum=0.8) | {
-        "fleet": "test",
-        "round_deadline_s": 120,
-        "secure_aggregation": {"threshold": 2, "neighbours": 4},
-    }
-    fleet_file = tmp_path / "fleet.yaml"
-    fleet_file.write_text(yaml.safe_dump(raw))
-    rundir = RunDir.create(tmp_path / "run", fleet_file, strategy.state_dict(), seed=0)
+def start_agents(broker: TestBroker, tmp_path: Path, clients, hooks: dict[str, RuntimeHooks]) -> list[Agent]:
+    """One real Agent per client, each on its own login, running in its own thread."""
     profile = probe_device(0.2, "cpu")
     agents = []
     for client in clients:
@@ -92,10 +80,28 @@ def test_two_secure_rounds_over_mqtt_one_device_dying_mid_protocol(broker: TestB
                 "heartbeat_s": 2,
             }
         )
-        hooks = DiesInRound(2) if client.client_id == "dev-c" else RuntimeHooks()
-        agents.append(Agent(config, profile, hooks, data=LocalDevice(client.client_id, client.train, client.test)))
+        data = LocalDevice(client.client_id, client.train, client.test)
+        agents.append(Agent(config, profile, hooks.get(client.client_id, RuntimeHooks()), data=data))
     for agent in agents:
         threading.Thread(target=agent.run, name=f"agent-{agent.config.device}", daemon=True).start()
+    return agents
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # dev-c's thread powered off
+def test_two_secure_rounds_over_mqtt_one_device_dying_mid_protocol(broker: TestBroker, tmp_path: Path) -> None:
+    data = load_dataset("digits", 8, 1)
+    clients = digit_clients(DEVICES)
+    strategy = build_strategy("fedavg", ModelSpec("cnn", 10, 1, 8), {}, seed=0)
+    raw = simulation_fleet(strategy, clients, 2, TrainConfig(batch_size=32), limits=OFF, quorum=0.8) | {
+        "fleet": "test",
+        "round_deadline_s": 120,
+        "secure_aggregation": {"threshold": 2, "neighbours": 4},
+    }
+    fleet_file = tmp_path / "fleet.yaml"
+    fleet_file.write_text(yaml.safe_dump(raw))
+    rundir = RunDir.create(tmp_path / "run", fleet_file, strategy.state_dict(), seed=0)
+    agents = start_agents(broker, tmp_path, clients, {"dev-c": DiesInRound(2)})
     calibration = data.train_x[:128]
     engine = RoundEngine(
         parse_fleet(raw),
@@ -121,3 +127,60 @@ def test_two_secure_rounds_over_mqtt_one_device_dying_mid_protocol(broker: TestB
     assert statuses[1]["dev-c"] != "accepted"
     assert metrics[1]["accuracy"] > 0.5
     assert not (tmp_path / "run" / "journal").exists() or not any((tmp_path / "run" / "journal").rglob("*.*"))
+
+
+@pytest.mark.slow
+def test_a_coordinator_restarted_mid_protocol_reruns_the_round_with_fresh_masks(
+    broker: TestBroker, tmp_path: Path
+) -> None:
+    data = load_dataset("digits", 8, 1)
+    clients = digit_clients(DEVICES)
+    strategy = build_strategy("fedavg", ModelSpec("cnn", 10, 1, 8), {}, seed=0)
+    raw = simulation_fleet(strategy, clients, 1, TrainConfig(batch_size=32), limits=OFF) | {
+        "fleet": "test",
+        "round_deadline_s": 120,
+        "secure_aggregation": {"threshold": 2, "neighbours": 4},
+    }
+    fleet_file = tmp_path / "fleet.yaml"
+    fleet_file.write_text(yaml.safe_dump(raw))
+    RunDir.create(tmp_path / "run", fleet_file, strategy.state_dict(), seed=0).close()
+    agents = start_agents(broker, tmp_path, clients, {})
+    calibration = data.train_x[:128]
+    sessions = []
+
+    def engine() -> tuple[RoundEngine, RunDir]:
+        rundir = RunDir.open(tmp_path / "run", fleet_file)
+        fresh = build_strategy("fedavg", ModelSpec("cnn", 10, 1, 8), {}, seed=0)
+        return RoundEngine(
+            parse_fleet(raw),
+            {},
+            fresh,
+            rundir,
+            LabeledData(calibration, calibration.new_zeros(128), data.test_x, data.test_y, 10),
+            MqttLink(broker.fleet, broker.address()),
+            EngineSettings(min_devices=len(DEVICES), wait_timeout_s=60),
+            planner=fixed_levels(dict.fromkeys(DEVICES, 1.0)),
+        ), rundir
+
+    def killed_once_masked_inputs_come(running: RoundEngine) -> None:
+        secure = running.secure
+        if secure is not None and secure.masking and len(secure.server.pending()) < len(DEVICES):
+            sessions.append(secure.session)
+            running.stop()  # as a kill: nothing of the round is committed
+
+    try:
+        first, rundir = engine()
+        assert not first.run(killed_once_masked_inputs_come)
+        rundir.close()
+        second, rundir = engine()
+        assert second.run(lambda running: running.secure and sessions.append(running.secure.session))
+        metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        rundir.close()
+    finally:
+        for agent in agents:
+            agent.stop()
+
+    assert [{d: m["status"] for d, m in row["devices"].items()} for row in metrics] == [
+        dict.fromkeys(DEVICES, "accepted")
+    ]
+    assert sessions[0].round == sessions[-1].round == 1 and sessions[0].attempt != sessions[-1].attempt
