@@ -63,6 +63,16 @@ class DiesInRound(RuntimeHooks):
             raise SystemExit("powered off")
 
 
+class WaitsToTrain(RuntimeHooks):
+    """Holds the agent's training until ``go`` is set: a slow device, still training when the coordinator stops."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+
+    def before_training(self, level: float) -> None:
+        assert self.go.wait(60)
+
+
 def start_agents(broker: TestBroker, tmp_path: Path, clients, hooks: dict[str, RuntimeHooks]) -> list[Agent]:
     """One real Agent per client, each on its own login, running in its own thread."""
     profile = probe_device(0.2, "cpu")
@@ -144,7 +154,8 @@ def test_a_coordinator_restarted_mid_protocol_reruns_the_round_with_fresh_masks(
     fleet_file = tmp_path / "fleet.yaml"
     fleet_file.write_text(yaml.safe_dump(raw))
     RunDir.create(tmp_path / "run", fleet_file, strategy.state_dict(), seed=0).close()
-    agents = start_agents(broker, tmp_path, clients, {})
+    slow = WaitsToTrain()
+    agents = start_agents(broker, tmp_path, clients, {"dev-e": slow})
     calibration = data.train_x[:128]
     sessions = []
 
@@ -164,19 +175,21 @@ def test_a_coordinator_restarted_mid_protocol_reruns_the_round_with_fresh_masks(
 
     def killed_once_masked_inputs_come(running: RoundEngine) -> None:
         secure = running.secure
-        if secure is not None and secure.masking and len(secure.server.pending()) < len(DEVICES):
+        if secure is not None and secure.masking and secure.server.pending() == {"dev-e"}:
             sessions.append(secure.session)
             running.stop()  # as a kill: nothing of the round is committed
 
     try:
         first, rundir = engine()
-        assert not first.run(killed_once_masked_inputs_come)
+        assert not first.run(killed_once_masked_inputs_come)  # four masked inputs in, dev-e still training
         rundir.close()
+        slow.go.set()
         second, rundir = engine()
         assert second.run(lambda running: running.secure and sessions.append(running.secure.session))
         metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         rundir.close()
     finally:
+        slow.go.set()
         for agent in agents:
             agent.stop()
 
