@@ -49,9 +49,15 @@ def test_cells_of_another_commit_are_refused_unless_allowed(tmp_path) -> None:
 def test_a_stopped_comparison_resumes_from_its_cache(monkeypatch, capsys, tmp_path) -> None:
     ran: list[str] = []
 
-    def run_setting(name, setting, data, rounds, train, arch="cnn") -> dict:
+    def run_setting(name, setting, data, rounds, train, arch="cnn", limits=None) -> dict:
         ran.append(f"{setting.label}/{name}")
-        return {"accuracy": 0.5, "personalized_accuracy": 0.6, "upload_bytes_per_round": 1.0, "seconds": 2.0}
+        return {
+            "accuracy": 0.5,
+            "personalized_accuracy": 0.6,
+            "upload_bytes_per_round": 1.0,
+            "seconds": 2.0,
+            "failed_rounds": 0,
+        }
 
     monkeypatch.setattr(compare, "run_setting", run_setting)
     cells = tmp_path / "cells.jsonl"
