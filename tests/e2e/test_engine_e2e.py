@@ -174,7 +174,9 @@ def test_run_with_four_agents_survives_a_killed_agent_and_rejects_a_malformed_up
     # open while the others answer: the garbage lands in an open round.
     run_id = json.loads((fleet.run_dir / "run.json").read_text())["run_id"]
     errors = _send_garbage(fleet, "d0", run_id, 1)
-    fleet.wait_for("d0-d2's round 1 updates", lambda: {"d0", "d1", "d2"} <= fleet.journaled(1))
+    # Not d0's: the rogue connection took d0's session (and its model) over, so d0 trains round 1 only once
+    # the engine sends its assignment again, which a busy host can put after d3's slow round.
+    fleet.wait_for("d1 and d2's round 1 updates", lambda: {"d1", "d2"} <= fleet.journaled(1))
     assert "d3" not in fleet.journaled(1), "d3 finished round 1 before it could be killed"
     # Kill d3 mid-training without a goodbye: its will closes round 1 at once, long before the new
     # process (Python, torch, the probe) says hello, so round 1 records it as dropped and it has
