@@ -108,50 +108,77 @@ def apply_steps(
 
 
 class NormHistory:
-    """Per layer, the update norms accepted over the last ``rounds`` rounds: the fleet's reference.
+    """Per layer, the update norms accepted over the last ``rounds`` closed rounds: the fleet's reference.
 
     The median is what an honest update of this layer looks like lately; a minority of devices
-    cannot move it, whatever they send (its breakdown point is one half).
+    cannot move it, whatever they send (its breakdown point is one half). Only closed rounds count:
+    the norms of the open round join the median when it closes (:meth:`next_round`), so a round's
+    bounds do not depend on which of its uploads arrived first, and an attacker gains nothing by
+    arriving early. A device's norms refused at the close (:meth:`forget`) never join it.
     """
 
     def __init__(self, rounds: int, min_updates: int) -> None:
         if rounds < 1 or min_updates < 1:
             raise ValueError(f"rounds and min_updates must be >= 1, got {rounds} and {min_updates}")
         self.min_updates = min_updates
-        self._rounds: deque[dict[str, list[float]]] = deque([{}], maxlen=rounds)
-        # Per layer, every norm in the window kept sorted: the median is read for every upload, and sorting the
-        # window each time made a 1,000-device round slower with each round the window filled.
+        self._closed: deque[dict[str, list[float]]] = deque(maxlen=rounds)
+        self._open: dict[str, dict[str, float]] = {}
+        """Device -> its layers' norms, accepted in the open round (not yet in the median)."""
+        # Per layer, every norm of the closed rounds kept sorted: the median is read for every upload, and sorting
+        # the window each time made a 1,000-device round slower with each round the window filled.
         self._sorted: dict[str, list[float]] = {}
 
     def next_round(self) -> None:
-        if len(self._rounds) == self._rounds.maxlen:
-            for name, values in self._rounds[0].items():
+        """The open round's norms join the median (a round that accepted none leaves the window as it was)."""
+        norms: dict[str, list[float]] = {}
+        for device_norms in self._open.values():
+            for name, value in device_norms.items():
+                norms.setdefault(name, []).append(value)
+        self._open = {}
+        if norms:
+            self._push(norms)
+
+    def _push(self, norms: Mapping[str, Sequence[float]]) -> None:
+        if len(self._closed) == self._closed.maxlen:
+            for name, values in self._closed[0].items():
                 window = self._sorted[name]
                 for value in values:
                     del window[bisect.bisect_left(window, value)]
-        self._rounds.append({})
+        self._closed.append({name: [float(v) for v in values] for name, values in norms.items()})
+        for name, values in norms.items():
+            for value in values:
+                bisect.insort(self._sorted.setdefault(name, []), float(value))
 
-    def add(self, norms: Mapping[str, float]) -> None:
-        for name, value in norms.items():
-            self._rounds[-1].setdefault(name, []).append(value)
-            bisect.insort(self._sorted.setdefault(name, []), value)
+    def add(self, norms: Mapping[str, float], device: str = "") -> None:
+        """One accepted update's layer norms, counted from the next round on (a device's second update of a round
+        replaces its first)."""
+        self._open[device or f"#{len(self._open)}"] = dict(norms)
+
+    def forget(self, device: str) -> None:
+        """Drop ``device``'s norms of the open round: its update was refused at the close."""
+        self._open.pop(device, None)
 
     def window(self) -> list[dict[str, list[float]]]:
-        """The accepted norms of each round in the window, oldest first: what a resumed run restores."""
-        return [{name: list(values) for name, values in norms.items()} for norms in self._rounds]
+        """The accepted norms of each round in the window, oldest first, the open round's last: what a resumed run
+        restores (saved at a round's close, so the last is the round just closed)."""
+        rounds = [{name: list(values) for name, values in norms.items()} for norms in self._closed]
+        current: dict[str, list[float]] = {}
+        for device_norms in self._open.values():
+            for name, value in device_norms.items():
+                current.setdefault(name, []).append(value)
+        return rounds + ([current] if current else [])
 
     def restore(self, window: Sequence[Mapping[str, Sequence[float]]]) -> None:
-        """Start again from a :meth:`window` saved earlier (its newest ``rounds`` rounds)."""
-        self._rounds.clear()
+        """Start again from a :meth:`window` saved earlier: its newest ``rounds`` rounds, all of them closed."""
+        self._closed.clear()
         self._sorted.clear()
-        for norms in list(window)[-(self._rounds.maxlen or 1) :]:
-            self._rounds.append({})
-            for name, values in norms.items():
-                for value in values:
-                    self.add({name: float(value)})
+        self._open = {}
+        for norms in list(window)[-(self._closed.maxlen or 1) :]:
+            self._push(norms)
 
     def median(self, name: str) -> float | None:
-        """The median recent norm of layer ``name``, or None while fewer than ``min_updates`` are known."""
+        """The median norm of layer ``name`` over the closed rounds of the window, or None while fewer than
+        ``min_updates`` are known."""
         window = self._sorted.get(name, [])
         count = len(window)
         if count < self.min_updates:

@@ -39,7 +39,8 @@ class GateSettings:
     update_bound_action: Literal["clip", "refuse"] = "clip"
     """clip: scale an update beyond the bound down to it; refuse: refuse the whole upload."""
     update_history_rounds: int = 3
-    """Rounds of accepted update norms the median is taken over."""
+    """Closed rounds of accepted update norms the median is taken over (never the open round's: a bound that learnt
+    from the round's own uploads depended on their arrival order)."""
     update_history_min: int = 3
     """Accepted norms a layer needs before its median counts; until then the warm-up bound applies."""
     update_still_ratio: float = 1e-3

@@ -226,6 +226,7 @@ class Admission:
                 self.rundir.quarantine(entry, f"wrong_direction: {refused[entry.device]}")
                 participant.reject("wrong_direction", f"refused at the close: {refused[entry.device]}")
                 self.refused.upload(entry.device, open_.round, "wrong_direction", refused[entry.device])
+                self.gate.refused_at_close(entry.device)
                 log.warning(
                     "round %d: refused %s's update at the close: %s", open_.round, entry.device, refused[entry.device]
                 )

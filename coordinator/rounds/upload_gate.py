@@ -13,10 +13,11 @@ device keeps what it uploads) the first upload of a level passes.
 
 That bound compares the upload with the weights, so it cannot tell -9.5x the weights sent (an
 update of 10.5x) from an honest upload. The update bound does: each layer's update (upload minus
-sent, full rank) is held to ``update_bound_factor`` x the median norm of that layer's recent
-accepted updates (:class:`~coordinator.algorithms.robust.NormHistory`), and clipped to it or
-refused. Until a layer has a median (the first uploads of a run), the layers without one may
-move by ``update_warmup_factor`` x the norm of what was sent, together.
+sent, full rank) is held to ``update_bound_factor`` x the median norm of that layer's accepted
+updates of the previous rounds (:class:`~coordinator.algorithms.robust.NormHistory`; never this
+round's, so no upload's bound depends on which arrived first), and clipped to it or refused. Until a
+layer has a median (the first round of a run), the layers without one may move by
+``update_warmup_factor`` x the norm of what was sent, together.
 
 A norm bound cannot see direction: a sign-flipped update has an honest norm. The direction check
 refuses (``wrong_direction``) an update, as it would be folded, whose cosine with the fleet's direction
@@ -340,11 +341,15 @@ class UploadGate:
 
     def accepted(self, level: float, screened: Screened, device: str | None = None) -> None:
         self._accepted.setdefault(level, []).append(screened.norm)
-        self.history.add(screened.update_norms)
+        self.history.add(screened.update_norms, device or "")
         if screened.direction:
             self.direction.add(screened.direction)
         if device is not None and screened.sketch is not None:
             self._sketches[device] = screened.sketch
+
+    def refused_at_close(self, device: str) -> None:
+        """``device``'s update, accepted earlier this round, was refused at the close: its norms leave the history."""
+        self.history.forget(device)
 
     def peer_cosines(self) -> dict[str, float]:
         """Per device, its update's cosine with the sum of the round's others (module doc); empty while the check

@@ -73,15 +73,20 @@ def test_clipping_brings_each_layer_to_its_bound_and_keeps_the_shapes() -> None:
 
 def test_the_history_median_needs_enough_updates_and_forgets_old_rounds() -> None:
     history = NormHistory(rounds=2, min_updates=3)
-    history.add({"w": 1.0})
-    history.add({"w": 2.0})
-    assert history.median("w") is None  # warm-up
+    history.add({"w": 1.0}, "a")
+    history.add({"w": 2.0}, "b")
+    history.add({"w": 3.0}, "c")
+    assert history.median("w") is None  # the open round's norms count only once it closes
     history.next_round()
-    history.add({"w": 100.0})
-    assert history.median("w") == 2.0  # one outlier does not move the median
+    assert history.median("w") == 2.0
+    history.add({"w": 100.0}, "a")
+    history.add({"w": 200.0}, "x")
+    history.forget("x")  # refused at the close
     history.next_round()
-    history.add({"w": 5.0})
-    assert history.median("w") is None  # round 1 fell out of the window: only 2 norms left
+    assert history.median("w") == 2.5  # one outlier barely moves the median; the refused one is not in it
+    history.add({"w": 5.0}, "a")
+    history.next_round()
+    assert history.median("w") is None  # the first round fell out of the window: only 2 norms left
 
 
 def test_buffered_rules_ignore_a_minority_far_away() -> None:
@@ -341,10 +346,16 @@ def test_in_an_agreeing_round_the_floor_refuses_reversals_however_wide_the_sprea
 )
 def test_the_history_median_is_the_median_of_the_norms_in_its_window(rounds, window) -> None:
     history = NormHistory(rounds=window, min_updates=1)
-    for number, norms in enumerate(rounds):
-        if number:
-            history.next_round()
-        for norm in norms:
-            history.add({"w": norm})
-        kept = [norm for round_ in rounds[max(0, number + 1 - window) : number + 1] for norm in round_]
+    closed: list[list[float]] = []
+    for norms in rounds:
+        for index, norm in enumerate(norms):
+            history.add({"w": norm}, f"d{index}")
+        history.next_round()
+        if norms:  # a round that accepted nothing leaves the window as it was
+            closed.append(norms)
+        kept = [norm for round_ in closed[-window:] for norm in round_]
         assert history.median("w") == (statistics.median(kept) if kept else None)
+    saved = history.window()
+    restored = NormHistory(rounds=window, min_updates=1)
+    restored.restore(saved)
+    assert restored.window() == saved and restored.median("w") == history.median("w")

@@ -36,11 +36,12 @@ def honest(seed: int) -> dict[str, torch.Tensor]:
 
 
 def warmed_gate(settings: GateSettings) -> UploadGate:
-    """A gate that has accepted three honest updates (layer update norms ~0.1 and ~0.03)."""
+    """A gate whose last round accepted three honest updates (layer update norms ~0.1 and ~0.03)."""
     gate = UploadGate(settings)
     for i in range(3):
         gate.sent(f"h{i}", squared_norms(SENT), SENT)
-        gate.accepted(1.0, gate.norm(f"h{i}", 1.0, honest(i)))
+        gate.accepted(1.0, gate.norm(f"h{i}", 1.0, honest(i)), f"h{i}")
+    gate.open_round()
     gate.sent("bad", squared_norms(SENT), SENT)
     return gate
 
@@ -54,6 +55,35 @@ def test_minus_nine_and_a_half_times_the_weights_is_clipped_to_one_and_a_half_ti
     assert screened.upload["w"].shape == SENT["w"].shape
     assert "b" not in screened.steps  # -9.5 x zeros is no update at all
     assert gate.norm("bad", 1.0, honest(7)).steps == {}  # an honest update passes untouched
+
+
+def test_a_rounds_bounds_come_from_earlier_rounds_so_arrival_order_changes_nothing() -> None:
+    """The bound learns from closed rounds only: an attacker arriving first gets the same bound as one arriving last,
+    and a round's uploads are clipped the same whatever order they came in."""
+    big = {k: SENT[k] + 5 * (v - SENT[k]) for k, v in honest(8).items()}  # 5x an honest update
+
+    def screen(order: list[str]) -> dict[str, dict[str, float]]:
+        gate = warmed_gate(GateSettings())
+        uploads = {"h7": honest(7), "big": big, "h9": honest(9)}
+        steps = {}
+        for device in order:
+            gate.sent(device, squared_norms(SENT), SENT)
+            screened = gate.norm(device, 1.0, uploads[device])
+            gate.accepted(1.0, screened, device)
+            steps[device] = screened.steps
+        return steps
+
+    first, last = screen(["big", "h7", "h9"]), screen(["h7", "h9", "big"])
+    assert first == last and first["big"]["w"] < 0.5 and first["h7"] == first["h9"] == {}
+
+
+def test_norms_refused_at_the_close_never_join_the_median() -> None:
+    gate = warmed_gate(GateSettings())
+    median = gate.history.median("w")
+    gate.accepted(1.0, gate.norm("bad", 1.0, {k: SENT[k] + 1.5 * (v - SENT[k]) for k, v in honest(8).items()}), "bad")
+    gate.refused_at_close("bad")
+    gate.open_round()
+    assert gate.history.median("w") == median  # the previous round's three, not the refused fourth
 
 
 def test_with_refuse_the_same_upload_is_refused_naming_the_layer() -> None:
@@ -75,6 +105,7 @@ def test_a_layer_the_fleet_left_unchanged_falls_back_to_the_warm_up_bound_not_to
     for i in range(3):  # three devices whose uploads never move "b" (no gradient reaches it)
         gate.sent(f"h{i}", squared_norms(SENT), SENT)
         gate.accepted(1.0, gate.norm(f"h{i}", 1.0, {"w": honest(i)["w"], "b": SENT["b"]}))
+    gate.open_round()
     assert gate.history.median("b") is None  # a still layer is left out of the median
     gate.sent("d", squared_norms(SENT), SENT)
     moved = {"w": honest(9)["w"], "b": SENT["b"] + 0.05}
@@ -93,6 +124,7 @@ def test_a_majority_of_still_devices_does_not_clip_the_ones_that_learn() -> None
     for i in range(3):
         gate.sent(f"h{i}", squared_norms(SENT), SENT)
         gate.accepted(1.0, gate.norm(f"h{i}", 1.0, honest(i)))
+    gate.open_round()
     gate.sent("d", squared_norms(SENT), SENT)
     learned = honest(9)
     screened = gate.norm("d", 1.0, learned)
