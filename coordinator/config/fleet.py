@@ -28,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from coordinator.config.asynchronous import AsyncSettings, async_problem
 from coordinator.config.checkpoints import Retention
 from coordinator.config.evaluation import EvaluationSettings
 from coordinator.config.limits import FleetLimits
@@ -176,6 +177,22 @@ class Strategy(_Strict):
         None, description="'paper': the paper's training recipe as defaults (docs/presets.md); explicit keys win"
     )
     params: dict[str, Any] = Field(default_factory=dict, description="checked by the strategy's own Params schema")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: rounds; async: FedBuff, every device trains on the newest model (docs/async.md)"
+    )
+    asynchronous: AsyncSettings | None = Field(
+        None, alias="async", description="mode async: the buffer, server learning rate and bounds (docs/async.md)"
+    )
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _async_settings_need_async_mode(self) -> Strategy:
+        if self.asynchronous is not None and self.mode != "async":
+            raise ValueError("async: only applies with `mode: async` (mode is 'sync'); add it or drop the section")
+        if self.mode == "async" and self.asynchronous is None:
+            self.asynchronous = AsyncSettings()
+        return self
 
     @field_validator("name")
     @classmethod
@@ -483,6 +500,18 @@ class Fleet(_Strict):
                 f"privacy.delta: {self.privacy.delta:g} is not below 1 / {len(self.devices)} devices: such a delta "
                 "allows publishing one device's data outright; use e.g. 1e-5"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _async_fits(self) -> Fleet:
+        """Async mode needs a strategy with one dense update space, and neither SecAgg nor DP (yet)."""
+        if self.strategy.mode != "async":
+            return self
+        problem = async_problem(
+            self.strategy.name, self.strategy.params, self.privacy is not None, self.secure_aggregation is not None
+        )
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")

@@ -104,7 +104,7 @@ def rows(model: type[BaseModel], prefix: str = "") -> list[str]:
     """One table row per field, nested models expanded under their key (``devices[].overrides.memory.total``)."""
     out = []
     for name, field in model.model_fields.items():
-        key = prefix + name
+        key = prefix + (field.alias or name)  # what fleet.yaml spells: `async`, a Python keyword, is an alias
         nested = _model_of(field.annotation)
         description = (field.description or "").replace("|", "\\|").replace("\n", " ")
         if nested is None:

@@ -89,6 +89,8 @@ class RoundEngine:
         signatures: UploadSignatures | None = None,
     ) -> None:
         """``signatures``: the fleet's upload signature check (``security.sign_uploads``), None when off."""
+        if fleet.strategy.mode == "async":  # FedBuff runs on the fleet clock (docs/async.md), not in rounds yet
+            raise ValueError("strategy.mode: async is not run by the round engine yet (docs/async.md); use mode: sync")
         self.fleet = fleet
         self.privacy = (
             None
