@@ -1,0 +1,124 @@
+"""Secure aggregation end to end over TLS: ``coordinator start`` with its managed mosquitto (TLS, client
+certificates, from provisioned kits) and five real ``device-agent`` processes, three FedAvg rounds under SecAgg+.
+
+In round 2 one device is killed (SIGKILL) while it trains: after the key exchange (its pairwise masks are in the
+other four's masked inputs) and before its own masked upload. The coordinator rebuilds its mask key from its
+neighbours' shares, removes its masks and closes the round on the other four; round 3 runs without it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coordinator.config.fleet import load_fleet
+from coordinator.run.rundir import read_metrics
+from coordinator.transport.broker.base import free_port
+from coordinator.transport.broker.mosquitto import find_mosquitto
+from tests.coordinator.provision.kit_fixtures import provision_into
+from tests.e2e.agent_held_in_round import HELD
+from tests.paths import REPO_ROOT
+from tests.processes import stop_processes, wait_for_text
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(find_mosquitto() is None, reason="mosquitto (the managed TLS broker) is not installed"),
+]
+
+DEVICES = ("d0", "d1", "d2", "d3", "d4")
+VICTIM = "d3"
+
+
+def fleet_yaml(port: int) -> str:
+    devices = "".join(f"  - {{id: {d}, profile: x86-laptop-cpu}}\n" for d in DEVICES)
+    return (
+        "fleet: secagg-e2e\n"
+        f"broker: {{mode: managed, host: 127.0.0.1, port: {port}, hosts: [localhost]}}\n"
+        "model: {arch: cnn, num_classes: 10}\n"
+        "dataset: {name: digits, partition: iid}\n"
+        "strategy: {name: fedavg}\nratios: [1]\n"
+        "rounds: 3\nround_deadline_s: 180\nquorum: 0.75\n"
+        "training: {batch_size: 32, local_epochs: 1, lr: 0.05}\n"
+        # Screening reads single updates, which the coordinator never sees: off, as validation demands.
+        "limits: {update_bound_factor: null, peer_min_cosine: null, peer_hard_floor: null}\n"
+        "secure_aggregation: {threshold: 3, neighbours: 4}\n"
+        f"devices:\n{devices}"
+    )
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="fedfleet-secagg-"))
+    os.chmod(path, 0o711)  # mosquitto drops to its own user and must reach kits/broker
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_three_secure_rounds_over_tls_survive_a_device_killed_mid_protocol(root: Path) -> None:
+    fleet_file = root / "fleet.yaml"
+    fleet_file.write_text(fleet_yaml(free_port()))
+    fleet, _ = load_fleet(fleet_file)
+    kits = provision_into(fleet, root)
+    run_dir = root / "run"
+    logs = {name: root / f"{name}.log" for name in ("coordinator", *DEVICES)}
+    processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    def spawn(name: str, command: list[str]) -> subprocess.Popen[bytes]:
+        log = logs[name].open("wb")
+        processes[name] = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        return processes[name]
+
+    coordinator = spawn(
+        "coordinator",
+        [
+            *(sys.executable, "-m", "coordinator", "start", "--fleet", str(fleet_file), "--kits", str(kits.root)),
+            *("--run-dir", str(run_dir), "--no-live", "--min-devices", str(len(DEVICES)), "--wait-timeout", "180"),
+        ],
+    )
+    try:
+        wait_for_text(logs["coordinator"], "broker: mqtts://", coordinator, timeout=60)
+        for device in DEVICES:
+            kit = str(kits.participant(device))
+            if device == VICTIM:  # the real agent, held in its second training (round 2's) until killed
+                spawn(device, [sys.executable, "-m", "tests.e2e.agent_held_in_round", kit, "2"])
+            else:
+                spawn(device, [sys.executable, "-m", "device_agent", "run", "--kit", kit])
+
+        wait_for_text(logs[VICTIM], HELD, processes[VICTIM], timeout=240)
+        assert "round 2: training" in logs[VICTIM].read_text()  # its assignment: sent after round 2's key exchange
+        processes[VICTIM].send_signal(signal.SIGKILL)
+        processes[VICTIM].wait()
+
+        coordinator.wait(timeout=300)
+        output = logs["coordinator"].read_text()
+        assert coordinator.returncode == 0, output[-4000:]
+    finally:
+        stop_processes(processes.values(), timeout=20)
+
+    for device in set(DEVICES) - {VICTIM}:
+        assert "connected to mqtts://localhost" in logs[device].read_text()
+    rounds = read_metrics(run_dir / "metrics.jsonl")
+    assert [r.round for r in rounds] == [1, 2, 3]
+    statuses = [{d: m.status for d, m in r.devices.items()} for r in rounds]
+    assert statuses[0] == dict.fromkeys(DEVICES, "accepted")
+    others = dict.fromkeys(set(DEVICES) - {VICTIM}, "accepted")
+    assert {d: s for d, s in statuses[1].items() if d != VICTIM} == others
+    assert statuses[1][VICTIM] != "accepted"
+    assert {d: s for d, s in statuses[2].items() if s == "accepted"} == others  # round 3 goes on without it
+    # Round 2's sum was unmasked with the killed device's masks removed (it had joined the key exchange).
+    assert "round 1: secure sum of 5 updates (0 dropped)" in output
+    assert "round 2: secure sum of 4 updates (1 dropped)" in output
+    assert "round 3: secure sum of 4 updates (0 dropped)" in output
+    assert rounds[-1].accuracy is not None and rounds[-1].accuracy > 0.5
+    # No device's update was stored: nothing journaled, no plain update payload counted.
+    journal = run_dir / "journal"
+    assert not journal.exists() or not any(path.is_file() for path in journal.rglob("*"))
+    print("round seconds:", [round(r.seconds, 1) for r in rounds])
