@@ -21,7 +21,7 @@ import math
 import statistics
 import zlib
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -176,6 +176,11 @@ class NormHistory:
         for norms in list(window)[-(self._closed.maxlen or 1) :]:
             self._push(norms)
 
+    def median_update_norm(self) -> float | None:
+        """The norm of an update whose every layer moves by its median (over the layers with one), or None."""
+        medians = [m for name in self._sorted if (m := self.median(name)) is not None]
+        return math.sqrt(sum(m * m for m in medians)) if medians else None
+
     def median(self, name: str) -> float | None:
         """The median norm of layer ``name`` over the closed rounds of the window, or None while fewer than
         ``min_updates`` are known."""
@@ -185,6 +190,16 @@ class NormHistory:
             return None
         middle = count // 2
         return window[middle] if count % 2 else (window[middle - 1] + window[middle]) / 2
+
+
+def noised(
+    state: Mapping[str, Tensor], keys: Iterable[str], std: float, normal: Callable[[tuple[int, ...], float], Tensor]
+) -> dict[str, Tensor]:
+    """``state`` with N(0, std^2) added to every weight of ``keys`` (``normal(shape, std)`` draws it, in float64)."""
+    out = dict(state)
+    for key in keys:
+        out[key] = (state[key].to(torch.float64) + normal(tuple(state[key].shape), std)).to(state[key].dtype)
+    return out
 
 
 def total_norm(tensors: Iterable[Tensor]) -> float:

@@ -76,6 +76,10 @@ class GateSettings:
     none); below the lowest honest cosine of every soak (-0.30), above colluders' reversed updates."""
     sample_weight_factor: float | None = 2.0
     """An upload weighs at most this many times the samples the fleet expects of its device; None: no cap."""
+    update_noise: float | None = None
+    """Weak Gaussian noise on each round's aggregate (Sun et al. 2019): per weight, N(0, (z C / k)^2) with z this,
+    C the norm of the fleet's median update (previous rounds) and k the updates folded, as DP-FedAvg's noise with C
+    its clip norm (:mod:`coordinator.privacy`); None: none. It washes out what only one device teaches (a backdoor)."""
 
     def __post_init__(self) -> None:
         if self.max_norm_ratio is not None and self.max_norm_ratio <= 1:
@@ -100,6 +104,8 @@ class GateSettings:
             raise ValueError(f"peer_min_agreement must be in [-1, 1) (or None), got {self.peer_min_agreement}")
         if self.peer_min_updates < 3:
             raise ValueError(f"peer_min_updates must be >= 3, got {self.peer_min_updates}")
+        if self.update_noise is not None and not 0 <= self.update_noise < 10:
+            raise ValueError(f"update_noise must be in [0, 10) (or None), got {self.update_noise}")
         if self.sample_weight_factor is not None and self.sample_weight_factor < 1:
             raise ValueError(f"sample_weight_factor must be >= 1 (or None), got {self.sample_weight_factor}")
 
@@ -204,6 +210,13 @@ class FleetLimits(BaseModel):
         ge=1,
         description="an upload weighs at most this many times its device's expected samples; null: no cap",
     )
+    update_noise: float | None = Field(
+        GateSettings.update_noise,
+        ge=0,
+        lt=10,
+        description="weak Gaussian noise on each round's aggregate, per weight N(0, (z C / k)^2): z this, C the "
+        "norm of the fleet's median update of the previous rounds, k the updates folded; null: none (FedAvg, FedHM)",
+    )
     rejected_grace_s: float = Field(
         10.0, ge=0, description="how long a device whose update was refused may still send a valid one"
     )
@@ -258,6 +271,7 @@ class FleetLimits(BaseModel):
             peer_spread=self.peer_spread,
             peer_hard_floor=self.peer_hard_floor,
             sample_weight_factor=self.sample_weight_factor,
+            update_noise=self.update_noise,
         )
 
 

@@ -7,20 +7,26 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
 
+from coordinator.algorithms.robust import noised
 from coordinator.config.fleet import Fleet
+from coordinator.privacy.noise import RoundNoise
 from coordinator.rounds.evaluation import evaluate_global, federated_evaluation, personalized_accuracy
 from coordinator.rounds.roster import Roster
 from coordinator.rounds.state import OpenRound, Participant
 from coordinator.run.metrics import DeviceRoundMetrics, DeviceStatus, RoundMetrics, is_failed, received_metrics
 from coordinator.strategies import Strategy
 from coordinator.transport.link import Link
+from device_agent.clients.base import is_norm_statistic
 from device_agent.data.datasets import LabeledData
 from device_agent.wire.protocol import ReceivedEvaluation
+
+GLOBAL = "global."
+"""The prefix of the global model's weights in the state dict of the strategies the gate screens (FedAvg, FedHM)."""
 
 log = logging.getLogger("fedfleet.engine")
 
@@ -53,7 +59,11 @@ class RoundCloser:
         link: Link,
         roster: Roster,
         calibration_samples: int,
+        noise: Callable[[int], float | None] = lambda _folded: None,
     ) -> None:
+        """``noise(k)``: the std per weight of the weak noise on a round's aggregate of k updates, or None (the upload
+        gate's :meth:`~coordinator.rounds.upload_gate.UploadGate.noise_std`)."""
+        self.noise = noise
         self.strategy = strategy
         self.fleet = fleet
         self.data = data
@@ -76,6 +86,7 @@ class RoundCloser:
                     participant.status, participant.error = "late", "round skipped: quorum not met"
         else:
             self.strategy.close_round(open_.aggregate)
+            self._add_noise(len(open_.accepted))
         aggregated = time.monotonic()
         acc: float | None = None
         loss: float | None = None
@@ -99,6 +110,20 @@ class RoundCloser:
             evaluated - open_.started,
             phases,
         )
+
+    def _add_noise(self, folded: int) -> None:
+        """The weak noise on the new global weights (not the BatchNorm statistics, which are calibrated apart): the
+        privacy layer's generator, one fresh draw per round."""
+        std = self.noise(folded)
+        if std is None:
+            return
+        state = self.strategy.state_dict()
+        keys = [
+            k
+            for k, v in state.items()
+            if k.startswith(GLOBAL) and v.is_floating_point() and not is_norm_statistic(k.removeprefix(GLOBAL))
+        ]
+        self.strategy.load_state_dict(noised(state, keys, std, RoundNoise().normal))
 
     def device_metrics(self, device: str, participant: Participant) -> DeviceRoundMetrics:
         state = self.roster.devices[device]

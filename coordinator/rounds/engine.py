@@ -108,16 +108,18 @@ class RoundEngine:
         self.devices = self.roster.devices
         self.draw = ParticipantDraw(fleet, planner, rundir)
         # The direction checks compare updates layer by layer: only where their layers align.
-        unaligned = replace(settings.gate, direction_min_cosine=None, peer_min_cosine=None)
+        unaligned = replace(settings.gate, direction_min_cosine=None, peer_min_cosine=None, update_noise=None)
         if self.privacy is not None:  # checks that compare devices with each other are outside the accountant
-            unaligned = replace(unaligned, update_bound_factor=None)
+            unaligned = replace(unaligned, update_bound_factor=None)  # and the privacy layer adds its own noise
         gate = UploadGate(settings.gate if self.strategy.aligned_updates else unaligned)
         expected = lambda d: fleet.samples_for(self.devices[d].device)  # noqa: E731
         extras = self.strategy.declared_extras()
         self.admission = Admission(gate, rundir, expected, signatures, extras, self.refused)
         self.dispatch = Dispatcher(link, self.strategy, gate, rundir, fleet, settings.resend_after_s)
         self.laggards = LaggardGrace(settings.laggard_grace_factor, settings.laggard_grace_min_s)
-        self.closer = RoundCloser(self.strategy, fleet, data, link, self.roster, settings.calibration_samples)
+        self.closer = RoundCloser(
+            self.strategy, fleet, data, link, self.roster, settings.calibration_samples, gate.noise_std
+        )
         self.open: OpenRound | None = None
         self.secure: SecureRound | None = None
         """The open round's secure aggregation (fleet.yaml ``secure_aggregation``), None without it."""

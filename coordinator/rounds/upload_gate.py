@@ -383,6 +383,14 @@ class UploadGate:
             )
         }
 
+    def noise_std(self, folded: int) -> float | None:
+        """Per weight, the std of the round's weak noise (``update_noise`` x the norm of the fleet's median update of
+        the previous rounds / the updates folded), or None: off, nothing folded, or no median yet (the first round)."""
+        z, scale = self.settings.update_noise, self.history.median_update_norm()
+        if not z or folded < 1 or scale is None:
+            return None
+        return z * scale / folded
+
     def sample_weight(self, claimed: int, expected_samples: int) -> int:
         """The samples an upload is weighted by: what it claims, capped at ``sample_weight_factor`` x expected."""
         if self.settings.sample_weight_factor is None:

@@ -20,6 +20,7 @@ from coordinator.algorithms.robust import (
     layer_norms,
     layers_of,
     multi_krum,
+    noised,
     peer_cosines,
     peer_cut,
     sketch,
@@ -359,3 +360,25 @@ def test_the_history_median_is_the_median_of_the_norms_in_its_window(rounds, win
     restored = NormHistory(rounds=window, min_updates=1)
     restored.restore(saved)
     assert restored.window() == saved and restored.median("w") == history.median("w")
+
+
+def test_noised_adds_gaussian_noise_of_the_given_std_to_the_named_weights_only() -> None:
+    generator = torch.Generator().manual_seed(0)
+    state = {"w": torch.ones(200, 100), "bn.running_mean": torch.zeros(100)}
+
+    def normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
+        return std * torch.randn(shape, generator=generator, dtype=torch.float64)
+
+    out = noised(state, ["w"], 0.05, normal)
+    added = out["w"] - state["w"]
+    assert out["w"].dtype == torch.float32 and torch.equal(out["bn.running_mean"], state["bn.running_mean"])
+    assert float(added.mean()) == pytest.approx(0, abs=2e-3) and float(added.std()) == pytest.approx(0.05, rel=0.03)
+
+
+def test_the_median_update_norm_is_the_norm_of_every_layers_median() -> None:
+    history = NormHistory(rounds=3, min_updates=3)
+    assert history.median_update_norm() is None
+    for device, (w, b) in enumerate([(3.0, 4.0), (30.0, 40.0), (3.0, 4.0)]):
+        history.add({"w": w, "b": b}, f"d{device}")
+    history.next_round()
+    assert history.median_update_norm() == pytest.approx(5.0)

@@ -1,5 +1,6 @@
 """The upload gate's update bound: -9.5x the weights sent passes the old 10x bound, not this one."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,14 @@ def test_norms_refused_at_the_close_never_join_the_median() -> None:
     gate.refused_at_close("bad")
     gate.open_round()
     assert gate.history.median("w") == median  # the previous round's three, not the refused fourth
+
+
+def test_the_weak_noise_is_z_times_the_median_update_over_the_updates_folded() -> None:
+    gate = warmed_gate(GateSettings(update_noise=0.1))
+    median = gate.history.median_update_norm()
+    assert median is not None and gate.noise_std(folded=4) == pytest.approx(0.1 * median / 4)
+    assert UploadGate(GateSettings(update_noise=0.1)).noise_std(4) is None  # the first round: no median yet
+    assert warmed_gate(GateSettings()).noise_std(4) is None  # off by default
 
 
 def test_with_refuse_the_same_upload_is_refused_naming_the_layer() -> None:
@@ -220,3 +229,28 @@ def test_a_norm_history_saved_for_a_round_that_never_committed_is_not_restored(t
     rundir.save_norm_history(1, [{"w": [0.5, 0.7]}])  # round 1 died before complete_round
     assert rundir.saved_norm_history() is None
     rundir.close()
+
+
+@pytest.mark.slow
+def test_a_round_with_update_noise_moves_the_global_weights_by_the_noise_and_nothing_else(tmp_path: Path) -> None:
+    """Two runs of the same seeded FedAvg fleet: round 1 has no median yet (no noise), so the runs differ only by round
+    2's noise, whose std per weight is z x the norm of round 1's median update / the 3 updates folded."""
+    from coordinator.emulation.simulation import simulate
+
+    clients = digit_clients(["d0", "d1", "d2"])
+    data = load_dataset("digits", 8, 1)
+    test = (data.test_x, data.test_y)
+
+    def final(limits: dict[str, object], run_dir: Path) -> dict[str, torch.Tensor]:
+        strategy = build_strategy("fedavg", CNN, {}, seed=0)
+        simulate(strategy, clients, 2, TrainConfig(batch_size=32), test, data.train_x, limits=limits, run_dir=run_dir)
+        return strategy.global_state()
+
+    quiet = final({}, tmp_path / "quiet")
+    noisy = final({"update_noise": 2.0}, tmp_path / "noisy")
+    window = json.loads((tmp_path / "noisy" / "norm-history.json").read_text())["window"]
+    medians = [sorted(norms)[1] for norms in window[0].values() if len(norms) == 3]
+    expected = 2.0 * sum(m * m for m in medians) ** 0.5 / 3
+    weights = [k for k in quiet if not is_norm_statistic(k)]
+    added = torch.cat([(noisy[k] - quiet[k]).reshape(-1) for k in weights])
+    assert float(added.std()) == pytest.approx(expected, rel=0.05)
