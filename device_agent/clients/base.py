@@ -176,6 +176,14 @@ class ClientProgram(ABC):
     def after_backward(self) -> None:  # noqa: B027
         """Gradient-side hooks between backward and step (e.g. Frobenius decay on factors)."""
 
+    def gradient_penalty(self) -> torch.Tensor | None:
+        """:meth:`after_backward` as a loss term on LIVE parameters whose gradient is what it adds; None if none.
+
+        Batched training (:mod:`device_agent.training.batched`) computes gradients functionally and cannot call
+        :meth:`after_backward`: a program that overrides it batches only when it gives this term.
+        """
+        return None
+
     def param_groups(self, weight_decay: float) -> list[dict]:
         """Optimizer parameter groups; by default plain L2 on everything."""
         return [{"params": [p for p in self.model.parameters() if p.requires_grad], "weight_decay": weight_decay}]

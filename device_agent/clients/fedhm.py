@@ -18,7 +18,7 @@ from torch import nn
 from device_agent.clients.base import ClientProgram, trainable_state
 from device_agent.clients.spec import FedHMSpec
 from device_agent.layers.hybrid import hybrid
-from device_agent.layers.regularizers import apply_frobenius_decay_, parameter_groups
+from device_agent.layers.regularizers import apply_frobenius_decay_, frobenius_penalty, parameter_groups
 
 
 class FedHMProgram(ClientProgram):
@@ -40,6 +40,9 @@ class FedHMProgram(ClientProgram):
 
     def after_backward(self) -> None:
         apply_frobenius_decay_(self.model, self.decay)
+
+    def gradient_penalty(self) -> torch.Tensor | None:
+        return frobenius_penalty(self.model, self.decay) if self.decay else None
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         return parameter_groups(self.model, weight_decay)

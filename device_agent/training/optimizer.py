@@ -85,7 +85,7 @@ def masked_cross_entropy(logits: Tensor, labels: Tensor, absent: Tensor | None, 
 
 
 @contextmanager
-def _scaled_convolutions(model: nn.Module, scale: float) -> Iterator[None]:
+def scaled_convolutions(model: nn.Module, scale: float) -> Iterator[None]:
     """Multiply every convolution's output by ``scale`` in training mode (HeteroFL's Scaler)."""
     if scale == 1.0:
         yield
@@ -155,7 +155,7 @@ def train_local(
     if progress is not None:
         progress(0, total)
     model.train()
-    with _scaled_convolutions(model, program.train_scale()):
+    with scaled_convolutions(model, program.train_scale()):
         for _ in range(config.epochs):
             for batch in torch.randperm(len(y), generator=generator).split(config.batch_size):
                 with step() if step is not None else nullcontext():
