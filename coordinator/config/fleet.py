@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from copy import copy
+from difflib import get_close_matches
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
@@ -259,16 +260,37 @@ class Training(_Strict):
         )
 
 
-class Transport(_Strict):
-    """How the coordinator reaches its devices: the engine's Link (``coordinator.transport.link``)."""
+class Transport(BaseModel):
+    """How the coordinator reaches its devices: the engine's Link (``coordinator.transport.link``).
+
+    Every key besides ``kind`` is that kind's own setting (``model_extra``), which the transport checks in
+    its ``problems()`` (``websocket``: host, port, hosts, tls; ``mqtt`` takes none: it reads ``broker:``).
+    """
+
+    model_config = ConfigDict(extra="allow")
 
     kind: str = Field(
         "mqtt",
         pattern=r"^[a-z][a-z0-9_-]*$",
         description="a registered transport (coordinator.transport.registry; plugins add more): mqtt, devices are "
         "agents on the broker (coordinator start); in_process, devices are agents on threads of this process, "
-        "over memory, with their data in memory, which only simulate() sets up",
+        "over memory, with their data in memory, which only simulate() sets up; websocket, devices are agents on a "
+        "WebSocket over TLS to the coordinator (networks that pass only HTTPS)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_misspelt_kind(cls, data: Any) -> Any:
+        """A key close to ``kind`` is a typo (it would leave the default kind in place), not a kind's setting."""
+        if isinstance(data, dict):
+            typos = {k: v for k, v in data.items() if k != "kind" and get_close_matches(str(k), ["kind"], cutoff=0.6)}
+            if typos:
+                _TransportKind.model_validate(typos)  # raises extra_forbidden at each such key
+        return data
+
+
+class _TransportKind(_Strict):
+    kind: str = "mqtt"
 
 
 class Planning(_Strict):

@@ -14,7 +14,6 @@ import importlib.metadata
 import re
 import shlex
 import shutil
-import socket
 from pathlib import Path
 
 import yaml
@@ -35,6 +34,7 @@ from coordinator.provision.layout import (
 from coordinator.provision.templates import render
 from coordinator.provision.wheel import DEMO_DATASETS, wheel_name
 from coordinator.transport.broker.credentials import write_file
+from coordinator.transport.registry import DeviceFiles, transport_of
 from device_agent.data.datasets import BUILT_IN
 from device_agent.emulation.profile_config import DataShare
 
@@ -53,13 +53,8 @@ JETSON_GROUPS = "SupplementaryGroups=video\n"
 
 
 def broker_url(fleet: Fleet) -> str:
-    """The URL devices dial: external url, else the first of broker.hosts (else the listen address or this host)."""
-    broker = fleet.broker
-    if broker.mode == "external":
-        assert broker.url is not None
-        return broker.url
-    host = broker.hosts[0] if broker.hosts else broker.host if broker.host != "0.0.0.0" else socket.gethostname()
-    return f"{'mqtts' if broker.tls else 'mqtt'}://{host}:{broker.port}"
+    """The URL devices dial, as the fleet's transport says (``mqtt``: the broker's)."""
+    return transport_of(fleet).dial_url(fleet)
 
 
 def device_class(device: Device) -> str:
@@ -97,18 +92,13 @@ def agent_yaml(
     """
     device = fleet.devices[index]
     dataset = fleet.dataset
-    broker: dict[str, object] = {"url": broker_url(fleet), "password": password_ref or f"file:{layout.etc / PASSWORD}"}
-    if tls:
-        broker |= {
-            "ca_file": str(layout.etc / CA_CERT),
-            "cert_file": str(layout.etc / CLIENT_CERT),
-            "key_file": str(layout.etc / CLIENT_KEY),
-        }
+    login: dict[str, str] | None = None
     if doctor:
         login = {"password": f"file:{layout.etc / DOCTOR_PASSWORD}"}
         if tls:
             login |= {"cert_file": str(layout.etc / DOCTOR_CERT), "key_file": str(layout.etc / DOCTOR_KEY)}
-        broker["doctor"] = login
+    certificates = (layout.etc / CA_CERT, layout.etc / CLIENT_CERT, layout.etc / CLIENT_KEY) if tls else (None,) * 3
+    files = DeviceFiles(password_ref or f"file:{layout.etc / PASSWORD}", *map(_text, certificates), doctor=login)
     samples = fleet.sized_samples(device)  # what the planner sized this device at: the agent trains on as many
     if dataset.name in BUILT_IN and dataset.path is None:
         count, tests = len(fleet.devices), fleet.evaluation.max_samples
@@ -125,7 +115,7 @@ def agent_yaml(
     settings = {
         "device": device.id,
         "fleet": fleet.fleet,
-        "broker": broker,
+        **transport_of(fleet).agent_settings(fleet, files),
         "device_type": "auto",
         "state_dir": str(layout.state_dir),
     }
@@ -135,6 +125,10 @@ def agent_yaml(
     return render(
         "agent.yaml", device=device.id, fleet=fleet.fleet, settings=_yaml(settings), data_note=note, data=_yaml(rest)
     )
+
+
+def _text(path: Path | None) -> str | None:
+    return None if path is None else str(path)
 
 
 def unit_text(fleet: Fleet, device: Device, layout: DeviceLayout) -> str:
@@ -220,7 +214,7 @@ def build_agent_kit(
     holds the device's doctor login."""
     device = fleet.devices[index]
     folder = kits.participant(device.id)
-    tls = fleet.broker.tls and fleet.broker.mode == "managed"
+    tls = transport_of(fleet).kit_tls(fleet)
     if not tls:
         for name in (CA_CERT, CLIENT_CERT, CLIENT_KEY, DOCTOR_CERT, DOCTOR_KEY):
             (folder / name).unlink(missing_ok=True)

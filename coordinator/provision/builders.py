@@ -26,6 +26,7 @@ from coordinator.provision.secrets import ProvisionError, build_credentials, bui
 from coordinator.provision.signing_keys import build_signing_keys
 from coordinator.provision.wheel import build_agent_wheel
 from coordinator.transport.broker.credentials import COORDINATOR_USER, Credentials, write_file
+from coordinator.transport.registry import transport_of
 
 T = TypeVar("T")
 
@@ -49,8 +50,9 @@ class Provisioning:
 
     @property
     def tls(self) -> bool:
-        """Certificates are ours to make only for a broker we run (an external one has its own)."""
-        return self.fleet.broker.tls and self.fleet.broker.mode == "managed"
+        """Whether the kits carry certificates, as the fleet's transport says (``mqtt``: only for a broker we run:
+        an external one has its own)."""
+        return transport_of(self.fleet).kit_tls(self.fleet)
 
     @property
     def participants(self) -> list[str]:
@@ -76,15 +78,6 @@ def _made(value: T | None, what: str, by: str, builder: str) -> T:
     return value
 
 
-def server_hosts(fleet: Fleet) -> list[str]:
-    """The names the server certificate covers: broker.hosts, the listen address, and loopback (for emulation)."""
-    names = [*fleet.broker.hosts]
-    if fleet.broker.host not in ("0.0.0.0", "::"):
-        names.append(fleet.broker.host)
-    names += ["localhost", "127.0.0.1"]
-    return list(dict.fromkeys(names))
-
-
 def credentials(run: Provisioning) -> None:
     run.credentials, run.missing = build_credentials(run.fleet, run.kits, run.rotate)
 
@@ -102,7 +95,8 @@ def certificates(run: Provisioning) -> None:
     """The CA always (its revocation list goes to the broker), certificates only with TLS (CN = login)."""
     run.authority = Authority(run.kits, run.fleet.fleet)
     if run.tls:
-        build_certificates(run.authority, run.kits, server_hosts(run.fleet), run.logins, run.rotate)
+        names = transport_of(run.fleet).server_names(run.fleet)
+        build_certificates(run.authority, run.kits, names, run.logins, run.rotate)
         logins = {device: credentials.username for device, credentials in run.doctors.items()}
         build_doctor_certificates(run.authority, run.kits, logins, run.rotate)
 

@@ -11,6 +11,7 @@ and ``simulate()`` a link to in-memory devices; it may do one and refuse the oth
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,13 +69,63 @@ class Services(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class DeviceFiles:
+    """Where a device's kit files are once installed: what its agent.yaml names (None: the kit has no such file)."""
+
+    password: str
+    """The device's login, a secret reference (``file:`` in the kit, or fleet.yaml's own reference)."""
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    doctor: Mapping[str, str] | None = None
+    """The device's read-only doctor login (``password``, and ``cert_file``/``key_file`` with TLS), if any."""
+
+
 class Transport:
-    """One way of reaching devices. Override what it supports; :meth:`problems` says what it does not."""
+    """One way of reaching devices. Override what it supports; :meth:`problems` says what it does not.
+
+    The kit methods (:meth:`kit_tls`, :meth:`server_names`, :meth:`dial_url`, :meth:`agent_settings`) are what
+    ``coordinator provision`` asks of the fleet's transport; by default they make MQTT's kit (a broker section).
+    """
 
     def problems(self, fleet: Fleet, simulation: bool = False) -> list[str]:
         """One line per reason this transport cannot run ``fleet`` (``simulation``: under ``simulate()``),
         each starting with the fleet.yaml key to fix."""
         return []
+
+    def settings_problems(self, fleet: Fleet) -> list[str]:
+        """A kind's own settings are the keys of fleet.yaml's ``transport:`` besides ``kind``; by default it takes
+        none. One line per key it does not take."""
+        return [
+            f"transport.{key}: not a setting of transport {fleet.transport.kind!r}"
+            for key in sorted(fleet.transport.model_extra or {})
+        ]
+
+    def kit_tls(self, fleet: Fleet) -> bool:
+        """Whether provisioning makes the fleet's certificates (a server certificate, one per participant)."""
+        return fleet.broker.tls and fleet.broker.mode == "managed"
+
+    def server_names(self, fleet: Fleet) -> list[str]:
+        """The names the server certificate covers: broker.hosts, the listen address, and loopback (emulation)."""
+        return named_hosts(fleet.broker.hosts, fleet.broker.host)
+
+    def dial_url(self, fleet: Fleet) -> str:
+        """The URL devices dial: an external broker's, else the first of broker.hosts (else the listen address)."""
+        broker = fleet.broker
+        if broker.mode == "external":
+            assert broker.url is not None
+            return broker.url
+        return f"{'mqtts' if broker.tls else 'mqtt'}://{dialled_host(broker.hosts, broker.host)}:{broker.port}"
+
+    def agent_settings(self, fleet: Fleet, files: DeviceFiles) -> dict[str, Any]:
+        """The sections of a device's agent.yaml that say how it reaches the coordinator."""
+        broker: dict[str, Any] = {"url": self.dial_url(fleet), "password": files.password}
+        if files.cert_file is not None:
+            broker |= {"ca_file": files.ca_file, "cert_file": files.cert_file, "key_file": files.key_file}
+        if files.doctor is not None:
+            broker["doctor"] = dict(files.doctor)
+        return {"broker": broker}
 
     def services(self, setup: FleetSetup) -> Services:
         """The services of a real run (``coordinator start``)."""
@@ -83,6 +134,19 @@ class Transport:
     def simulation_link(self, fleet: Fleet, devices: Sequence[LocalDevice], **options: Any) -> Link:
         """The Link of devices whose data is in this process (``simulate()``)."""
         raise NotImplementedError(f"{type(self).__name__} does not run a simulation")
+
+
+def named_hosts(hosts: Sequence[str], listen: str) -> list[str]:
+    """A server certificate's names: the ``hosts`` devices dial, a specific listen address, and loopback."""
+    names = [*hosts]
+    if listen not in ("0.0.0.0", "::"):
+        names.append(listen)
+    return list(dict.fromkeys([*names, "localhost", "127.0.0.1"]))
+
+
+def dialled_host(hosts: Sequence[str], listen: str) -> str:
+    """The host a kit's device dials: the first of ``hosts``, else a specific listen address, else this host's name."""
+    return hosts[0] if hosts else listen if listen not in ("0.0.0.0", "::") else socket.gethostname()
 
 
 TRANSPORTS: Registry[Transport] = Registry("transport", "coordinator.transport.kinds", ENTRY_POINT_GROUP)
@@ -99,4 +163,14 @@ def transport_of(fleet: Fleet) -> Transport:
     return TRANSPORTS[kind]
 
 
-__all__ = ["ENTRY_POINT_GROUP", "TRANSPORTS", "FleetSetup", "Services", "Transport", "transport_of"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "TRANSPORTS",
+    "DeviceFiles",
+    "FleetSetup",
+    "Services",
+    "Transport",
+    "dialled_host",
+    "named_hosts",
+    "transport_of",
+]

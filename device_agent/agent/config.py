@@ -318,11 +318,16 @@ def load_kit(folder: Path, overrides: dict[str, Any] | None = None) -> AgentConf
     state = folder / KIT_STATE_DIR
     installed_state = raw.get("state_dir")
     raw["state_dir"] = str(state)
+    for name in ("broker", "transport"):  # a port kind's own TLS files and login are where broker's are
+        section = raw.get(name)
+        if isinstance(section, dict):
+            for key in ("ca_file", "cert_file", "key_file"):
+                if key in section:
+                    section[key] = _in_kit(section[key], folder)
+            if "password" in section:
+                section["password"] = _secret_in_kit(section["password"], folder)
     broker = raw.get("broker")
     if isinstance(broker, dict):
-        for key in ("ca_file", "cert_file", "key_file"):
-            broker[key] = _in_kit(broker.get(key), folder)
-        broker["password"] = _secret_in_kit(broker.get("password"), folder)
         doctor = broker.get("doctor")
         if isinstance(doctor, dict):
             for key in ("cert_file", "key_file"):
@@ -356,7 +361,8 @@ def anchor_file_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
     anchored = merge_overrides(raw, {})
     anchored.setdefault("state_dir", DEFAULT_STATE_DIR)
     anchor_keys(anchored, ("state_dir",), base)
-    anchor_keys(anchored.get("broker"), ("ca_file", "cert_file", "key_file"), base, secrets=("password",))
+    for name in ("broker", "transport"):
+        anchor_keys(anchored.get(name), ("ca_file", "cert_file", "key_file"), base, secrets=("password",))
     if isinstance(anchored.get("broker"), dict) and isinstance(anchored["broker"].get("doctor"), dict):
         anchored["broker"]["doctor"] = dict(anchored["broker"]["doctor"])
         anchor_keys(anchored["broker"]["doctor"], ("cert_file", "key_file"), base, secrets=("password",))

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 class InProcess(Transport):
     def problems(self, fleet: Fleet, simulation: bool = False) -> list[str]:
         if simulation:
-            return []
+            return self.settings_problems(fleet)
         return [
             f"transport.kind: {fleet.transport.kind} runs the devices inside the coordinator with their data in "
             "memory, which only simulate() sets up; start reaches real agents: use kind: mqtt (the default)"

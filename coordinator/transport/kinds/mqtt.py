@@ -123,7 +123,7 @@ class Mqtt(Transport):
                 "transport.kind: mqtt reaches agents on a broker; simulate() runs its devices in this process "
                 "(kind: in_process), or give it a link"
             ]
-        return broker_problems(fleet)
+        return self.settings_problems(fleet) + broker_problems(fleet)
 
     def services(self, setup: FleetSetup) -> BrokerServices:
         return BrokerServices(setup)

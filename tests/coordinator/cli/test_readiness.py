@@ -61,8 +61,8 @@ def test_a_transport_no_package_registered_is_named_with_those_that_are() -> Non
     grpc = _fleet(dataset={"name": "digits"}, transport={"kind": "grpc"})
 
     assert start_problems(grpc) == [
-        "transport.kind: 'grpc' is not a registered transport (registered: in_process, mqtt); a package adds one "
-        "under the entry point group 'fedfleet.transports'"
+        "transport.kind: 'grpc' is not a registered transport (registered: in_process, mqtt, websocket); "
+        "a package adds one under the entry point group 'fedfleet.transports'"
     ]
 
 

@@ -51,7 +51,7 @@ def test_an_unknown_kind_is_refused_at_start_naming_the_registered_ones_and_the_
         run_agent(config)
 
     assert str(refused.value) == (
-        "transport.kind: 'pigeon' is not a registered port kind (registered: mqtt); "
+        "transport.kind: 'pigeon' is not a registered port kind (registered: mqtt, websocket); "
         "a package adds one under the entry point group 'fedfleet.ports'"
     )
     assert not (tmp_path / "state").exists()  # refused before the state folder is locked or written
