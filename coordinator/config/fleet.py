@@ -543,7 +543,7 @@ class Fleet(_Strict):
             return self
         size = round_size(len(self.devices), self.participation)
         problems = self.secure_aggregation.problems(
-            size, self.strategy.name, self.limits.model_dump(), self.privacy is not None
+            size, self.strategy.name, self.limits.model_dump(), self.privacy is not None, self.strategy.params
         )
         if problems:
             raise ValueError("secure_aggregation: " + "; ".join(problems))

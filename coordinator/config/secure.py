@@ -16,8 +16,9 @@ from device_agent.secagg.errors import ParameterError
 from device_agent.secagg.graph import validate
 from device_agent.secagg.quantize import Quantizer
 
-SUPPORTED_STRATEGIES = frozenset({"fedavg"})
-"""Strategies whose round runs under secure aggregation: FedAvg's aggregate is the mean of the updates, a sum."""
+SUPPORTED_STRATEGIES = frozenset({"fedavg", "heterofl", "fedrolex", "fedhm"})
+"""Strategies whose round runs under secure aggregation (coordinator/rounds/secure_layouts.py): their aggregate is
+a weighted sum of what devices send, or (FedHM) of the dense updates devices rebuild from it."""
 SCREENING = ("update_bound_factor", "direction_min_cosine", "peer_min_cosine", "peer_hard_floor")
 """The ``limits`` that read one device's update: each must be null (off) under secure aggregation."""
 
@@ -38,14 +39,24 @@ class SecureAggregation(BaseModel):
     )
     bits: int = Field(16, ge=1, le=32, description="quantization levels per value: 2^bits - 1")
 
-    def problems(self, devices: int, strategy: str, limits: Mapping[str, object], privacy: bool) -> list[str]:
-        """What contradicts this setting in a fleet of ``devices`` a round (``key: why``), empty when it fits."""
+    def problems(
+        self,
+        devices: int,
+        strategy: str,
+        limits: Mapping[str, object],
+        privacy: bool,
+        params: Mapping[str, object] | None = None,
+    ) -> list[str]:
+        """What contradicts this setting in a fleet of ``devices`` a round (``key: why``), empty when it fits.
+
+        ``params``: the strategy's (``strategy.params``); some of their values read single updates."""
         found = []
         if strategy not in SUPPORTED_STRATEGIES:
             found.append(
                 f"strategy.name: {strategy!r} does not run under secure aggregation (only "
-                f"{', '.join(sorted(SUPPORTED_STRATEGIES))}: its aggregate must be a plain sum of the devices' uploads)"
+                f"{', '.join(sorted(SUPPORTED_STRATEGIES))}: its aggregate must be a sum of the devices' uploads)"
             )
+        found += [f"strategy.params.{key}: {why}" for key, why in _params_problems(strategy, params or {})]
         screening = [key for key in SCREENING if limits.get(key) is not None]
         if screening:
             found.append(
@@ -60,6 +71,23 @@ class SecureAggregation(BaseModel):
         except ParameterError as exc:
             found.append(f"{exc} (a round asks {devices} devices)")
         return found
+
+
+def _params_problems(strategy: str, params: Mapping[str, object]) -> list[tuple[str, str]]:
+    """Strategy parameters that need single updates, which the coordinator never sees under secure aggregation."""
+    found = []
+    if strategy == "fedavg" and params.get("rule", "mean") != "mean":
+        found.append(("rule", f"{params['rule']!r} ranks single uploads; only 'mean' is a sum"))
+    masked = params.get("label_masked_classifier", True)
+    if strategy in ("heterofl", "fedrolex") and masked and params.get("weighting", "uniform") != "uniform":
+        why = "a label-masked classifier's holders are counted under the masks only with uniform weighting"
+        found.append(("weighting", why + "; use weighting: uniform or label_masked_classifier: false"))
+    if strategy == "fedhm" and params.get("label_masked_classifier", "off") != "off":
+        why = "weighs each classifier row by the classes of the devices holding it; only 'off' is wired"
+        found.append(("label_masked_classifier", why))
+    if strategy == "fedhm" and params.get("global_as_pseudo_client"):
+        found.append(("global_as_pseudo_client", "depends on which devices survived at full rank; set it false"))
+    return found
 
 
 def round_size(devices: int, participation: float) -> int:

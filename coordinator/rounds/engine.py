@@ -42,6 +42,7 @@ from coordinator.rounds.failures import round_failed
 from coordinator.rounds.laggards import LaggardGrace
 from coordinator.rounds.roster import Roster
 from coordinator.rounds.secure import SecureRound
+from coordinator.rounds.secure_layouts import secure_layout
 from coordinator.rounds.settings import EngineSettings
 from coordinator.rounds.signing import UploadSignatures
 from coordinator.rounds.state import (
@@ -290,13 +291,13 @@ class RoundEngine:
         """Secure aggregation's key exchange, before any assignment: who does not take part in it is left out."""
         open_, settings = self.open, self.fleet.secure_aggregation
         assert open_ is not None and settings is not None
-        sent = self.strategy.configure(round_, slots)[slots[0].client_id].tensors
+        assignments = {d: a.tensors for d, a in self.strategy.configure(round_, slots).items()}
+        layout = secure_layout(self.strategy, round_, slots, assignments, settings)
         # A new attempt on every (re)opening of the round: a resumed round never reuses a mask.
         session = Session(self.fleet.fleet, self.rundir.run_id, round_, attempt=time.time_ns())
         devices = [slot.client_id for slot in slots]
         try:
-            samples = {slot.client_id: slot.num_samples for slot in slots}
-            self.secure = SecureRound(settings, session, devices, sent, self.link, self._secure_auth, samples=samples)
+            self.secure = SecureRound(settings, session, devices, layout, self.link, self._secure_auth)
         except ParameterError as exc:  # too few devices drawn for the threshold: this round fails, the run goes on
             why = f"secure_aggregation does not fit the {len(slots)} devices drawn: {exc}"
             log.warning("round %d: %s", round_, why)

@@ -6,33 +6,31 @@ The engine runs :class:`SecureRound` instead of decoding each device's update. I
    (:mod:`device_agent.secagg`); this takes a round trip each and happens before any assignment is sent, while
    the devices are idle, so a device that does not answer is left out before it trains;
 2. the survivors of the key exchange get their neighbours' shares and then their assignments; each trains,
-   masks its update (trained minus received) and sends the masked input as a payload
+   masks its update in the round's layout (:mod:`~coordinator.rounds.secure_layouts`: FedAvg's update, a
+   width slice padded into the full model, FedHM's dense update) and sends the masked input as a payload
    (:data:`~device_agent.agent.secure.MASKED_KIND`), folded into one running sum on arrival;
 3. at the round's deadline (or once every device sent its masked input), the devices still there return the
-   shares that remove the masks, and :meth:`fold_into` hands the strategy the sum: the new global model is the
-   sent model plus the survivors' mean update.
+   shares that remove the masks, and :meth:`fold_into` hands the strategy's round the sum.
 
 Nothing of one device's update reaches the journal, the metrics or the log: no upload is journaled (a resumed
 round runs the protocol again, as a new session ``attempt``, with fresh keys and masks), and the server
-protocol keeps only the running masked sum. Updates are weighted by samples as FedAvg's are: each device scales
-its update by its fleet.yaml share over the round's largest (public numbers, sent with its setup) and the sum is
-divided by the survivors' weights.
+protocol keeps only the running masked sum. Each device scales its contribution by a public weight sent with its
+setup (FedAvg: its fleet.yaml share over the round's largest; FedHM: its softmax weight) and the sum is divided
+by the survivors' weights.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Mapping, Sequence
-
-import torch
-from torch import Tensor
+from collections.abc import Collection, Sequence
 
 from coordinator.config.secure import SecureAggregation
+from coordinator.rounds.secure_layouts import SecureLayout
 from coordinator.rounds.state import OpenRound
 from coordinator.strategies import RoundAggregate
 from coordinator.transport.link import Link
-from device_agent.agent.secure import unwrap, vector_keys, wrap
+from device_agent.agent.secure import unwrap, wrap
 from device_agent.secagg import Aggregate, Params, ServerProtocol, Session
 from device_agent.secagg.auth import Authenticator
 from device_agent.secagg.errors import ProtocolAborted, SecAggError
@@ -57,29 +55,22 @@ class SecureRound:
         settings: SecureAggregation,
         session: Session,
         participants: Sequence[str],
-        sent: Mapping[str, Tensor],
+        layout: SecureLayout,
         link: Link,
         auth: Authenticator | None = None,
         stage_s: float = KEY_EXCHANGE_S,
-        samples: Mapping[str, int] | None = None,
     ) -> None:
-        """``sent``: the model every participant is assigned (FedAvg's one model), whose update is masked;
-        ``stage_s``: the longest a key-exchange stage waits (the unmasking stage waits at least as long).
-        ``samples``: each participant's share (fleet.yaml's): updates are weighted by it, as FedAvg's are (each
-        device scales its update by its share over the largest; none: every device the same).
-        Raises ``ParameterError`` when the threshold cannot be met by this many participants."""
-        self.keys = vector_keys(sent)
-        self.sent = {key: sent[key] for key in self.keys}
-        length = sum(self.sent[key].numel() for key in self.keys)
+        """``layout``: the vector every participant masks (its strategy's, :mod:`~coordinator.rounds.secure_layouts`)
+        and the public weights each scales it by; ``stage_s``: the longest a key-exchange stage waits (the
+        unmasking stage waits at least as long). Raises ``ParameterError`` when the threshold cannot be met by
+        this many participants."""
+        self.layout = layout
         # A round that drew fewer devices than fleet.yaml's round size (some offline) may have fewer than
         # `neighbours` + 1: each is then a neighbour of all the others (SecAgg's complete graph), same threshold.
         neighbours = min(settings.neighbours, len(participants) - 1)
         devices = tuple(sorted(participants))
-        params = Params(devices, settings.threshold, neighbours, length, settings.clip, settings.bits)
+        params = Params(devices, settings.threshold, neighbours, layout.length, settings.clip, settings.bits)
         self.server = ServerProtocol(session, params, auth)
-        largest = max(samples.values(), default=0) if samples else 0
-        self.weights = {d: samples[d] / largest for d in devices} if samples and largest > 0 else None
-        """The factor each device scales its update by; the unmasked sum is divided by the survivors' total."""
         self.session, self.link = session, link
         self.stage_s = stage_s
         self.stage_deadline = time.monotonic() + stage_s
@@ -105,8 +96,9 @@ class SecureRound:
 
     def start(self) -> None:
         for setup in self.server.start():
-            weight = None if self.weights is None else self.weights[setup.device]
-            self.link.send_control(setup.device, wrap(self.session.run, self.session.round, setup, weight))
+            weight = None if self.layout.weights is None else self.layout.weights[setup.device]
+            layout = self.layout.layout(setup.device)
+            self.link.send_control(setup.device, wrap(self.session.run, self.session.round, setup, weight, layout))
 
     def on_message(self, device: str, message: SecAgg) -> None:
         """A device's protocol message; one naming another device, or out of turn, is logged and dropped."""
@@ -156,24 +148,10 @@ class SecureRound:
         return self.server.members if self.error is None else frozenset()
 
     def fold_into(self, aggregate: RoundAggregate, open_: OpenRound) -> None:
-        """Hand the strategy's round the survivors' sum: as if each had uploaded sent + the weighted mean update.
-
-        The survivors count as the round's accepted devices; FedAvg's round then averages to exactly that model.
-        """
+        """Hand the strategy's round the survivors' sum, as if each had uploaded; they count as accepted."""
         result = self.result
         assert result is not None
-        sums, counts = getattr(aggregate, "sums", None), getattr(aggregate, "counts", None)
-        if sums is None or counts is None:
-            raise TypeError(f"{type(aggregate).__name__} does not take a secure sum (only FedAvg's rounds do)")
-        weights = self.weights or {}
-        count = sum(weights.get(device, 1.0) for device in result.survivors)  # the weights the sum carries
-        total, offset = torch.from_numpy(result.total), 0
-        for key in self.keys:
-            sent = self.sent[key].to(torch.float64)
-            part = total[offset : offset + sent.numel()].reshape(sent.shape)
-            offset += sent.numel()
-            sums[key] = sums[key] + sent * count + part
-            counts[key] = counts[key] + count
+        self.layout.fold(aggregate, result.total, result.survivors)
         aggregate.received.extend(result.survivors)  # type: ignore[attr-defined]
         now = time.monotonic()
         for device in result.survivors:

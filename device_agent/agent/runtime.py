@@ -48,7 +48,7 @@ from device_agent.agent.outbox import Outbox, OutboxCorrupt, OutboxItem
 from device_agent.agent.port import CoordinatorPort, Signer, Upload
 from device_agent.agent.ports import port_kind_of
 from device_agent.agent.probe import resolve_device
-from device_agent.agent.secure import MASKED_KIND, SecureRounds, update_vector
+from device_agent.agent.secure import MASKED_KIND, SecureRounds
 from device_agent.agent.signing import UploadIdentity, signed_meta
 from device_agent.agent.speed import measured_profile
 from device_agent.agent.stopping import stop_on_signals
@@ -345,7 +345,8 @@ class Agent:
         if isinstance(outcome, RoundFailure):
             self._fail(assignment, outcome)
         elif sent is not None:  # under secure aggregation the update leaves masked, never plain (no outbox)
-            self.secure.trained(assignment.run, assignment.round, update_vector(sent, outcome.upload))
+            vector = self.secure.vector(assignment.run, assignment.round, sent, outcome.upload)
+            self.secure.trained(assignment.run, assignment.round, vector)
             # Not idle: the update is still to go (masked once the neighbours' shares are here); no re-assignment.
             self._set_state("uploading", f"round {assignment.round}, masked")
         else:

@@ -22,9 +22,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
 from torch import Tensor
 
 from device_agent.clients.base import is_norm_statistic
+from device_agent.layers.factorized import reconstruct
 from device_agent.secagg import DeviceProtocol, SecAggError
 from device_agent.secagg.auth import HmacAuth
 from device_agent.secagg.errors import ProtocolViolation
@@ -39,6 +42,7 @@ from device_agent.secagg.messages import (
     encode,
 )
 from device_agent.wire.messages import SecAgg
+from device_agent.wire.protocol import split_upload
 
 log = logging.getLogger("fedfleet.agent")
 
@@ -46,9 +50,11 @@ MASKED_KIND = "secagg_masked"
 """The payload kind of a masked input (a ``MaskedInput`` in its wire form); the engine never decodes it as an update."""
 
 
-def wrap(run: str, round_: int, message: Message, weight: float | None = None) -> SecAgg:
-    """A protocol message as the control message that carries it (``weight``: see :class:`SecAgg`)."""
-    return SecAgg(run=run, round=round_, body=base64.b64encode(encode(message)).decode(), weight=weight)
+def wrap(run: str, round_: int, message: Message, weight: float | None = None, layout: Layout | None = None) -> SecAgg:
+    """A protocol message as the control message that carries it (``weight``, ``layout``: see :class:`SecAgg`)."""
+    body = base64.b64encode(encode(message)).decode()
+    raw = None if layout is None else layout.model_dump(mode="json")
+    return SecAgg(run=run, round=round_, body=body, weight=weight, layout=raw)
 
 
 def unwrap(message: SecAgg) -> Message:
@@ -71,6 +77,78 @@ def update_vector(sent: Mapping[str, Tensor], trained: Mapping[str, Tensor]) -> 
     return np.concatenate(parts) if parts else np.zeros(0)
 
 
+class Entry(BaseModel):
+    """One tensor of the summed vector: the global model's ``key`` (``shape``), taken from this device's update.
+
+    ``index``: the kept positions along each dimension (None: all) where the device's smaller tensor goes, zeros
+    elsewhere (HeteroFL and FedRolex width slices). ``factors``: the (reduce, expand) keys of a low-rank layer whose
+    dense product is taken, trained minus sent (FedHM). ``count``: the entry carries ``clip`` wherever this device
+    holds the tensor (so the sum counts the holders per value, which the classes below make private).
+    ``by_class``: rows (dim 0) of classes the device has no data of are zero (a label-masked classifier).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    key: str
+    shape: tuple[int, ...]
+    index: tuple[tuple[int, ...] | None, ...] | None = None
+    factors: tuple[str, str] | None = None
+    count: bool = False
+    by_class: bool = False
+
+
+class Layout(BaseModel):
+    """Where each part of a device's update goes in the vector every device of the round masks the same way."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    entries: tuple[Entry, ...]
+
+    @property
+    def length(self) -> int:
+        return sum(int(np.prod(entry.shape)) for entry in self.entries)
+
+
+def layout_vector(layout: Layout, sent: Mapping[str, Tensor], upload: Mapping[str, Tensor], clip: float) -> np.ndarray:
+    """This device's update in ``layout``'s form, one flat float64 vector (before its weight)."""
+    trained, extras = split_upload(upload)
+    classes = extras.get("classes")
+    parts = []
+    for entry in layout.entries:
+        if entry.factors is not None:
+            reduce, expand = entry.factors
+            value = reconstruct(trained[reduce].double(), trained[expand].double(), entry.shape) - reconstruct(
+                sent[reduce].double(), sent[expand].double(), entry.shape
+            )
+        elif entry.count:
+            value = torch.full(sent[entry.key].shape, clip, dtype=torch.float64)
+        else:
+            value = trained[entry.key].double() - sent[entry.key].double()
+        if entry.by_class:
+            if classes is None:
+                raise ProtocolViolation(f"{entry.key!r}: a label-masked layout needs this device's classes")
+            present = torch.zeros(value.shape[0], dtype=torch.bool)
+            present[classes.long()] = True
+            value = value * present.view((-1,) + (1,) * (value.dim() - 1))
+        parts.append(_placed(entry, value).reshape(-1).numpy())
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def _placed(entry: Entry, value: Tensor) -> Tensor:
+    if entry.index is None:
+        if tuple(value.shape) != entry.shape:
+            raise ProtocolViolation(f"{entry.key!r}: shape {tuple(value.shape)}, the layout says {entry.shape}")
+        return value
+    if len(entry.index) != len(entry.shape) or len(entry.index) != value.dim():
+        raise ProtocolViolation(f"{entry.key!r}: shape {tuple(value.shape)} does not fit the layout's index")
+    kept = [torch.arange(n) if ix is None else torch.tensor(ix) for ix, n in zip(entry.index, entry.shape, strict=True)]
+    if tuple(len(k) for k in kept) != tuple(value.shape):
+        raise ProtocolViolation(f"{entry.key!r}: shape {tuple(value.shape)} does not fit the layout's index")
+    full = torch.zeros(entry.shape, dtype=torch.float64)
+    full[torch.meshgrid(*kept, indexing="ij")] = value
+    return full
+
+
 @dataclass
 class _Run:
     """One run of the protocol on this device: its state machine, and what masking waits for."""
@@ -79,6 +157,7 @@ class _Run:
     session: Session
     clip: float
     weight: float
+    layout: Layout | None = None
     update: np.ndarray | None = None
     forwarded: ForwardedShares | None = None
     masked: bool = False
@@ -117,7 +196,8 @@ class SecureRounds:
                 protocol = DeviceProtocol(self.device, self._auth)
                 weight = 1.0 if message.weight is None else message.weight
                 clip = inner.params.clip
-                state = self._runs[key] = _Run(protocol, inner.session, clip, weight, self._updates.get(key))
+                layout = None if message.layout is None else _layout(message.layout)
+                state = self._runs[key] = _Run(protocol, inner.session, clip, weight, layout, self._updates.get(key))
                 self._send(wrap(*key, state.protocol.advertise(inner)))
                 return
             state = self._runs.get(key)
@@ -137,6 +217,13 @@ class SecureRounds:
             # This device drops out of the run: the coordinator's protocol goes on without it.
             log.warning("%s: round %d secure aggregation: %s", self.device, key[1], exc)
             self._runs.pop(key, None)
+
+    def vector(self, run: str, round_: int, sent: Mapping[str, Tensor], upload: Mapping[str, Tensor]) -> np.ndarray:
+        """The round's update as the vector this round masks: in the setup's layout, else trained minus sent."""
+        state = self._runs.get((run, round_))
+        if state is None or state.layout is None:
+            return update_vector(sent, upload)
+        return layout_vector(state.layout, sent, upload, state.clip)
 
     def trained(self, run: str, round_: int, update: np.ndarray) -> None:
         """The round's update is ready: it is masked as soon as the neighbours' shares are here."""
@@ -175,4 +262,21 @@ class SecureRounds:
             del self._runs[key]
 
 
-__all__ = ["MASKED_KIND", "SecureRounds", "unwrap", "update_vector", "vector_keys", "wrap"]
+def _layout(raw: Mapping[str, object]) -> Layout:
+    try:
+        return Layout.model_validate(raw)
+    except ValidationError as exc:
+        raise ProtocolViolation(f"the setup's layout is malformed: {exc.errors()[0]['msg']}") from None
+
+
+__all__ = [
+    "MASKED_KIND",
+    "Entry",
+    "Layout",
+    "SecureRounds",
+    "layout_vector",
+    "unwrap",
+    "update_vector",
+    "vector_keys",
+    "wrap",
+]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
@@ -217,6 +217,10 @@ class SecAgg(_Message):
     weight: Annotated[float, Field(gt=0, le=1)] | None = None
     """With the coordinator's setup: the factor the device scales its update by (its samples over the round's
     largest share; public, from fleet.yaml), so that the unmasked sum is the sample-weighted one."""
+    layout: dict[str, Any] | None = None
+    """With the coordinator's setup, for strategies whose devices train a part or another form of the global
+    model (width slices, low-rank factors): where each tensor of the update goes in the one summed vector
+    (``device_agent.agent.secure.Layout``). None: the update's own tensors in key order (FedAvg)."""
 
 
 INCOMPATIBLE = "incompatible"

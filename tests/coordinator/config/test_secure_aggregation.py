@@ -40,10 +40,29 @@ def test_fedavg_without_screening_runs_under_secure_aggregation() -> None:
     assert parse_fleet(plain, CATALOG).secure_aggregation is None
 
 
-def test_a_strategy_whose_aggregate_is_not_a_plain_sum_is_refused_by_name() -> None:
-    message = refusal(fleet(strategy={"name": "fedhm"}, ratios=[1, 0.5]))
+@pytest.mark.parametrize("name", ["simfed", "fedfac", "flora", "factorized_fl"])
+def test_a_strategy_whose_aggregate_is_not_a_sum_of_uploads_is_refused_by_name(name: str) -> None:
+    message = refusal({k: v for k, v in fleet(strategy={"name": name}).items() if k != "ratios"})
 
-    assert "secure_aggregation" in message and "'fedhm' does not run under secure aggregation" in message
+    assert "secure_aggregation" in message and f"{name!r} does not run under secure aggregation" in message
+
+
+@pytest.mark.parametrize("name", ["heterofl", "fedrolex", "fedhm"])
+def test_width_slices_and_fedhm_s_dense_updates_run_under_secure_aggregation(name: str) -> None:
+    assert parse_fleet(fleet(strategy={"name": name}, ratios=[1, 0.5]), CATALOG).secure_aggregation is not None
+
+
+@pytest.mark.parametrize(
+    ("strategy", "key"),
+    [
+        ({"name": "fedavg", "params": {"rule": "median"}}, "rule"),
+        ({"name": "fedhm", "params": {"label_masked_classifier": "renormalised"}}, "label_masked_classifier"),
+        ({"name": "fedhm", "params": {"global_as_pseudo_client": True}}, "global_as_pseudo_client"),
+    ],
+)
+def test_strategy_parameters_that_need_single_updates_are_refused_at_their_key(strategy: dict, key: str) -> None:
+    ratios = [1] if strategy["name"] == "fedavg" else [1, 0.5]
+    assert f"strategy.params.{key}: " in refusal(fleet(strategy=strategy, ratios=ratios))
 
 
 @pytest.mark.parametrize("key", ["update_bound_factor", "peer_min_cosine", "peer_hard_floor", "direction_min_cosine"])

@@ -9,6 +9,7 @@ import torch
 
 from coordinator.config.secure import SecureAggregation
 from coordinator.rounds.secure import SecureRound
+from coordinator.rounds.secure_layouts import FlatLayout
 from coordinator.rounds.state import OpenRound, Participant
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
 from device_agent.agent.secure import MASKED_KIND, SecureRounds, update_vector, wrap
@@ -39,7 +40,8 @@ def masked(run: str, round_: int, data: bytes) -> Received:
 
 
 def secure_round(link: Link, sent: dict[str, torch.Tensor]) -> SecureRound:
-    secure = SecureRound(SETTINGS, Session("lab", "run-1", 1), DEVICES, sent, link, stage_s=0.05)  # type: ignore[arg-type]
+    layout = FlatLayout(sent, [ClientSlot(d, 1.0, 100) for d in DEVICES])
+    secure = SecureRound(SETTINGS, Session("lab", "run-1", 1), DEVICES, layout, link, stage_s=0.05)  # type: ignore[arg-type]
     for device in DEVICES:
         link.devices[device] = SecureRounds(
             device,
@@ -87,7 +89,7 @@ def test_a_device_silent_from_the_start_is_left_out_and_the_round_averages_the_r
 
     assert open_.accepted == DEVICES[:4] and open_.participants["d4"].status == "assigned"
     mean = sum(updates.values()) / 4
-    moved = torch.cat([(strategy.global_state()[k] - before[k]).double().reshape(-1) for k in secure.keys])
+    moved = torch.cat([(strategy.global_state()[k] - before[k]).double().reshape(-1) for k in secure.layout.keys])
     assert float((moved - torch.from_numpy(mean)).abs().max()) <= SETTINGS.clip / (2**SETTINGS.bits - 1) + 1e-6
     # The coordinator sent d4 only its Setup; the protocol's other messages went to the four that answered.
     assert [kind for device, kind in link.down if device == "d4"] == ["secagg"]
@@ -114,8 +116,9 @@ def test_a_round_that_drew_fewer_devices_connects_each_to_all_others_and_keeps_t
     sent = strategy.configure(1, [ClientSlot("d0", 1.0, 100)])["d0"].tensors
     settings = SecureAggregation(threshold=3, neighbours=4)
 
-    secure = SecureRound(settings, Session("lab", "run-1", 1), ["d0", "d1", "d2", "d3"], sent, Link())  # type: ignore[arg-type]
+    layout = FlatLayout(sent, [ClientSlot("d0", 1.0, 100)])
+    secure = SecureRound(settings, Session("lab", "run-1", 1), ["d0", "d1", "d2", "d3"], layout, Link())  # type: ignore[arg-type]
 
     assert (secure.server.params.neighbours, secure.server.params.threshold) == (3, 3)
     with pytest.raises(ParameterError, match="threshold"):
-        SecureRound(settings, Session("lab", "run-1", 1), ["d0", "d1", "d2"], sent, Link())  # type: ignore[arg-type]
+        SecureRound(settings, Session("lab", "run-1", 1), ["d0", "d1", "d2"], layout, Link())  # type: ignore[arg-type]

@@ -7,11 +7,22 @@ import numpy as np
 import pytest
 import torch
 
-from device_agent.agent.secure import SecureRounds, unwrap, update_vector, vector_keys, wrap
+from device_agent.agent.secure import (
+    Entry,
+    Layout,
+    SecureRounds,
+    layout_vector,
+    unwrap,
+    update_vector,
+    vector_keys,
+    wrap,
+)
 from device_agent.secagg import Params, ServerProtocol, Session
 from device_agent.secagg.auth import HmacAuth
+from device_agent.secagg.errors import ProtocolViolation
 from device_agent.secagg.messages import decode
 from device_agent.wire.messages import SecAgg, encode, parse_message
+from device_agent.wire.protocol import pack_upload
 
 DEVICES = ("d0", "d1", "d2", "d3")
 KEYS = {device: f"key-{device}".encode() for device in DEVICES}
@@ -118,3 +129,44 @@ def test_the_update_vector_is_trained_minus_sent_over_trainable_float_tensors_in
 
     assert vector_keys(sent) == ["a.weight", "b.weight"]
     assert update_vector(sent, trained).tolist() == [0.125] * 4 + [0.5, -0.25]
+
+
+def test_a_width_slice_goes_into_the_full_tensor_at_its_index_with_zeros_elsewhere() -> None:
+    sent = {"w": torch.zeros(2, 2), "fc.weight": torch.zeros(3, 2)}
+    trained = {"w": torch.tensor([[1.0, 2.0], [3.0, 4.0]]), "fc.weight": torch.ones(3, 2)}
+    upload = pack_upload(trained, {"classes": torch.tensor([0, 2])})  # this device saw classes 0 and 2 only
+    layout = Layout(
+        entries=(
+            Entry(key="w", shape=(3, 4), index=((0, 2), (1, 3))),  # rows 0 and 2, columns 1 and 3 of a 3x4
+            Entry(key="fc.weight", shape=(3, 4), index=(None, (0, 1)), by_class=True),
+            Entry(key="fc.weight", shape=(3, 4), index=(None, (0, 1)), count=True, by_class=True),
+        )
+    )
+
+    vector = layout_vector(layout, sent, upload, clip=0.5)
+
+    assert vector[:12].reshape(3, 4).tolist() == [[0, 1, 0, 2], [0, 0, 0, 0], [0, 3, 0, 4]]
+    assert vector[12:24].reshape(3, 4).tolist() == [[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]]  # class 1: zero
+    assert vector[24:].reshape(3, 4).tolist() == [[0.5, 0.5, 0, 0], [0, 0, 0, 0], [0.5, 0.5, 0, 0]]  # clip per held
+    assert layout.length == len(vector) == 36
+
+
+def test_a_low_rank_layer_is_masked_as_its_dense_update() -> None:
+    generator = torch.Generator().manual_seed(0)
+    sent = {"l.reduce": torch.randn(2, 4, generator=generator), "l.expand": torch.randn(3, 2, generator=generator)}
+    trained = {key: value + 0.1 for key, value in sent.items()}
+    layout = Layout(entries=(Entry(key="l.weight", shape=(3, 4), factors=("l.reduce", "l.expand")),))
+
+    vector = layout_vector(layout, sent, trained, clip=0.5)
+
+    dense = (
+        trained["l.expand"].double() @ trained["l.reduce"].double()
+        - sent["l.expand"].double() @ sent["l.reduce"].double()
+    )
+    assert np.allclose(vector, dense.reshape(-1).numpy())
+
+
+def test_a_slice_that_does_not_fit_its_index_is_refused() -> None:
+    layout = Layout(entries=(Entry(key="w", shape=(3, 4), index=((0,), None)),))
+    with pytest.raises(ProtocolViolation, match="does not fit the layout's index"):
+        layout_vector(layout, {"w": torch.zeros(2, 4)}, {"w": torch.ones(2, 4)}, clip=0.5)
