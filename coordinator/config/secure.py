@@ -19,8 +19,9 @@ from device_agent.secagg.quantize import Quantizer
 SUPPORTED_STRATEGIES = frozenset({"fedavg", "heterofl", "fedrolex", "fedhm"})
 """Strategies whose round runs under secure aggregation (coordinator/rounds/secure_layouts.py): their aggregate is
 a weighted sum of what devices send, or (FedHM) of the dense updates devices rebuild from it."""
-SCREENING = ("update_bound_factor", "direction_min_cosine", "peer_min_cosine", "peer_hard_floor")
-"""The ``limits`` that read one device's update: each must be null (off) under secure aggregation."""
+SCREENING = ("update_bound_factor", "direction_min_cosine", "peer_min_cosine", "peer_hard_floor", "update_noise")
+"""The ``limits`` that read one device's update (``update_noise`` scales by the median update's norm): each must be
+null (off) under secure aggregation."""
 
 
 class SecureAggregation(BaseModel):

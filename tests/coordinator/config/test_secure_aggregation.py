@@ -65,7 +65,9 @@ def test_strategy_parameters_that_need_single_updates_are_refused_at_their_key(s
     assert f"strategy.params.{key}: " in refusal(fleet(strategy=strategy, ratios=ratios))
 
 
-@pytest.mark.parametrize("key", ["update_bound_factor", "peer_min_cosine", "peer_hard_floor", "direction_min_cosine"])
+@pytest.mark.parametrize(
+    "key", ["update_bound_factor", "peer_min_cosine", "peer_hard_floor", "direction_min_cosine", "update_noise"]
+)
 def test_screening_that_reads_single_updates_is_refused(key: str) -> None:
     message = refusal(fleet(limits={**OFF, key: 0.5 if key != "update_bound_factor" else 1.5}))
 
