@@ -71,6 +71,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--device-type", default="cpu", metavar="TYPE", help="where agents train: cpu, cuda, cuda:N (default: cpu)"
     )
     add_packing_arguments(parser)
+    parser.add_argument(
+        "--no-batch",
+        dest="batch",
+        action="store_false",
+        help="workers train each device's steps one by one (default: the steps of a worker's devices with the same "
+        "model, level and batch shape run as one batched step wherever that measures cheaper)",
+    )
     parser.set_defaults(handler=_emulate)
 
 
@@ -91,6 +98,7 @@ def _emulate(args: argparse.Namespace) -> int:
             workers=args.workers,
             devices_per_worker=args.devices_per_worker,
             pack_above=args.pack_above,
+            batch=args.batch,
         )
     except (FleetError, EmulatorError, PackingError, ValueError) as exc:
         print(f"coordinator: error: {exc}", file=sys.stderr)
@@ -100,7 +108,14 @@ def _emulate(args: argparse.Namespace) -> int:
         if host_gflops is None
         else f"host ratio ({host_gflops:.1f} fp32 GFLOPS per agent here)"
     )
-    print(f"emulating {describe(len(fleet.devices), emulation.slices)}; pace: {pace}")
+    if emulation.slices is None:
+        steps = "each agent process trains alone"
+    elif args.batch:
+        steps = "workers batch the training steps of devices with the same model, level and batch shape where it "
+        steps += "measures cheaper (--no-batch: one by one)"
+    else:
+        steps = "workers train each device's steps one by one (--no-batch)"
+    print(f"emulating {describe(len(fleet.devices), emulation.slices)}; pace: {pace}; {steps}")
     if args.device_type == "cpu":
         per_core = host_gflops if host_gflops is not None and args.threads == 1 else measure_host_gflops(1)
         load = host_load(fleet, catalog, per_core, len(os.sched_getaffinity(0)))

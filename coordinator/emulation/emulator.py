@@ -204,8 +204,10 @@ class Emulation:
         workers: int | None = None,
         devices_per_worker: int | None = None,
         pack_above: int = PACK_ABOVE,
+        batch: bool = True,
     ) -> None:
-        """``workers``, ``devices_per_worker``, ``pack_above``: how devices are spread over processes (packing.py)."""
+        """``workers``, ``devices_per_worker``, ``pack_above``: how devices are spread over processes (packing.py);
+        ``batch``: workers run their devices' steps of one model, level and batch shape together where cheaper."""
         device_limits(fleet, catalog, host_gflops, threads)  # fail before anything starts
         self.slices = pack(len(fleet.devices), workers, devices_per_worker, pack_above)
         self.fleet = fleet
@@ -213,7 +215,7 @@ class Emulation:
         self.host_gflops = host_gflops
         self.threads = threads
         self.device_type = device_type
-        packed = AgentGroup(lambda agent_list: worker_command(agent_list, threads)) if self.slices else None
+        packed = AgentGroup(lambda agent_list: worker_command(agent_list, threads, batch)) if self.slices else None
         self.agents = agents or packed or AgentGroup()
         self.kits: Path | None = None  # the fleet's kits: agents take their secrets and certificates from them
         self.specs: list[AgentSpec] = []

@@ -12,6 +12,7 @@ Where each is called:
 - :meth:`RuntimeHooks.before_training` once before local training, with the level it trains;
 - :meth:`RuntimeHooks.step` around every optimizer step (forward, backward, update);
 - :meth:`RuntimeHooks.run_compute` runs each step's body and each evaluation (inside ``step``/``compute``);
+- :meth:`RuntimeHooks.step_batcher` once per round: what takes the training steps instead, if anything;
 - :meth:`RuntimeHooks.after_training` once local training ends, then :meth:`RuntimeHooks.held_seconds`;
 - :meth:`RuntimeHooks.before_upload` before an update is offered to the coordinator;
 - :meth:`RuntimeHooks.before_chunk_out` / :meth:`RuntimeHooks.after_chunk_in` by the transport's
@@ -22,11 +23,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from device_agent.common.profile import DeviceProfile
+
+if TYPE_CHECKING:
+    from device_agent.training.batched import StepRunner
 
 T = TypeVar("T")
 
@@ -56,6 +60,11 @@ class RuntimeHooks:
     def run_compute(self, work: Callable[[], T]) -> T:
         """Runs one piece of the round's tensor work and returns its result (a packed GPU worker picks the thread)."""
         return work()
+
+    def step_batcher(self) -> StepRunner | None:
+        """What takes this round's training steps when they may run together with other devices' (a worker's
+        batcher, :mod:`device_agent.emulation.batching`); None: each step runs in :meth:`step` as usual."""
+        return None
 
     def after_training(self) -> float:
         """Called when local training ends; returns extra seconds it spent that count as training time."""

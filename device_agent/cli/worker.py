@@ -39,6 +39,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--threads", type=int, default=1, metavar="N", help="torch threads of this process (default: %(default)s)"
     )
+    parser.add_argument(
+        "--no-batch",
+        dest="batch",
+        action="store_false",
+        help="train each device's steps one by one (default: steps of devices with the same model, level and batch "
+        "shape run as one batched step where that measures cheaper)",
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.set_defaults(handler=_worker)
 
@@ -54,7 +61,7 @@ def _worker(args: argparse.Namespace) -> int:
     from device_agent.emulation.worker import run_worker
 
     try:
-        return run_worker(args.agents, args.slots, args.threads)
+        return run_worker(args.agents, args.slots, args.threads, args.batch)
     except (AgentError, ConfigError) as exc:
         print(f"device-agent: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1

@@ -46,8 +46,10 @@ from device_agent.agent.config import EmulationConfig
 from device_agent.agent.hooks import RuntimeHooks
 from device_agent.common.profile import DeviceProfile, NetworkSpec
 from device_agent.emulation.accounting import MemoryAccount, MemoryCapExceeded
+from device_agent.emulation.batching import StepBatcher
 from device_agent.emulation.shaping import TokenBucket
 from device_agent.emulation.slots import ComputeSlots
+from device_agent.training.batched import DeviceTrainer, StepRunner
 from device_agent.training.oom import is_out_of_memory
 
 T = TypeVar("T")
@@ -189,9 +191,12 @@ class Throttle:
         self.slept_seconds = 0.0
 
     @contextmanager
-    def step(self) -> Iterator[None]:
-        """Wrap one training step (forward, backward, optimizer step); the sleep comes after ``hold`` is released."""
-        with self._hold:
+    def step(self, hold: bool = True) -> Iterator[None]:
+        """Wrap one training step (forward, backward, optimizer step); the sleep comes after ``hold`` is released.
+
+        ``hold=False``: the step waits for its slot itself (a worker's batcher), and that wait counts as the step's.
+        """
+        with self._hold if hold else nullcontext():
             self._sync()
             start = self._clock()
             yield
@@ -241,6 +246,7 @@ class EmulatedDevice(RuntimeHooks):
         emulation: EmulationConfig,
         device: torch.device,
         compute_slot: ComputeSlots | None = None,
+        batcher: StepBatcher | None = None,
     ) -> None:
         """``compute_slot``: this device shares its process with others (a worker); see
         :mod:`device_agent.emulation.worker`. It waits for a slot with the time its round's training
@@ -248,7 +254,10 @@ class EmulatedDevice(RuntimeHooks):
 
         Alone in its process, the device gets the process-wide caps (threads, RLIMIT_AS or a CUDA memory
         fraction). Sharing one, it gets none of them: its memory is held by accounting alone and its
-        steps take turns in ``compute_slot``.
+        steps take turns in ``compute_slot``. ``batcher`` (a worker's, over the same slots): its training steps
+        may run together with other devices' (:mod:`device_agent.emulation.batching`); then a step's measured
+        time includes its wait for the slot, and on CUDA the batched step's memory peak is not checked against
+        this device's budget (it is K devices'; the predicted peak still is).
         """
         self.emulation = emulation
         self.memory: MemoryCap | None = None
@@ -268,6 +277,7 @@ class EmulatedDevice(RuntimeHooks):
         )
         self._started = 0.0
         self._slot = None if compute_slot is None else compute_slot.turn(lambda: self._started)
+        self._batcher = batcher
         # A throttle on a GPU must time the kernels, not their asynchronous launch.
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
         paced = emulation.slowdown > 1 or emulation.step_seconds is not None
@@ -320,6 +330,15 @@ class EmulatedDevice(RuntimeHooks):
         measured = self.account.measure() if self.account is not None else nullcontext()
         with paced, measured:
             yield
+
+    def step_batcher(self) -> StepRunner | None:
+        return None if self._batcher is None else self._batched_step
+
+    def _batched_step(self, trainer: DeviceTrainer, step: int) -> float:
+        assert self._batcher is not None
+        paced = self.throttle.step(hold=False) if self.throttle is not None else nullcontext()
+        with paced:
+            return self._batcher.step(trainer, step, self._started)
 
     def compute(self) -> AbstractContextManager[object]:
         # Unpaced (evaluation is not in the cost model's step time), but in turn with the worker's other devices.

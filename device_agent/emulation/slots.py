@@ -55,22 +55,38 @@ class ComputeSlots:
         """Devices waiting for a slot right now."""
         return len(self._waiting)
 
-    def acquire(self, priority: float) -> None:
+    def acquire(
+        self, priority: float, *, wake: threading.Event | None = None, give_up: Callable[[], bool] | None = None
+    ) -> bool:
+        """Wait for a slot; True once held. With ``give_up``: False as soon as it is true (checked when ``wake``,
+        set through :meth:`wake`, wakes this waiter), without a slot: another device did this one's work."""
         with self._lock:
+            if give_up is not None and give_up():
+                return False
             if self._free > 0 and (not self._waiting or priority < self._waiting[0][0]):
                 self._free -= 1
-                return
-            entry = (priority, next(self._tickets), threading.Event())
+                return True
+            entry = (priority, next(self._tickets), wake or threading.Event())
             heapq.heappush(self._waiting, entry)
         while True:
             entry[2].wait()
             with self._lock:
+                if give_up is not None and give_up():
+                    self._waiting.remove(entry)
+                    heapq.heapify(self._waiting)
+                    self._wake_first()
+                    return False
                 if self._free > 0 and self._waiting[0] is entry:
                     heapq.heappop(self._waiting)
                     self._free -= 1
                     self._wake_first()
-                    return
+                    return True
                 entry[2].clear()
+
+    def wake(self, event: threading.Event) -> None:
+        """Wake a waiter of :meth:`acquire` whose ``give_up`` may now be true (under the lock: no lost wake-up)."""
+        with self._lock:
+            event.set()
 
     def release(self) -> None:
         with self._lock:

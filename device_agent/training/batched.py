@@ -23,7 +23,8 @@ for bit: ``tests/device_agent/training/test_batched.py`` states the tolerance.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,8 @@ from device_agent.training.optimizer import (
     TrainResult,
     absent_class_mask,
     as_tensors,
+    make_optimizer,
+    masked_cross_entropy,
     scaled_convolutions,
     train_local,
 )
@@ -109,17 +112,13 @@ class DeviceTrainer:
         self.x, self.y = x, y
         absent = absent_class_mask(y, num_classes) if config.mask_absent_classes else None
         self.absent = (absent if absent is not None else torch.zeros(num_classes, dtype=torch.bool)).to(device)
-        decay = {
-            id(p): float(g.get("weight_decay", 0.0))
-            for g in program.param_groups(config.weight_decay)
-            for p in g["params"]
-        }
+        self.optimizer = make_optimizer(program, config)  # SGD (unbatchable refuses Adam): its buffers are ours
+        decay = {id(p): float(g.get("weight_decay", 0.0)) for g in self.optimizer.param_groups for p in g["params"]}
         named = list(self.model.named_parameters())
         self.trained = [(name, p) for name, p in named if id(p) in decay]
         self.frozen = [(name, p) for name, p in named if id(p) not in decay]
         self.buffers = list(self.model.named_buffers())
         self.decay = tuple(decay[id(p)] for _, p in self.trained)
-        self.momentum: list[Tensor] | None = None
         generator = torch.Generator().manual_seed(config.seed)
         self.batches = [
             batch
@@ -204,27 +203,70 @@ def batched_step(trainers: Sequence[DeviceTrainer], steps: Sequence[int]) -> lis
 
 
 def _sgd(trainers: Sequence[DeviceTrainer], params: dict[str, Tensor], grads: dict[str, Tensor]) -> None:
-    """The agent's SGD step on stacked tensors, each device with its own momentum buffers (kept per trainer)."""
+    """The agent's SGD step on stacked tensors, each device with its own momentum buffers (its optimizer's)."""
     first = trainers[0]
     lr, momentum = first.config.lr, first.config.effective_momentum
-    if momentum != 0:
-        fresh = [t.momentum is None for t in trainers]
-        # A device without buffers yet (its first step) gets b = 0 * 0 + d = d exactly, as SGD's clone(d).
-        carry = torch.tensor([0.0 if new else momentum for new in fresh], device=first.device)
-        for trainer in trainers:
-            if trainer.momentum is None:
-                trainer.momentum = [torch.zeros_like(p[0]) for p in params.values()]
     for index, name in enumerate(params):
         p, g = params[name], grads[name]
         decay = first.decay[index]
         d = g if decay == 0 else g.add(p, alpha=decay)
         if momentum != 0:
-            b = torch.stack([t.momentum[index] for t in trainers])  # type: ignore[index]
+            owners = [t.trained[index][1] for t in trainers]
+            held = [t.optimizer.buffers.get(o) for t, o in zip(trainers, owners, strict=True)]
+            # A device without a buffer yet (its first step) gets b = 0 * 0 + d = d exactly, as SGD's clone(d).
+            carry = torch.tensor([0.0 if h is None else momentum for h in held], device=p.device)
+            b = torch.stack([torch.zeros_like(p[0]) if h is None else h for h in held])
             b.mul_(carry.view(-1, *[1] * (b.dim() - 1))).add_(d)
-            for k, trainer in enumerate(trainers):
-                trainer.momentum[index] = b[k]  # type: ignore[index]
+            for k, (trainer, owner) in enumerate(zip(trainers, owners, strict=True)):
+                trainer.optimizer.buffers[owner] = b[k]
             d = b
         p.add_(d, alpha=-lr)
+
+
+def single_step(trainer: DeviceTrainer, step: int) -> float:
+    """One device's step alone, on its own module, exactly as :func:`~device_agent.training.optimizer.train_local`
+    takes it (``backward()`` and the program's hooks): cheaper than a batched step of one."""
+    program, config, model, optimizer = trainer.program, trainer.config, trainer.model, trainer.optimizer
+    batch = trainer.batches[step]
+    optimizer.zero_grad(set_to_none=True)
+    with scaled_convolutions(model, program.train_scale()):
+        logits = model(trainer.x[batch].to(trainer.device))
+    absent = trainer.absent if config.mask_absent_classes else None
+    loss = masked_cross_entropy(logits, trainer.y[batch].to(trainer.device), absent, config.absent_class_fill)
+    extra = program.regularizer()
+    (loss if extra is None else loss + extra).backward()
+    program.after_backward()
+    optimizer.step()
+    value = float(loss.detach())
+    trainer.losses.append(value)
+    return value
+
+
+class StepRunner(Protocol):
+    """Takes one step of a device's :class:`DeviceTrainer` (alone or batched with other devices'); its loss."""
+
+    def __call__(self, trainer: DeviceTrainer, step: int, /) -> float: ...
+
+
+def train_stepwise(
+    program: ClientProgram,
+    data: Dataset | tuple[Tensor, Tensor],
+    config: TrainConfig,
+    device: torch.device | str,
+    runner: StepRunner,
+    progress: Callable[[int, int], None] | None = None,
+) -> TrainResult:
+    """:func:`~device_agent.training.optimizer.train_local` with every step handed to ``runner`` (a worker's
+    batcher, which may run it together with other devices' steps); ``program`` must be batchable."""
+    trainer = DeviceTrainer(program, data, config, device)
+    start = time.perf_counter()
+    if progress is not None:
+        progress(0, trainer.steps)
+    for step in range(trainer.steps):
+        runner(trainer, step)
+        if progress is not None:
+            progress(step + 1, trainer.steps)
+    return trainer.result(time.perf_counter() - start)
 
 
 def train_batched(

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -27,6 +27,9 @@ from device_agent.training.local_round import TrainedRound, train_assignment
 from device_agent.training.oom import free_memory, is_out_of_memory
 from device_agent.wire.codec import CodecError, decode_tensors
 from device_agent.wire.messages import Assignment, FailureReason, RoundFailed
+
+if TYPE_CHECKING:
+    from device_agent.training.batched import StepRunner
 
 log = logging.getLogger("fedfleet.round")
 
@@ -55,6 +58,8 @@ class RoundHooks(Protocol):
 
     def run_compute(self, work: Callable[[], T]) -> T: ...
 
+    def step_batcher(self) -> StepRunner | None: ...
+
 
 class NoHooks:
     """A round as it runs on real hardware: nothing paced, nothing capped."""
@@ -73,6 +78,9 @@ class NoHooks:
 
     def run_compute(self, work: Callable[[], T]) -> T:
         return work()
+
+    def step_batcher(self) -> StepRunner | None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -151,6 +159,7 @@ def run_assignment(
                 compute=hooks.compute,
                 run=hooks.run_compute,
                 progress=progress,
+                batch=hooks.step_batcher(),
             )
         kept.save(assignment.run, trained.keep)
         return trained

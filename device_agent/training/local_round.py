@@ -18,6 +18,7 @@ from torch import Tensor
 from device_agent.clients import build_program
 from device_agent.clients.base import ClientProgram
 from device_agent.clients.spec import ClientSpec, TrainConfig
+from device_agent.training.batched import StepRunner, train_stepwise, unbatchable
 from device_agent.training.clipping import clip_update
 from device_agent.training.federated_evaluation import evaluate_received
 from device_agent.training.optimizer import Runner, TrainResult, evaluate_local, run_here, train_local
@@ -53,20 +54,26 @@ def train_assignment(
     compute: Callable[[], AbstractContextManager[object]] = nullcontext,
     run: Runner = run_here,
     progress: Callable[[int, int], None] | None = None,
+    batch: StepRunner | None = None,
 ) -> TrainedRound:
     """Build the spec's program from the assignment (and what the device kept), evaluate it, train, evaluate, pack.
 
     ``step`` wraps each training step and ``compute`` each evaluation: devices packed into one worker
     take turns there, so their evaluations do not all hold activations at once. ``run`` runs each step's
     body, each evaluation and the packing inside those (a packed GPU worker runs them on its compute threads);
-    ``progress`` hears of each training step (see :func:`train_local`).
+    ``progress`` hears of each training step (see :func:`train_local`). ``batch``, if given, takes the training
+    steps instead of ``step`` and ``run`` where the program can be batched (a worker's step batcher, which runs
+    them together with other devices' steps: :mod:`device_agent.training.batched`).
     """
     program = build_program(spec, tensors, local)
     sent = {k: v.detach().clone() for k, v in tensors.items()} if spec.clip is not None else None
     del tensors  # loaded into the program: the caller may hold the only other reference (run_assignment does not)
     with compute():
         received = run(lambda: evaluate_received(program, test, shard[0], device))
-    result = train_local(program, shard, train, device, step=step, run=run, progress=progress)
+    if batch is not None and unbatchable(program, train) is None:
+        result = train_stepwise(program, shard, train, device, batch, progress)
+    else:
+        result = train_local(program, shard, train, device, step=step, run=run, progress=progress)
     with compute():
         local_accuracy = (
             run(lambda: evaluate_local(program, test, device, calibration=shard[0])) if len(test[1]) else None

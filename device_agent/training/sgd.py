@@ -26,7 +26,8 @@ class SGD:
         self.param_groups = [
             {**group, "params": list(group["params"]), "lr": lr, "momentum": momentum} for group in groups
         ]
-        self._momentum: dict[Tensor, Tensor] = {}
+        self.buffers: dict[Tensor, Tensor] = {}
+        """Each parameter's momentum buffer, once it has one (batched steps read and write them too)."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:
@@ -45,9 +46,9 @@ class SGD:
                     continue
                 step = param.grad if weight_decay == 0 else param.grad.add(param, alpha=weight_decay)
                 if momentum != 0:
-                    buffer = self._momentum.get(param)
+                    buffer = self.buffers.get(param)
                     if buffer is None:
-                        buffer = self._momentum[param] = torch.clone(step).detach()
+                        buffer = self.buffers[param] = torch.clone(step).detach()
                     else:
                         buffer.mul_(momentum).add_(step)
                     step = buffer

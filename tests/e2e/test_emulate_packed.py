@@ -40,6 +40,7 @@ def test_six_devices_in_two_workers_complete_their_rounds(tmp_path: Path) -> Non
     assert leftovers == [], "workers left running after the emulation ended"
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "emulating 6 devices packed into 2 worker processes (3 per worker" in done.stdout
+    assert "workers batch the training steps of devices with the same model, level and batch shape" in done.stdout
 
     rounds = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rounds) == 2
@@ -53,6 +54,8 @@ def test_six_devices_in_two_workers_complete_their_rounds(tmp_path: Path) -> Non
         hosted = [Path(p).parent.name for p in yaml.safe_load(agent_list.read_text())]
         log = agent_list.with_suffix(".log").read_text()
         assert len(hosted) == 3
+        assert "steps batched, up to 32" in log
+        assert "training steps ran batched" in log  # the count as the worker stopped
         for device in hosted:  # each device trained in its worker, with its own state directory
             assert f"{device}: round 2 trained" in log
             assert (run_dir / "agents" / device / "state").is_dir()

@@ -17,7 +17,14 @@ from device_agent.clients.lora import LoRAProgram
 from device_agent.clients.registry import PROGRAMS
 from device_agent.clients.spec import FedHMSpec, LoRASpec, ModelSpec, SpecBase, TrainConfig, WidthSpec
 from device_agent.layers.lora import base_state, state_digest
-from device_agent.training.batched import DeviceTrainer, batched_step, train_batched, unbatchable
+from device_agent.training.batched import (
+    DeviceTrainer,
+    batched_step,
+    single_step,
+    train_batched,
+    train_stepwise,
+    unbatchable,
+)
 from device_agent.training.optimizer import train_local
 
 ATOL, RTOL = 1e-5, 1e-4
@@ -125,9 +132,9 @@ def test_a_device_at_its_first_step_batches_with_one_at_its_second() -> None:
     train_local(a1, shard(0, spec), config)
     train_local(b1, shard(1, spec), config)
     a, b = DeviceTrainer(a2, shard(0, spec), config), DeviceTrainer(b2, shard(1, spec), config)
-    batched_step([a], [0])
+    single_step(a, 0)
     batched_step([a, b], [1, 0])  # a's second step and b's first, as one
-    batched_step([b], [1])
+    single_step(b, 1)
     for one, two in ((a1, a2), (b1, b2)):
         for name, value in one.model.state_dict().items():
             torch.testing.assert_close(two.model.state_dict()[name], value, atol=ATOL, rtol=RTOL)
@@ -146,3 +153,14 @@ def test_what_cannot_batch_says_why_and_trains_one_by_one() -> None:
     assert fallback.mean_loss == alone.mean_loss
     for name, value in one.model.state_dict().items():
         assert torch.equal(two.model.state_dict()[name], value)
+
+
+def test_steps_taken_alone_are_train_locals_bit_for_bit() -> None:
+    """A worker's batcher runs a step alone where batching does not pay: the same numbers as the agent's own loop."""
+    spec = FedHMSpec(strategy="fedhm", model=CNN, level=0.5, frobenius_decay=1e-3, send_classes=True)
+    one, two = programs(spec, assignment(spec), 0)
+    alone = train_local(one, shard(0, spec), TRAIN)
+    stepwise = train_stepwise(two, shard(0, spec), TRAIN, "cpu", single_step)
+    assert (stepwise.steps, stepwise.mean_loss) == (alone.steps, alone.mean_loss)
+    for name, value in one.model.state_dict().items():
+        assert torch.equal(two.model.state_dict()[name], value), name
