@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from fractions import Fraction
 from functools import lru_cache
 
 from coordinator.config.fleet import DATASET_SIZES, REPORTED, Device, Fleet
+from coordinator.config.secure import EXCHANGES, round_size
 from coordinator.strategies import STRATEGIES, ModelSpec
 from device_agent.common.profile import DeviceProfile
 from device_agent.models import model_card
@@ -88,9 +89,17 @@ def model_spec(fleet: Fleet) -> ModelSpec:
 
 
 def level_cost(fleet: Fleet, level: float) -> LevelCost:
-    """The cost of ``level`` under the fleet's strategy (cached by strategy, parameters, model and level)."""
+    """The cost of ``level`` under the fleet's strategy (cached by strategy, parameters, model and level).
+
+    Under ``secure_aggregation`` every device masks a vector of the full model (a width slice padded, FedHM's
+    factors rebuilt dense: docs/secure-aggregation.md) and sends the protocol's messages too."""
     params = json.dumps(fleet.strategy.params, sort_keys=True)
-    return _level_cost(fleet.strategy.name, params, model_spec(fleet), level)
+    cost = _level_cost(fleet.strategy.name, params, model_spec(fleet), level)
+    if fleet.secure_aggregation is None:
+        return cost
+    values = _level_cost(fleet.strategy.name, params, model_spec(fleet), 1.0).upload_bytes // 4  # float32 values
+    devices = round_size(len(fleet.devices), fleet.participation)
+    return replace(cost, upload_bytes=fleet.secure_aggregation.upload_bytes(values, devices))
 
 
 @lru_cache(maxsize=128)
@@ -251,7 +260,7 @@ def _estimate(fleet: Fleet, device: Device, profile: DeviceClass, ratio: float) 
     transfer = (
         cost.download_bytes * 8 / (link.downlink_mbps * 1e6)
         + cost.upload_bytes * 8 / (link.uplink_mbps * 1e6)
-        + 2 * link.latency_ms / 1e3
+        + 2 * link.latency_ms / 1e3 * (1 + (EXCHANGES if fleet.secure_aggregation is not None else 0))
     )
     return _Estimate(cost, memory, steps * predict_step_seconds(work, profile) + transfer)
 

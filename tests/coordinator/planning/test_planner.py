@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from coordinator.config.fleet import Fleet, load_fleet, parse_fleet
-from coordinator.planning.planner import after_out_of_memory, plan_fleet
+from coordinator.planning.planner import after_out_of_memory, level_cost, plan_fleet
 from device_agent.common.profile import DeviceProfile
 from device_agent.models import build_model
 from profiles.catalog import load_catalog
@@ -210,3 +210,23 @@ def _report(**changes: object) -> DeviceProfile:
     if data["accelerator"] == "cuda":
         data["accelerator_memory_bytes"] = data["memory_total_bytes"]
     return DeviceProfile.model_validate(data)
+
+
+@pytest.mark.parametrize("strategy", ["fedhm", "heterofl"])
+def test_under_secure_aggregation_every_level_uploads_the_full_model_masked_and_the_protocol(strategy: str) -> None:
+    settings = {
+        "strategy": {"name": strategy},
+        "ratios": [1, 0.5, 0.25],
+        "limits": {"update_bound_factor": None, "peer_min_cosine": None, "peer_hard_floor": None},
+        "model": {"arch": "cnn", "num_classes": 10},
+    }
+    devices = [{"id": f"d{i}", "profile": "raspberry-pi-5"} for i in range(10)]
+    plain = _fleet(devices, **settings)
+    secure = _fleet(devices, **settings, secure_aggregation={"threshold": 5, "neighbours": 8})
+    full = level_cost(plain, 1.0).upload_bytes  # float32: a masked word is 4 bytes as well (a 20-bit ring here)
+
+    for level in (1.0, 0.5, 0.25):
+        assert level_cost(plain, level).upload_bytes <= full
+        assert level_cost(secure, level).upload_bytes == full + 640 * 8 + 600  # keys, shares, answers: 8 neighbours
+    # FedHM at gamma 1/4 sends 3.8x its factors' bytes; a HeteroFL width-1/4 device 15x its slice.
+    assert level_cost(secure, 0.25).upload_bytes / level_cost(plain, 0.25).upload_bytes > 3.5
