@@ -108,9 +108,14 @@ def run_provision(args: argparse.Namespace) -> int:
         print(f"coordinator: error: {exc}", file=sys.stderr)
         return 2
     kits = done.kits.root
-    print(f"fleet {fleet.fleet}: kits in {kits}/ (devices reach the broker at {done.broker_url})")
+    mqtt = fleet.transport.kind == "mqtt"
+    reach = "the broker" if mqtt else f"the coordinator over {fleet.transport.kind}"
+    print(f"fleet {fleet.fleet}: kits in {kits}/ (devices reach {reach} at {done.broker_url})")
     tls = " (TLS; a client certificate's name is its login)" if done.tls else ""
-    print(f"  broker:  {kits / 'broker'}/mosquitto.conf{tls}")
+    if mqtt:
+        print(f"  broker:  {kits / 'broker'}/mosquitto.conf{tls}")
+    elif done.tls:
+        print(f"  server:  {kits / 'broker'}/server.pem, ca.pem, crl.pem{tls}")
     for device in fleet.devices:
         note = " (rotated)" if device.id in done.rotated else ""
         if device.id in done.missing:
@@ -122,7 +127,7 @@ def run_provision(args: argparse.Namespace) -> int:
             print(f"           wheels/: {done.wheels[device.id]}")
     if "coordinator" in done.missing:
         print(f"  coordinator INCOMPLETE: {done.missing['coordinator']}")
-    if not fleet.broker.hosts and fleet.broker.mode != "external":
+    if mqtt and not fleet.broker.hosts and fleet.broker.mode != "external":
         print("note: fleet.yaml has no broker.hosts; kits dial this host's name. List the names/IPs devices use.")
     if done.missing:
         print("warning: set the missing secrets and run the same command again; the rest is kept", file=sys.stderr)

@@ -9,12 +9,24 @@ the coordinator's half registers under ``fedfleet.transports`` (the agent never 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from device_agent.agent.config import AgentConfig, ConfigError
 from device_agent.agent.port import CoordinatorPort
 from device_agent.common.registry import Registry
 from device_agent.wire.session import ChunkHook
 
 ENTRY_POINT_GROUP = "fedfleet.ports"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One line of ``device-agent doctor`` about the way to the coordinator: ``ok`` None is a skipped check."""
+
+    name: str
+    ok: bool | None
+    detail: str
+    hint: str = ""
 
 
 class PortKind:
@@ -39,6 +51,11 @@ class PortKind:
     def preflight(self, config: AgentConfig, give_up_s: float) -> None:
         """Return once the coordinator's side can be reached (``device-agent run`` waits here before connecting);
         raise ``ConnectionError`` naming the cause after ``give_up_s`` s. Nothing to wait for by default."""
+
+    def doctor(self, config: AgentConfig, timeout: float) -> list[Finding] | None:
+        """``device-agent doctor``'s checks of the way to the coordinator (secrets, address, TLS, login), in the
+        order they depend on each other; None when this kind has none (doctor says it skipped them)."""
+        return None
 
     def claim_key(self, config: AgentConfig) -> str:
         """What two agents on one machine must not share (``device_agent.agent.lock``): by default the device's
@@ -65,4 +82,4 @@ def port_kind_of(config: AgentConfig) -> PortKind:
     return kind
 
 
-__all__ = ["ENTRY_POINT_GROUP", "PORTS", "PortKind", "port_kind_of"]
+__all__ = ["ENTRY_POINT_GROUP", "PORTS", "Finding", "PortKind", "port_kind_of"]

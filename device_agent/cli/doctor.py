@@ -407,8 +407,11 @@ def diagnose(source: Path, timeout: float = 5.0, *, kit: bool = False, force: bo
     where = f"kit {source}" if kit else str(source)
     checks = [Check("config", True, f"{where}: device {config.device}, fleet {config.fleet}")]
     if config.transport.kind != "mqtt":  # the broker, TLS and login checks below are the mqtt port's
-        skipped = f"skipped: transport.kind is {config.transport.kind!r}; doctor checks the way to the coordinator "
-        return [*checks, Check("broker", None, skipped + "for mqtt only"), *_local_checks(config)]
+        findings = port_kind_of(config).doctor(config, timeout)
+        if findings is None:
+            skipped = f"skipped: port kind {config.transport.kind!r} has no checks of the way to the coordinator"
+            return [*checks, Check("coordinator", None, skipped), *_local_checks(config)]
+        return [*checks, *(Check(f.name, f.ok, f.detail, f.hint) for f in findings), *_local_checks(config)]
     broker = config.broker
     try:
         password = broker.resolve_password()

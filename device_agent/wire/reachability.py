@@ -45,6 +45,7 @@ def wait_for_broker(
     give_up_s: float,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
+    what: str = "the broker",
 ) -> None:
     """Return once ``host:port`` accepts a connection; retry with backoff, each failure logged with its cause.
 
@@ -54,7 +55,7 @@ def wait_for_broker(
     while (why := why_unreachable(host, port)) is not None:
         waited = clock() - started
         if waited + delay > give_up_s:
-            raise ConnectionError(f"cannot reach the broker at {host}:{port}: {why}; gave up after {waited:.0f} s")
-        log.warning("cannot reach the broker at %s:%d: %s; retrying in %.0f s", host, port, why, delay)
+            raise ConnectionError(f"cannot reach {what} at {host}:{port}: {why}; gave up after {waited:.0f} s")
+        log.warning("cannot reach %s at %s:%d: %s; retrying in %.0f s", what, host, port, why, delay)
         sleep(delay)
         delay = min(delay * 2, MAX_BACKOFF_S)

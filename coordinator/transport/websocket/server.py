@@ -8,6 +8,8 @@ A device dials ``wss://HOST:PORT/FLEET/DEVICE``. What the MQTT broker's ACL does
 - the connection's route is that device: every frame on it is the device's own, so it cannot speak for
   another (the roster still ignores a hello or status naming someone else, ``wrong_sender``);
 - a second connection of one device replaces the first (closed with code 4000), as an MQTT takeover does;
+- ``?check`` after the path asks only whether the login is accepted (``device-agent doctor``): answered 200
+  after the same checks, without opening a WebSocket, so a running agent's connection is not replaced;
 - a closed connection is the device's ``offline`` (MQTT's last will), unless it said so itself first;
 - every frame is charged to its device's budget before it is read (the MQTT coordinator's ``InboundGuard``).
 
@@ -34,6 +36,7 @@ from device_agent.wire.engine import Completed
 from device_agent.wire.guard import InboundGuard, InboundLimits
 from device_agent.wire.messages import Hello, Message, Status
 from device_agent.wire.topics import DeviceTopics
+from device_agent.wire.websocket.client import LOGIN_CHECK
 from device_agent.wire.websocket.endpoint import Endpoint, WsSettings
 
 log = logging.getLogger("fedfleet.websocket")
@@ -43,6 +46,7 @@ PayloadHandler = Callable[[str, Completed], None]
 RefusalHandler = Callable[[str, str], None]
 REPLACED = 4000
 """Close code of a connection another connection of the same device replaced."""
+CHECK = LOGIN_CHECK
 
 
 class _LoggedHandshakes(ssl.SSLSocket):
@@ -227,6 +231,8 @@ class WsServer:
             or not hmac.compare_digest(login[1].encode(), self._passwords[device].encode())
         ):
             return self._refuse(connection, HTTPStatus.UNAUTHORIZED, peer, f"wrong or missing password for {device!r}")
+        if request.path.partition("?")[2] == CHECK:  # device-agent doctor: the login, not the agent's connection
+            return connection.respond(HTTPStatus.OK, f"{device} may connect to fleet {self.fleet}\n")
         return None
 
     @staticmethod

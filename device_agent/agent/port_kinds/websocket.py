@@ -12,21 +12,23 @@ device's own route, so nothing it sends can speak for another device. A closed c
 
 from __future__ import annotations
 
+import ssl
 import time
 from typing import Any
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from device_agent.agent.config import AgentConfig
+from device_agent.agent.config import AgentConfig, ConfigError
 from device_agent.agent.port import CoordinatorPort, MessageHandler, PayloadHandler, Signer, Upload
-from device_agent.agent.ports import PORTS, PortKind
+from device_agent.agent.ports import PORTS, Finding, PortKind
 from device_agent.common.schema import SecretError, check_secret_ref, resolve_secret
 from device_agent.common.validation import describe
 from device_agent.wire.engine.manifests import make_manifest
 from device_agent.wire.messages import Message, Status
-from device_agent.wire.reachability import wait_for_broker
-from device_agent.wire.websocket.client import COORDINATOR, Dial, WsClient
+from device_agent.wire.reachability import wait_for_broker, why_unreachable
+from device_agent.wire.tls_errors import why_tls_fails
+from device_agent.wire.websocket.client import COORDINATOR, Dial, WsClient, check_login
 from device_agent.wire.websocket.endpoint import Endpoint, WsSettings
 from device_agent.wire.websocket.pipe import ChunkHook
 
@@ -77,6 +79,10 @@ class WebSocketSettings(BaseModel):
         return parts.hostname or "", parts.port or (443 if parts.scheme == "wss" else 80)
 
 
+def _tls_files(settings: WebSocketSettings) -> tuple[str | None, str | None, str | None]:
+    return settings.ca_file, settings.cert_file, settings.key_file
+
+
 def settings_of(config: AgentConfig) -> WebSocketSettings:
     return WebSocketSettings.model_validate({"kind": config.transport.kind, **(config.transport.model_extra or {})})
 
@@ -94,15 +100,7 @@ class WsPort:
                 password = resolve_secret(settings.password)
             except SecretError as exc:
                 raise ConnectionError(f"transport.password: {exc}") from None
-        self.dial = Dial(
-            settings.url,
-            config.fleet,
-            config.device,
-            password,
-            settings.ca_file,
-            settings.cert_file,
-            settings.key_file,
-        )
+        self.dial = Dial(settings.url, config.fleet, config.device, password, *_tls_files(settings))
         self.where = settings.url
         self.device = config.device
         self.connect_timeout_s = config.connect_timeout_s
@@ -187,10 +185,38 @@ class WebSocket(PortKind):
     def preflight(self, config: AgentConfig, give_up_s: float) -> None:
         """Wait for the coordinator's TCP port: the agent may start before the coordinator (a boot)."""
         host, port = settings_of(config).host_port
+        wait_for_broker(host, port, give_up_s, what="the coordinator")
+
+    def doctor(self, config: AgentConfig, timeout: float) -> list[Finding]:
+        """The kit's secrets, the coordinator's port, its certificate against the kit's CA, and the login (checked
+        by the server without opening a WebSocket, so a running agent keeps its connection)."""
+        settings = settings_of(config)
         try:
-            wait_for_broker(host, port, give_up_s)
-        except ConnectionError as exc:  # its words name a broker
-            raise ConnectionError(str(exc).replace("the broker", "the coordinator", 1)) from None
+            password = None if settings.password is None else resolve_secret(settings.password)
+            dial = Dial(settings.url, config.fleet, config.device, password, *_tls_files(settings))
+            dial.ssl_context()
+            config.resolve_signing_key()
+        except (SecretError, ConfigError, OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            detail = f"transport: {exc}" if isinstance(exc, SecretError | ssl.SSLError) else str(exc)
+            return [Finding("secrets readable", False, detail, "run doctor as the agent's user (sudo) or fix the path")]
+        read = "password" + (", CA, client certificate" if settings.cert_file else "")
+        findings = [Finding("secrets readable", True, read + (", signing key" if config.signing_key else ""))]
+        host, port = settings.host_port
+        why = why_unreachable(host, port, timeout)
+        if why is not None:
+            hint = "is the coordinator started, and transport.url its address? (behind a proxy: HTTPS_PROXY)"
+            return [*findings, Finding("coordinator reachable", False, f"{host}:{port}: {why}", hint)]
+        findings.append(Finding("coordinator reachable", True, f"{host}:{port}"))
+        if dial.tls:
+            problem = why_tls_fails(host, port, settings.ca_file, settings.cert_file, settings.key_file, timeout)
+            if problem is not None:
+                return [*findings, Finding("TLS verifies", False, problem.reason, problem.hint)]
+            findings.append(
+                Finding("TLS verifies", True, f"server certificate for {host} signed by {settings.ca_file}")
+            )
+        accepted, said = check_login(dial, timeout)
+        hint = "the kit's password or certificate is not this device's current one: provision again, copy the new kit"
+        return [*findings, Finding("login accepted", accepted, f"as {config.device}: {said}", hint)]
 
     def claim_key(self, config: AgentConfig) -> str:
         """One login on one coordinator: a second connection with it would replace the first."""

@@ -28,6 +28,8 @@ log = logging.getLogger("fedfleet.wire")
 
 COORDINATOR = "coordinator"
 """A device's one route: its coordinator."""
+LOGIN_CHECK = "check"
+"""The query that asks the server to check a login without opening a WebSocket (``device-agent doctor``)."""
 
 
 @dataclass(frozen=True)
@@ -207,3 +209,21 @@ class WsClient:
             code = connection.close_code
             why = connection.close_reason or "no reason given"
             log.warning("%s: connection to %s lost (%s: %s); reconnecting", self.dial.device, self.dial.url, code, why)
+
+
+def check_login(dial: Dial, timeout: float) -> tuple[bool, str]:
+    """Whether the coordinator accepts this device's certificate and password, asked without opening a WebSocket
+    (a running agent's connection is not replaced): (accepted, what the server said or why it could not)."""
+    try:
+        with connect(
+            f"{dial.uri}?{LOGIN_CHECK}", ssl=dial.ssl_context(), additional_headers=dial.headers(), open_timeout=timeout
+        ):
+            return False, "the server opened a WebSocket instead of answering the check: not a fedfleet coordinator?"
+    except InvalidStatus as exc:
+        body = exc.response.body.decode(errors="replace").strip() if exc.response.body else ""
+        status = exc.response.status_code
+        return status == 200, body if status == 200 else f"HTTP {status}: {body or 'refused'}"
+    except ConnectionClosed:
+        return False, "the coordinator closed the connection after the TLS handshake: it refused the client certificate"
+    except (InvalidHandshake, OSError, TimeoutError) as exc:
+        return False, f"{type(exc).__name__}: {exc}"

@@ -24,6 +24,7 @@ from coordinator.provision.layout import Kits
 from coordinator.transport.broker.base import free_port
 from coordinator.transport.registry import transport_of
 from coordinator.transport.websocket.server import ServerTls, WsServer
+from device_agent.cli import doctor
 from device_agent.wire.engine import Completed
 from device_agent.wire.messages import Error, Message, Status, encode
 from device_agent.wire.websocket.client import Dial, WsClient
@@ -266,3 +267,37 @@ def test_fleet_and_agent_settings_of_the_websocket_transport_are_checked_with_th
     assert kind.problems(fleet({"kind": "websocket", "port": 0}))[0].startswith("transport.port: ")
     mqtt = fleet({"kind": "mqtt", "port": 9443})
     assert transport_of(mqtt).problems(mqtt)[0] == "transport.port: not a setting of transport 'mqtt'"
+
+
+def test_doctor_checks_the_way_and_the_login_without_taking_over_a_running_agent(
+    server, certificates, tmp_path
+) -> None:
+    served, _ = server
+    (tmp_path / "password").write_text(PASSWORDS["d0"])
+    (tmp_path / "wrong").write_text(PASSWORDS["d1"])
+    cert, key = certificates.clients["d0"]
+
+    def agent_yaml(password: str) -> Path:
+        path = tmp_path / f"{password}.yaml"
+        path.write_text(
+            f"device: d0\nfleet: {FLEET}\ndata: {{dataset: digits}}\n"
+            f"transport: {{kind: websocket, url: '{served.url}', password: 'file:{tmp_path / password}', "
+            f"ca_file: {certificates.ca}, cert_file: {cert}, key_file: {key}}}\n"
+        )
+        return path
+
+    running, _ = device(served, certificates)
+    try:
+        assert running.connected.wait(10), running.connect_failure
+        connection = served._connections["d0"]
+        checks = {c.name: c for c in doctor.diagnose(agent_yaml("password"))}
+        refused = {c.name: c for c in doctor.diagnose(agent_yaml("wrong"))}
+        assert served._connections["d0"] is connection and running.endpoint.stats.connects == 1  # not taken over
+    finally:
+        running.stop()
+
+    assert [
+        (n, checks[n].ok) for n in ("secrets readable", "coordinator reachable", "TLS verifies", "login accepted")
+    ] == [(n, True) for n in ("secrets readable", "coordinator reachable", "TLS verifies", "login accepted")]
+    assert checks["login accepted"].detail == f"as d0: d0 may connect to fleet {FLEET}"
+    assert refused["login accepted"].ok is False and "HTTP 401" in refused["login accepted"].detail

@@ -272,13 +272,11 @@ def test_doctor_refuses_an_unknown_port_kind_in_its_config_check(tmp_path: Path)
     assert "transport.kind: 'pigeon' is not a registered port kind (registered: mqtt" in checks[0].detail
 
 
-def test_doctor_checks_the_broker_for_mqtt_only_and_this_machine_for_any_port_kind(tmp_path: Path) -> None:
+def test_doctor_skips_the_way_of_a_port_kind_without_checks_and_checks_this_machine_for_any(tmp_path: Path) -> None:
     with recorder_installed(tmp_path / "site"):
         checks = {check.name: check for check in doctor.diagnose(agent_yaml(tmp_path / "dev-a"))}
 
-    assert checks["config"].ok and checks["broker"].ok is None
-    assert checks["broker"].detail == (
-        "skipped: transport.kind is 'recorder'; doctor checks the way to the coordinator for mqtt only"
-    )
+    assert checks["config"].ok and checks["coordinator"].ok is None
+    assert checks["coordinator"].detail == ("skipped: port kind 'recorder' has no checks of the way to the coordinator")
     assert "login accepted" not in checks and "secrets readable" not in checks
     assert checks["data"].ok and checks["cpu"].ok  # what the machine needs whatever the transport
