@@ -2,7 +2,8 @@
 
 ``coordinator provision`` makes the kits (the fleet's CA, the server certificate, one client certificate and
 password per device, each agent.yaml saying ``transport: {kind: websocket, url: wss://...}``); three
-``device-agent run --kit`` processes and one ``coordinator start`` run four rounds; no broker runs. As round 2
+``device-agent run --kit`` processes and one ``coordinator start`` run four rounds of signed uploads; no
+broker runs. As round 2
 starts, one agent is killed (SIGKILL: no goodbye; its closed connection is its ``offline``) and a new process
 is started on the same kit and state dir. Round 2 is held open meanwhile (another agent is paused with
 SIGSTOP, so the round cannot close without it): the new process is sent round 2's assignment again, trains it,
@@ -41,6 +42,7 @@ def fleet_yaml(port: int) -> str:
         "dataset: {name: digits, partition: iid}\n"
         f"rounds: {ROUNDS}\nround_deadline_s: 200\nquorum: 1.0\n"
         "training: {batch_size: 32, local_epochs: 1, lr: 0.05}\n"
+        "security: {sign_uploads: true}\n"
         f"devices:\n{devices}"
     )
 
@@ -112,4 +114,6 @@ def test_a_fleet_over_websockets_with_tls_survives_a_killed_agent(tmp_path: Path
     assert again.count(f"{KILLED}: connected to wss://127.0.0.1:") == 2, again[-3000:]
     assert f"{KILLED}: round 2 trained" in again
     assert rounds[-1]["accuracy"] > 0.8
+    overheads = [row["bytes_up"] / row["payload_bytes"] for r in rounds for row in r["devices"].values()]
+    assert min(overheads) > 1.0 and sorted(overheads)[len(overheads) // 2] < 1.05, overheads  # headers, manifests
     print(f"{ROUNDS} rounds over websockets, {KILLED} killed in round 2 and back in it: {wall:.1f} s")

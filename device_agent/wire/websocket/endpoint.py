@@ -224,6 +224,11 @@ class Endpoint:
         self.window.pump(lambda route, data, _transfer: self._write(route, data, len(data)), retry)
 
     def _tick(self, now: float) -> None:
+        """Re-announcements, nacks and expiries due, while a peer is connected (MQTT's session: while connected):
+        with nobody to hear them they would only spend a transfer's attempts."""
+        with self._lock:
+            if not self._pipes:
+                return
         waiting = self.window.waiting()
         with self._lock:
             outputs = self.engine.tick(now, waiting)
