@@ -7,6 +7,7 @@ second, one found in round 40 costs the run. See examples/fleet.yaml for a comme
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from copy import copy
@@ -543,11 +544,25 @@ class Fleet(_Strict):
             return self
         size = round_size(len(self.devices), self.participation)
         problems = self.secure_aggregation.problems(
-            size, self.strategy.name, self.limits.model_dump(), self.privacy is not None, self.strategy.params
+            size,
+            self.strategy.name,
+            self.limits.model_dump(),
+            self.privacy is not None,
+            self.strategy.params,
+            self.privacy is not None and self.privacy.clip.adaptive,
+            self._device_noise(size),
         )
         if problems:
             raise ValueError("secure_aggregation: " + "; ".join(problems))
         return self
+
+    def _device_noise(self, devices: int) -> float | None:
+        """Under privacy with SecAgg, the std of the noise each of a round's devices adds (z C / sqrt(devices)), when
+        fleet.yaml fixes both z and C."""
+        privacy = self.privacy
+        if privacy is None or privacy.noise_multiplier is None or privacy.clip.adaptive:
+            return None
+        return privacy.noise_multiplier * privacy.clip.first_norm / math.sqrt(devices)
 
     def sized_samples(self, device: Device) -> int | None:
         """The training samples fleet.yaml sizes ``device`` at, if it does: what its agent trains on."""

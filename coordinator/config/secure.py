@@ -26,6 +26,8 @@ null (off) under secure aggregation."""
 
 PROTOCOL_BYTES_PER_NEIGHBOUR, PROTOCOL_BYTES = 640, 600
 """A device's protocol messages per round (keys, sealed shares, forwarded shares, unmask answers), measured."""
+NOISE_RANGE = 6.0
+"""Under privacy the quantization range must reach this many noise stds: a clamp then happens once in 5e8 values."""
 EXCHANGES = 3
 """Round trips the protocol adds to a round (keys, shares, unmasking): the planner counts their latency."""
 
@@ -65,10 +67,14 @@ class SecureAggregation(BaseModel):
         limits: Mapping[str, object],
         privacy: bool,
         params: Mapping[str, object] | None = None,
+        adaptive_clip: bool = False,
+        device_noise: float | None = None,
     ) -> list[str]:
         """What contradicts this setting in a fleet of ``devices`` a round (``key: why``), empty when it fits.
 
-        ``params``: the strategy's (``strategy.params``); some of their values read single updates."""
+        ``params``: the strategy's (``strategy.params``); some of their values read single updates. ``privacy``:
+        fleet.yaml has ``privacy:`` (``adaptive_clip``: with an adaptive clip norm; ``device_noise``: the std of the
+        noise each device adds, z C / sqrt(devices), when fleet.yaml fixes z and C)."""
         found = []
         if strategy not in SUPPORTED_STRATEGIES:
             found.append(
@@ -82,8 +88,22 @@ class SecureAggregation(BaseModel):
                 f"limits: {', '.join(screening)} read each device's update, which the coordinator never sees under "
                 "secure aggregation; set them to null (the fleet then has no screening against poisoned updates)"
             )
-        if privacy:
-            found.append("privacy: differential privacy together with secure aggregation is not implemented yet")
+        if privacy and strategy != "fedavg":
+            found.append(
+                f"privacy: distributed noise under secure aggregation is wired for fedavg only, not {strategy!r} "
+                "(docs/secure-aggregation.md)"
+            )
+        if privacy and adaptive_clip:
+            found.append(
+                "privacy.clip: adaptive clipping counts the devices that were not clipped, one bit each, which the "
+                "coordinator never sees under secure aggregation; use a fixed clip norm"
+            )
+        if device_noise is not None and self.clip < NOISE_RANGE * device_noise:
+            found.append(
+                f"clip: {self.clip:g} does not cover the privacy noise each device adds (std z C / sqrt({devices}) = "
+                f"{device_noise:.4g}): values past it are clamped, and a clamped noise is not the Gaussian mechanism "
+                f"the accountant charges; set clip to at least {NOISE_RANGE:g} x that, {NOISE_RANGE * device_noise:.3g}"
+            )
         try:
             validate(devices, self.threshold, self.neighbours)
             Quantizer(clip=self.clip, bits=self.bits, devices=devices)

@@ -96,6 +96,8 @@ class PrivateRound(RosterRound):
         self.report_unclipped = report_unclipped
         self.sums: dict[str, Tensor] = {}
         self.unclipped = 0
+        self.distributed: tuple[int, int] | None = None
+        """(survivors, participants) when the devices added the noise themselves (secure aggregation)."""
 
     def _contribution(self, client_id: str, tensors: Mapping[str, Tensor], num_samples: int) -> dict[str, Tensor]:
         slot = self.slot_of(client_id, num_samples)
@@ -195,6 +197,8 @@ class PrivateStrategy(Strategy, register=False):
         self.ledger = Ledger(settings.delta)
         self.last_release: RoundRelease | None = None
         self._fraction: float | None = None
+        self._realized: float | None = None
+        """The last round's noise multiplier when the devices added the noise (fewer survivors: less noise)."""
 
     def _set_noise(self, noise_multiplier: float) -> None:
         """z for the pair (update, count); the update gets z, or z_update of the adaptive split."""
@@ -238,6 +242,10 @@ class PrivateStrategy(Strategy, register=False):
             return
         noise = RoundNoise()
         std = self.update_noise * aggregate.clip
+        self._realized = None
+        if aggregate.distributed is not None:  # each of n devices added z C / sqrt(n); m of them survived
+            survivors, participants = aggregate.distributed
+            std, self._realized = 0.0, self.noise_multiplier * math.sqrt(survivors / participants)
         state = self.inner.state_dict()
         for key, total in aggregate.sums.items():
             noised = (total + noise.normal(tuple(total.shape), std)) / k
@@ -252,15 +260,10 @@ class PrivateStrategy(Strategy, register=False):
 
     def charge(self, population: int, sample: int) -> RoundRelease:
         """Account one round drawn from ``population`` devices, ``sample`` of them (call once per drawn round)."""
-        self.ledger.charges.append(self.round_charge(population, sample))
-        self.last_release = RoundRelease(
-            self.ledger.epsilon(),
-            self.settings.delta,
-            self.clip_norm,
-            self.noise_multiplier,
-            self._fraction,
-        )
-        self._fraction = None
+        z = self.noise_multiplier if self._realized is None else self._realized
+        self.ledger.charges.append(RoundCharge(population, sample, z / 2))
+        self.last_release = RoundRelease(self.ledger.epsilon(), self.settings.delta, self.clip_norm, z, self._fraction)
+        self._fraction, self._realized = None, None
         return self.last_release
 
     def round_charge(self, population: int, sample: int) -> RoundCharge:

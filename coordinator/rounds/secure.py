@@ -98,7 +98,8 @@ class SecureRound:
         for setup in self.server.start():
             weight = None if self.layout.weights is None else self.layout.weights[setup.device]
             layout = self.layout.layout(setup.device)
-            self.link.send_control(setup.device, wrap(self.session.run, self.session.round, setup, weight, layout))
+            message = wrap(self.session.run, self.session.round, setup, weight, layout, self.layout.noise)
+            self.link.send_control(setup.device, message)
 
     def on_message(self, device: str, message: SecAgg) -> None:
         """A device's protocol message; one naming another device, or out of turn, is logged and dropped."""

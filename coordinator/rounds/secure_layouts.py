@@ -10,6 +10,7 @@ its :class:`~device_agent.agent.secure.Layout` with the setup and folds the unma
   (one protocol instance, one sum: the coordinator learns no per-level sum). Who holds which value is public (the
   levels, the survivors, the weights), except a label-masked classifier's rows, whose holders depend on each
   device's classes: those tensors get a count entry each, summed under the same masks.
+- :class:`PrivateLayout` (FedAvg under ``privacy``): the clipped update plus the device's share of the DP noise.
 - :class:`DenseLayout` (FedHM): each device rebuilds its low-rank layers' dense weights and masks the dense update
   (the full model's size: the bytes grow; the planner counts them), weighted by FedHM's public softmax weights.
 """
@@ -26,6 +27,7 @@ from torch import Tensor
 from coordinator.algorithms.aggregation import ClassifierRule, log_score
 from coordinator.algorithms.lowrank import align, factor_keys
 from coordinator.config.secure import SecureAggregation
+from coordinator.privacy.layer import PrivateRound, PrivateStrategy
 from coordinator.strategies import ClientSlot, RoundAggregate, Strategy
 from coordinator.strategies.fedhm import FedHM, FedHMRound
 from coordinator.strategies.width import FedAvg, HeteroFL, WidthRound, WidthStrategy
@@ -40,6 +42,8 @@ class SecureLayout:
     length: int
     weights: dict[str, float] | None
     """The factor each device scales its contribution by (public, at most 1); None: every device 1."""
+    noise: float | None = None
+    """The std of the Gaussian noise each device adds per value (distributed DP), None: none."""
 
     def layout(self, device: str) -> Layout | None:
         """What the device is told with its setup (None: its update's own tensors in key order)."""
@@ -199,6 +203,27 @@ class DenseLayout(SecureLayout):
         aggregate.aggregator.add(mean, 1.0, 1)
 
 
+class PrivateLayout(FlatLayout):
+    """DP-FedAvg under SecAgg: each of the n participants adds N(0, (z C)^2 / n) to its clipped update, unweighted.
+
+    The sum of the m survivors then carries noise of std z C sqrt(m / n): the target z C when nobody dropped, less
+    when some did, and the privacy ledger charges what it was (:meth:`PrivateStrategy.charge`).
+    """
+
+    def __init__(self, strategy: PrivateStrategy, sent: Mapping[str, Tensor], slots: Sequence[ClientSlot]) -> None:
+        super().__init__(sent, slots, weighted=False)
+        self.participants = len(slots)
+        self.noise = strategy.update_noise * strategy.clip_norm / math.sqrt(self.participants)
+
+    def fold(self, aggregate: RoundAggregate, total: np.ndarray, survivors: Sequence[str]) -> None:
+        if not isinstance(aggregate, PrivateRound):
+            raise TypeError(f"{type(aggregate).__name__} is not a private round")
+        for key, part in zip(self.keys, _split(total, [tuple(self.sent[k].shape) for k in self.keys]), strict=True):
+            contributions = self.sent[key].to(torch.float64) * len(survivors) + part  # sum of sent + noised update
+            aggregate.sums[key] = aggregate.sums.get(key, 0) + contributions
+        aggregate.distributed = (len(survivors), self.participants)
+
+
 def _sums_and_counts(aggregate: RoundAggregate) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     sums, counts = getattr(aggregate, "sums", None), getattr(aggregate, "counts", None)
     if sums is None or counts is None:
@@ -214,6 +239,8 @@ def secure_layout(
     settings: SecureAggregation,
 ) -> SecureLayout:
     """The layout of ``strategy``'s round; ``TypeError`` for a strategy that does not run under secure aggregation."""
+    if isinstance(strategy, PrivateStrategy) and isinstance(strategy.inner, FedAvg):
+        return PrivateLayout(strategy, assignments[slots[0].client_id], slots)
     if isinstance(strategy, FedAvg):
         return FlatLayout(assignments[slots[0].client_id], slots)
     if isinstance(strategy, HeteroFL):
@@ -225,4 +252,4 @@ def secure_layout(
     raise TypeError(f"{strategy.name} does not run under secure aggregation")
 
 
-__all__ = ["DenseLayout", "FlatLayout", "SecureLayout", "SliceLayout", "secure_layout"]
+__all__ = ["DenseLayout", "FlatLayout", "PrivateLayout", "SecureLayout", "SliceLayout", "secure_layout"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -50,11 +51,19 @@ MASKED_KIND = "secagg_masked"
 """The payload kind of a masked input (a ``MaskedInput`` in its wire form); the engine never decodes it as an update."""
 
 
-def wrap(run: str, round_: int, message: Message, weight: float | None = None, layout: Layout | None = None) -> SecAgg:
-    """A protocol message as the control message that carries it (``weight``, ``layout``: see :class:`SecAgg`)."""
+def wrap(
+    run: str,
+    round_: int,
+    message: Message,
+    weight: float | None = None,
+    layout: Layout | None = None,
+    noise: float | None = None,
+) -> SecAgg:
+    """A protocol message as the control message that carries it (``weight``, ``layout``, ``noise``: see
+    :class:`SecAgg`)."""
     body = base64.b64encode(encode(message)).decode()
     raw = None if layout is None else layout.model_dump(mode="json")
-    return SecAgg(run=run, round=round_, body=body, weight=weight, layout=raw)
+    return SecAgg(run=run, round=round_, body=body, weight=weight, layout=raw, noise=noise)
 
 
 def unwrap(message: SecAgg) -> Message:
@@ -158,6 +167,8 @@ class _Run:
     clip: float
     weight: float
     layout: Layout | None = None
+    noise: float | None = None
+    """The std of the Gaussian noise added to each value before masking (privacy), None: none."""
     update: np.ndarray | None = None
     forwarded: ForwardedShares | None = None
     masked: bool = False
@@ -197,7 +208,9 @@ class SecureRounds:
                 weight = 1.0 if message.weight is None else message.weight
                 clip = inner.params.clip
                 layout = None if message.layout is None else _layout(message.layout)
-                state = self._runs[key] = _Run(protocol, inner.session, clip, weight, layout, self._updates.get(key))
+                state = self._runs[key] = _Run(
+                    protocol, inner.session, clip, weight, layout, message.noise, self._updates.get(key)
+                )
                 self._send(wrap(*key, state.protocol.advertise(inner)))
                 return
             state = self._runs.get(key)
@@ -241,7 +254,10 @@ class SecureRounds:
     def _mask(self, key: tuple[str, int], state: _Run) -> None:
         if state.masked or state.forwarded is None or state.update is None:
             return
-        update = state.update * state.weight  # the sum of weighted updates, divided by the weights' sum at the end
+        update = state.update
+        if state.noise is not None:  # this device's share of the round's DP noise, fresh for every run of the protocol
+            update = update + np.random.default_rng(secrets.randbits(128)).normal(0.0, state.noise, update.shape)
+        update = update * state.weight  # the sum of weighted updates, divided by the weights' sum at the end
         clamped = int(np.sum(np.abs(update) > state.clip))
         if clamped:  # the sum then differs from the plain one by more than the quantization error: say so
             log.warning(

@@ -221,6 +221,9 @@ class SecAgg(_Message):
     """With the coordinator's setup, for strategies whose devices train a part or another form of the global
     model (width slices, low-rank factors): where each tensor of the update goes in the one summed vector
     (``device_agent.agent.secure.Layout``). None: the update's own tensors in key order (FedAvg)."""
+    noise: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    """With the coordinator's setup under ``privacy``: the std of the Gaussian noise the device adds to each value
+    of its clipped update before masking (its share of the round's noise; docs/secure-aggregation.md)."""
 
 
 INCOMPATIBLE = "incompatible"

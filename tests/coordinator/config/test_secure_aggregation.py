@@ -80,10 +80,18 @@ def test_the_default_limits_screen_and_are_refused_too() -> None:
     assert "update_bound_factor, peer_min_cosine, peer_hard_floor read each device's update" in message
 
 
-def test_privacy_together_with_secure_aggregation_is_refused() -> None:
-    message = refusal(fleet(privacy={"noise_multiplier": 1.0, "clip": 1.0, "delta": 1e-3}))
+def test_privacy_composes_with_secure_aggregation_as_noise_the_devices_add() -> None:
+    private = {"noise_multiplier": 1.0, "clip": 1.0, "delta": 1e-3}
+    wide = {"threshold": 3, "neighbours": 4, "clip": 3.0}  # 6 x the noise each of 5 devices adds, 1 / sqrt(5)
 
-    assert "privacy: differential privacy together with secure aggregation is not implemented" in message
+    assert parse_fleet(fleet(privacy=private, secure_aggregation=wide), CATALOG).privacy is not None
+    assert "clip: 0.5 does not cover the privacy noise each device adds" in refusal(fleet(privacy=private))
+    adaptive = {**private, "clip": {"mode": "adaptive"}}
+    assert "privacy.clip: adaptive clipping counts the devices" in refusal(fleet(privacy=adaptive))
+    fedhm = fleet(
+        privacy=private, secure_aggregation=wide, strategy={"name": "fedhm", "params": {"weighting": "uniform"}}
+    )
+    assert "distributed noise under secure aggregation is wired for fedavg only" in refusal(fedhm)
 
 
 @pytest.mark.parametrize(
