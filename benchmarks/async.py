@@ -1,0 +1,170 @@
+"""Time to accuracy on the fleet's own clock: sync FedHM rounds against FedBuff (async FedHM, async FedAvg).
+
+    python -m benchmarks.async --json [--seeds 3] [--per-class 10] [--target 0.7]
+
+An emulated heterogeneous fleet (``--per-class`` devices of each of three device classes, Jetson Orin Nano 8 GB,
+Raspberry Pi 5 and Raspberry Pi 4: the planner predicts ~17x between the fastest and the slowest assignment of the
+cnn28 on Fashion-MNIST) trains on a Dirichlet(``--alpha``) split of a Fashion-MNIST subset. Every assignment
+takes the device time the planner predicts for that device at its level (``coordinator.emulation.fleet_clock``:
+a discrete-event simulation, the host trains every update for real), so the figures are device seconds and mean
+the same on a loaded or a quiet host. FedHM's levels are the planner's for ``--deadline`` seconds a round; FedAvg
+trains the whole model everywhere.
+
+Per seed: the device time at which the global model first reached ``--target`` accuracy in each mode, and the
+accuracy each mode's global model had at the same device time (the earliest of the three times to target, so
+that every mode ran at least that long). ``speedup`` is sync FedHM's time over async FedHM's, per seed.
+The module is named ``async`` (a keyword): tests import it with importlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.compare import load_data
+from benchmarks.machine import describe
+from benchmarks.output import print_result
+from coordinator.config.asynchronous import AsyncSettings
+from coordinator.config.fleet import parse_fleet
+from coordinator.emulation.fleet_clock import ClockRun, planned_devices, run_async, run_sync, speed_spread
+from coordinator.strategies import ModelSpec, build_strategy
+from device_agent.clients.spec import TrainConfig
+from device_agent.data.datasets import FASHION_MNIST, LabeledData
+from device_agent.data.partition import PartitionSpec, client_shard
+from profiles.catalog import load_catalog
+
+CLASSES = ("jetson-orin-nano-8gb", "raspberry-pi-5", "raspberry-pi-4")
+ARCH = "cnn28"
+MODES = ("sync_fedhm", "async_fedhm", "async_fedavg")
+
+
+def fleet_yaml(strategy: str, shards: dict[str, int], profiles: dict[str, str], deadline: float) -> dict[str, Any]:
+    """The benchmark's fleet.yaml: one device per shard, sized at its shard (what the planner plans with)."""
+    return {
+        "fleet": "async-benchmark",
+        "broker": {"mode": "managed"},
+        "model": {"arch": ARCH, "num_classes": 10, "in_channels": 1, "image_size": 28},
+        "dataset": {"name": FASHION_MNIST},
+        "strategy": {"name": strategy},
+        "ratios": [1, 0.5, 0.25, 0.125] if strategy == "fedhm" else [1],
+        "round_deadline_s": deadline if strategy == "fedhm" else 3600,
+        "training": {"local_epochs": 1, "batch_size": 32, "optimizer": "momentum", "lr": 0.05},
+        "devices": [
+            {"id": device, "profile": profiles[device], "overrides": {"samples": samples}}
+            for device, samples in shards.items()
+        ],
+    }
+
+
+def run_seed(data: LabeledData, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    catalog = load_catalog()
+    count = args.per_class * len(CLASSES)
+    spec = PartitionSpec("dirichlet", count, seed, alpha=args.alpha)
+    profiles = {f"{CLASSES[i % len(CLASSES)]}-{i:02d}": CLASSES[i % len(CLASSES)] for i in range(count)}
+    splits = {device: client_shard(data.train_x, data.train_y, spec, i) for i, device in enumerate(profiles)}
+    splits = {device: split for device, split in splits.items() if len(split[1])}  # an empty shard trains nothing
+    shards = {device: len(split[1]) for device, split in splits.items()}
+    calibration = data.train_x[torch.randperm(len(data.train_y), generator=torch.Generator().manual_seed(seed))[:512]]
+    test = (data.test_x, data.test_y)
+    train = TrainConfig(optimizer="momentum", lr=0.05, epochs=1, batch_size=32, seed=seed)
+    model = ModelSpec(ARCH, 10, 1, 28)
+    settings = AsyncSettings(buffer=args.buffer, server_lr=args.server_lr, max_staleness=args.max_staleness)
+    runs: dict[str, ClockRun] = {}
+    host: dict[str, float] = {}
+    plans = {}
+    for mode in MODES:
+        name = "fedavg" if mode.endswith("fedavg") else "fedhm"
+        fleet = parse_fleet(fleet_yaml(name, shards, profiles, args.deadline), catalog)
+        devices = planned_devices(fleet, catalog, splits)
+        plans[mode] = devices
+        strategy = build_strategy(name, model, seed=seed)
+        started = time.perf_counter()
+        if mode.startswith("sync"):
+            runs[mode] = run_sync(strategy, devices, train, test, calibration, args.max_seconds, args.target)
+        else:
+            runs[mode] = run_async(strategy, settings, devices, train, test, calibration, args.max_seconds, args.target)
+        host[mode] = time.perf_counter() - started
+    reached = {mode: run.time_to_accuracy(args.target) for mode, run in runs.items()}
+    same = min([t for t in reached.values() if t is not None], default=args.max_seconds)
+    sync, fast = reached["sync_fedhm"], reached["async_fedhm"]
+    return {
+        "seed": seed,
+        "devices": len(splits),
+        "levels": {
+            mode: {c: sorted({d.level for d in ds if profiles[d.device] == c}) for c in CLASSES}
+            for mode, ds in plans.items()
+        },
+        "device_seconds_per_assignment": {
+            c: statistics.median(d.seconds for d in plans["sync_fedhm"] if profiles[d.device] == c) for c in CLASSES
+        },
+        "spread": round(speed_spread(plans["async_fedavg"]), 1),
+        "time_to_target_s": {mode: None if t is None else round(t, 2) for mode, t in reached.items()},
+        "same_time_s": round(same, 2),
+        "accuracy_at_same_time": {mode: round(run.accuracy_at(same), 4) for mode, run in runs.items()},
+        "best_accuracy": {mode: round(run.best, 4) for mode, run in runs.items()},
+        "speedup": None if sync is None or fast is None else round(sync / fast, 2),
+        "updates": {mode: run.points[-1].updates for mode, run in runs.items()},
+        "versions": {mode: run.points[-1].version for mode, run in runs.items()},
+        "staleness": {mode: dict(sorted(run.staleness.items())) for mode, run in runs.items() if run.mode == "async"},
+        "refused": {mode: dict(run.refused) for mode, run in runs.items() if run.mode == "async"},
+        "host_seconds": {mode: round(s, 1) for mode, s in host.items()},
+    }
+
+
+def summarize(per_seed: list[dict[str, Any]]) -> dict[str, Any]:
+    """Means over seeds; a mode that missed the target in a seed has no mean time."""
+    out: dict[str, Any] = {}
+    for mode in MODES:
+        times = [s["time_to_target_s"][mode] for s in per_seed]
+        out[mode] = {
+            "time_to_target_s": None if None in times else round(statistics.mean(times), 2),
+            "reached": sum(t is not None for t in times),
+            "accuracy_at_same_time": round(statistics.mean(s["accuracy_at_same_time"][mode] for s in per_seed), 4),
+        }
+    speedups = [s["speedup"] for s in per_seed]
+    out["speedup_async_fedhm_over_sync_fedhm"] = {
+        "per_seed": speedups,
+        "mean": None if None in speedups else round(statistics.mean(speedups), 2),
+        "min": None if None in speedups else min(speedups),
+    }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.async", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--per-class", type=int, default=10, help="devices of each of the three classes")
+    parser.add_argument("--train-samples", type=int, default=3000, help="Fashion-MNIST training subset")
+    parser.add_argument("--test-samples", type=int, default=1000, help="Fashion-MNIST test subset")
+    parser.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration of the label split")
+    parser.add_argument("--target", type=float, default=0.7, help="target accuracy of the global model")
+    parser.add_argument("--deadline", type=float, default=2.0, help="FedHM's round deadline, for the planner")
+    parser.add_argument("--buffer", type=int, default=10, help="FedBuff's K")
+    parser.add_argument("--server-lr", type=float, default=1.0)
+    parser.add_argument("--max-staleness", type=int, default=20)
+    parser.add_argument("--max-seconds", type=float, default=120.0, help="device seconds a mode may run at most")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    data = load_data(FASHION_MNIST, args.train_samples, args.test_samples)
+    started = time.perf_counter()
+    per_seed = [run_seed(data, seed, args) for seed in range(args.seeds)]
+    result = {
+        "benchmark": "async",
+        "setting": {k: v for k, v in vars(args).items() if k != "json"} | {"classes": list(CLASSES), "arch": ARCH},
+        "summary": summarize(per_seed),
+        "seeds": per_seed,
+        "host_seconds": round(time.perf_counter() - started, 1),
+        "machine": describe(),
+    }
+    print_result(result, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
