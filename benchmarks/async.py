@@ -108,7 +108,7 @@ def run_seed(data: LabeledData, seed: int, args: argparse.Namespace) -> dict[str
         "accuracy_at_same_time": {mode: round(run.accuracy_at(same), 4) for mode, run in runs.items()},
         "best_accuracy": {mode: round(run.best, 4) for mode, run in runs.items()},
         "speedup": None if sync is None or fast is None else round(sync / fast, 2),
-        "updates": {mode: run.points[-1].updates for mode, run in runs.items()},
+        "updates": {mode: run.folded for mode, run in runs.items()},
         "versions": {mode: run.points[-1].version for mode, run in runs.items()},
         "staleness": {mode: dict(sorted(run.staleness.items())) for mode, run in runs.items() if run.mode == "async"},
         "refused": {mode: dict(run.refused) for mode, run in runs.items() if run.mode == "async"},

@@ -79,6 +79,8 @@ class ClockRun:
     refused: Counter[str] = field(default_factory=Counter)
     """Async: refusal reason (``too_stale``) -> updates."""
     updates_per_version: dict[int, int] = field(default_factory=dict)
+    folded: int = 0
+    """Updates aggregated in all (async: also those in the buffer when the run stopped)."""
 
     def time_to_accuracy(self, target: float) -> float | None:
         """Device seconds at which the global model first reached ``target`` (None: it never did)."""
@@ -135,6 +137,7 @@ def run_sync(
         strategy.close_round(aggregate)
         clock += max(d.seconds for d in devices)
         run.points.append(Point(clock, _accuracy(strategy, test, calibration), round_, updates))
+    run.folded = updates
     return run
 
 
@@ -194,6 +197,7 @@ def run_async(
         start(device_id, now)
     run.staleness = Counter(server.staleness_histogram)
     run.updates_per_version = dict(server.updates_per_version)
+    run.folded = updates
     return run
 
 
