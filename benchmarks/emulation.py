@@ -234,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=3, help="--scale: rounds per size (default: 3)")
     parser.add_argument(
+        "--no-batch",
+        dest="batch",
+        action="store_false",
+        help="--scale: workers train each device's steps one by one (coordinator emulate --no-batch)",
+    )
+    parser.add_argument(
         "--pairs",
         type=int,
         default=2,
@@ -297,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(error, file=sys.stderr)
                 return 2
         outcome = emulation_scale.scale(
-            sizes, data, args.device_type, args.deadline_s, args.rounds, args.peer, args.pairs
+            sizes, data, args.device_type, args.deadline_s, args.rounds, args.peer, args.pairs, args.batch
         )
         print(
             json.dumps({"benchmark": "emulation", **outcome})

@@ -34,6 +34,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -103,8 +104,10 @@ def run_size(
     deadline_s: float | None = None,
     rounds: int = ROUNDS,
     strategy: str = "fedhm",
+    batch: bool = True,
 ) -> dict:
-    """One emulated fleet of ``devices``; what it took and whether every round completed."""
+    """One emulated fleet of ``devices``; what it took and whether every round completed. ``batch=False``: the
+    workers train each device's steps one by one (``coordinator emulate --no-batch``)."""
     from coordinator.transport.broker.base import free_port
 
     fleet = scale_fleet(devices, free_port(), data, deadline_s, rounds, strategy)
@@ -113,7 +116,7 @@ def run_size(
         path.write_text(yaml.safe_dump(fleet, sort_keys=False))
         predicted = _slowest_predicted_seconds(path)
         command = [sys.executable, "-m", "coordinator", "emulate", "--fleet", str(path), "--run-dir", str(run_dir)]
-        command += ["--device-type", device_type]
+        command += ["--device-type", device_type, *([] if batch else ["--no-batch"])]
         log = Path(folder) / "emulate.log"
         start = time.monotonic()
         with log.open("wb") as out:
@@ -135,6 +138,7 @@ def run_size(
         metrics = run_dir / "metrics.jsonl"
         records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
         tail = log.read_text(errors="replace")[-1500:]
+        steps = _batched_steps(run_dir)
     accepted = [sum(d["status"] == "accepted" for d in r["devices"].values()) for r in records]
     deadline = float(fleet["round_deadline_s"])
     completed = (
@@ -150,6 +154,8 @@ def run_size(
         "image_size": fleet["model"].get("image_size", 8),
         "strategy": strategy,
         "device_type": device_type,
+        "batch": batch,
+        "worker_steps": steps,
         "train_images_per_device": data.images_per_device(devices),
         "completed": completed,
         "exit_code": emulate.returncode,
@@ -173,6 +179,21 @@ def run_size(
     if not completed:
         result["log_tail"] = tail
     return result
+
+
+_STEPS = re.compile(r"worker: (\d+) training steps ran batched, (\d+) one by one")
+
+
+def _batched_steps(run_dir: Path) -> dict[str, int] | None:
+    """The training steps the workers ran batched and one by one, as each logged when it stopped (None: none did)."""
+    counts = [
+        m.groups()
+        for log in sorted((run_dir / "agents" / "workers").glob("*.log"))
+        for m in _STEPS.finditer(log.read_text(errors="replace"))
+    ]
+    if not counts:
+        return None
+    return {"batched": sum(int(b) for b, _ in counts), "one_by_one": sum(int(o) for _, o in counts)}
 
 
 PINNED_THREADS = thread_env(1)
@@ -228,6 +249,7 @@ def scale(
     rounds: int = ROUNDS,
     peer: str | None = None,
     pairs: int = PAIRS,
+    batch: bool = True,
 ) -> dict:
     """Sizes in increasing order until one does not complete (with a ``peer``, every size); ``max_devices``:
     the largest that did.
@@ -241,7 +263,7 @@ def scale(
     strategy = "fedavg" if peer == "flower" else "fedhm"
     runs, ratios = [], {}
     for devices in sorted(sizes):
-        options = {"data": data, "device_type": device_type, "deadline_s": deadline_s, "rounds": rounds}
+        options = {"data": data, "device_type": device_type, "deadline_s": deadline_s, "rounds": rounds, "batch": batch}
         if peer == "flower":
             run, summary = _side_by_side(
                 devices,
@@ -266,6 +288,7 @@ def describe(result: dict) -> list[str]:
     for run in result["runs"]:
         lines.append(
             f"{run['devices']} devices on {run['device_type']} "
+            f"(steps {'batched: ' + str(run['worker_steps']) if run['batch'] else 'one by one'}) "
             f"({run['train_images_per_device']} {run['dataset']} images each, {run['image_size']} px): "
             f"{'completed' if run['completed'] else 'FAILED'}; accuracy per round {run['accuracy']}; rounds "
             f"{run['round_seconds']} s (slowest device predicted {run['slowest_predicted_round_seconds']} s, "
