@@ -193,6 +193,7 @@ def simulate(
     transport: str = "in_process",
     secure_aggregation: Mapping[str, object] | None = None,
     run_dir: Path | None = None,
+    batch: bool = False,
 ) -> SimulationResult:
     """Run ``rounds`` rounds of ``strategy`` over ``clients``; ``train.seed`` seeds the run.
 
@@ -204,7 +205,10 @@ def simulate(
     or DP-FedAvg's clipping and noise. ``quorum``: see :func:`simulation_fleet` (a round with its quorum
     still waits for the rest within the laggards' grace). ``secure_aggregation``: fleet.yaml's section (SecAgg+,
     FedAvg only, with ``limits`` that screen nothing). ``run_dir``: where the run directory goes (kept for the
-    caller to read), else a temporary one.
+    caller to read), else a temporary one. ``batch``: the clients train at once, their steps of one model, level
+    and batch shape batched (:mod:`device_agent.emulation.batching`; uploads still reach the engine in the order
+    it assigned them), so the same seeds give the same model to float rounding rather than bit for bit; the
+    ``in_process`` transport's option.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
@@ -229,7 +233,8 @@ def simulate(
         problems = kind.problems(fleet, simulation=True)
         if problems:
             raise ValueError("; ".join(problems))
-        link = kind.simulation_link(fleet, [LocalDevice(c.client_id, c.train, c.test) for c in clients])
+        devices = [LocalDevice(c.client_id, c.train, c.test) for c in clients]
+        link = kind.simulation_link(fleet, devices, **({"batch": True} if batch else {}))
     data = LabeledData(
         calibration, calibration.new_zeros(len(calibration)), test[0], test[1], strategy.model.num_classes
     )

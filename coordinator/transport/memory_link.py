@@ -9,7 +9,9 @@ only the bytes take a shorter way. Assignments and updates still travel as safet
 carry a transport digest, so the gate, the journal and signatures see what they see over MQTT.
 
 Devices train one at a time, in the order the engine assigned them (:class:`Turns`), as the simulation
-always did: the same seeds give the same model.
+always did: the same seeds give the same model. With ``batch=True`` they train at once, their steps batched,
+and only their uploads take turns: the same seeds then give the same model to float rounding (which steps
+batch together depends on timing).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ from device_agent.agent.memory import MemoryHub, MemoryPort
 from device_agent.agent.probe import probe_device
 from device_agent.agent.runtime import Agent, AgentError
 from device_agent.common.profile import DeviceProfile
+from device_agent.emulation.batching import StepBatcher
+from device_agent.emulation.slots import ComputeSlots
+from device_agent.emulation.worker import MAX_BATCH_CPU
+from device_agent.training.batched import DeviceTrainer, StepRunner
 from device_agent.wire.messages import Assignment, Message, RoundFailed, encode
 from device_agent.wire.payload import Received
 from device_agent.wire.transfer import DEFAULT_CHUNK_SIZE, new_transfer_id
@@ -91,6 +97,11 @@ class Turns:
                     self._queue.popleft()
             self._started.add(device)
 
+    def begin(self, device: str) -> None:
+        """``device``'s round's work has begun though it waits for its turn later (before its upload)."""
+        with self._changed:
+            self._started.add(device)
+
     def answered(self, device: str) -> None:
         with self._changed:
             if device in self._queue:
@@ -100,14 +111,35 @@ class Turns:
 
 
 class TakingTurns(RuntimeHooks):
-    """A device's hooks: its round's work waits for its turn."""
+    """A device's hooks: its round's work waits for its turn.
 
-    def __init__(self, turns: Turns, device: str) -> None:
-        self.turns, self.device = turns, device
+    With a ``batcher`` the devices' rounds run at once instead, their training steps batched
+    (:mod:`device_agent.emulation.batching`), and only the uploads take turns: the engine still receives them
+    in the order it assigned the rounds.
+    """
+
+    def __init__(self, turns: Turns, device: str, batcher: StepBatcher | None = None) -> None:
+        self.turns, self.device, self.batcher = turns, device, batcher
+        self._started = 0.0
 
     def memory_guard(self) -> AbstractContextManager[object]:
-        self.turns.wait(self.device)
+        if self.batcher is None:
+            self.turns.wait(self.device)
+        else:
+            self.turns.begin(self.device)
+            self._started = time.monotonic()
         return nullcontext()
+
+    def step_batcher(self) -> StepRunner | None:
+        return None if self.batcher is None else self._step
+
+    def _step(self, trainer: DeviceTrainer, step: int) -> float:
+        assert self.batcher is not None
+        return self.batcher.step(trainer, step, self._started)
+
+    def before_upload(self) -> None:
+        if self.batcher is not None:
+            self.turns.wait(self.device)
 
 
 @dataclass(frozen=True)
@@ -133,8 +165,11 @@ class MemoryLink:
         torch_device: str = "cpu",
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         profile: DeviceProfile | None = None,
+        batch: bool = False,
     ) -> None:
+        """``batch``: the devices' rounds run at once, their training steps batched (see :class:`TakingTurns`)."""
         self.devices = {d.device_id: d for d in devices}
+        self.batcher = StepBatcher(ComputeSlots(1), max_batch=MAX_BATCH_CPU) if batch else None
         self.fleet, self.torch_device = fleet, torch_device
         self.hub = MemoryHub(chunk_size)
         self.profile = profile
@@ -183,7 +218,11 @@ class MemoryLink:
             heartbeat_s=HEARTBEAT_S,
         )
         return Agent(
-            config, profile, TakingTurns(self.turns, device.device_id), MemoryPort(self.hub, device.device_id), device
+            config,
+            profile,
+            TakingTurns(self.turns, device.device_id, self.batcher),
+            MemoryPort(self.hub, device.device_id),
+            device,
         )
 
     def _serve(self, agent: Agent) -> None:
