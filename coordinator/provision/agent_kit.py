@@ -136,6 +136,17 @@ def unit_text(fleet: Fleet, device: Device, layout: DeviceLayout) -> str:
     return render(UNIT, device=device.id, fleet=fleet.fleet, user=SERVICE_USER, groups=groups, command=layout.command())
 
 
+def agent_extras(fleet: Fleet) -> str:
+    """The agent wheel's extras a device of ``fleet`` installs: ``demo`` for the built-in digits (scikit-learn),
+    ``secagg`` when fleet.yaml asks for ``secure_aggregation`` (cryptography: X25519, ChaCha20)."""
+    extras = [
+        name
+        for name, wanted in (("demo", fleet.dataset.name in DEMO_DATASETS), ("secagg", fleet.secure_aggregation))
+        if wanted
+    ]
+    return f"[{','.join(extras)}]" if extras else ""
+
+
 def install_text(fleet: Fleet, device: Device, layout: DeviceLayout) -> str:
     return render(
         INSTALL,
@@ -150,7 +161,7 @@ def install_text(fleet: Fleet, device: Device, layout: DeviceLayout) -> str:
         torch_cpu_index=TORCH_CPU_INDEX,
         jetson_index=JETSON_INDEX,
         wheel=wheel_name(),
-        extra="[demo]" if fleet.dataset.name in DEMO_DATASETS else "",
+        extra=agent_extras(fleet),
         ca_cert=CA_CERT,
         client_cert=CLIENT_CERT,
         password=PASSWORD,

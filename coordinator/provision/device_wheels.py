@@ -29,7 +29,7 @@ from pathlib import Path
 from coordinator.config.fleet import Device, Fleet
 from coordinator.provision.agent_kit import device_class, torch_cpu_requirements, torch_version
 from coordinator.provision.secrets import ProvisionError
-from coordinator.provision.wheel import DEMO_DATASETS, DEMO_EXTRA, agent_requirements
+from coordinator.provision.wheel import DEMO_DATASETS, DEMO_EXTRA, agent_requirements, extra_requirements
 
 WHEELS = "wheels"
 # The newest torch on PyPI whose aarch64 wheel is a CPU build (libtorch_cpu, OpenBLAS, Arm Compute Library;
@@ -94,10 +94,11 @@ def platform_of(device: Device, torch_index: str | None = None) -> WheelPlatform
 
 
 def requirements(fleet: Fleet) -> list[str]:
-    """Everything beside torch a kit installs: the agent's dependencies, the demo extra, torch's CPU ones."""
+    """Everything beside torch a kit installs: the agent's dependencies, its extras (demo, secagg), torch's CPU ones."""
     demo = DEMO_EXTRA if fleet.dataset.name in DEMO_DATASETS else []
+    secagg = extra_requirements("secagg") if fleet.secure_aggregation is not None else []
     agent = [r for r in agent_requirements() if not re.match(r"torch\b", r)]
-    return [*agent, *demo, *torch_cpu_requirements()]
+    return [*agent, *demo, *secagg, *torch_cpu_requirements()]
 
 
 def _pip_download(platform: WheelPlatform, folder: Path, options: WheelOptions, args: list[str], what: str) -> None:

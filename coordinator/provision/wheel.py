@@ -35,6 +35,13 @@ def agent_requirements() -> list[str]:
     return [r for r in requires if "extra ==" not in r]
 
 
+def extra_requirements(extra: str) -> list[str]:
+    """The fedfleet distribution's requirements of one extra (``secagg``: cryptography), without the marker."""
+    marker = f'extra == "{extra}"'
+    requires = importlib.metadata.requires("fedfleet") or []
+    return [r.split(";")[0].strip() for r in requires if marker in r]
+
+
 def wheel_name() -> str:
     return f"{DIST}-{device_agent.__version__}-py3-none-any.whl"
 
@@ -59,6 +66,8 @@ def build_agent_wheel(out_dir: Path) -> Path:
         *(f"Requires-Dist: {r}" for r in agent_requirements()),
         "Provides-Extra: demo",
         *(f'Requires-Dist: {r}; extra == "demo"' for r in DEMO_EXTRA),
+        "Provides-Extra: secagg",
+        *(f'Requires-Dist: {r}; extra == "secagg"' for r in extra_requirements("secagg")),
     ]
     files += [
         (f"{info}/METADATA", ("\n".join(metadata) + "\n").encode()),

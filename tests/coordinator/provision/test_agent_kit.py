@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,9 @@ import yaml
 
 from coordinator.config.fleet import Fleet, load_fleet
 from coordinator.provision.agent_kit import agent_yaml, install_text, torch_version, unit_text
+from coordinator.provision.device_wheels import requirements
 from coordinator.provision.layout import DeviceLayout
+from coordinator.provision.wheel import build_agent_wheel
 from device_agent.agent.config import AgentConfig
 
 LAYOUT = DeviceLayout(Path("/srv/ff"), Path("/var/ff"))
@@ -48,6 +51,26 @@ def test_only_a_digits_fleet_installs_the_demo_extra(tmp_path: Path, dataset: st
     fleet = _fleet(tmp_path, f"dataset: {{name: {dataset}{path}}}\n")
     lines = install_text(fleet, fleet.devices[0], LAYOUT).splitlines()
     assert f'pip_install "$KIT/fedfleet_agent-0.1.0-py3-none-any.whl{extra}"' in lines
+
+
+def test_a_fleet_with_secure_aggregation_installs_the_secagg_extra(tmp_path: Path) -> None:
+    """The agent's SecAgg+ needs cryptography (X25519, ChaCha20), which only the secagg extra brings."""
+    path = tmp_path / "fleet.yaml"
+    path.write_text(
+        "fleet: lab\nbroker: {mode: managed, host: 127.0.0.1, port: 8883}\n"
+        "dataset: {name: digits}\nstrategy: {name: fedavg}\nratios: [1]\n"
+        "limits: {update_bound_factor: null, peer_min_cosine: null, peer_hard_floor: null}\n"
+        "secure_aggregation: {threshold: 2, neighbours: 2}\n"
+        "devices:\n" + "".join(f"  - {{id: pi{i}, profile: raspberry-pi-4}}\n" for i in range(3))
+    )
+    fleet = load_fleet(path)[0]
+    lines = install_text(fleet, fleet.devices[0], LAYOUT).splitlines()
+    assert 'pip_install "$KIT/fedfleet_agent-0.1.0-py3-none-any.whl[demo,secagg]"' in lines
+    assert any(r.startswith("cryptography") for r in requirements(fleet))  # offline kits (--wheels) carry it too
+    assert not any(r.startswith("cryptography") for r in requirements(_fleet(tmp_path)))
+    with zipfile.ZipFile(build_agent_wheel(tmp_path / "wheels")) as wheel:
+        metadata = wheel.read("fedfleet_agent-0.1.0.dist-info/METADATA").decode()
+    assert "Provides-Extra: secagg" in metadata and 'Requires-Dist: cryptography>=42; extra == "secagg"' in metadata
 
 
 def test_a_jetson_unit_joins_group_video_with_every_line_at_the_start(tmp_path: Path) -> None:
