@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from coordinator.algorithms.robust import dense_updates, peer_cosines, sketch
+from coordinator.algorithms.robust import Outlier, dense_updates, peer_cosines, sketch
 from coordinator.config.limits import FleetLimits, GateSettings
 from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.strategies import ModelSpec, build_strategy
@@ -159,7 +159,8 @@ def cut_target(gate: GateSettings, honest: Mapping[str, Tensor]) -> float:
     """The most reversed cosine the peer check lets through this round, less :data:`AT_THE_CUT_MARGIN`, as an
     attacker that knows the gate and sees the round's honest updates reads it: ``peer_hard_floor`` where the honest
     updates' median cosine (their direction sketches, :func:`~coordinator.algorithms.robust.peer_cosines`) is under
-    ``peer_min_agreement``, else ``peer_min_cosine`` (with the relative rule's spread, a cut can only lie lower).
+    ``peer_min_agreement``, else ``peer_min_cosine`` or the outlier cut above it (``peer_outlier_deviations``; with the
+    relative rule's spread, a cut can only lie lower).
     ``honest``: device -> its update's sketch. No peer check: -1 (anything passes)."""
     floor, hard, agreement = gate.peer_min_cosine, gate.peer_hard_floor, gate.peer_min_agreement
     if floor is None:
@@ -168,6 +169,11 @@ def cut_target(gate: GateSettings, honest: Mapping[str, Tensor]) -> float:
     agrees = agreement is None or not cosines or statistics.median(cosines.values()) >= agreement
     if agrees:
         cut: float | None = floor if hard is None else max(floor, hard)
+        if gate.peer_outlier_deviations is not None and cosines:
+            outlier = Outlier(gate.peer_outlier_deviations, gate.peer_outlier_gap)
+            median = statistics.median(cosines.values())
+            deviation = 1.4826 * statistics.median(abs(v - median) for v in cosines.values())
+            cut = max(cut, outlier.cut(median, deviation))  # read against the honest updates' own cosines
     else:
         cut = hard
     return -1.0 if cut is None else cut + AT_THE_CUT_MARGIN

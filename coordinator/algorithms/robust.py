@@ -22,6 +22,7 @@ import statistics
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -373,6 +374,7 @@ def iterated_outliers(
     duplicate: float = DUPLICATE_COSINE,
     hard_floor: float | None = None,
     agreement: float | None = None,
+    outlier: Outlier | None = None,
 ) -> list[tuple[str, float, float]]:
     """The round's outliers taken out one at a time, worst first, as (device, cosine, cut): after each, every
     cosine, the median and the spread are computed again without it, so an attacker's vote leaves the honest
@@ -384,7 +386,7 @@ def iterated_outliers(
         cosines = peer_cosines(remaining, duplicate)
         if len(cosines) < 3:
             break
-        cut = peer_cut(cosines, floor, spread, hard_floor, agreement)
+        cut = peer_cut(cosines, floor, spread, hard_floor, agreement, outlier)
         worst = min(cosines, key=cosines.__getitem__)
         if cosines[worst] >= cut:
             break
@@ -393,19 +395,35 @@ def iterated_outliers(
     return removed
 
 
+@dataclass(frozen=True)
+class Outlier:
+    """In a round that agrees, how far under the round's median cosine an update may lie: ``deviations`` scaled
+    median absolute deviations (a robust standard deviation), and never less than ``gap``, so a round whose updates
+    all point nearly the same way does not refuse the least of them for a small difference."""
+
+    deviations: float
+    gap: float
+
+    def cut(self, median: float, deviation: float) -> float:
+        return median - max(self.deviations * deviation, self.gap)
+
+
 def peer_cut(
     cosines: Mapping[str, float],
     floor: float,
     spread: float,
     hard_floor: float | None = None,
     agreement: float | None = None,
+    outlier: Outlier | None = None,
 ) -> float:
     """The cosine below which an update is an outlier of its round.
 
     In a round whose updates agree (median cosine at least ``agreement``; None: every round): under ``floor``
     and also ``spread`` scaled median absolute deviations (a robust standard deviation) below the round's
-    median. In every round: under ``hard_floor``, whatever the rest says. A round that does not agree has no
-    direction to point against, so only the hard floor judges it (-inf without one: nothing refused).
+    median; with ``outlier``, also under its cut whatever the floor says (:class:`Outlier`: far below the rest of
+    an agreeing round, where a backdoor device's update lies on iid data). In every round: under ``hard_floor``,
+    whatever the rest says. A round that does not agree has no direction to point against, so only the hard floor
+    judges it (-inf without one: nothing refused).
 
     Early in training honest updates agree (median cosines 0.3-0.8, none of the soaks' honest updates below -0.02
     in such a round) and a reversed update sits far below the floor. Once a model on non-IID shards converges,
@@ -419,7 +437,8 @@ def peer_cut(
     if agreement is not None and median < agreement:
         return lowest
     deviation = 1.4826 * statistics.median(abs(v - median) for v in values)
-    return max(min(floor, median - spread * deviation), lowest)
+    cut = max(min(floor, median - spread * deviation), lowest)
+    return cut if outlier is None else max(cut, outlier.cut(median, deviation))
 
 
 def coordinate_median(updates: Sequence[Tensor]) -> Tensor:

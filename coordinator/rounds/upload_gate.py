@@ -44,6 +44,7 @@ from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.algorithms.robust import (
     DirectionReference,
     NormHistory,
+    Outlier,
     apply_steps,
     clip_layer,
     dense,
@@ -373,13 +374,20 @@ class UploadGate:
         )
         if agreement is not None:
             rule += f" where the round's median is at least {agreement:g}"
+        outlier = None
+        if settings.peer_outlier_deviations is not None:
+            outlier = Outlier(settings.peer_outlier_deviations, settings.peer_outlier_gap)
+            rule += (
+                f", or {outlier.deviations:g} deviations (at least {outlier.gap:g}) below the median of a round that "
+                "agrees"
+            )
         if hard is not None:
             rule += f"; below {hard:g} in any round"
         return {
             device: f"update has cosine {cos:.3g} with the sum of the round's other updates "
             f"(at least {cut:.3g}: {rule})"
             for device, cos, cut in iterated_outliers(
-                self._sketches, floor, settings.peer_spread, hard_floor=hard, agreement=agreement
+                self._sketches, floor, settings.peer_spread, hard_floor=hard, agreement=agreement, outlier=outlier
             )
         }
 

@@ -1,6 +1,7 @@
 """benchmarks.poisoning at tiny settings: the JSON's shape, and -9.5x the weights contained by the defaults."""
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from benchmarks.poisoning import (
     table,
     triggered,
 )
-from coordinator.algorithms.robust import sketch
+from coordinator.algorithms.robust import peer_cosines, sketch
 from coordinator.config.limits import GateSettings
 from coordinator.emulation.simulation import SimClient
 from device_agent.data.datasets import load_dataset
@@ -94,7 +95,14 @@ def test_the_adaptive_attacker_aims_inside_the_cut_the_gate_applies_this_round()
     agreeing = {f"h{i}": sketch({"w": common + torch.randn(4000, generator=generator)}) for i in range(8)}
     noise = {f"h{i}": sketch({"w": torch.randn(4000, generator=generator)}) for i in range(8)}
     gate = GateSettings()
-    assert cut_target(gate, agreeing) == pytest.approx(gate.peer_min_cosine + AT_THE_CUT_MARGIN)
+    cosines = list(peer_cosines(agreeing).values())
+    median = statistics.median(cosines)
+    deviation = 1.4826 * statistics.median(abs(c - median) for c in cosines)
+    outlier_cut = median - max(gate.peer_outlier_deviations * deviation, gate.peer_outlier_gap)  # type: ignore[operator]
+    assert outlier_cut > gate.peer_min_cosine  # an agreeing round: the outlier cut lies above the floor
+    assert cut_target(gate, agreeing) == pytest.approx(outlier_cut + AT_THE_CUT_MARGIN)
+    floor_only = GateSettings(peer_outlier_deviations=None)
+    assert cut_target(floor_only, agreeing) == pytest.approx(gate.peer_min_cosine + AT_THE_CUT_MARGIN)
     assert cut_target(gate, noise) == pytest.approx(gate.peer_hard_floor + AT_THE_CUT_MARGIN)  # no agreement
     assert cut_target(GateSettings(peer_min_agreement=None), noise) == pytest.approx(-0.09)
     assert cut_target(GateSettings(peer_min_cosine=None), agreeing) == -1.0  # no peer check: anything passes

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from coordinator.algorithms.robust import (
     DirectionReference,
     NormHistory,
+    Outlier,
     apply_steps,
     clip_layer,
     coordinate_median,
@@ -382,3 +383,18 @@ def test_the_median_update_norm_is_the_norm_of_every_layers_median() -> None:
         history.add({"w": w, "b": b}, f"d{device}")
     history.next_round()
     assert history.median_update_norm() == pytest.approx(5.0)
+
+
+def test_the_outlier_cut_refuses_an_update_far_below_a_round_that_agrees_even_above_the_floor() -> None:
+    """A backdoor device on iid digits: its cosine 0.10 with the rest of a round whose honest updates read 0.53-0.66."""
+    honest = {f"h{i}": 0.66 - 0.015 * i for i in range(9)}
+    round_ = {**honest, "bad": 0.10}
+    outlier = Outlier(deviations=6, gap=0.3)
+    assert peer_cut(round_, -0.1, 0.0, -0.35, 0.1) == -0.1  # the floor alone lets it through
+    cut = peer_cut(round_, -0.1, 0.0, -0.35, 0.1, outlier)
+    assert 0.10 < cut < min(honest.values())
+    # A round whose honest updates spread wide (label skew) moves the cut down with them: no honest update refused.
+    spread = {f"h{i}": 0.70 - 0.08 * i for i in range(9)}
+    assert peer_cut(spread, -0.1, 0.0, -0.35, 0.1, outlier) < min(spread.values())
+    # A round that does not agree keeps only the hard floor.
+    assert peer_cut({f"h{i}": 0.05 - 0.02 * i for i in range(9)}, -0.1, 0.0, -0.35, 0.1, outlier) == -0.35

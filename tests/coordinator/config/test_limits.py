@@ -49,7 +49,7 @@ def test_the_norm_bound_can_be_turned_off() -> None:
 
 def test_the_update_bound_is_on_by_default_and_each_setting_is_checked_by_name() -> None:
     gate = parse_fleet(MINIMAL, CATALOG).limits.gate()
-    assert (gate.update_bound_factor, gate.update_bound_action, gate.sample_weight_factor) == (1.5, "clip", 2.0)
+    assert (gate.update_bound_factor, gate.update_bound_action, gate.sample_weight_factor) == (3.0, "clip", 2.0)
 
     tuned = {"update_bound_factor": 5, "update_bound_action": "refuse", "sample_weight_factor": None}
     gate = parse_fleet({**MINIMAL, "limits": tuned}, CATALOG).limits.gate()

@@ -117,7 +117,8 @@ def test_the_peer_check_names_an_update_against_its_round_only_with_enough_peers
     cosines = gate.peer_cosines()
     assert cosines["bad"] < -0.5 and min(c for d, c in cosines.items() if d != "bad") > 0.3
     assert list(gate.peer_outliers()) == ["bad"]
-    assert "with the sum of the round's other updates (at least -0.1: " in gate.peer_outliers()["bad"]
+    why = gate.peer_outliers()["bad"]
+    assert "with the sum of the round's other updates (at least " in why and "below -0.1 where the round's" in why
     gate.open_round()
     assert gate.peer_cosines() == {}  # a new round, new peers
 
