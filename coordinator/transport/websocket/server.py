@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hmac
 import logging
 import ssl
@@ -36,7 +37,7 @@ from device_agent.wire.engine import Completed
 from device_agent.wire.guard import InboundGuard, InboundLimits
 from device_agent.wire.messages import Hello, Message, Status
 from device_agent.wire.topics import DeviceTopics
-from device_agent.wire.websocket.client import LOGIN_CHECK
+from device_agent.wire.websocket.client import LOGIN_CHECK, REPLACED
 from device_agent.wire.websocket.endpoint import Endpoint, WsSettings
 
 log = logging.getLogger("fedfleet.websocket")
@@ -44,8 +45,6 @@ log = logging.getLogger("fedfleet.websocket")
 MessageHandler = Callable[[str, Message], None]
 PayloadHandler = Callable[[str, Completed], None]
 RefusalHandler = Callable[[str, str], None]
-REPLACED = 4000
-"""Close code of a connection another connection of the same device replaced."""
 CHECK = LOGIN_CHECK
 
 
@@ -247,10 +246,10 @@ class WsServer:
             previous = self._connections.get(device)
             self._connections[device] = connection
             self._uplinks.setdefault(device, DeviceTopics(self.fleet, device).up)
+        pipe = self.endpoint.attach(device, connection.send)  # first: the replaced one's end is then no offline
         if previous is not None:
             log.warning("%s: a new connection replaces the one from %s", device, previous.remote_address[0])
             previous.close(REPLACED, "replaced by a newer connection of this device")
-        pipe = self.endpoint.attach(device, connection.send)
         log.info("%s connected from %s", device, connection.remote_address[0])
         try:
             for data in connection:
@@ -265,14 +264,18 @@ class WsServer:
                 self._went_offline(device, connection)
 
     def _went_offline(self, device: str, connection: ServerConnection) -> None:
-        """MQTT's last will: a device whose connection closed is offline, unless it said so before it closed."""
+        """MQTT's last will: a device whose connection closed is offline, unless it said so before it closed.
+
+        Decided on the dispatcher thread, after the messages the device sent before its close."""
+        detail = "connection lost" if connection.close_code != 1000 else "connection closed"
+        self.endpoint.dispatcher.put(functools.partial(self._offline_unless_said, device, detail))
+
+    def _offline_unless_said(self, device: str, detail: str) -> None:
         with self._lock:
             self._last.pop((device, "hello"), None)
             last = self._last.get((device, "status"))
-        if isinstance(last, Status) and last.state == "offline":
-            return
-        detail = "connection lost" if connection.close_code != 1000 else "connection closed"
-        self.endpoint.tell(device, Status(device=device, state="offline", detail=detail))
+        if not (isinstance(last, Status) and last.state == "offline"):
+            self._message(device, Status(device=device, state="offline", detail=detail))
 
     # ---- what devices send -----------------------------------------------------------------
 

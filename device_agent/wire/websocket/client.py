@@ -28,6 +28,8 @@ log = logging.getLogger("fedfleet.wire")
 
 COORDINATOR = "coordinator"
 """A device's one route: its coordinator."""
+REPLACED = 4000
+"""Close code of a connection the server closed because another connection of the same device replaced it."""
 LOGIN_CHECK = "check"
 """The query that asks the server to check a login without opening a WebSocket (``device-agent doctor``)."""
 
@@ -97,6 +99,7 @@ class WsClient:
         deadline = time.monotonic() + settle_s
         while self.endpoint.window.in_window and time.monotonic() < deadline:
             time.sleep(0.02)
+        self.endpoint.flush(COORDINATOR, max(0.0, deadline - time.monotonic()))  # a goodbye goes before the close
         connection = self._connection
         if connection is not None:
             connection.close(1000, "device stopping")
@@ -120,8 +123,13 @@ class WsClient:
                 self._stopping.wait(delay * random.uniform(0.5, 1.0))
                 delay = min(settings.reconnect_max_s, delay * 2)
                 continue
-            delay = settings.reconnect_min_s
-            self._serve(connection)
+            if self._serve(connection) != REPLACED:
+                delay = settings.reconnect_min_s
+                continue
+            # Another connection with this login took over (a second agent with this kit): back off, as after a
+            # failure, so that two of them do not replace each other as fast as they can.
+            self._stopping.wait(delay * random.uniform(0.5, 1.0))
+            delay = min(settings.reconnect_max_s, delay * 2)
 
     def _connect(self) -> ClientConnection | None:
         settings = self.endpoint.settings
@@ -188,7 +196,8 @@ class WsClient:
             log.warning("%s: cannot connect to %s: %s; retrying", self.dial.device, self.dial.url, why)
         self.connect_failure = why
 
-    def _serve(self, connection: ClientConnection) -> None:
+    def _serve(self, connection: ClientConnection) -> int | None:
+        """Feed ``connection``'s frames to the endpoint until it closes; its close code."""
         self._connection = connection
         self.connect_failure = None
         pipe = self.endpoint.attach(COORDINATOR, connection.send)
@@ -205,10 +214,11 @@ class WsClient:
             self.connected.clear()
             self.endpoint.detach(COORDINATOR, pipe)
             self._connection = None
+        code = connection.close_code
         if not self._stopping.is_set():
-            code = connection.close_code
             why = connection.close_reason or "no reason given"
             log.warning("%s: connection to %s lost (%s: %s); reconnecting", self.dial.device, self.dial.url, code, why)
+        return code
 
 
 def check_login(dial: Dial, timeout: float) -> tuple[bool, str]:

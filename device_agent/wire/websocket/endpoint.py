@@ -174,6 +174,12 @@ class Endpoint:
             del self._pipes[route]
         return True
 
+    def flush(self, route: str, timeout: float) -> bool:
+        """Wait until what was queued for ``route`` so far is written; True at once without a connection."""
+        with self._lock:
+            pipe = self._pipes.get(route)
+        return pipe is None or pipe.flush(timeout)
+
     def connected(self, route: str) -> bool:
         with self._lock:
             return route in self._pipes

@@ -33,7 +33,7 @@ class Pipe:
         self._send = send
         self._settle = settle
         self._before_chunk_out = before_chunk_out
-        self._queue: queue.SimpleQueue[tuple[bytes, int] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[bytes, int] | threading.Event | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.closed = threading.Event()
         self.bytes_out = 0
@@ -50,6 +50,15 @@ class Pipe:
             self._settle(windowed)
         return False
 
+    def flush(self, timeout: float) -> bool:
+        """Wait until every frame queued so far is written (or dropped); False if ``timeout`` passed first."""
+        written = threading.Event()
+        with self._lock:
+            if self.closed.is_set():
+                return True
+            self._queue.put(written)
+        return written.wait(timeout)
+
     def close(self) -> None:
         """Stop writing; frames still queued are dropped (their transfers resume on the next connection)."""
         with self._lock:
@@ -63,6 +72,9 @@ class Pipe:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
             data, windowed = item
             try:
                 if not self.closed.is_set():

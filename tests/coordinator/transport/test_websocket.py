@@ -289,6 +289,7 @@ def test_doctor_checks_the_way_and_the_login_without_taking_over_a_running_agent
     running, _ = device(served, certificates)
     try:
         assert running.connected.wait(10), running.connect_failure
+        wait(lambda: served.endpoint.connected("d0"))
         connection = served._connections["d0"]
         checks = {c.name: c for c in doctor.diagnose(agent_yaml("password"))}
         refused = {c.name: c for c in doctor.diagnose(agent_yaml("wrong"))}
@@ -301,3 +302,26 @@ def test_doctor_checks_the_way_and_the_login_without_taking_over_a_running_agent
     ] == [(n, True) for n in ("secrets readable", "coordinator reachable", "TLS verifies", "login accepted")]
     assert checks["login accepted"].detail == f"as d0: d0 may connect to fleet {FLEET}"
     assert refused["login accepted"].ok is False and "HTTP 401" in refused["login accepted"].detail
+
+
+def test_a_second_connection_of_a_device_replaces_the_first_and_a_clean_stop_is_not_a_lost_connection(
+    server, certificates
+) -> None:
+    served, heard = server
+    first, _ = device(served, certificates, reconnect_min_s=30)  # it would come back only after the test
+    assert first.connected.wait(10), first.connect_failure
+    second, _ = device(served, certificates)
+    try:
+        assert second.connected.wait(10), second.connect_failure
+        wait(lambda: not first.connected.is_set())  # closed by the server: replaced (code 4000)
+        assert served.endpoint.connected("d0") and served._connections["d0"].remote_address
+        said = [(d, m.state) for d, m in heard.messages if isinstance(m, Status)]
+        assert ("d0", "offline") not in said  # the device never left: its newer connection took over
+        stopped = Status(device="d0", state="offline", detail="stopped")
+        second.endpoint.publish("coordinator", stopped)  # what WsPort.stop says before it closes
+    finally:
+        second.stop()
+        first.stop()
+    heard.wait("the stop", lambda: any(isinstance(m, Status) for _, m in heard.messages))
+    time.sleep(0.5)  # a lost-connection status would follow the close at once
+    assert [m for _, m in heard.messages if isinstance(m, Status)] == [stopped]
