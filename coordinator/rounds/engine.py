@@ -267,6 +267,8 @@ class RoundEngine:
         self.link.close_round(round_)
         self.admission.screen_round(self.open, lambda: self.strategy.open_round(round_, slots))
         self.last = self.closer.close(self.open, self._quorum(), pushed)
+        if self.secure is not None and self.secure.result is not None:
+            self.last = self.last.model_copy(update={"secure": self.secure.metrics()})
         if self.privacy is not None:  # every drawn device counts, answered or not
             release = self.privacy.charge(population, len(participants))
             self.last = self.last.model_copy(update={"privacy": PrivacyMetrics(**vars(release))})
@@ -321,6 +323,9 @@ class RoundEngine:
         while not secure.finished and not self.stopping.is_set():
             self._pump(open_.deadline if secure.masking else secure.stage_deadline, progress)
             gone = [d for d, p in open_.participants.items() if p.status == "failed" or not self.devices[d].online]
+            if self._secure_retry_due(secure, gone):
+                secure = self._retry_secure(secure, gone)
+                continue
             secure.tick(open_.deadline, gone)
         if secure.result is not None:
             secure.fold_into(open_.aggregate, open_)
@@ -329,6 +334,48 @@ class RoundEngine:
             if participant.status != "failed":
                 participant.status, participant.reason = "failed", "secure_aggregation"
                 participant.error = secure.error or "the coordinator stopped"
+
+    def _secure_retry_due(self, secure: SecureRound, gone: list[str]) -> bool:
+        """``on_quorum_miss: retry`` under SecAgg: the masked inputs fall below the quorum as their stage closes.
+
+        Decided before unmasking, never after: a second sum over a superset of one already unmasked would give
+        the coordinator the difference, one device's update if one device more came in."""
+        open_ = self.open
+        assert open_ is not None
+        if not secure.masking or self.fleet.on_quorum_miss != "retry" or open_.retries >= self.fleet.quorum_retries:
+            return False
+        closing = time.monotonic() >= open_.deadline or not secure.server.pending() - set(gone)
+        masked = len(secure.server.members - secure.server.pending())
+        return closing and masked < self._quorum()
+
+    def _retry_secure(self, secure: SecureRound, gone: list[str]) -> SecureRound:
+        """The protocol again as a new attempt (fresh keys and masks) among the participants still there: who
+        trained masks its kept update again, who trains still (or is re-sent its assignment) masks when done."""
+        open_, settings = self.open, self.fleet.secure_aggregation
+        assert open_ is not None and settings is not None
+        open_.retries += 1
+        open_.deadline = time.monotonic() + self.fleet.round_deadline_s
+        devices = [d for d in open_.participants if d not in gone]
+        session = replace(secure.session, attempt=time.time_ns())
+        log.warning(
+            "round %d: %d masked inputs, below the quorum of %d; secure aggregation again with fresh keys among %d "
+            "devices (retry %d of %d)",
+            open_.round,
+            len(secure.server.members - secure.server.pending()),
+            self._quorum(),
+            len(devices),
+            open_.retries,
+            self.fleet.quorum_retries,
+        )
+        try:
+            retried = SecureRound(settings, session, devices, secure.layout, self.link, self._secure_auth)
+        except ParameterError as exc:  # too few left for the threshold: this attempt goes on to its end
+            log.warning("round %d: no retry: %s", open_.round, exc)
+            open_.retries = self.fleet.quorum_retries
+            return secure
+        self.secure = retried
+        retried.start()
+        return retried
 
     def _population(self, round_: int, drawn: int) -> int:
         """The devices a round's participants were drawn from: this draw's, or the saved one of a resumed round."""

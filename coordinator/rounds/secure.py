@@ -28,9 +28,10 @@ from collections.abc import Collection, Sequence
 from coordinator.config.secure import SecureAggregation
 from coordinator.rounds.secure_layouts import SecureLayout
 from coordinator.rounds.state import OpenRound
+from coordinator.run.metrics import SecureMetrics
 from coordinator.strategies import RoundAggregate
 from coordinator.transport.link import Link
-from device_agent.agent.secure import unwrap, wrap
+from device_agent.agent.secure import CLAMPED_VALUES, unwrap, wrap
 from device_agent.secagg import Aggregate, Params, ServerProtocol, Session
 from device_agent.secagg.auth import Authenticator
 from device_agent.secagg.errors import ProtocolAborted, SecAggError
@@ -69,7 +70,8 @@ class SecureRound:
         # `neighbours` + 1: each is then a neighbour of all the others (SecAgg's complete graph), same threshold.
         neighbours = min(settings.neighbours, len(participants) - 1)
         devices = tuple(sorted(participants))
-        params = Params(devices, settings.threshold, neighbours, layout.length, settings.clip, settings.bits)
+        length = layout.length + CLAMPED_VALUES
+        params = Params(devices, settings.threshold, neighbours, length, settings.clip, settings.bits)
         self.server = ServerProtocol(session, params, auth)
         self.session, self.link = session, link
         self.stage_s = stage_s
@@ -152,7 +154,7 @@ class SecureRound:
         """Hand the strategy's round the survivors' sum, as if each had uploaded; they count as accepted."""
         result = self.result
         assert result is not None
-        self.layout.fold(aggregate, result.total, result.survivors)
+        self.layout.fold(aggregate, result.total[: self.layout.length], result.survivors)
         aggregate.received.extend(result.survivors)  # type: ignore[attr-defined]
         now = time.monotonic()
         for device in result.survivors:
@@ -164,6 +166,20 @@ class SecureRound:
             len(result.survivors),
             len(result.dropped),
             result.error_bound,
+        )
+
+    def metrics(self) -> SecureMetrics | None:
+        """What the round's sum says about the protocol (None before it was unmasked)."""
+        result = self.result
+        if result is None:
+            return None
+        clip = self.server.params.clip
+        clamped = float(result.total[self.layout.length]) / (clip * len(result.survivors))
+        return SecureMetrics(
+            survivors=len(result.survivors),
+            dropped=len(result.dropped),
+            error_bound=result.error_bound,
+            clamped_fraction=min(1.0, max(0.0, clamped)),
         )
 
     def _receive(self, device: str, message: object) -> None:

@@ -79,6 +79,20 @@ class PrivacyMetrics(BaseModel):
     )
 
 
+class SecureMetrics(BaseModel):
+    """A round under secure aggregation (fleet.yaml ``secure_aggregation``; docs/secure-aggregation.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    survivors: Annotated[int, Field(ge=0)] = Field(description="devices whose masked input is in the sum")
+    dropped: Annotated[int, Field(ge=0)] = Field(description="devices that left the protocol after its key exchange")
+    error_bound: NonNegative = Field(description="the sum's largest quantization error per value")
+    clamped_fraction: Fraction = Field(
+        description="the survivors' mean fraction of update values clamped to [-clip, clip] before masking "
+        "(summed under the masks: no device's own); above 0 the sum is biased, raise secure_aggregation.clip"
+    )
+
+
 class RoundMetrics(BaseModel):
     """One closed round. ``phases`` splits ``seconds`` (e.g. plan, push, train, aggregate, evaluate, checkpoint).
 
@@ -105,6 +119,7 @@ class RoundMetrics(BaseModel):
     phases: dict[str, NonNegative] = Field(default_factory=dict)
     devices: dict[str, DeviceRoundMetrics] = Field(default_factory=dict)
     privacy: PrivacyMetrics | None = None
+    secure: SecureMetrics | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> RoundMetrics:

@@ -47,6 +47,8 @@ from device_agent.wire.protocol import split_upload
 
 log = logging.getLogger("fedfleet.agent")
 
+CLAMPED_VALUES = 1
+"""Values a masked vector has past its update: the device's fraction of clamped values (times clip), summed."""
 MASKED_KIND = "secagg_masked"
 """The payload kind of a masked input (a ``MaskedInput`` in its wire form); the engine never decodes it as an update."""
 
@@ -269,6 +271,8 @@ class SecureRounds:
                 state.clip,
                 state.clip,
             )
+        # One more value: this device's clamped fraction x clip, so the sum tells the round's mean (no one's own).
+        update = np.append(update, clamped / max(1, update.size) * state.clip)
         masked = state.protocol.mask(state.forwarded, update, clip=True)
         state.masked, state.update = True, None
         self._upload(*key, encode(masked))
@@ -286,6 +290,7 @@ def _layout(raw: Mapping[str, object]) -> Layout:
 
 
 __all__ = [
+    "CLAMPED_VALUES",
     "MASKED_KIND",
     "Entry",
     "Layout",

@@ -79,6 +79,9 @@ def test_a_secure_fedavg_run_ends_where_the_plain_one_does_and_keeps_no_single_u
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [sum(d["status"] == "accepted" for d in m["devices"].values()) for m in metrics] == [DEVICES, DEVICES]
     assert all(d["payload_bytes"] == 0 for m in metrics for d in m["devices"].values())
+    # The protocol's line: everyone survived, and no update value was clamped to the quantization range.
+    assert [(m["secure"]["survivors"], m["secure"]["dropped"]) for m in metrics] == [(DEVICES, 0), (DEVICES, 0)]
+    assert [m["secure"]["clamped_fraction"] for m in metrics] == [0.0, 0.0]
 
 
 @pytest.mark.slow

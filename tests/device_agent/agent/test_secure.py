@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from device_agent.agent.secure import (
+    CLAMPED_VALUES,
     Entry,
     Layout,
     SecureRounds,
@@ -34,7 +35,8 @@ class Fleet:
     """Four devices' SecureRounds and the coordinator's ServerProtocol, every message through its wire form."""
 
     def __init__(self) -> None:
-        params = Params(DEVICES, threshold=2, neighbours=3, length=LENGTH, clip=0.5, bits=16)
+        # Each device masks its update and one more value, its clamped fraction x clip.
+        params = Params(DEVICES, threshold=2, neighbours=3, length=LENGTH + CLAMPED_VALUES, clip=0.5, bits=16)
         self.server = ServerProtocol(SESSION, params, HmacAuth(KEYS))
         self.uploads: dict[str, bytes] = {}
         self.devices = {
@@ -76,10 +78,11 @@ def test_the_coordinator_unmasks_the_sum_and_each_upload_is_masked() -> None:
 
     result = fleet.server.result
     assert result is not None and result.survivors == DEVICES
-    assert np.max(np.abs(result.total - sum(updates.values()))) <= result.error_bound
+    assert np.max(np.abs(result.total[:LENGTH] - sum(updates.values()))) <= result.error_bound
+    assert abs(result.total[LENGTH]) <= result.error_bound  # nothing clamped
     for device, data in fleet.uploads.items():  # what left each device is nowhere near its update
         masked = np.frombuffer(decode(data).masked, dtype="<u4").astype(np.float64)  # type: ignore[attr-defined]
-        assert not np.allclose(masked, np.rint((updates[device] + 0.5) / (1 / (2**16 - 1))))
+        assert not np.allclose(masked[:LENGTH], np.rint((updates[device] + 0.5) / (1 / (2**16 - 1))))
 
 
 def test_a_device_that_drops_after_masking_is_still_in_the_sum() -> None:
@@ -94,7 +97,27 @@ def test_a_device_that_drops_after_masking_is_still_in_the_sum() -> None:
     fleet.server.advance()
 
     assert fleet.server.result is not None
-    assert np.max(np.abs(fleet.server.result.total - sum(updates.values()))) <= fleet.server.result.error_bound
+    total, bound = fleet.server.result.total, fleet.server.result.error_bound
+    assert np.max(np.abs(total[:LENGTH] - sum(updates.values()))) <= bound
+
+
+def test_the_sum_carries_the_devices_clamped_fractions_and_no_one_s_own() -> None:
+    fleet, rng = Fleet(), np.random.default_rng(2)
+    updates = {device: rng.uniform(-0.4, 0.4, LENGTH) for device in DEVICES}
+    updates["d1"][:5] = 0.9  # 5 of d1's 50 values past clip 0.5: clamped to it before masking
+    fleet.deliver(fleet.server.start())
+    fleet.deliver(fleet.server.advance())
+    fleet.deliver(fleet.server.advance())
+    for device in DEVICES:
+        fleet.devices[device].trained("run-1", 4, updates[device])
+    fleet.deliver(fleet.server.advance())
+    fleet.server.advance()
+
+    result = fleet.server.result
+    assert result is not None
+    assert result.total[LENGTH] / 0.5 == pytest.approx(5 / LENGTH, abs=result.error_bound / 0.5)  # 0.1 summed
+    clamped = sum(u[:5] for d, u in updates.items() if d != "d1") + 0.5  # d1's values entered the sum as 0.5
+    assert np.max(np.abs(result.total[:5] - clamped)) <= result.error_bound
 
 
 def test_a_redelivered_setup_is_answered_once_and_a_stray_message_drops_only_that_device() -> None:
