@@ -25,6 +25,8 @@ import logging
 import time
 from collections.abc import Collection, Sequence
 
+import numpy as np
+
 from coordinator.config.secure import SecureAggregation
 from coordinator.rounds.secure_layouts import SecureLayout
 from coordinator.rounds.state import OpenRound
@@ -173,8 +175,9 @@ class SecureRound:
         result = self.result
         if result is None:
             return None
-        clip = self.server.params.clip
-        clamped = float(result.total[self.layout.length]) / (clip * len(result.survivors))
+        clip, quantizer, m = self.server.params.clip, self.server.params.quantizer, len(result.survivors)
+        zero = float(quantizer.decode_sum(quantizer.encode(np.zeros(1)), 1)[0])  # a 0 decodes to half a step
+        clamped = (float(result.total[self.layout.length]) - m * zero) / (clip * m)
         return SecureMetrics(
             survivors=len(result.survivors),
             dropped=len(result.dropped),
