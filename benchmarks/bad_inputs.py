@@ -526,7 +526,7 @@ def retained_poison(mallory: Mallory, run: str) -> None:
 def _fleet(tmp: Path, port: int) -> dict:
     return {
         "fleet": FLEET,
-        "broker": {"mode": "external", "url": f"mqtt://127.0.0.1:{port}"},
+        "transport": {"broker": {"mode": "external", "url": f"mqtt://127.0.0.1:{port}"}},
         "model": {"arch": MODEL.arch, "num_classes": MODEL.num_classes, "in_channels": MODEL.in_channels},
         "dataset": {"name": "digits", "seed": 0},
         "strategy": {"name": "fedhm"},

@@ -120,7 +120,7 @@ def rootfs(cache: Path) -> Path:
 def fleet_yaml(port: int, rounds: int) -> str:
     return (
         "fleet: device-e2e\n"
-        f"broker: {{mode: managed, host: {HOST_IP}, port: {port}, hosts: [{HOST_IP}]}}\n"
+        f"transport: {{broker: {{mode: managed, host: {HOST_IP}, port: {port}, hosts: [{HOST_IP}]}}}}\n"
         "model: {arch: cnn, num_classes: 10}\n"
         "dataset: {name: digits, partition: iid}\n"
         f"ratios: [1, 1/2]\nrounds: {rounds}\nround_deadline_s: 1800\nquorum: 1.0\n"
@@ -213,7 +213,7 @@ def jetson_yaml(port: int) -> str:
     """A one-Jetson fleet for the ``--jetson`` check (its kit is installed, never run)."""
     return (
         "fleet: device-e2e-jetson\n"
-        f"broker: {{mode: managed, host: {HOST_IP}, port: {port}, hosts: [{HOST_IP}]}}\n"
+        f"transport: {{broker: {{mode: managed, host: {HOST_IP}, port: {port}, hosts: [{HOST_IP}]}}}}\n"
         f"dataset: {{name: digits}}\ndevices:\n  - {{id: {ORIN}, profile: jetson-orin-nano-8gb}}\n"
     )
 

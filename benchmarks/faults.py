@@ -50,7 +50,7 @@ from device_agent.emulation.limits import thread_env
 DEVICES = ("orin-01", "orin-02", "pi5-01", "pi5-02")
 FLEET = """\
 fleet: {name}
-broker: {{mode: managed, host: 127.0.0.1, port: {port}}}
+transport: {{broker: {{mode: managed, host: 127.0.0.1, port: {port}}}}}
 model: {{arch: cnn, num_classes: 10}}
 dataset: {{name: digits, partition: dirichlet(1.0), seed: 0}}
 strategy: {{name: fedhm}}

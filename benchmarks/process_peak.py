@@ -97,7 +97,7 @@ def calibrate_baseline(settle_s: float = 3.0, timeout: float = 180.0) -> int:
 def _fleet(arch: str, batch: int, data: Path, port: int) -> dict:
     return {
         "fleet": "peak",
-        "broker": {"mode": "managed", "host": "127.0.0.1", "port": port},
+        "transport": {"broker": {"mode": "managed", "host": "127.0.0.1", "port": port}},
         "model": {"arch": arch, "num_classes": 10, "in_channels": 3, "image_size": 32},
         "dataset": {"name": "npz", "path": str(data), "partition": "iid", "samples_per_device": 500},
         "strategy": {"name": "fedhm"},

@@ -30,7 +30,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="write the fleet's startup kits: broker files, CA and certificates, one installable kit per device",
         description=(
             "Enrol the fleet's devices once: generate each participant's broker password, the fleet's CA, the "
-            "broker's server certificate (for broker.hosts) and a client certificate per device, the managed "
+            "broker's server certificate (for transport.broker.hosts) and a client certificate per device, the managed "
             "mosquitto's config, password file and per-device ACLs (kits/broker/), and per device a kit "
             "(kits/<device>/ and kits/<device>.tar.gz) with agent.yaml, its secrets, the agent wheel, install.sh, "
             "a systemd unit, cloud-init user-data and a README."
@@ -128,7 +128,10 @@ def run_provision(args: argparse.Namespace) -> int:
     if "coordinator" in done.missing:
         print(f"  coordinator INCOMPLETE: {done.missing['coordinator']}")
     if mqtt and not fleet.broker.hosts and fleet.broker.mode != "external":
-        print("note: fleet.yaml has no broker.hosts; kits dial this host's name. List the names/IPs devices use.")
+        print(
+            "note: fleet.yaml has no transport.broker.hosts; kits dial this host's name. "
+            "List the names/IPs devices use."
+        )
     if done.missing:
         print("warning: set the missing secrets and run the same command again; the rest is kept", file=sys.stderr)
     return 0

@@ -12,20 +12,13 @@ from pathlib import Path
 
 from coordinator.config.fleet import Fleet
 from coordinator.run.fleet_data import no_server_data
-from coordinator.transport.registry import transport_of
+from coordinator.transport.registry import transport_problems
 from device_agent.data.datasets import BUILT_IN, DatasetError, check_source
 
 
 def start_problems(fleet: Fleet) -> list[str]:
     """One line per reason ``start`` would fail here, each starting with the fleet.yaml key to fix."""
-    return [*_data_problems(fleet), *_transport_problems(fleet)]
-
-
-def _transport_problems(fleet: Fleet) -> list[str]:
-    try:
-        return transport_of(fleet).problems(fleet)
-    except ValueError as exc:
-        return [str(exc)]
+    return [*_data_problems(fleet), *transport_problems(fleet)]
 
 
 def _data_problems(fleet: Fleet) -> list[str]:

@@ -162,7 +162,7 @@ def _without_mosquitto(fleet: Fleet) -> Fleet:
     banner = PLAIN_FALLBACK_WARNING.format(host=broker.host, port=port)
     print(f"\n{'!' * 100}\n{banner}\n{'!' * 100}\n", file=sys.stderr, flush=True)
     log.warning(banner)
-    return fleet.model_copy(update={"broker": plain})
+    return fleet.with_broker(plain)
 
 
 def run_start(

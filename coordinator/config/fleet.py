@@ -7,6 +7,7 @@ second, one found in round 40 costs the run. See examples/fleet.yaml for a comme
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from collections.abc import Mapping
@@ -50,6 +51,8 @@ from device_agent.models import MODELS
 from export.auto import ExportSettings
 from profiles.catalog import Catalog, ProfileError, load_catalog, unknown_profile_message
 from profiles.costmodel import OPTIMIZER_STATES
+
+log = logging.getLogger(__name__)
 
 REPORTED = "reported"
 # Training-set sizes of the built-in datasets, to split across devices when no size is given.
@@ -264,8 +267,9 @@ class Training(_Strict):
 class Transport(BaseModel):
     """How the coordinator reaches its devices: the engine's Link (``coordinator.transport.link``).
 
-    Every key besides ``kind`` is that kind's own setting (``model_extra``), which the transport checks in
-    its ``problems()`` (``websocket``: host, port, hosts, tls; ``mqtt`` takes none: it reads ``broker:``).
+    ``kind`` names a registered transport; ``broker`` is the MQTT transport's. A transport from a plugin reads
+    its own keys beside them: they are checked by that transport (``Transport.settings`` in the registry)
+    when ``coordinator start`` or ``simulate()`` picks it, not here, where only the built-in keys are known.
     """
 
     model_config = ConfigDict(extra="allow")
@@ -278,20 +282,31 @@ class Transport(BaseModel):
         "over memory, with their data in memory, which only simulate() sets up; websocket, devices are agents on a "
         "WebSocket over TLS to the coordinator (networks that pass only HTTPS)",
     )
+    broker: Broker = Field(default_factory=Broker, description="mqtt: where devices and coordinator meet")
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The keys beside ``kind`` and ``broker``: a plugin transport's own settings."""
+        return dict(self.model_extra or {})
 
     @model_validator(mode="before")
     @classmethod
-    def _no_misspelt_kind(cls, data: Any) -> Any:
-        """A key close to ``kind`` is a typo (it would leave the default kind in place), not a kind's setting."""
+    def _no_misspelt_keys(cls, data: Any) -> Any:
+        """A key close to ``kind`` or ``broker`` is a typo (it would leave the default in place), not a kind's
+        setting."""
         if isinstance(data, dict):
-            typos = {k: v for k, v in data.items() if k != "kind" and get_close_matches(str(k), ["kind"], cutoff=0.6)}
+            built_in = list(_TransportKeys.model_fields)
+            typos = {
+                k: v for k, v in data.items() if k not in built_in and get_close_matches(str(k), built_in, cutoff=0.6)
+            }
             if typos:
-                _TransportKind.model_validate(typos)  # raises extra_forbidden at each such key
+                _TransportKeys.model_validate(typos)  # raises extra_forbidden at each such key
         return data
 
 
-class _TransportKind(_Strict):
+class _TransportKeys(_Strict):
     kind: str = "mqtt"
+    broker: dict[str, Any] | None = None
 
 
 class Planning(_Strict):
@@ -380,7 +395,6 @@ class Fleet(_Strict):
     """The whole fleet.yaml."""
 
     fleet: FleetName = Field(description="fleet name (an MQTT topic level)")
-    broker: Broker = Field(description="where devices and coordinator meet")
     model: ModelConfig = Field(ModelConfig(), description="the global model")
     dataset: Dataset = Field(Dataset(), description="the data and how emulated devices split it")
     strategy: Strategy = Field(Strategy(), description="the federated algorithm and its parameters")
@@ -424,6 +438,33 @@ class Fleet(_Strict):
     secure_aggregation: SecureAggregation | None = Field(
         None, description="SecAgg+: the coordinator learns only the sum of a round's updates (FedAvg only)"
     )
+
+    @property
+    def broker(self) -> Broker:
+        """The MQTT broker's settings (``transport.broker``)."""
+        return self.transport.broker
+
+    def with_broker(self, broker: Broker) -> Fleet:
+        """A copy on another broker (``model_copy(update={"broker": ...})`` would not reach a property)."""
+        return self.model_copy(update={"transport": self.transport.model_copy(update={"broker": broker})})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _broker_under_transport(cls, data: Any) -> Any:
+        """Files from before 0.9 have ``broker:`` at the top level: still read, with a line saying how to move it."""
+        if not isinstance(data, dict) or "broker" not in data:
+            return data
+        transport = data.get("transport", {})
+        if not isinstance(transport, dict):
+            return data
+        if "broker" in transport:
+            raise ValueError("broker: given twice, at the top level and as transport.broker; keep transport.broker")
+        log.warning(
+            "fleet.yaml: the top-level `broker:` section is now `transport.broker:`; move it under `transport:` "
+            "(indent it and add `transport:` above it); this file is read as if it had been moved"
+        )
+        moved = {key: value for key, value in data.items() if key != "broker"}
+        return {**moved, "transport": {**transport, "broker": data["broker"]}}
 
     @model_validator(mode="before")
     @classmethod
@@ -591,9 +632,13 @@ def parse_fleet(data: Any, catalog: Mapping[str, Any] | None = None, source: str
 def anchor_file_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
     """A copy of a fleet.yaml mapping whose relative paths (data, CA, ``file:`` secrets) point into ``base``."""
     anchored = dict(data)
-    for key in ("broker", "dataset"):
+    for key in ("broker", "dataset", "transport"):
         if isinstance(anchored.get(key), dict):
             anchored[key] = dict(anchored[key])
+    transport = anchored.get("transport")
+    if isinstance(transport, dict) and isinstance(transport.get("broker"), dict):
+        transport["broker"] = dict(transport["broker"])
+        anchor_keys(transport["broker"], ("ca_file",), base, secrets=("password",))
     anchor_keys(anchored.get("broker"), ("ca_file",), base, secrets=("password",))
     anchor_keys(anchored.get("dataset"), ("path",), base)
     if isinstance(anchored.get("devices"), list):
@@ -606,7 +651,7 @@ def anchor_file_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
 def load_fleet(path: Path | str) -> tuple[Fleet, Catalog]:
     """Read and validate a fleet.yaml, with the shipped profiles plus its ``profile_dirs``.
 
-    Relative paths in the file (``dataset.path``, ``broker.ca_file``, ``file:`` secrets, ``profile_dirs``)
+    Relative paths in the file (``dataset.path``, ``transport.broker.ca_file``, ``file:`` secrets, ``profile_dirs``)
     are relative to the file's folder, so the fleet means the same from any working directory.
     """
     path = Path(path)

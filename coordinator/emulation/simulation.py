@@ -34,7 +34,7 @@ from coordinator.run.rundir import RunDir
 from coordinator.strategies.base import ClientSlot, Strategy
 from coordinator.transport.link import Link
 from coordinator.transport.memory_link import LocalDevice
-from coordinator.transport.registry import transport_of
+from coordinator.transport.registry import transport_of, transport_problems
 from device_agent.clients.spec import TrainConfig
 from device_agent.common.profile import DeviceProfile
 from device_agent.data.datasets import LabeledData
@@ -151,7 +151,6 @@ def simulation_fleet(
         training["momentum"] = train.momentum
     return {
         "fleet": "simulation",
-        "broker": {"mode": "managed"},
         "transport": {"kind": transport},
         "model": {
             "arch": model.arch,
@@ -229,12 +228,11 @@ def simulate(
     )
     fleet = parse_fleet(raw, source="simulation")
     if link is None:
-        kind = transport_of(fleet)
-        problems = kind.problems(fleet, simulation=True)
+        problems = transport_problems(fleet, simulation=True)
         if problems:
             raise ValueError("; ".join(problems))
         devices = [LocalDevice(c.client_id, c.train, c.test) for c in clients]
-        link = kind.simulation_link(fleet, devices, **({"batch": True} if batch else {}))
+        link = transport_of(fleet).simulation_link(fleet, devices, **({"batch": True} if batch else {}))
     data = LabeledData(
         calibration, calibration.new_zeros(len(calibration)), test[0], test[1], strategy.model.num_classes
     )

@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pydantic import BaseModel, ValidationError
+
 from coordinator.transport.broker.credentials import Credentials
 from coordinator.transport.link import Link
 from coordinator.transport.memory_link import LocalDevice
 from device_agent.common.registry import Registry
+from device_agent.common.validation import describe
 
 if TYPE_CHECKING:
     from coordinator.config.fleet import Fleet
@@ -89,18 +92,33 @@ class Transport:
     ``coordinator provision`` asks of the fleet's transport; by default they make MQTT's kit (a broker section).
     """
 
+    settings: type[BaseModel] | None = None
+    """The model of this transport's own keys in fleet.yaml's ``transport:`` (beside ``kind`` and ``broker``);
+    None: it has none, and any such key is refused."""
+
+    def options(self, fleet: Fleet) -> BaseModel | None:
+        """This transport's own settings from ``fleet``, validated (``settings_problems`` says what is wrong)."""
+        return None if self.settings is None else self.settings.model_validate(fleet.transport.options)
+
     def problems(self, fleet: Fleet, simulation: bool = False) -> list[str]:
         """One line per reason this transport cannot run ``fleet`` (``simulation``: under ``simulate()``),
         each starting with the fleet.yaml key to fix."""
         return []
 
     def settings_problems(self, fleet: Fleet) -> list[str]:
-        """A kind's own settings are the keys of fleet.yaml's ``transport:`` besides ``kind``; by default it takes
-        none. One line per key it does not take."""
-        return [
-            f"transport.{key}: not a setting of transport {fleet.transport.kind!r}"
-            for key in sorted(fleet.transport.model_extra or {})
-        ]
+        """One line per wrong key among this transport's own settings (fleet.yaml's ``transport:`` keys besides
+        ``kind`` and ``broker``), each with its key path; without a ``settings`` model it takes none."""
+        options = fleet.transport.options
+        if self.settings is None:
+            return [
+                f"transport.{key}: not a setting of transport {fleet.transport.kind!r} (it takes kind and broker)"
+                for key in sorted(options)
+            ]
+        try:
+            self.settings.model_validate(options)
+        except ValidationError as exc:
+            return describe(exc, prefix="transport", sep="\n", model=self.settings).splitlines()
+        return []
 
     def kit_tls(self, fleet: Fleet) -> bool:
         """Whether provisioning makes the fleet's certificates (a server certificate, one per participant)."""
@@ -149,6 +167,15 @@ def dialled_host(hosts: Sequence[str], listen: str) -> str:
     return hosts[0] if hosts else listen if listen not in ("0.0.0.0", "::") else socket.gethostname()
 
 
+def transport_problems(fleet: Fleet, simulation: bool = False) -> list[str]:
+    """Everything that keeps ``fleet``'s transport from running: an unknown kind, wrong settings, its own checks."""
+    try:
+        transport = transport_of(fleet)
+    except ValueError as exc:
+        return [str(exc)]
+    return transport.settings_problems(fleet) or transport.problems(fleet, simulation)
+
+
 TRANSPORTS: Registry[Transport] = Registry("transport", "coordinator.transport.kinds", ENTRY_POINT_GROUP)
 
 
@@ -173,4 +200,5 @@ __all__ = [
     "dialled_host",
     "named_hosts",
     "transport_of",
+    "transport_problems",
 ]

@@ -64,7 +64,7 @@ def test_coordinator_start_still_refuses_a_tls_fleet_without_mosquitto(tmp_path:
         timeout=120,
     )
     assert done.returncode != 0
-    assert "broker.tls: a managed TLS broker runs mosquitto, which is not installed here" in done.stderr
+    assert "transport.broker.tls: a managed TLS broker runs mosquitto, which is not installed here" in done.stderr
 
 
 @pytest.fixture

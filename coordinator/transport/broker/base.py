@@ -167,7 +167,8 @@ def check_port_free(host: str, port: int) -> None:
         except OSError as exc:
             raise BrokerError(
                 f"port {port} on {host} is taken ({exc.strerror}): another broker, or one left by an earlier "
-                "coordinator, is listening there; stop it or change broker.port"
+                "coordinator, is listening there; stop it or change transport.broker.port (fleet.yaml) "
+                "or broker.port (agent.yaml)"
             ) from None
 
 

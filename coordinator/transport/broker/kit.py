@@ -54,7 +54,7 @@ class KitBroker(BrokerProcess):
         found = listeners(self.config_file.read_text())
         ports = sorted({port for _host, port in found})
         if self.address.port not in ports:
-            # Kits provisioned before fleet.yaml's broker.port changed: mosquitto would listen elsewhere and
+            # Kits provisioned before fleet.yaml's transport.broker.port changed: mosquitto would listen elsewhere and
             # the health check would only say "connection refused".
             raise BrokerError(
                 f"{self.config_file} listens on port {', '.join(map(str, ports)) or '(none)'}, not on the fleet's "

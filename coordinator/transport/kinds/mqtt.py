@@ -73,7 +73,7 @@ def _broker(setup: FleetSetup) -> Any:
     coordinator = credentials[COORDINATOR_USER]
     if settings.mode == "external":
         if settings.url is None:
-            raise ValueError("broker.url: an external broker needs its URL")
+            raise ValueError("transport.broker.url: an external broker needs its URL")
         ca = str(settings.ca_file) if settings.ca_file else None
         return external_broker(settings.url, coordinator.username, coordinator.password, ca)
     if settings.mode == "managed" and (settings.tls or find_mosquitto()) and setup.broker_config is not None:
@@ -97,7 +97,7 @@ def _broker(setup: FleetSetup) -> Any:
 def broker_problems(fleet: Fleet) -> list[str]:
     """What keeps the fleet's broker from starting here (its secrets, CA file, mosquitto for TLS)."""
     broker = fleet.broker
-    refs = [("broker.password", broker.password)]
+    refs = [("transport.broker.password", broker.password)]
     refs += [(f"devices[{i}].credentials", d.credentials) for i, d in enumerate(fleet.devices)]
     problems = []
     for key, ref in refs:
@@ -107,11 +107,11 @@ def broker_problems(fleet: Fleet) -> list[str]:
             except SecretError as exc:
                 problems.append(f"{key}: {exc}")
     if broker.ca_file is not None and not Path(broker.ca_file).is_file():
-        problems.append(f"broker.ca_file: {broker.ca_file}: no such file")
+        problems.append(f"transport.broker.ca_file: {broker.ca_file}: no such file")
     if broker.mode == "managed" and broker.tls and find_mosquitto() is None:
         problems.append(
-            "broker.tls: a managed TLS broker runs mosquitto, which is not installed here "
-            "(apt install mosquitto); or set broker.mode: amqtt for a plain development broker"
+            "transport.broker.tls: a managed TLS broker runs mosquitto, which is not installed here "
+            "(apt install mosquitto); or set transport.broker.mode: amqtt for a plain development broker"
         )
     return problems
 

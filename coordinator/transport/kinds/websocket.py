@@ -15,14 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from coordinator.transport.broker.credentials import COORDINATOR_USER
 from coordinator.transport.link import Link
 from coordinator.transport.registry import TRANSPORTS, DeviceFiles, FleetSetup, Transport, dialled_host, named_hosts
 from coordinator.transport.websocket.link import WebSocketLink
 from coordinator.transport.websocket.server import ServerTls, WsServer
-from device_agent.common.validation import describe
 from device_agent.wire.websocket.endpoint import WsSettings
 
 if TYPE_CHECKING:
@@ -34,11 +33,10 @@ SERVER_CERT, SERVER_KEY, CA_CERT, CRL = "server.pem", "server.key", "ca.pem", "c
 
 
 class WebSocketServerSettings(BaseModel):
-    """fleet.yaml's ``transport:`` for kind ``websocket`` (every key but ``kind``)."""
+    """fleet.yaml's ``transport:`` for kind ``websocket`` (every key but ``kind`` and the MQTT ``broker``)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: str = "websocket"
     host: str = Field("0.0.0.0", description="where the server listens")
     port: int = Field(8443, ge=1, le=65535, description="where the server listens (443 behind nothing else)")
     hosts: list[str] = Field(
@@ -50,7 +48,7 @@ class WebSocketServerSettings(BaseModel):
 
 
 def settings_of(fleet: Fleet) -> WebSocketServerSettings:
-    return WebSocketServerSettings.model_validate({"kind": fleet.transport.kind, **(fleet.transport.model_extra or {})})
+    return WebSocketServerSettings.model_validate(fleet.transport.options)
 
 
 class WebSocketServices:
@@ -108,11 +106,12 @@ class WebSocketServices:
 
 
 class WebSocket(Transport):
+    settings = WebSocketServerSettings
+
     def problems(self, fleet: Fleet, simulation: bool = False) -> list[str]:
-        try:
-            settings_of(fleet)
-        except ValidationError as exc:
-            return describe(exc, prefix="transport", model=WebSocketServerSettings, sep="\n").splitlines()
+        wrong = self.settings_problems(fleet)
+        if wrong:
+            return wrong
         if simulation:
             return [
                 "transport.kind: websocket reaches agents over the network; simulate() runs its devices in "

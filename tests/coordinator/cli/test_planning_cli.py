@@ -80,7 +80,7 @@ def test_validate_refuses_what_start_would_refuse(
     err = capsys.readouterr().err
     assert "cannot start here" in err
     assert f"dataset.path: {EXAMPLE.parent / 'data' / 'cifar-10-batches-py'}: no such file or folder" in err
-    assert "broker.password: environment variable 'FEDFLEET_COORDINATOR_PASSWORD' is not set" in err
+    assert "transport.broker.password: environment variable 'FEDFLEET_COORDINATOR_PASSWORD' is not set" in err
 
 
 def test_validate_prints_the_key_path_of_a_mistake(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -43,7 +43,7 @@ def test_a_missing_path_and_an_unset_password_variable_are_named(monkeypatch: py
 
     assert start_problems(fleet) == [
         "dataset.path: /nonexistent/cifar: no such file or folder on this machine",
-        "broker.password: environment variable 'FEDFLEET_TEST_UNSET' is not set",
+        "transport.broker.password: environment variable 'FEDFLEET_TEST_UNSET' is not set",
     ]
 
 

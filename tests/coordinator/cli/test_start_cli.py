@@ -83,7 +83,7 @@ def test_kits_without_tls_for_a_tls_fleet_are_refused_for_real_devices_and_upgra
 ) -> None:
     """What the amqtt fallback leaves behind (plain kits) once mosquitto serves the fleet with TLS."""
     fleet, _ = load_fleet(DEMO)
-    plain = fleet.model_copy(update={"broker": fleet.broker.model_copy(update={"mode": "amqtt", "tls": False})})
+    plain = fleet.with_broker(fleet.broker.model_copy(update={"mode": "amqtt", "tls": False}))
     kits_dir = tmp_path / "kits"
     fleet_kits(plain, kits_dir, emulated=True)
     passwords = {name: c.password for name, c in fleet_kits(plain, kits_dir)[1].items()}

@@ -21,7 +21,7 @@ CATALOG = load_catalog()
 
 MINIMAL = {
     "fleet": "lab",
-    "broker": {"mode": "managed"},
+    "transport": {"broker": {"mode": "managed"}},
     "devices": [
         {"id": "nano-01", "profile": "jetson-nano"},
         {"id": "pi5-01", "profile": "raspberry-pi-5"},
@@ -83,14 +83,14 @@ MISTAKES = [
     ("ratios", [1, "a quarter"], "ratios: rank ratio 'a quarter' is not a number"),
     ("ratios", [1, 0.5, "1/2"], "ratios: duplicate rank ratios"),
     ("devices.1.id", "nano-01", "devices: duplicate device id 'nano-01' (devices[0] and devices[1])"),
-    ("broker", None, "broker: Field required"),
+    ("broker", {"mode": "amqtt"}, "(top level): broker: given twice, at the top level and as transport.broker"),
     ("training.batch_size", "lots", "training.batch_size: Input should be a valid integer"),
     ("training.batch_size", 0, "training.batch_size: Input should be greater than 0"),
     ("devices.0.profil", "x", "devices[0].profil: Extra inputs are not permitted (did you mean 'profile'?)"),
-    ("broker.mode", "external", "broker: mode external needs url"),
-    ("broker.url", "http://broker:1883", "broker: url is only for mode external"),
-    ("broker.password", "hunter2", "broker.password: must be a reference like env:NAME or file:PATH"),
-    ("broker.port", 70000, "broker.port: Input should be less than or equal to 65535"),
+    ("transport.broker.mode", "external", "transport.broker: mode external needs url"),
+    ("transport.broker.url", "http://broker:1883", "transport.broker: url is only for mode external"),
+    ("transport.broker.password", "hunter2", "transport.broker.password: must be a reference like env:NAME"),
+    ("transport.broker.port", 70000, "transport.broker.port: Input should be less than or equal to 65535"),
     ("model.arch", "resnet50", "model.arch: unknown model 'resnet50'"),
     (
         "strategy.name",
@@ -114,7 +114,7 @@ MISTAKES = [
     ),
     ("devices", [], "devices: List should have at least 1 item"),
     ("devices.0.id", "coordinator", "devices[0].id: 'coordinator' is the coordinator's broker login"),
-    ("broker.username", "fedcoord", "broker: username 'fedcoord' only applies to an external broker"),
+    ("transport.broker.username", "fedcoord", "transport.broker: username 'fedcoord' only applies to an external"),
     ("fleet", "my fleet", "fleet: invalid fleet name 'my fleet'"),
     (
         "limits.max_upload_byte",
@@ -131,8 +131,9 @@ MISTAKES = [
     ("limits.resend_after_s", 0, "limits.resend_after_s: Input should be greater than 0"),
     ("transport.kind", "Grpc!", "transport.kind: String should match pattern"),
     ("transport.knd", "mqtt", "transport.knd: Extra inputs are not permitted (did you mean 'kind'?)"),
+    ("transport.brokr", {}, "transport.brokr: Extra inputs are not permitted (did you mean 'broker'?)"),
     ("roundz", 3, "roundz: Extra inputs are not permitted (did you mean 'rounds'?)"),
-    ("broker.prot", 1883, "broker.prot: Extra inputs are not permitted (did you mean 'port'?)"),
+    ("transport.broker.prot", 1883, "transport.broker.prot: Extra inputs are not permitted (did you mean 'port'?)"),
     (
         "devices.0.overrides",
         {"memory": {"totl": "4 GiB"}},
@@ -231,7 +232,7 @@ def test_profile_dirs_are_relative_to_the_fleet_file(tmp_path: Path) -> None:
 
 
 def test_a_device_cannot_take_an_external_brokers_coordinator_login() -> None:
-    data = _with("broker", {"mode": "external", "url": "mqtt://broker:1883", "username": "fedcoord"})
+    data = _with("transport.broker", {"mode": "external", "url": "mqtt://broker:1883", "username": "fedcoord"})
     data["devices"][1]["id"] = "fedcoord"
 
     with pytest.raises(FleetError, match=r"devices\[1\]\.id: 'fedcoord' is the coordinator's broker login"):
@@ -241,7 +242,12 @@ def test_a_device_cannot_take_an_external_brokers_coordinator_login() -> None:
 
 def test_relative_paths_are_relative_to_the_fleet_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = _with("dataset", {"name": "npz", "path": "data/train.npz", "samples_per_device": 10})
-    data["broker"] = {"mode": "external", "url": "mqtts://broker:8883", "ca_file": "ca.pem", "password": "file:pw"}
+    data["transport"]["broker"] = {
+        "mode": "external",
+        "url": "mqtts://broker:8883",
+        "ca_file": "ca.pem",
+        "password": "file:pw",
+    }
     data["devices"][0]["credentials"] = "file:secrets/nano-01"
     data["devices"][1]["credentials"] = "env:PI5_PASSWORD"
     (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(data))
@@ -260,3 +266,32 @@ def test_the_reference_example_names_every_model_data_set_and_strategy_in_its_co
     comments = " ".join(line.split("#", 1)[1] for line in EXAMPLE.read_text().splitlines() if "#" in line)
     named = set(re.findall(r"[a-z0-9_]+", comments))
     assert {*MODELS, *DATASETS, *STRATEGIES} - named == set()
+
+
+def test_a_top_level_broker_from_an_older_file_is_read_as_moved_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    data = copy.deepcopy(MINIMAL)
+    data["broker"] = {"mode": "external", "url": "mqtts://broker:8883", "ca_file": "ca.pem"}
+    del data["transport"]
+    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(data))
+
+    fleet, _ = load_fleet(tmp_path / "fleet.yaml")
+
+    assert fleet.transport.broker.url == "mqtts://broker:8883"
+    assert fleet.broker.ca_file == tmp_path / "ca.pem"  # still anchored to the file's folder
+    assert "the top-level `broker:` section is now `transport.broker:`" in caplog.text
+
+
+def test_a_fleet_without_a_broker_section_gets_a_managed_tls_broker() -> None:
+    data = copy.deepcopy(MINIMAL)
+    del data["transport"]
+
+    fleet = parse_fleet(data, CATALOG)
+
+    assert (fleet.transport.kind, fleet.broker.mode, fleet.broker.port, fleet.broker.tls) == (
+        "mqtt",
+        "managed",
+        8883,
+        True,
+    )

@@ -17,7 +17,7 @@ def test_every_field_has_a_description_and_nested_models_are_expanded() -> None:
     undescribed = [row for row in table if row.endswith("|  |")]
     assert undescribed == []
     keys = [row.split("`")[1] for row in table]
-    assert {"broker.mode", "devices[].overrides.memory.total", "limits.max_upload_bytes"} <= set(keys)
+    assert {"transport.broker.mode", "devices[].overrides.memory.total", "limits.max_upload_bytes"} <= set(keys)
     partition = next(row for row in table if row.startswith("| `dataset.partition`"))
     assert "`dirichlet(ALPHA)`" in partition and "| `iid` |" in partition
 
@@ -25,7 +25,7 @@ def test_every_field_has_a_description_and_nested_models_are_expanded() -> None:
 def test_a_required_field_and_a_default_read_as_yaml() -> None:
     table = "\n".join(rows(Fleet))
     assert "| `fleet` | text | *required* |" in table
-    assert "| `broker.tls` | boolean | `true` |" in table
+    assert "| `transport.broker.tls` | boolean | `true` |" in table
     assert "| `on_quorum_miss` | `extend` \\| `skip` \\| `retry` | `extend` |" in table
 
 

@@ -272,7 +272,7 @@ def test_a_taken_port_is_one_clear_line(kit_fleet: tuple) -> None:
 
 def test_kits_provisioned_for_another_port_name_the_mismatch(kit_fleet: tuple) -> None:
     fleet, kits, _, _ = kit_fleet
-    moved = kit_broker(fleet.model_copy(update={"broker": fleet.broker.model_copy(update={"port": 1})}), kits)
+    moved = kit_broker(fleet.with_broker(fleet.broker.model_copy(update={"port": 1})), kits)
     with pytest.raises(BrokerError, match=rf"listens on port {fleet.broker.port}, not on the fleet's broker port 1"):
         moved.start()
     assert not moved.running

@@ -19,7 +19,7 @@ from coordinator.config.fleet import parse_fleet
 from coordinator.emulation.simulation import simulate
 from coordinator.strategies import ModelSpec, build_strategy
 from coordinator.transport.memory_link import LocalDevice, MemoryLink
-from coordinator.transport.registry import TRANSPORTS, transport_of
+from coordinator.transport.registry import TRANSPORTS, transport_of, transport_problems
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import load_dataset
 from tests.digit_clients import digit_clients
@@ -28,6 +28,8 @@ from tests.plugins import installed_plugin
 PLUGIN = '''
 """The loopback transport: every device of the fleet is an agent in the coordinator's process."""
 
+from pydantic import BaseModel, ConfigDict
+
 from coordinator.run.fleet_data import fleet_data
 from coordinator.transport.memory_link import LocalDevice, MemoryLink
 from coordinator.transport.registry import TRANSPORTS, Transport
@@ -35,11 +37,19 @@ from device_agent.data.datasets import load_dataset, source_of
 from device_agent.data.partition import PartitionSpec, client_shard
 
 
+class LoopbackSettings(BaseModel):
+    """fleet.yaml's transport: {kind: loopback, label: ...}."""
+
+    model_config = ConfigDict(extra="forbid")
+    label: str = "loopback"
+
+
 class LoopbackServices:
     failure = None
 
-    def __init__(self, fleet):
+    def __init__(self, fleet, settings):
         self.fleet = fleet
+        self.settings = settings
         self._link = None
 
     def start(self):
@@ -60,7 +70,7 @@ class LoopbackServices:
         pass
 
     def describe(self):
-        return f"loopback: {len(self.fleet.devices)} agents in this process"
+        return f"{self.settings.label}: {len(self.fleet.devices)} agents in this process"
 
     def link(self):
         return self._link
@@ -70,8 +80,10 @@ class LoopbackServices:
 
 
 class Loopback(Transport):
+    settings = LoopbackSettings
+
     def services(self, setup):
-        return LoopbackServices(setup.fleet)
+        return LoopbackServices(setup.fleet, self.options(setup.fleet))
 
     def simulation_link(self, fleet, devices, **options):
         return MemoryLink(devices, fleet.fleet, **options)
@@ -95,7 +107,9 @@ def loopback_plugin(tmp_path: Path) -> Iterator[None]:
 
 
 def test_the_built_in_transports_are_registered_and_each_says_what_it_cannot_run() -> None:
-    fleet = parse_fleet({"fleet": "lab", "broker": {"mode": "amqtt"}, "devices": [{"id": "a", "profile": "reported"}]})
+    fleet = parse_fleet(
+        {"fleet": "lab", "transport": {"broker": {"mode": "amqtt"}}, "devices": [{"id": "a", "profile": "reported"}]}
+    )
     in_process = fleet.model_copy(update={"transport": fleet.transport.model_copy(update={"kind": "in_process"})})
     assert {"mqtt", "in_process"} <= set(TRANSPORTS)
 
@@ -128,7 +142,7 @@ def test_a_transport_from_another_package_runs_simulate_and_coordinator_start(
 
     fleet = tmp_path / "fleet.yaml"
     fleet.write_text(
-        "fleet: loop\nbroker: {mode: amqtt}\ntransport: {kind: loopback}\nmodel: {arch: cnn, num_classes: 10}\n"
+        "fleet: loop\ntransport: {kind: loopback, label: bench}\nmodel: {arch: cnn, num_classes: 10}\n"
         "dataset: {name: digits}\nrounds: 2\nround_deadline_s: 60\n"
         "devices:\n  - {id: pi-1, profile: raspberry-pi-5}\n  - {id: orin-1, profile: jetson-orin-nano-8gb}\n"
     )
@@ -138,8 +152,20 @@ def test_a_transport_from_another_package_runs_simulate_and_coordinator_start(
     )
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "loopback: 2 agents in this process" in out
+    assert "bench: 2 agents in this process" in out  # the plugin's own setting, from fleet.yaml
     rounds = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rounds] == [1, 2]
     assert all(sorted(d for d, row in r["devices"].items() if row["status"] == "accepted") == ["orin-1", "pi-1"]
                for r in rounds)  # fmt: skip
+
+
+def test_a_plugin_transports_own_settings_are_checked_with_their_key_path(loopback_plugin) -> None:
+    base = {"fleet": "loop", "dataset": {"name": "digits"}, "devices": [{"id": "pi-1", "profile": "raspberry-pi-5"}]}
+    typo = parse_fleet({**base, "transport": {"kind": "loopback", "lable": "bench"}})
+    stray = parse_fleet({**base, "transport": {"kind": "mqtt", "label": "bench"}})
+
+    assert transport_problems(typo) == ["transport.lable: Extra inputs are not permitted (did you mean 'label'?)"]
+    assert transport_problems(stray) == [
+        "transport.label: not a setting of transport 'mqtt' (it takes kind and broker)"
+    ]
+    assert transport_problems(parse_fleet({**base, "transport": {"kind": "loopback", "label": "bench"}})) == []

@@ -266,7 +266,9 @@ def test_fleet_and_agent_settings_of_the_websocket_transport_are_checked_with_th
     assert kind.problems(typo) == ["transport.prot: Extra inputs are not permitted (did you mean 'port'?)"]
     assert kind.problems(fleet({"kind": "websocket", "port": 0}))[0].startswith("transport.port: ")
     mqtt = fleet({"kind": "mqtt", "port": 9443})
-    assert transport_of(mqtt).problems(mqtt)[0] == "transport.port: not a setting of transport 'mqtt'"
+    assert transport_of(mqtt).problems(mqtt)[0] == (
+        "transport.port: not a setting of transport 'mqtt' (it takes kind and broker)"
+    )
 
 
 def test_doctor_checks_the_way_and_the_login_without_taking_over_a_running_agent(
