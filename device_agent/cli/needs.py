@@ -21,6 +21,7 @@ AGENT_PACKAGES = {
     "safetensors": "safetensors",
     "psutil": "psutil",
     "yaml": "pyyaml",
+    "websockets": "websockets",
 }
 
 
