@@ -202,6 +202,15 @@ class FedBuff:
         self.remember()
         return made
 
+    def base(self, version: int) -> dict[str, Tensor]:
+        """The global model entries of a version updates may still be folded against."""
+        return dict(self._versions[version])
+
+    def restore(self, bases: Mapping[int, Mapping[str, Tensor]]) -> None:
+        """A resumed server: the past versions (global model entries) updates may still be folded against."""
+        self._versions.update({v: dict(state) for v, state in bases.items() if v < self.version})
+        self.remember()
+
     def remember(self) -> None:
         """Keep the strategy's current model as the newest version's base (call after changing it in place, e.g.
         static BN), and forget versions no update may be folded against any more."""
