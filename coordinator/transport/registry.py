@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 ENTRY_POINT_GROUP = "fedfleet.transports"
 
 
+class UnsupportedTransport(ValueError):
+    """A transport was asked for what it does not do (``problems()`` says so first; this is the last word)."""
+
+
 @dataclass(frozen=True)
 class FleetSetup:
     """What ``coordinator start`` has made for a run before its transport starts."""
@@ -147,11 +151,11 @@ class Transport:
 
     def services(self, setup: FleetSetup) -> Services:
         """The services of a real run (``coordinator start``)."""
-        raise NotImplementedError(f"{type(self).__name__} does not run a fleet (coordinator start)")
+        raise UnsupportedTransport(f"transport.kind: {type(self).__name__} does not run a fleet (coordinator start)")
 
     def simulation_link(self, fleet: Fleet, devices: Sequence[LocalDevice], **options: Any) -> Link:
         """The Link of devices whose data is in this process (``simulate()``)."""
-        raise NotImplementedError(f"{type(self).__name__} does not run a simulation")
+        raise UnsupportedTransport(f"transport.kind: {type(self).__name__} does not run a simulation")
 
 
 def named_hosts(hosts: Sequence[str], listen: str) -> list[str]:
@@ -197,6 +201,7 @@ __all__ = [
     "FleetSetup",
     "Services",
     "Transport",
+    "UnsupportedTransport",
     "dialled_host",
     "named_hosts",
     "transport_of",

@@ -9,6 +9,7 @@ the coordinator's half registers under ``fedfleet.transports`` (the agent never 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from device_agent.agent.config import AgentConfig, ConfigError
@@ -29,14 +30,14 @@ class Finding:
     hint: str = ""
 
 
-class PortKind:
+class PortKind(ABC):
     """One way for an agent to reach its coordinator: it makes the port, and may check the way is open first."""
 
+    @abstractmethod
     def port(
         self, config: AgentConfig, before_chunk_out: ChunkHook | None = None, after_chunk_in: ChunkHook | None = None
     ) -> CoordinatorPort:
         """The agent's port; the hooks (an emulated device's link shaping) run around every chunk sent or received."""
-        raise NotImplementedError(f"{type(self).__name__} makes no port")
 
     def problems(self, config: AgentConfig) -> list[str]:
         """One line per setting of agent.yaml's ``transport:`` this kind cannot use, each starting with its key.
@@ -51,6 +52,7 @@ class PortKind:
     def preflight(self, config: AgentConfig, give_up_s: float) -> None:
         """Return once the coordinator's side can be reached (``device-agent run`` waits here before connecting);
         raise ``ConnectionError`` naming the cause after ``give_up_s`` s. Nothing to wait for by default."""
+        return None
 
     def doctor(self, config: AgentConfig, timeout: float) -> list[Finding] | None:
         """``device-agent doctor``'s checks of the way to the coordinator (secrets, address, TLS, login), in the

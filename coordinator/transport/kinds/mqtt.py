@@ -19,7 +19,7 @@ from coordinator.transport.broker.scratch import scratch_dir
 from coordinator.transport.broker.supervisor import PID_FILE, BrokerSupervisor
 from coordinator.transport.link import Link, MqttLink
 from coordinator.transport.memory_link import LocalDevice
-from coordinator.transport.registry import TRANSPORTS, FleetSetup, Transport
+from coordinator.transport.registry import TRANSPORTS, FleetSetup, Transport, UnsupportedTransport
 from device_agent.common.schema import SecretError, resolve_secret
 from device_agent.wire.session import BrokerAddress
 
@@ -129,7 +129,7 @@ class Mqtt(Transport):
         return BrokerServices(setup)
 
     def simulation_link(self, fleet: Fleet, devices: Sequence[LocalDevice], **options: Any) -> Link:
-        raise NotImplementedError(self.problems(fleet, simulation=True)[0])
+        raise UnsupportedTransport(self.problems(fleet, simulation=True)[0])
 
 
 TRANSPORTS.register("mqtt", Mqtt())
