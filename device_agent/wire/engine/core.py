@@ -132,6 +132,8 @@ class TransferEngine:
         waiting = self.window.waiting() if waiting is None else waiting
         return self.senders.poll(now, waiting) + self.receivers.poll(now)
 
-    def resume(self, now: float) -> list[Outbound]:
-        """After the carrier reconnected: every unfinished transfer re-announced, every incomplete one nacked."""
-        return self.senders.resume(now) + self.receivers.resume(now)
+    def resume(self, now: float, route: str | None = None) -> list[Outbound]:
+        """After the carrier reconnected: every unfinished transfer re-announced, every incomplete one nacked.
+
+        ``route``: only one peer's (a carrier with a connection per peer), the others' state untouched."""
+        return self.senders.resume(now, route) + self.receivers.resume(now, route)

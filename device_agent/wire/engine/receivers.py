@@ -78,11 +78,12 @@ class Receivers:
             self._track(route, transfers)
         return out
 
-    def resume(self, now: float) -> list[Outbound]:
-        """After a reconnect: a nack for every unfinished transfer, at once."""
+    def resume(self, now: float, to: str | None = None) -> list[Outbound]:
+        """After a reconnect: a nack for every unfinished transfer (from route ``to`` only, if given), at once."""
         return [
             Outbound(route, encode(transfers.resume(tid, now)))
             for route, transfers in self._open.items()
+            if to is None or route == to
             for tid in transfers.pending()
         ]
 

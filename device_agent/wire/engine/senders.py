@@ -80,11 +80,13 @@ class Senders:
             del self._outgoing[tid]
         return [Settled(tid, f"cancelled: {why}") for tid in cancelled]
 
-    def resume(self, now: float) -> list[Outbound]:
-        """After a reconnect: every unfinished transfer re-announced (its receiver nacks what it lacks)."""
+    def resume(self, now: float, to: str | None = None) -> list[Outbound]:
+        """After a reconnect: every unfinished transfer (to route ``to`` only, if given: one peer's connection)
+        re-announced (its receiver nacks what it lacks)."""
         return [
             Outbound(route, frame, outgoing.transfer)
             for route, outgoing in self._outgoing.values()
+            if to is None or route == to
             for frame in outgoing.resume(now)
         ]
 

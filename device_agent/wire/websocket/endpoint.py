@@ -157,7 +157,7 @@ class Endpoint:
             previous = self._pipes.get(route)
             self._pipes[route] = pipe
             self.stats.connects += 1
-            frames = [frame for frame in self.engine.resume(time.monotonic()) if frame.route == route]
+            frames = self.engine.resume(time.monotonic(), route)
         if previous is not None:
             previous.close()
         self._apply(frames)

@@ -96,3 +96,15 @@ def test_after_a_reconnect_senders_re_announce_and_receivers_nack_what_they_lack
     [nack] = receiver.resume(5.0)
     assert parse_message(announce.data).transfer == outgoing.transfer
     assert nack.route == "dev/a/up" and parse_message(nack.data).missing == [1, 2]
+
+
+def test_a_carrier_with_a_connection_per_peer_resumes_only_the_peer_that_reconnected():
+    payload = os.urandom(3 * CHUNK)
+    engine, to_a = sending(payload)
+    to_b = OutgoingTransfer(make_manifest(payload, CHUNK), payload, 0.0, resend_after=2.0)
+    engine.send("dev/b/down", to_b)
+    drain(engine)
+    [announce] = engine.resume(5.0, "dev/b/down")
+    assert (announce.route, parse_message(announce.data).transfer) == ("dev/b/down", to_b.transfer)
+    announced = [parse_message(f.data).transfer for f in engine.tick(5.5)]
+    assert announced == [to_a.transfer]  # a's silence still counts from its send: b's reconnect did not reset it
