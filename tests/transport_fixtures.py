@@ -6,7 +6,8 @@
 - ``fresh_mosquitto`` (function scope): a private mosquitto a test may stop, kill and restart.
 
 Each is a ``TestBroker``: ``.broker`` (``start``/``stop``), ``.fleet``, ``.credentials`` and
-``address(user)`` giving the ``BrokerAddress`` to log in as ``user``.
+``address(user)`` giving the ``BrokerAddress`` to log in as ``user``, and ``agent_config(device, folder)``
+an in-process ``Agent``'s config on it (its password in a ``file:`` secret under ``folder``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from coordinator.transport.broker.base import BrokerSettings, ManagedBroker
 from coordinator.transport.broker.credentials import COORDINATOR_USER, Credentials, generate_credentials
 from coordinator.transport.broker.mosquitto import MosquittoBroker, find_mosquitto
 from coordinator.transport.broker.scratch import scratch_dir
+from device_agent.agent.config import AgentConfig, parse_config
 from device_agent.wire.session import BrokerAddress
 
 FLEET = "test"
@@ -37,6 +39,22 @@ class TestBroker:
 
     def address(self, user: str = COORDINATOR_USER) -> BrokerAddress:
         return self.broker.address_for(self.credentials[user])
+
+    def agent_config(self, device: str, folder: Path) -> AgentConfig:
+        """``device``'s agent config on this broker: its login as a ``file:`` secret, its state under ``folder``."""
+        secret = folder / f"{device}.password"
+        secret.parent.mkdir(parents=True, exist_ok=True)
+        secret.write_text(self.credentials[device].password)
+        return parse_config(
+            {
+                "device": device,
+                "fleet": self.fleet,
+                "broker": {"url": self.address(device).url, "password": f"file:{secret}"},
+                "device_type": "cpu",
+                "state_dir": str(folder / "agents" / device),
+                "heartbeat_s": 2,
+            }
+        )
 
 
 def _workdir() -> Path:

@@ -27,7 +27,6 @@ from coordinator.transport.broker.mosquitto import MosquittoBroker, find_mosquit
 from coordinator.transport.broker.scratch import scratch_dir
 from coordinator.transport.link import MqttLink
 from coordinator.transport.memory_link import LocalDevice
-from device_agent.agent.config import parse_config
 from device_agent.agent.hooks import RuntimeHooks
 from device_agent.agent.probe import probe_device
 from device_agent.agent.runtime import Agent
@@ -78,18 +77,7 @@ def start_agents(broker: TestBroker, tmp_path: Path, clients, hooks: dict[str, R
     profile = probe_device(0.2, "cpu")
     agents = []
     for client in clients:
-        secret = tmp_path / f"{client.client_id}.password"
-        secret.write_text(broker.credentials[client.client_id].password)
-        config = parse_config(
-            {
-                "device": client.client_id,
-                "fleet": broker.fleet,
-                "broker": {"url": broker.address(client.client_id).url, "password": f"file:{secret}"},
-                "device_type": "cpu",
-                "state_dir": str(tmp_path / "agents" / client.client_id),
-                "heartbeat_s": 2,
-            }
-        )
+        config = broker.agent_config(client.client_id, tmp_path)
         data = LocalDevice(client.client_id, client.train, client.test)
         agents.append(Agent(config, profile, hooks.get(client.client_id, RuntimeHooks()), data=data))
     for agent in agents:

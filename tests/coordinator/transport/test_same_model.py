@@ -22,7 +22,6 @@ from coordinator.run.rundir import RunDir
 from coordinator.strategies import ModelSpec, build_strategy
 from coordinator.transport.link import Link, MqttLink
 from coordinator.transport.memory_link import LocalDevice, MemoryLink, TakingTurns, Turns
-from device_agent.agent.config import parse_config
 from device_agent.agent.probe import probe_device
 from device_agent.agent.runtime import Agent
 from device_agent.clients.spec import TrainConfig
@@ -103,21 +102,7 @@ def test_three_rounds_over_memory_and_over_mqtt_end_with_the_same_model_bytes(
 
     def mqtt_fleet(devices: list[LocalDevice]) -> Link:
         for device in devices:
-            secret = tmp_path / f"{device.device_id}.password"
-            secret.write_text(mosquitto.credentials[device.device_id].password)
-            config = parse_config(
-                {
-                    "device": device.device_id,
-                    "fleet": mosquitto.fleet,
-                    "broker": {
-                        "url": mosquitto.address(device.device_id).url,
-                        "password": f"file:{secret}",
-                    },
-                    "device_type": "cpu",
-                    "state_dir": str(tmp_path / "agents" / device.device_id),
-                    "heartbeat_s": 2,
-                }
-            )
+            config = mosquitto.agent_config(device.device_id, tmp_path)
             agents.append(Agent(config, profile, TakingTurns(turns, device.device_id), data=device))
         for agent in agents:
             threading.Thread(target=agent.run, name=f"agent-{agent.config.device}", daemon=True).start()
