@@ -3,7 +3,8 @@
 One registry entry pairs a server strategy with its client program (``Strategy.program``); the program names
 the spec it consumes. :func:`check_contract` sends a strategy's assignments as the wire does (the spec inside
 an ``Assignment`` message, the tensors as safetensors), builds the program from what the device parsed,
-trains it, and folds the upload back through the strategy's round: what a fleet does, without one.
+trains it, holds its upload to the strategy's ``upload_contract`` as the upload gate does (the header first), and
+folds it back through the strategy's round: what a fleet does, without one.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from collections.abc import Sequence
 
 import torch
 
+from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
 from device_agent.clients import build_program
 from device_agent.clients.spec import TrainConfig
 from device_agent.training.optimizer import train_local
-from device_agent.wire.codec import decode_tensors, encode_tensors
+from device_agent.wire.codec import decode_tensors, encode_tensors, header_specs
 from device_agent.wire.messages import Assignment, encode, parse_message
 from device_agent.wire.protocol import pack_upload, split_upload
 
@@ -37,8 +39,8 @@ def contract_levels(strategy_name: str, model: ModelSpec = CNN) -> tuple[float, 
 
 def check_contract(name: str, model: ModelSpec = CNN, levels: Sequence[float] | None = None) -> None:
     """Raise :class:`ContractBroken` unless ``name``'s assignments, parsed as the wire does, build its program,
-    train, fold back and leave a finite global state. ``levels``: one slot per level (default
-    :func:`contract_levels`)."""
+    train, upload exactly what ``upload_contract`` declares, fold back and leave a finite global state.
+    ``levels``: one slot per level (default :func:`contract_levels`)."""
     strategy = build_strategy(name, model, {}, seed=1)
     levels = tuple(levels) if levels is not None else contract_levels(name, model)
     slots = [ClientSlot(f"dev-{i}", level, 12) for i, level in enumerate(levels)]
@@ -65,7 +67,15 @@ def check_contract(name: str, model: ModelSpec = CNN, levels: Sequence[float] | 
         shape = (12, model.in_channels, model.image_size, model.image_size)
         data = torch.randn(*shape, generator=gen), torch.randint(0, model.num_classes, (12,), generator=gen)
         train_local(program, data, received.train)
-        upload, extras = split_upload(decode_tensors(encode_tensors(pack_upload(program.upload(), program.extras()))))
+        payload = encode_tensors(pack_upload(program.upload(), program.extras()))
+        contract = strategy.upload_contract(slot)
+        try:
+            contract.check_specs(*split_upload(header_specs(payload)))  # as the upload gate reads it
+            upload, extras = split_upload(decode_tensors(payload))
+            contract.check_values(upload, extras)
+        except UpdateRejected as exc:
+            broken = f"{name}: the upload at level {slot.level} breaks its upload_contract: {exc}"
+            raise ContractBroken(broken) from None
         aggregate.add(slot.client_id, upload, 12, extras)
     strategy.close_round(aggregate)
     broken = [k for k, v in strategy.global_state().items() if v.is_floating_point() and not torch.isfinite(v).all()]

@@ -23,14 +23,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from coordinator.algorithms.aggregation import UpdateRejected, check_values
+from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.privacy.accountant import Ledger, RoundCharge, calibrate, planned_epsilon
 from coordinator.privacy.adaptive import default_count_noise, next_clip, update_noise_multiplier
 from coordinator.privacy.noise import RoundNoise
 from coordinator.privacy.settings import PrivacySettings
 from coordinator.strategies.base import Assignment, ClientSlot, RosterRound, RoundAggregate, Strategy
+from coordinator.strategies.upload_contract import UploadContract
 from device_agent.clients.base import is_norm_statistic
 from device_agent.clients.spec import ClipOrder
+from device_agent.common.tensor_spec import TensorSpec
 from device_agent.layers.factorized import factors_to_matrices, matrix_to_weight
 from device_agent.training.clipping import factor_pairs
 from device_agent.training.local_round import UNCLIPPED
@@ -100,25 +102,9 @@ class PrivateRound(RosterRound):
         """(survivors, participants) when the devices added the noise themselves (secure aggregation)."""
 
     def _contribution(self, client_id: str, tensors: Mapping[str, Tensor], num_samples: int) -> dict[str, Tensor]:
-        slot = self.slot_of(client_id, num_samples)
-        reference = self.references[slot.level]
-        unknown = sorted(tensors.keys() - reference.shapes.keys())
-        if unknown:
-            raise UpdateRejected(f"{unknown[0]!r}: not a tensor a client at this level sends", "unknown_tensor")
-        missing = sorted(reference.shapes.keys() - tensors.keys())
-        if missing:
-            raise UpdateRejected(f"{missing[0]!r}: missing from the upload", "missing_tensor")
-        for key, (shape, dtype) in reference.shapes.items():
-            value = tensors[key]
-            if not isinstance(value, Tensor):
-                raise UpdateRejected(f"{key!r}: expected a tensor, got {type(value).__name__}")
-            check_values(key, value, dtype)
-            if tuple(value.shape) != shape:
-                raise UpdateRejected(
-                    f"{key!r}: shape {tuple(value.shape)}, expected {shape} (clipped uploads carry factor pairs at "
-                    "twice the rank)",
-                    "bad_shape",
-                )
+        """The upload (held to its contract by the gate: factor pairs at twice the rank) as its full-rank update,
+        refused when over the clip norm the round asked for."""
+        reference = self.references[self.slot_of(client_id, num_samples).level]
         contribution = full_rank(tensors, self.dense_shapes)
         norm = math.sqrt(sum(float((contribution[k] - v).square().sum()) for k, v in reference.dense.items()))
         if norm > self.clip * (1 + CLIP_SLACK) + 1e-9:
@@ -199,6 +185,8 @@ class PrivateStrategy(Strategy, register=False):
         self._fraction: float | None = None
         self._realized: float | None = None
         """The last round's noise multiplier when the devices added the noise (fewer survivors: less noise)."""
+        self._references: dict[float, LevelReference] = {}
+        """The open round's, per level (:meth:`open_round`): what its uploads are held to."""
 
     def _set_noise(self, noise_multiplier: float) -> None:
         """z for the pair (update, count); the update gets z, or z_update of the adaptive split."""
@@ -211,8 +199,14 @@ class PrivateStrategy(Strategy, register=False):
             )
             self.update_noise = update_noise_multiplier(noise_multiplier, self.count_noise)
 
-    def declared_extras(self) -> frozenset[str]:
-        return self.inner.declared_extras() | ({UNCLIPPED} if self.adaptive is not None else frozenset())
+    def upload_contract(self, slot: ClientSlot) -> UploadContract:
+        """What the device sent for the slot's level clipped (:func:`upload_shapes`: factor pairs at twice their
+        rank), the inner strategy's side information, and the one-bit unclipped report when clipping adapts."""
+        inner = self.inner.upload_contract(slot)
+        shapes = self._references[slot.level].shapes
+        bit = {UNCLIPPED: TensorSpec((1,), torch.int64)} if self.adaptive is not None else {}
+        tensors = {k: TensorSpec(shape, dtype) for k, (shape, dtype) in shapes.items()}
+        return UploadContract(tensors, {**inner.extras, **bit}, inner.index_lists)
 
     def trained_level(self, slot: ClientSlot) -> float:
         return self.inner.trained_level(slot)
@@ -232,6 +226,7 @@ class PrivateStrategy(Strategy, register=False):
             if slot.level not in references:
                 tensors = sent[slot.client_id].tensors
                 references[slot.level] = LevelReference(upload_shapes(tensors), full_rank(tensors, shapes))
+        self._references = references
         return PrivateRound(round, clients, references, shapes, self.clip_norm, self.adaptive is not None)
 
     def close_round(self, aggregate: RoundAggregate) -> None:

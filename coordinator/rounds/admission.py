@@ -2,12 +2,18 @@
 
 In order: kind -> signature (before any receipt, so a forgery is never answered ``duplicate``) ->
 envelope (run, round, participant, duplicate) -> the update's meta (every number within its range of
-:data:`device_agent.wire.bounds.UPLOAD_META`) -> decode -> only the extras the strategy declares -> the
-strategy's checks for that slot (names, shapes, dtypes, finite values, magnitude) -> journal -> fold.
-Nothing touches the aggregate before the journal has the upload, so a refused or late upload never counts.
+:data:`device_agent.wire.bounds.UPLOAD_META`) -> :meth:`Admission.inspect` -> the norm bounds -> journal ->
+fold. Nothing touches the aggregate before the journal has the upload, so a refused or late upload never counts.
 
-A resume replays the journal through the same bounds (:func:`journaled_meta`): an upload journaled by a
-release that checked less, which fails them or whose fold fails, is quarantined with its reason
+:meth:`Admission.inspect` is the one list of checks an upload's tensors pass, live, replayed on a resume and
+re-folded by the close's screening: the payload's header against the strategy's
+:meth:`~coordinator.strategies.base.Strategy.upload_contract` for the device's slot (names, shapes, dtypes, side
+information), before a tensor is allocated; then the values (finite, bounded, index lists in range); then what
+only the round can judge (``RoundAggregate.check``: the roster, a privacy clip norm). Aggregates fold and check
+none of the rest again.
+
+A resume replays the journal through the same checks and bounds (:func:`journaled_meta`): an upload journaled by
+a release that checked less, which fails them or whose fold fails, is quarantined with its reason
 (:meth:`~coordinator.run.rundir.RunDir.quarantine`) instead of stopping the run on every resume.
 """
 
@@ -25,18 +31,11 @@ from torch import Tensor
 from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.rounds.signing import UploadSignatures
 from coordinator.rounds.state import OpenRound, Refusals, printable, refusal_reason
-from coordinator.rounds.upload_gate import (
-    Screened,
-    UploadGate,
-    UploadRefused,
-    check_dtypes,
-    check_extras,
-    squared_norms,
-)
+from coordinator.rounds.upload_gate import Screened, UploadGate, UploadRefused, squared_norms
 from coordinator.run.journal import JournalEntry
 from coordinator.run.rundir import RoundNotOpen, RunDir
-from coordinator.strategies import RoundAggregate
-from device_agent.wire.codec import CodecError, decode_tensors, encode_tensors
+from coordinator.strategies import ClientSlot, RoundAggregate, UploadContract
+from device_agent.wire.codec import CodecError, decode_tensors, encode_tensors, header_specs
 from device_agent.wire.payload import Received
 from device_agent.wire.protocol import UPDATE_KIND, UploadMeta, UploadMetaError, parse_upload_meta, split_upload
 
@@ -59,17 +58,30 @@ class Admission:
         rundir: RunDir,
         expected_samples: Callable[[str], int],
         signatures: UploadSignatures | None = None,
-        declared_extras: frozenset[str] = frozenset(),
         refused: Refusals | None = None,
+        *,
+        contract: Callable[[ClientSlot], UploadContract],
     ) -> None:
-        """``declared_extras``: the side information the strategy takes (``Strategy.declared_extras``);
-        ``refused``: where refused uploads are counted (the engine's, which observers read)."""
+        """``contract``: what the device of a slot uploads (``Strategy.upload_contract``); ``refused``: where
+        refused uploads are counted (the engine's, which observers read)."""
         self.refused = refused if refused is not None else Refusals()
         self.gate = gate
         self.rundir = rundir
         self.expected_samples = expected_samples
         self.signatures = signatures
-        self.declared_extras = declared_extras
+        self.contract = contract
+
+    def inspect(
+        self, device: str, level: float, data: bytes, samples: int, aggregate: RoundAggregate
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor], dict[str, Tensor]]:
+        """The checks every upload's tensors pass (module doc), live or from the journal: (all, upload, extras)."""
+        contract = self.contract(ClientSlot(device, level, self.expected_samples(device)))
+        contract.check_specs(*split_upload(header_specs(data)))
+        tensors = decode_tensors(data)
+        upload, extras = split_upload(tensors)
+        contract.check_values(upload, extras)
+        aggregate.check(device, upload, samples, extras)
+        return tensors, upload, extras
 
     def admit(self, device: str, received: Received, open_: OpenRound | None, next_round: int) -> str:
         """The receipt status (accepted, duplicate, late), or raises why the update is refused."""
@@ -93,11 +105,7 @@ class Admission:
         data = received.data
         parsed = self.gate.meta(received.meta, self.expected_samples(device))
         try:
-            tensors = decode_tensors(data)
-            check_dtypes(tensors)
-            upload, extras = split_upload(tensors)
-            check_extras(extras, self.declared_extras)
-            open_.aggregate.check(device, upload, parsed.samples, extras)
+            tensors, upload, extras = self.inspect(device, participant.level, data, parsed.samples, open_.aggregate)
             screened = self.gate.norm(device, participant.level, upload)
         except (UpdateRejected, CodecError):
             raise
@@ -157,12 +165,12 @@ class Admission:
         for entry in journal:
             if entry.round != open_.round or entry.device not in open_.participants:
                 continue
+            participant = open_.participants[entry.device]
             try:
                 parsed = journaled_meta(entry.meta)
                 payload_bytes = int(entry.meta.get("payload_bytes", 0))
-                upload, extras = split_upload(self.rundir.load_upload(entry))
-                check_extras(extras, self.declared_extras)
-                open_.aggregate.check(entry.device, upload, parsed.samples, extras)
+                data = self.rundir.upload_data(entry)
+                _, upload, extras = self.inspect(entry.device, participant.level, data, parsed.samples, open_.aggregate)
                 if assigned is not None:
                     sent = assigned() if sent is None else sent
                     screened = self.gate.replayed(entry.device, upload, sent[entry.device])
@@ -181,7 +189,6 @@ class Admission:
                     open_.aggregate.fold(device, kept, samples, kept_extras)
                 continue
             folded.append((entry.device, upload, parsed.samples, extras))
-            participant = open_.participants[entry.device]
             self.gate.accepted(participant.level, screened, entry.device)
             participant.status, participant.payload_bytes = "accepted", payload_bytes
             participant.train_seconds, participant.host_seconds = parsed.train_seconds, parsed.host_seconds
@@ -231,8 +238,10 @@ class Admission:
                     "round %d: refused %s's update at the close: %s", open_.round, entry.device, refused[entry.device]
                 )
                 continue
-            upload, extras = split_upload(self.rundir.load_upload(entry))
-            open_.aggregate.fold(entry.device, upload, journaled_meta(entry.meta).samples, extras)
+            samples = journaled_meta(entry.meta).samples
+            data = self.rundir.upload_data(entry)
+            _, upload, extras = self.inspect(entry.device, participant.level, data, samples, open_.aggregate)
+            open_.aggregate.fold(entry.device, upload, samples, extras)
         return refused
 
     def _quarantine(self, entry: JournalEntry, exc: Exception) -> None:

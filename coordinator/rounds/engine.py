@@ -114,8 +114,8 @@ class RoundEngine:
             unaligned = replace(unaligned, update_bound_factor=None)  # and the privacy layer adds its own noise
         gate = UploadGate(settings.gate if self.strategy.aligned_updates else unaligned)
         expected = lambda d: fleet.samples_for(self.devices[d].device)  # noqa: E731
-        extras = self.strategy.declared_extras()
-        self.admission = Admission(gate, rundir, expected, signatures, extras, self.refused)
+        contract = self.strategy.upload_contract
+        self.admission = Admission(gate, rundir, expected, signatures, self.refused, contract=contract)
         self.dispatch = Dispatcher(link, self.strategy, gate, rundir, fleet, settings.resend_after_s)
         self.laggards = LaggardGrace(settings.laggard_grace_factor, settings.laggard_grace_min_s)
         self.closer = RoundCloser(

@@ -57,7 +57,7 @@ from coordinator.algorithms.robust import (
 )
 from coordinator.config.limits import GateSettings
 from device_agent.common.profile import DeviceProfile
-from device_agent.wire.protocol import EXTRA_PREFIX, UploadMeta, parse_upload_meta
+from device_agent.wire.protocol import UploadMeta, parse_upload_meta
 
 REASONS = frozenset(
     {
@@ -82,11 +82,6 @@ REASONS = frozenset(
     }
 )
 """Every reason code the engine counts a refused upload under (``RoundEngine.refusals``)."""
-
-FLOAT_DTYPE = torch.float32
-"""The dtype of every model tensor: an upload in another float type (float64, bfloat16, float8) is refused."""
-INTEGER_DTYPES = (torch.int64, torch.int32)
-"""Integer side information (class lists, BatchNorm step counters)."""
 
 
 class UploadRefused(UpdateRejected):
@@ -139,28 +134,6 @@ def profile_problem(profile: DeviceProfile) -> str | None:
 
     found = walk(profile.model_dump(), "")
     return None if found is None else f"a non-finite profile value ({found})"
-
-
-def check_dtypes(tensors: Mapping[str, Tensor]) -> None:
-    """Every float tensor in the model's dtype, every other one an integer kind: before any arithmetic on them."""
-    for key, value in tensors.items():
-        if not isinstance(value, Tensor):
-            raise UploadRefused("bad_payload", f"{key!r}: expected a tensor, got {type(value).__name__}")
-        if value.is_floating_point() and value.dtype != FLOAT_DTYPE:
-            raise UploadRefused("bad_dtype", f"{key!r}: dtype {value.dtype}, expected {FLOAT_DTYPE}")
-        if not value.is_floating_point() and value.dtype not in INTEGER_DTYPES:
-            raise UploadRefused("bad_dtype", f"{key!r}: dtype {value.dtype} is neither {FLOAT_DTYPE} nor an integer")
-
-
-def check_extras(extras: Mapping[str, Tensor], declared: frozenset[str]) -> None:
-    """Side information only under the names the strategy declares: anything else would be journaled unchecked."""
-    unknown = sorted(set(extras) - declared)
-    if unknown:
-        takes = ", ".join(sorted(declared)) or "none"
-        raise UploadRefused(
-            "unknown_tensor",
-            f"{EXTRA_PREFIX}{unknown[0][:80]!r}: side information this strategy does not take ({takes})",
-        )
 
 
 def squared_norms(tensors: Mapping[str, Tensor]) -> dict[str, float]:

@@ -131,11 +131,16 @@ class RoundJournal:
     @staticmethod
     def load(entry: JournalEntry) -> dict[str, torch.Tensor]:
         """An accepted upload's tensors, refusing a file whose digest no longer matches the journal."""
+        return decode_tensors(RoundJournal.data(entry))
+
+    @staticmethod
+    def data(entry: JournalEntry) -> bytes:
+        """An accepted upload's bytes as journaled, refusing a file whose digest no longer matches the journal."""
         data = entry.path.read_bytes()
         if not entry.intact(data):
             index = entry.path.parent / INDEX_FILE
             raise RunDirError(f"{entry.path}: sha256 does not match {index}; the file is corrupt")
-        return decode_tensors(data)
+        return data
 
     def quarantine(self, entry: JournalEntry, folder: Path, reason: str, when: str) -> Path:
         """Move ``entry`` out of the journal into ``folder`` with a note of ``reason``; returns the note's path.

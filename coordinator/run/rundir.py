@@ -446,6 +446,10 @@ class RunDir:
         """An accepted upload's tensors, refusing a file whose digest no longer matches the journal."""
         return RoundJournal.load(entry)
 
+    def upload_data(self, entry: JournalEntry) -> bytes:
+        """An accepted upload's bytes (safetensors), refusing a file whose digest no longer matches the journal."""
+        return RoundJournal.data(entry)
+
     def quarantine(self, entry: JournalEntry, reason: str) -> Path:
         """Take an accepted upload out of the open round's journal, keeping it and ``reason`` in ``quarantine/``.
 

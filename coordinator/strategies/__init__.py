@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from coordinator.strategies.base import STRATEGIES, Assignment, ClientSlot, ModelSpec, RoundAggregate, Strategy
+from coordinator.strategies.upload_contract import UploadContract
 from device_agent.common.validation import describe
 
 
@@ -29,4 +30,13 @@ def build_strategy(name: str, model: ModelSpec, params: Mapping[str, Any] | None
     return cls(model, validated, seed)
 
 
-__all__ = ["STRATEGIES", "Assignment", "ClientSlot", "ModelSpec", "RoundAggregate", "Strategy", "build_strategy"]
+__all__ = [
+    "STRATEGIES",
+    "Assignment",
+    "ClientSlot",
+    "ModelSpec",
+    "RoundAggregate",
+    "Strategy",
+    "UploadContract",
+    "build_strategy",
+]

@@ -17,8 +17,9 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from coordinator.algorithms.aggregation import UpdateRejected, check_values
+from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.strategies.levels import NONE, LevelScale
+from coordinator.strategies.upload_contract import UploadContract
 from device_agent.clients.base import ClientProgram
 from device_agent.clients.spec import ClientSpec, ModelSpec
 from device_agent.common.registry import Registry
@@ -58,21 +59,21 @@ class StrategyParams(BaseModel):
 class RoundAggregate(ABC):
     """One open round. Uploads are folded (or, for cheap personalized vectors, buffered) on arrival.
 
-    Checking and folding are two steps so the engine can journal an upload between them: an
-    upload that :meth:`check` accepts is durable before it counts, and one it refuses never counts.
+    The upload gate holds each upload to :meth:`Strategy.upload_contract` (names, shapes, dtypes, finite and
+    bounded values) before :meth:`check`, so neither repeats any of that. Checking and folding are two steps
+    so the engine can journal an upload between them: an upload :meth:`check` accepts is durable before it
+    counts, and one it refuses never counts.
     """
 
-    @abstractmethod
-    def check(
+    def check(  # noqa: B027
         self,
         client_id: str,
         tensors: dict[str, torch.Tensor],
         num_samples: int,
         extras: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """Validate the whole upload for this client's slot; changes nothing.
-
-        Raises ``coordinator.algorithms.aggregation.UpdateRejected`` naming the key or the problem.
+        """What only this round can judge of an upload that met its contract (who sends it, a privacy clip
+        norm); changes nothing. Raises ``coordinator.algorithms.aggregation.UpdateRejected`` naming the problem.
         """
 
     @abstractmethod
@@ -83,7 +84,7 @@ class RoundAggregate(ABC):
         num_samples: int,
         extras: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """Fold in an upload :meth:`check` accepted."""
+        """Fold in an upload that met its contract and :meth:`check` accepted."""
 
     def add(
         self,
@@ -92,7 +93,8 @@ class RoundAggregate(ABC):
         num_samples: int,
         extras: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """Check, then fold: for callers that keep no journal in between (tests, examples)."""
+        """Check, then fold: for callers that keep no journal in between and hold uploads to their contract
+        themselves (tests, examples: ``strategy.upload_contract(slot).check(tensors, extras)``)."""
         self.check(client_id, tensors, num_samples, extras)
         self.fold(client_id, tensors, num_samples, extras)
 
@@ -104,6 +106,16 @@ class RosterRound(RoundAggregate):
         self.round = round
         self.slots = {slot.client_id: slot for slot in clients}
         self.received: list[str] = []
+
+    def check(
+        self,
+        client_id: str,
+        tensors: dict[str, torch.Tensor],
+        num_samples: int,
+        extras: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """The sender is a participant that has not uploaded yet, with at least one sample."""
+        self.slot_of(client_id, num_samples)
 
     def slot_of(self, client_id: str, num_samples: int) -> ClientSlot:
         """The sender's slot; call before validating, and append to ``received`` after folding."""
@@ -126,16 +138,6 @@ def seeded_model(model: ModelSpec, seed: int, width: float = 1.0) -> torch.nn.Mo
 def state_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and buffer of ``model`` (meta tensors too): what a full state dict weighs."""
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-
-
-def check_finite_float(key: str, value: object) -> torch.Tensor:
-    """The checks every upload tensor gets before it is folded."""
-    if not isinstance(value, torch.Tensor):
-        raise UpdateRejected(f"{key!r}: expected a tensor, got {type(value).__name__}")
-    if not value.is_floating_point():
-        raise UpdateRejected(f"{key!r}: expected a floating-point tensor, got {value.dtype}", "bad_dtype")
-    check_values(key, value)
-    return value
 
 
 class Strategy(ABC):
@@ -173,9 +175,16 @@ class Strategy(ABC):
         self.params = params
         self.seed = seed
 
-    def declared_extras(self) -> frozenset[str]:
-        """Names of the side information (``extras``) its clients upload; the upload gate refuses any other."""
-        return frozenset()
+    def upload_contract(self, slot: ClientSlot) -> UploadContract:
+        """What the device of ``slot`` uploads: every tensor's name, shape and dtype, side information too.
+
+        The upload gate holds each upload to it from the payload's header, before decoding, and checks values
+        (finite, bounded) for every strategy, so :meth:`open_round`'s aggregate folds without checking again.
+        Called after :meth:`open_round` for the round. Default: the trainable parameters of
+        :meth:`client_model` at the slot's level (what :meth:`upload_bytes` counts), no side information.
+        """
+        net = self.client_model(self.model, self.params, slot.level)
+        return UploadContract.like({k: p for k, p in net.named_parameters() if p.requires_grad})
 
     @classmethod
     def client_model(cls, model: ModelSpec, params: BaseModel, level: float) -> nn.Module:

@@ -1,4 +1,4 @@
-"""A round aggregate that validates and keeps each client's upload until the round closes.
+"""A round aggregate that keeps each client's upload until the round closes.
 
 Personalized strategies need every upload of a round at once (similarities are pairwise, factor
 analysis is over all clients), so they buffer instead of folding. What they buffer is what their
@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from coordinator.algorithms.aggregation import UpdateRejected, check_values
 from coordinator.strategies.base import ClientSlot, RosterRound
 
 
@@ -24,58 +23,12 @@ class Upload:
     extras: dict[str, torch.Tensor]
 
 
-def _check(kind: str, got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> None:
-    missing = sorted(set(expected) - set(got))
-    if missing:
-        raise UpdateRejected(
-            f"{kind} lacks {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
-            "missing_tensor",
-        )
-    for key, value in got.items():
-        if key not in expected:
-            raise UpdateRejected(f"{kind} {key!r}: not expected from this client", "unknown_tensor")
-        if not isinstance(value, torch.Tensor):
-            raise UpdateRejected(f"{kind} {key!r}: expected a tensor, got {type(value).__name__}")
-        want = expected[key]
-        if value.shape != want.shape:
-            raise UpdateRejected(
-                f"{kind} {key!r}: shape {tuple(value.shape)}, expected {tuple(want.shape)}", "bad_shape"
-            )
-        if value.is_floating_point() != want.is_floating_point():
-            raise UpdateRejected(f"{kind} {key!r}: dtype {value.dtype}, expected {want.dtype}", "bad_dtype")
-        if value.is_floating_point():
-            check_values(f"{kind} {key}", value, want.dtype)
-
-
 class BufferedRound(RosterRound):
-    """Accepts one upload per round participant, whose keys and shapes match ``expected``.
+    """Keeps one upload per round participant (its strategy's ``upload_contract`` says what each holds)."""
 
-    ``expected`` and ``expected_extras`` map key -> a tensor of the right shape and kind (float or
-    not); values are never read.
-    """
-
-    def __init__(
-        self,
-        round: int,
-        clients: Sequence[ClientSlot],
-        expected: Mapping[str, torch.Tensor],
-        expected_extras: Mapping[str, torch.Tensor] | None = None,
-    ) -> None:
+    def __init__(self, round: int, clients: Sequence[ClientSlot]) -> None:
         super().__init__(round, clients)
-        self.expected = expected
-        self.expected_extras = dict(expected_extras or {})
         self.uploads: dict[str, Upload] = {}
-
-    def check(
-        self,
-        client_id: str,
-        tensors: dict[str, torch.Tensor],
-        num_samples: int,
-        extras: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        self.slot_of(client_id, num_samples)
-        _check("upload", tensors, self.expected)
-        _check("extras", extras or {}, self.expected_extras)
 
     def fold(
         self,

@@ -30,6 +30,7 @@ from coordinator.strategies.buffered import (
     unprefixed,
     weighted_mean,
 )
+from coordinator.strategies.upload_contract import UploadContract
 from device_agent.clients.base import ClientProgram
 from device_agent.clients.rank_one import FactorizedFLBetaProgram, FactorizedFLProgram, rank_one_model, shared_layers
 from device_agent.clients.spec import FactorizedFLBetaSpec, FactorizedFLSpec
@@ -116,9 +117,12 @@ class FactorizedFL(Strategy):
             out[slot.client_id] = Assignment(self._spec(), {k: v.clone() for k, v in source.items()})
         return out
 
+    def upload_contract(self, slot: ClientSlot) -> UploadContract:
+        """The shared layers' factors and v of the similarity layer (the same at every level)."""
+        return UploadContract.like({k: self.init_state[k] for k in [*self.keys, self.similarity_key]})
+
     def open_round(self, round: int, clients: Sequence[ClientSlot]) -> RoundAggregate:
-        expected = {k: self.init_state[k] for k in [*self.keys, self.similarity_key]}
-        return BufferedRound(round, clients, expected)
+        return BufferedRound(round, clients)
 
     def close_round(self, aggregate: RoundAggregate) -> None:
         if not isinstance(aggregate, BufferedRound):

@@ -38,6 +38,7 @@ from coordinator.strategies.buffered import (
     unprefixed,
     weighted_mean,
 )
+from coordinator.strategies.upload_contract import UploadContract
 from device_agent.clients.base import ClientProgram
 from device_agent.clients.fedfac import FedFacProgram
 from device_agent.clients.spec import FedFacSpec
@@ -125,8 +126,12 @@ class FedFac(Strategy):
     def configure(self, round: int, clients: Sequence[ClientSlot]) -> dict[str, Assignment]:
         return {slot.client_id: Assignment(self._spec(), self._client_state(slot.client_id)) for slot in clients}
 
+    def upload_contract(self, slot: ClientSlot) -> UploadContract:
+        """The whole model, BN statistics and counters included (:meth:`upload_bytes`)."""
+        return UploadContract.like(self.global_weights)
+
     def open_round(self, round: int, clients: Sequence[ClientSlot]) -> RoundAggregate:
-        return BufferedRound(round, clients, self.global_weights)
+        return BufferedRound(round, clients)
 
     def close_round(self, aggregate: RoundAggregate) -> None:
         if not isinstance(aggregate, BufferedRound):

@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel, Field
 from torch import nn
 
-from coordinator.algorithms.aggregation import ClassifierRule, StreamingAggregator, UpdateRejected, parse_classes
+from coordinator.algorithms.aggregation import ClassifierRule, StreamingAggregator, parse_classes
 from coordinator.algorithms.lowrank import factorize
 from coordinator.strategies.base import (
     Assignment,
@@ -34,6 +34,7 @@ from coordinator.strategies.base import (
     seeded_model,
 )
 from coordinator.strategies.levels import RANK, LevelScale
+from coordinator.strategies.upload_contract import UploadContract
 from device_agent.clients.base import ClientProgram, is_norm_statistic
 from device_agent.clients.fedhm import FedHMProgram
 from device_agent.layers.hybrid import factorization_plan
@@ -52,58 +53,13 @@ class FedHMParams(StrategyParams):
     classes, alpha not renormalised (the FedHM code); renormalised: per row over its holders."""
 
 
-UploadShapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
-"""Key -> (shape, dtype) of every tensor a client at one level sends back."""
-
-
-def expected_upload(model: nn.Module) -> UploadShapes:
-    """What ``FedHMProgram.upload`` sends for ``model``: every state entry but the BN statistics."""
-    return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items() if not is_norm_statistic(k)}
-
-
-def check_exact(tensors: Mapping[str, torch.Tensor], expected: UploadShapes) -> None:
-    """The upload holds exactly the expected tensors: a partial update would keep stale layers unnoticed."""
-    unknown = sorted(tensors.keys() - expected.keys())
-    if unknown:
-        raise UpdateRejected(f"{unknown[0]!r}: not a tensor a client at this level sends", "unknown_tensor")
-    missing = sorted(expected.keys() - tensors.keys())
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise UpdateRejected(f"{missing[0]!r}: missing from the upload{more}", "missing_tensor")
-    for key, (shape, dtype) in expected.items():
-        value = tensors[key]
-        if value.dtype != dtype:
-            raise UpdateRejected(f"{key!r}: dtype {value.dtype}, expected {dtype}", "bad_dtype")
-        if tuple(value.shape) != shape:
-            raise UpdateRejected(f"{key!r}: shape {tuple(value.shape)}, expected {shape}", "bad_shape")
-
-
 class FedHMRound(RosterRound):
     def __init__(
-        self,
-        round: int,
-        clients: Sequence[ClientSlot],
-        aggregator: StreamingAggregator,
-        expected: Mapping[float, UploadShapes] | None = None,
-        num_classes: int = 0,
+        self, round: int, clients: Sequence[ClientSlot], aggregator: StreamingAggregator, num_classes: int = 0
     ) -> None:
         super().__init__(round, clients)
         self.aggregator = aggregator
-        self.expected = dict(expected or {})
         self.num_classes = num_classes
-
-    def check(
-        self,
-        client_id: str,
-        tensors: dict[str, torch.Tensor],
-        num_samples: int,
-        extras: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        slot = self.slot_of(client_id, num_samples)
-        if slot.level in self.expected:
-            check_exact(tensors, self.expected[slot.level])
-        self.aggregator.check(tensors, slot.level)
-        self._rows(slot.level, extras)
 
     def fold(
         self,
@@ -139,6 +95,7 @@ class FedHM(Strategy):
         self._global = {k: v.detach().clone() for k, v in net.state_dict().items()}
         linears = [name for name, m in net.named_modules() if isinstance(m, nn.Linear)]
         self.classifier_keys = frozenset({f"{linears[-1]}.weight", f"{linears[-1]}.bias"} & self._global.keys())
+        self._contracts: dict[float, UploadContract] = {}
 
     @classmethod
     def client_model(cls, model: ModelSpec, params: BaseModel, level: float) -> nn.Module:
@@ -171,6 +128,19 @@ class FedHM(Strategy):
         is a subclass with its own ``name``, ``program`` and these, not a copy of :meth:`configure`."""
         return {}
 
+    def upload_contract(self, slot: ClientSlot) -> UploadContract:
+        """What ``FedHMProgram.upload`` sends at the slot's rank ratio: every state entry but the BN statistics
+        (factor pairs for the factorized layers below gamma 1), and its classes when the round masks the
+        classifier rows of gamma < 1 clients."""
+        if slot.level not in self._contracts:
+            state = self.client_model(self.model, self.params, slot.level).state_dict()
+            masked = self.params.label_masked_classifier is not ClassifierRule.OFF and slot.level < 1
+            self._contracts[slot.level] = UploadContract.like(
+                {k: v for k, v in state.items() if not is_norm_statistic(k)},
+                index_lists={"classes": self.model.num_classes} if masked else None,
+            )
+        return self._contracts[slot.level]
+
     def open_round(self, round: int, clients: Sequence[ClientSlot]) -> RoundAggregate:
         aggregator = StreamingAggregator(
             self._global,
@@ -181,11 +151,7 @@ class FedHM(Strategy):
             self.params.label_masked_classifier,
             self.classifier_keys,
         )
-        expected = {
-            level: expected_upload(self.client_model(self.model, self.params, level))
-            for level in {slot.level for slot in clients}
-        }
-        return FedHMRound(round, clients, aggregator, expected, self.model.num_classes)
+        return FedHMRound(round, clients, aggregator, self.model.num_classes)
 
     def close_round(self, aggregate: RoundAggregate) -> None:
         if not isinstance(aggregate, FedHMRound):

@@ -31,7 +31,7 @@ import torch
 from pydantic import Field, PositiveFloat, PositiveInt
 from torch import Tensor, nn
 
-from coordinator.algorithms.aggregation import UpdateRejected, log_score
+from coordinator.algorithms.aggregation import log_score
 from coordinator.algorithms.lora import lora_factors
 from coordinator.strategies.base import (
     Assignment,
@@ -41,13 +41,14 @@ from coordinator.strategies.base import (
     RoundAggregate,
     Strategy,
     StrategyParams,
-    check_finite_float,
     seeded_model,
 )
 from coordinator.strategies.levels import RANK, LevelScale
+from coordinator.strategies.upload_contract import UploadContract
 from device_agent.clients.base import ClientProgram
 from device_agent.clients.lora import TARGETS, LoRAProgram
 from device_agent.clients.spec import LoRASpec
+from device_agent.common.tensor_spec import TensorSpec
 from device_agent.layers.lora import (
     FACTORS,
     Layout,
@@ -149,26 +150,6 @@ class FineTuneRound(RosterRound):
         self.total = 0.0
         self.shift = -math.inf
 
-    def check(
-        self,
-        client_id: str,
-        tensors: dict[str, Tensor],
-        num_samples: int,
-        extras: dict[str, Tensor] | None = None,
-    ) -> None:
-        slot = self.slot_of(client_id, num_samples)
-        expected = self.strategy.expected_upload(slot.level)
-        for key in expected.keys() - tensors.keys():
-            raise UpdateRejected(f"upload lacks {key!r}")
-        for key, value in tensors.items():
-            if key not in expected:
-                raise UpdateRejected(
-                    f"{key!r}: not part of a {self.strategy.name} upload (frozen base tensors never are)"
-                )
-            check_finite_float(key, value)
-            if tuple(value.shape) != expected[key]:
-                raise UpdateRejected(f"{key!r}: shape {tuple(value.shape)}, expected {expected[key]}")
-
     def fold(
         self,
         client_id: str,
@@ -232,6 +213,12 @@ class FineTune(Strategy):
 
     def expected_upload(self, level: float) -> dict[str, tuple[int, ...]]:
         return {k: tuple(v.shape) for k, v in self.state.items()}
+
+    def upload_contract(self, slot: ClientSlot) -> UploadContract:
+        """:meth:`expected_upload` at the slot's level, in float32 (frozen base tensors are never part of it)."""
+        return UploadContract(
+            {k: TensorSpec(shape, torch.float32) for k, shape in self.expected_upload(slot.level).items()}
+        )
 
     def score(self, level: float, num_samples: int) -> float:
         return math.log(num_samples)

@@ -29,6 +29,7 @@ from coordinator.strategies.base import (
     state_bytes,
 )
 from coordinator.strategies.buffered import BufferedRound, client_states, unprefixed
+from coordinator.strategies.upload_contract import UploadContract
 from device_agent.clients.base import ClientProgram
 from device_agent.clients.rank_one import SimFedProgram, rank_one_model, shared_layers
 from device_agent.clients.spec import SimFedSpec
@@ -51,9 +52,6 @@ class SimFed(Strategy):
     program: ClassVar[type[ClientProgram]] = SimFedProgram
     personalized: ClassVar[bool] = True
     layout: ClassVar[str] = "channel"
-
-    def declared_extras(self) -> frozenset[str]:
-        return frozenset({"embedding"})
 
     def __init__(self, model: ModelSpec, params: SimFedParams, seed: int = 0) -> None:
         super().__init__(model, params, seed)
@@ -133,9 +131,12 @@ class SimFed(Strategy):
             out[slot.client_id] = Assignment(self._spec(), tensors)
         return out
 
+    def upload_contract(self, slot: ClientSlot) -> UploadContract:
+        """The client's whole model theta_k, and z_k, its encoder's embedding of the criteria input."""
+        return UploadContract.like(self.init_state, {"embedding": torch.empty(self.embedding_size, device="meta")})
+
     def open_round(self, round: int, clients: Sequence[ClientSlot]) -> RoundAggregate:
-        extras = {"embedding": torch.empty(self.embedding_size)}
-        return BufferedRound(round, clients, self.init_state, extras)
+        return BufferedRound(round, clients)
 
     def close_round(self, aggregate: RoundAggregate) -> None:
         if not isinstance(aggregate, BufferedRound):

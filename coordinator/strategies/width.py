@@ -23,7 +23,7 @@ import torch
 from pydantic import BaseModel, Field
 from torch import Tensor, nn
 
-from coordinator.algorithms.aggregation import UpdateRejected, parse_classes
+from coordinator.algorithms.aggregation import parse_classes
 from coordinator.algorithms.robust import buffered_aggregate
 from coordinator.strategies.base import (
     Assignment,
@@ -33,12 +33,13 @@ from coordinator.strategies.base import (
     RoundAggregate,
     Strategy,
     StrategyParams,
-    check_finite_float,
     seeded_model,
 )
 from coordinator.strategies.levels import NONE, WIDTH, LevelScale
+from coordinator.strategies.upload_contract import UploadContract
 from device_agent.clients.base import ClientProgram, is_norm_statistic
 from device_agent.clients.width import WidthProgram
+from device_agent.common.tensor_spec import TensorSpec
 from device_agent.models import build_model
 
 Index = tuple[Tensor | None, ...]
@@ -114,27 +115,6 @@ class WidthRound(RosterRound):
         self.sums = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in strategy.trainable().items()}
         self.counts = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in strategy.trainable().items()}
 
-    def check(
-        self,
-        client_id: str,
-        tensors: dict[str, torch.Tensor],
-        num_samples: int,
-        extras: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        slot = self.slot_of(client_id, num_samples)
-        shapes = self.strategy.sub_shapes(self.strategy.client_level(slot))
-        unknown = sorted(k for k in tensors if k not in self.sums and not is_norm_statistic(k))
-        if unknown:
-            raise UpdateRejected(f"{unknown[0]!r}: not a trainable parameter of this model", "unknown_tensor")
-        missing = sorted(k for k in self.sums if k not in tensors)
-        if missing:
-            raise UpdateRejected(f"{missing[0]!r}: missing from the upload", "missing_tensor")
-        for key in self.sums:
-            value = check_finite_float(key, tensors[key])
-            if value.shape != shapes[key]:
-                raise UpdateRejected(f"{key!r}: shape {tuple(value.shape)}, expected {tuple(shapes[key])}", "bad_shape")
-        self._classifier_rows(extras)
-
     def fold(
         self,
         client_id: str,
@@ -177,9 +157,13 @@ class WidthStrategy(Strategy):
     label_masked: bool = False
     scaler: bool = False
 
-    def declared_extras(self) -> frozenset[str]:
-        """A label-masked classifier needs each client's classes; nothing else is sent."""
-        return frozenset({"classes"}) if self.label_masked else frozenset()
+    def upload_contract(self, slot: ClientSlot) -> UploadContract:
+        """The trainable tensors of the sub-model the slot's client trains, and its classes when the classifier
+        is label-masked (nothing else is sent)."""
+        shapes = self.sub_shapes(self.client_level(slot))
+        tensors = {k: TensorSpec(tuple(shapes[k]), v.dtype) for k, v in self.trainable().items()}
+        classes = {"classes": self.model.num_classes} if self.label_masked else {}
+        return UploadContract(tensors, index_lists=classes)
 
     def __init__(self, model: ModelSpec, params: StrategyParams, seed: int = 0, width: float = 1.0) -> None:
         super().__init__(model, params, seed)

@@ -18,9 +18,9 @@ Topics are per device (``device_agent.wire.topics``); payloads are verified chun
    *as received*, before training, on that same test shard). Tensors are the program's
    ``upload()`` plus ``extras()`` under :data:`EXTRA_PREFIX`.
 4. Coordinator validates (sender = the topic's device, i.e. the broker-authenticated user; run;
-   round; meta; the strategy's ``RoundAggregate.check`` checks names, shapes, dtypes, finite and
-   bounded values), journals it (``RunDir.accept_upload``), folds it, and only then answers
-   ``Receipt(accepted)``. A
+   round; meta; the payload's header against the strategy's ``upload_contract`` for the device's slot:
+   names, shapes, dtypes, before decoding; then finite and bounded values), journals it
+   (``RunDir.accept_upload``), folds it, and only then answers ``Receipt(accepted)``. A
    duplicate (resend after a lost receipt) gets ``Receipt(duplicate)``, an update for a closed round
    ``Receipt(late)``, an invalid one ``Error(code="rejected")``. On any of these the device deletes it
    from its outbox; until then it resends it (after reconnects, restarts, or a new assignment for
@@ -43,10 +43,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from device_agent.wire.bounds import MAX_COUNT, UPLOAD_META
+
+T = TypeVar("T")
 
 EXTRA_PREFIX = "__extra__."
 MAX_SAMPLES = MAX_COUNT
@@ -71,8 +74,8 @@ def pack_upload(upload: Mapping[str, torch.Tensor], extras: Mapping[str, torch.T
     return {**upload, **{EXTRA_PREFIX + key: value for key, value in extras.items()}}
 
 
-def split_upload(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Inverse of :func:`pack_upload`: (upload, extras)."""
+def split_upload(tensors: Mapping[str, T]) -> tuple[dict[str, T], dict[str, T]]:
+    """Inverse of :func:`pack_upload`: (upload, extras); of tensors, or of what a header says of them."""
     upload = {k: v for k, v in tensors.items() if not k.startswith(EXTRA_PREFIX)}
     extras = {k.removeprefix(EXTRA_PREFIX): v for k, v in tensors.items() if k.startswith(EXTRA_PREFIX)}
     return upload, extras

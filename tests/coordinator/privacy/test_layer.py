@@ -74,9 +74,12 @@ def test_an_upload_the_device_did_not_clip_is_refused():
     with pytest.raises(UpdateRejected, match="exceeds the clip norm") as refused:
         aggregate.check("d1", unclipped, 10, {UNCLIPPED: torch.tensor([1])})
     assert refused.value.reason == "over_clip_norm"
+    contract = strategy.upload_contract(slots[1])  # clipped uploads carry factor pairs at twice the rank
+    contract.check(honest)
     rank_r = {k: v for k, v in sent.items() if not is_norm_statistic(k)}
-    with pytest.raises(UpdateRejected, match="twice the rank"):
-        aggregate.check("d1", rank_r, 10, {UNCLIPPED: torch.tensor([1])})
+    with pytest.raises(UpdateRejected, match=r"reduce': shape .*expected") as refused:
+        contract.check(rank_r)
+    assert refused.value.reason == "bad_shape"
 
 
 def test_the_ledger_and_the_adaptive_clip_norm_are_run_state():

@@ -170,7 +170,7 @@ def test_a_clipped_fedhm_upload_is_journaled_as_folded_so_a_resume_folds_the_sam
         gate = UploadGate()
         gate.sent("pi-1", squared_norms(sent), sent)
         open_ = OpenRound(1, {"pi-1": Participant(0.5)}, strategy.open_round(1, slots), 1e12, 0.0)
-        return Admission(gate, rundir, lambda _d: 100), open_
+        return Admission(gate, rundir, lambda _d: 100, contract=strategy.upload_contract), open_
 
     admission, open_ = fresh_round()
     assert admission.admit("pi-1", Received.of(Completed(manifest, [attack])), open_, next_round=1) == "accepted"

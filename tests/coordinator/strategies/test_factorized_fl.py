@@ -42,8 +42,8 @@ def test_a_device_that_lost_its_kept_state_is_told():
 
 def synthetic_uploads(strategy, ids, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    aggregate = strategy.open_round(0, [ClientSlot(c, 1.0, 10) for c in ids])
-    return {c: {k: torch.randn(v.shape, generator=gen) for k, v in aggregate.expected.items()} for c in ids}
+    contract = strategy.upload_contract(ClientSlot(ids[0], 1.0, 10))
+    return {c: {k: torch.randn(v.shape, generator=gen) for k, v in contract.tensors.items()} for c in ids}
 
 
 @pytest.mark.parametrize("name", ["factorized_fl", "factorized_fl_beta"])
@@ -110,12 +110,14 @@ def test_bad_uploads_are_rejected_by_name():
     ids = ["a"]
     upload = synthetic_uploads(strategy, ids)["a"]
     aggregate = strategy.open_round(0, [ClientSlot("a", 1.0, 10)])
-    with pytest.raises(UpdateRejected, match=r"'conv2\.mu'"):
-        aggregate.add("a", {**upload, "conv2.mu": torch.zeros(9, 2048)}, 10)
-    with pytest.raises(UpdateRejected, match=r"'conv1\.u'"):
-        aggregate.add("a", {**upload, "conv1.u": torch.zeros(4)}, 10)
+    contract = strategy.upload_contract(ClientSlot("a", 1.0, 10))
+    contract.check(upload)
+    with pytest.raises(UpdateRejected, match=r"'conv2\.mu': not a tensor a device at this level sends"):
+        contract.check({**upload, "conv2.mu": torch.zeros(9, 2048)})
+    with pytest.raises(UpdateRejected, match=r"'conv1\.u': shape \(4,\)"):
+        contract.check({**upload, "conv1.u": torch.zeros(4)})
     with pytest.raises(UpdateRejected, match="NaN"):
-        aggregate.add("a", {**upload, "conv1.u": torch.full((9,), float("nan"))}, 10)
+        contract.check({**upload, "conv1.u": torch.full((9,), float("nan"))})
     with pytest.raises(UpdateRejected, match="not part of round"):
         aggregate.add("b", upload, 10)
     aggregate.add("a", upload, 10)

@@ -49,7 +49,9 @@ def test_label_masked_fedhm_asks_low_rank_clients_for_their_classes_and_masks_th
     programs["low"].note_local_classes(torch.tensor([3, 7]))
     low_upload = {k: v + 1.0 for k, v in programs["low"].upload().items()}
     with pytest.raises(UpdateRejected, match="'classes'"):
-        aggregate.add("low", low_upload, 20, {})
+        strategy.upload_contract(clients[1]).check(low_upload, {})
+    strategy.upload_contract(clients[1]).check(low_upload, programs["low"].extras())
+    strategy.upload_contract(clients[0]).check(programs["full"].upload(), programs["full"].extras())
     aggregate.add("full", programs["full"].upload(), 20, programs["full"].extras())
     aggregate.add("low", low_upload, 20, programs["low"].extras())
     strategy.close_round(aggregate)

@@ -93,10 +93,10 @@ def test_the_scale_reaches_the_device() -> None:
 def test_an_upload_in_the_other_layout_is_rejected() -> None:
     strategy = build_strategy("fedlora", VIT, {"adapter_layout": "fused_qkv"})
     separate = build_strategy("fedlora", VIT)
-    aggregate = strategy.open_round(1, SLOTS[:1])
     upload = {k: torch.zeros(shape) for k, shape in separate.expected_upload(1.0).items()}
-    with pytest.raises(UpdateRejected, match=r"lacks 'blocks\.\d+\.attn\.qkv\."):
-        aggregate.check("a", upload, 16)
+    with pytest.raises(UpdateRejected, match=r"not a tensor a device at this level sends") as refused:
+        strategy.upload_contract(SLOTS[0]).check(upload)
+    assert refused.value.reason == "unknown_tensor"
 
 
 def test_a_frozen_head_is_sent_with_the_base_and_never_uploaded() -> None:

@@ -91,6 +91,7 @@ def test_state_dict_round_trip_and_newcomers_start_from_the_mean():
 
 def test_missing_embedding_is_rejected():
     strategy = build_strategy("simfed", CNN)
-    aggregate = strategy.open_round(0, [ClientSlot("a", 1.0, 10)])
+    contract = strategy.upload_contract(ClientSlot("a", 1.0, 10))
     with pytest.raises(UpdateRejected, match="embedding"):
-        aggregate.add("a", dict(strategy.init_state), 10)
+        contract.check(dict(strategy.init_state))
+    contract.check(dict(strategy.init_state), {"embedding": torch.zeros(strategy.embedding_size)})

@@ -67,11 +67,17 @@ def test_width_round_rejects_bad_uploads_and_stays_untouched():
     sent = strategy.configure(3, clients)
     upload = {k: v for k, v in sent["c0"].tensors.items() if v.is_floating_point() and "running" not in k}
     aggregate = strategy.open_round(3, clients)
+    contract = strategy.upload_contract(clients[0])
     with pytest.raises(UpdateRejected, match="classes"):
-        aggregate.add("c0", upload, 10)
+        contract.check(upload)
     wrong = dict(upload, **{"conv2.weight": torch.zeros(64, 32, 3, 3)})
     with pytest.raises(UpdateRejected, match=r"conv2.weight.*shape"):
-        aggregate.add("c0", wrong, 10, {"classes": torch.arange(10)})
+        contract.check(wrong, {"classes": torch.arange(10)})
+    with pytest.raises(UpdateRejected, match=r"'classes': indices must lie in \[0, 10\)"):
+        contract.check(upload, {"classes": torch.tensor([3, 10])})
+    with pytest.raises(UpdateRejected, match="listed twice"):
+        contract.check(upload, {"classes": torch.tensor([3, 3])})
+    contract.check(upload, {"classes": torch.arange(10)})
     with pytest.raises(UpdateRejected, match="not part of round"):
         aggregate.add("stranger", upload, 10, {"classes": torch.arange(10)})
     assert all(float(s.abs().sum()) == 0 for s in aggregate.sums.values())

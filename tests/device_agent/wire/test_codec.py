@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from device_agent.wire.codec import CodecError, TensorSpec, decode_tensors, encode_tensors, spec_of
+from device_agent.wire import codec
+from device_agent.wire.codec import CodecError, TensorSpec, decode_tensors, encode_tensors, header_specs, spec_of
 
 
 def _tensors():
@@ -61,3 +62,12 @@ def test_unexpected_tensors_and_garbage_are_refused():
         decode_tensors(encode_tensors(tensors), expected)
     with pytest.raises(CodecError, match="not a safetensors payload"):
         decode_tensors(b"\x10\x00\x00\x00\x00\x00\x00\x00garbage")
+
+
+def test_the_header_says_what_a_payload_holds_and_a_mismatch_is_refused_before_it_is_loaded(monkeypatch):
+    tensors = _tensors()
+    half = encode_tensors(tensors, fp16=True)
+    assert header_specs(half) == spec_of(tensors)  # the dtypes it is restored to, not fp16
+    monkeypatch.setattr(codec, "load", lambda data: pytest.fail("a payload off its spec was loaded"))
+    with pytest.raises(CodecError, match=r"'layer.reduce' has shape \(8, 3, 1, 3\), expected \(4, 3, 1, 3\)"):
+        decode_tensors(half, {**spec_of(tensors), "layer.reduce": TensorSpec((4, 3, 1, 3), torch.float32)})
