@@ -141,7 +141,9 @@ class FedBuff:
     ) -> int:
         """The update's staleness, or ``UpdateRejected`` (``TooStale``) saying why it is refused; changes nothing."""
         stale = self.staleness(slot.client_id, version)
-        self.strategy.open_round(version, [slot]).check(slot.client_id, dict(tensors), num_samples, _dict(extras))
+        aggregate = self.strategy.open_round(version, [slot])
+        self.strategy.upload_contract(slot).check(tensors, extras)  # names, shapes, dtypes, finite and bounded
+        aggregate.check(slot.client_id, dict(tensors), num_samples, _dict(extras))
         return stale
 
     def fold(
