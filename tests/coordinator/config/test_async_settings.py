@@ -13,7 +13,7 @@ from coordinator.strategies import STRATEGIES
 
 FLEET = {
     "fleet": "lab",
-    "broker": {"mode": "managed"},
+    "transport": {"broker": {"mode": "managed"}},
     "strategy": {"name": "fedhm", "mode": "async", "async": {"buffer": 4, "server_lr": 0.5, "max_staleness": 6}},
     "devices": [{"id": "nano-01", "profile": "jetson-nano"}, {"id": "pi5-01", "profile": "raspberry-pi-5"}],
 }

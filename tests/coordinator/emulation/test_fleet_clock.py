@@ -94,7 +94,7 @@ def test_planned_devices_take_the_planners_level_and_seconds(digits) -> None:
     fleet = parse_fleet(
         {
             "fleet": "clock",
-            "broker": {"mode": "managed"},
+            "transport": {"broker": {"mode": "managed"}},
             "model": {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 8},
             "strategy": {"name": "fedhm"},
             "devices": devices,
