@@ -133,7 +133,7 @@ def device_time(rounds: int, every: int = 3, timeout: float = 600) -> list[dict]
     from coordinator.transport.broker.base import free_port
 
     fleet = yaml.safe_load(_DEMO.read_text())
-    fleet["broker"]["port"] = free_port()
+    fleet["transport"]["broker"]["port"] = free_port()
     fleet["rounds"] = rounds
     fleet["devices"] = fleet["devices"][::every]
     with tempfile.TemporaryDirectory(prefix="fedfleet-bench-emulation-") as folder:

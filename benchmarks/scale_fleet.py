@@ -83,7 +83,7 @@ def scale_fleet(
     if data.samples is not None:
         fleet["dataset"]["samples_per_device"] = data.samples
     classes = [fleet["devices"][i] for i in (0, 3, 6)]  # orin, pi5 (max 1/2), pi4 (max 1/4)
-    fleet["broker"]["port"] = port
+    fleet["transport"]["broker"]["port"] = port
     fleet["rounds"] = rounds
     fleet["dataset"]["partition"] = "iid"  # dirichlet over hundreds of ~5-image shards leaves some empty
     if strategy != "fedhm":

@@ -35,7 +35,7 @@ def test_auto_falls_back_to_amqtt_which_asks_for_mqtt_3_1_1(tmp_path: Path, monk
 @pytest.mark.slow
 def test_demo_runs_on_the_amqtt_fallback(tmp_path: Path) -> None:
     fleet = yaml.safe_load(DEMO.read_text())
-    fleet["broker"] = {"mode": "amqtt", "host": "127.0.0.1", "port": free_port()}
+    fleet["transport"]["broker"] = {"mode": "amqtt", "host": "127.0.0.1", "port": free_port()}
     fleet["rounds"] = 2
     fleet["devices"] = fleet["devices"][::3]  # one device of each class
     path = tmp_path / "fleet.yaml"

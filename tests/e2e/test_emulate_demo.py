@@ -34,7 +34,7 @@ pytestmark = [
 
 def _fleet_copy(tmp_path: Path, **changes: object) -> Path:
     fleet = yaml.safe_load(DEMO.read_text())
-    fleet["broker"]["port"] = free_port()
+    fleet["transport"]["broker"]["port"] = free_port()
     fleet.update(changes)
     path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump(fleet, sort_keys=False))

@@ -38,7 +38,7 @@ pytestmark = [
 
 def _fleet_copy(tmp_path: Path, rounds: int) -> tuple[Path, dict]:
     fleet = yaml.safe_load(EXAMPLE.read_text())
-    fleet["broker"]["port"] = free_port()
+    fleet["transport"]["broker"]["port"] = free_port()
     fleet["rounds"] = rounds
     path = tmp_path / "fleet.yaml"
     path.write_text(yaml.safe_dump(fleet, sort_keys=False))

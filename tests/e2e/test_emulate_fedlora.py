@@ -51,7 +51,7 @@ def test_fedlora_trains_four_ranks_uploads_only_adapters_and_sends_the_base_once
     pretrain = ["pretrain", "--arch", fleet["model"]["arch"], "--dataset", fleet["dataset"]["name"], "--classes", "0-4"]
     _coordinator(*pretrain, "--samples", "300", "--epochs", "1", "--out", str(base), timeout=120)
 
-    fleet["broker"]["port"] = free_port()
+    fleet["transport"]["broker"]["port"] = free_port()
     fleet["rounds"] = 2
     # Digits, which both sides resize to the ViT's 28x28: about 360 images per device, not 15,000.
     fleet["dataset"] = {"name": "digits", "partition": "dirichlet(1.0)", "seed": 0}

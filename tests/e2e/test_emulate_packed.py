@@ -26,7 +26,7 @@ pytestmark = [
 
 def test_six_devices_in_two_workers_complete_their_rounds(tmp_path: Path) -> None:
     fleet = yaml.safe_load(DEMO.read_text())
-    fleet["broker"]["port"] = free_port()
+    fleet["transport"]["broker"]["port"] = free_port()
     fleet["rounds"] = 2
     fleet["devices"] = [d for i, d in enumerate(fleet["devices"]) if i % 3 != 2]  # two of each class
     path = tmp_path / "fleet.yaml"

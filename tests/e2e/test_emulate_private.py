@@ -30,7 +30,7 @@ pytestmark = [
 
 def test_a_private_fleet_reports_epsilon_per_round_and_stops_at_its_budget(tmp_path: Path) -> None:
     fleet = yaml.safe_load(EXAMPLE.read_text())
-    fleet["broker"]["port"] = free_port()
+    fleet["transport"]["broker"]["port"] = free_port()
     fleet_file = tmp_path / "fleet.yaml"
     fleet_file.write_text(yaml.safe_dump(fleet, sort_keys=False))
     run_dir = tmp_path / "run"

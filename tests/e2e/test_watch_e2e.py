@@ -77,7 +77,7 @@ def _closed(url: str) -> bool:
 def emulation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WatchedEmulation]:
     tmp = tmp_path_factory.mktemp("watched-emulation")
     fleet = yaml.safe_load(DEMO.read_text())
-    fleet["broker"]["port"] = free_port()
+    fleet["transport"]["broker"]["port"] = free_port()
     fleet.update(rounds=100, devices=fleet["devices"][::3])  # one device of each class; stopped long before
     (tmp / "fleet.yaml").write_text(yaml.safe_dump(fleet, sort_keys=False))
     run_dir = tmp / "run"
