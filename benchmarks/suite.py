@@ -105,6 +105,7 @@ SUITE: tuple[Benchmark, ...] = (
     Benchmark("soak", ("--minutes", "20"), timeout_s=3600),  # churn, broker and coordinator crashes for 20 minutes
     Benchmark("secagg"),  # SecAgg+ at 10, 100 and 300 devices in one process, FedAvg and FedHM: about 2 minutes
     Benchmark("secagg_accuracy"),  # FedAvg on Fashion-MNIST, 10 devices, 5 rounds, 3 seeds, plain vs SecAgg: 5 minutes
+    Benchmark("async", ("--jobs", "2"), timeout_s=3600),  # 30 devices x 3 modes x 3 seeds on the fleet clock
 )
 
 

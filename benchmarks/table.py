@@ -43,6 +43,21 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "all_within_bound",
     ),
     "secagg_accuracy": ("plain_accuracy", "secure_accuracy", "gap_points", "plain_seed_std_points", "seeds"),
+    "async": (
+        "speedup_mean",
+        "speedup_min",
+        "goal_met",
+        "target",
+        "tta_sync_fedhm_s",
+        "tta_async_fedhm_s",
+        "tta_async_fedavg_s",
+        "accuracy_same_time_sync_fedhm",
+        "accuracy_same_time_async_fedhm",
+        "accuracy_same_time_async_fedavg",
+        "devices",
+        "spread",
+        "seeds",
+    ),
 }
 
 

@@ -55,7 +55,8 @@ def test_a_tiny_run_reports_time_to_target_and_accuracy_at_the_same_time_for_eve
     finally:
         torch.set_num_threads(threads)
     result = json.loads(capsys.readouterr().out)
-    seed = result["seeds"][0]
+    seed = result["per_seed"][0]
     assert set(seed["time_to_target_s"]) == set(bench.MODES) == set(seed["accuracy_at_same_time"])
-    assert seed["same_time_s"] <= 3 and result["machine"]["torch"]
+    assert seed["same_time_s"] <= 3 and result["provenance"]["torch"] and result["seeds"] == 1
+    assert result["goal_met"] == (result["speedup_min"] is not None and result["speedup_min"] >= 2)
     assert all(sum(h.values()) == seed["updates"][m] for m, h in seed["staleness"].items())
