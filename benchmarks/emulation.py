@@ -233,11 +233,19 @@ def main(argv: list[str] | None = None) -> int:
         help="--scale: round deadline in seconds instead of the demo's 60 (a small host training Fashion-MNIST)",
     )
     parser.add_argument("--rounds", type=int, default=3, help="--scale: rounds per size (default: 3)")
-    parser.add_argument(
+    batching = parser.add_mutually_exclusive_group()
+    batching.add_argument(
+        "--batch",
+        dest="batch",
+        action="store_true",
+        default=None,
+        help="--scale: workers batch their devices' steps where cheaper (coordinator emulate --batch; default on CUDA)",
+    )
+    batching.add_argument(
         "--no-batch",
         dest="batch",
         action="store_false",
-        help="--scale: workers train each device's steps one by one (coordinator emulate --no-batch)",
+        help="--scale: workers train each device's steps one by one (coordinator emulate --no-batch; default on CPU)",
     )
     parser.add_argument(
         "--pairs",

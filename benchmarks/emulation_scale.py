@@ -104,10 +104,10 @@ def run_size(
     deadline_s: float | None = None,
     rounds: int = ROUNDS,
     strategy: str = "fedhm",
-    batch: bool = True,
+    batch: bool | None = None,
 ) -> dict:
-    """One emulated fleet of ``devices``; what it took and whether every round completed. ``batch=False``: the
-    workers train each device's steps one by one (``coordinator emulate --no-batch``)."""
+    """One emulated fleet of ``devices``; what it took and whether every round completed. ``batch``: True / False
+    ``coordinator emulate --batch`` / ``--no-batch``, None its default (batched on CUDA workers only)."""
     from coordinator.transport.broker.base import free_port
 
     fleet = scale_fleet(devices, free_port(), data, deadline_s, rounds, strategy)
@@ -116,7 +116,7 @@ def run_size(
         path.write_text(yaml.safe_dump(fleet, sort_keys=False))
         predicted = _slowest_predicted_seconds(path)
         command = [sys.executable, "-m", "coordinator", "emulate", "--fleet", str(path), "--run-dir", str(run_dir)]
-        command += ["--device-type", device_type, *([] if batch else ["--no-batch"])]
+        command += ["--device-type", device_type, *({True: ["--batch"], False: ["--no-batch"]}.get(batch, []))]
         log = Path(folder) / "emulate.log"
         start = time.monotonic()
         with log.open("wb") as out:
@@ -249,7 +249,7 @@ def scale(
     rounds: int = ROUNDS,
     peer: str | None = None,
     pairs: int = PAIRS,
-    batch: bool = True,
+    batch: bool | None = None,
 ) -> dict:
     """Sizes in increasing order until one does not complete (with a ``peer``, every size); ``max_devices``:
     the largest that did.
@@ -288,7 +288,7 @@ def describe(result: dict) -> list[str]:
     for run in result["runs"]:
         lines.append(
             f"{run['devices']} devices on {run['device_type']} "
-            f"(steps {'batched: ' + str(run['worker_steps']) if run['batch'] else 'one by one'}) "
+            f"(steps {'batched: ' + str(run['worker_steps']) if run['worker_steps'] else 'one by one'}) "
             f"({run['train_images_per_device']} {run['dataset']} images each, {run['image_size']} px): "
             f"{'completed' if run['completed'] else 'FAILED'}; accuracy per round {run['accuracy']}; rounds "
             f"{run['round_seconds']} s (slowest device predicted {run['slowest_predicted_round_seconds']} s, "

@@ -71,12 +71,20 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--device-type", default="cpu", metavar="TYPE", help="where agents train: cpu, cuda, cuda:N (default: cpu)"
     )
     add_packing_arguments(parser)
-    parser.add_argument(
+    batching = parser.add_mutually_exclusive_group()
+    batching.add_argument(
+        "--batch",
+        dest="batch",
+        action="store_true",
+        default=None,
+        help="workers run the training steps of their devices with the same model, level and batch shape as one "
+        "batched step wherever that measures cheaper (default on CUDA workers, where steps are launch-bound)",
+    )
+    batching.add_argument(
         "--no-batch",
         dest="batch",
         action="store_false",
-        help="workers train each device's steps one by one (default: the steps of a worker's devices with the same "
-        "model, level and batch shape run as one batched step wherever that measures cheaper)",
+        help="workers train each device's steps one by one (default on CPU workers, where batching measured no gain)",
     )
     parser.set_defaults(handler=_emulate)
 
@@ -110,11 +118,11 @@ def _emulate(args: argparse.Namespace) -> int:
     )
     if emulation.slices is None:
         steps = "each agent process trains alone"
-    elif args.batch:
+    elif args.batch or (args.batch is None and args.device_type != "cpu"):
         steps = "workers batch the training steps of devices with the same model, level and batch shape where it "
         steps += "measures cheaper (--no-batch: one by one)"
     else:
-        steps = "workers train each device's steps one by one (--no-batch)"
+        steps = "workers train each device's steps one by one (--batch: batched where it measures cheaper)"
     print(f"emulating {describe(len(fleet.devices), emulation.slices)}; pace: {pace}; {steps}")
     if args.device_type == "cpu":
         per_core = host_gflops if host_gflops is not None and args.threads == 1 else measure_host_gflops(1)

@@ -204,10 +204,11 @@ class Emulation:
         workers: int | None = None,
         devices_per_worker: int | None = None,
         pack_above: int = PACK_ABOVE,
-        batch: bool = True,
+        batch: bool | None = None,
     ) -> None:
         """``workers``, ``devices_per_worker``, ``pack_above``: how devices are spread over processes (packing.py);
-        ``batch``: workers run their devices' steps of one model, level and batch shape together where cheaper."""
+        ``batch``: workers run their devices' steps of one model, level and batch shape together where cheaper
+        (None: the workers' default, on CUDA only)."""
         device_limits(fleet, catalog, host_gflops, threads)  # fail before anything starts
         self.slices = pack(len(fleet.devices), workers, devices_per_worker, pack_above)
         self.fleet = fleet

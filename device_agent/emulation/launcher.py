@@ -62,11 +62,12 @@ def agent_command(config: Path) -> list[str]:
     return [sys.executable, "-m", "device_agent", "run", "--config", str(config)]
 
 
-def worker_command(agent_list: Path, threads: int = 1, batch: bool = True) -> list[str]:
+def worker_command(agent_list: Path, threads: int = 1, batch: bool | None = None) -> list[str]:
     """The command of one worker hosting the devices listed in ``agent_list`` (:mod:`device_agent.emulation.worker`);
-    ``batch=False``: its devices' training steps run one by one (``--no-batch``)."""
+    ``batch``: True / False its devices' training steps batched where cheaper / one by one, None the worker's
+    default (batched on CUDA only)."""
     command = [sys.executable, "-m", "device_agent", "worker", "--agents", str(agent_list), "--threads", str(threads)]
-    return command if batch else [*command, "--no-batch"]
+    return command if batch is None else [*command, "--batch" if batch else "--no-batch"]
 
 
 def write_agent_list(path: Path, configs: list[Path]) -> Path:

@@ -43,6 +43,12 @@ MAX_BATCH_CPU = 32
 MAX_BATCH_CUDA = 256
 """On a GPU a batched step is launch-bound far longer; 256 steps of the scale benchmark's CNN hold ~100 MiB."""
 
+BATCH_BY_DEFAULT = {"cuda": True, "cpu": False}
+"""Whether a worker batches steps unless told: on CPU the scale benchmark's 300 devices ran 35 of 1,800 steps batched
+(earliest-first slots let devices' steps seldom queue together), 139 against 133 CPU-s one by one, and the first
+batched step imports torch's compiler stack (~78 MiB a worker; 2026-11-29). A GPU step is launch-bound: batching
+is what it needs (untested: no GPU was lent)."""
+
 STAGGER_S = 0.02
 """Pause between two devices' first connects: hundreds at once make the broker refuse some (backlog)."""
 
@@ -78,7 +84,8 @@ class Worker:
 
     ``slots``: how many devices compute at once (each with the process's ``threads``); one keeps a
     device's step timing and its measured CUDA peak its own. ``batch``: devices' training steps of one key
-    run together where that is cheaper (:mod:`device_agent.emulation.batching`), at most ``max_batch`` at once.
+    run together where that is cheaper (:mod:`device_agent.emulation.batching`), at most ``max_batch`` at once;
+    None: on CUDA only (:data:`BATCH_BY_DEFAULT`).
     """
 
     def __init__(
@@ -88,7 +95,7 @@ class Worker:
         slots: int = 1,
         threads: int = 1,
         profile: DeviceProfile | None = None,
-        batch: bool = True,
+        batch: bool | None = None,
         max_batch: int | None = None,
     ) -> None:
         if slots < 1:
@@ -100,7 +107,8 @@ class Worker:
         # On a GPU every thread that computes holds its own cuBLAS/cuDNN handle and workspace: only the slots' do.
         self.slot = ComputeSlots(slots, own_threads=device.type == "cuda")
         largest = max_batch or (MAX_BATCH_CUDA if device.type == "cuda" else MAX_BATCH_CPU)
-        self.batcher = StepBatcher(self.slot, largest) if batch else None
+        batched = BATCH_BY_DEFAULT.get(device.type, False) if batch is None else batch
+        self.batcher = StepBatcher(self.slot, largest) if batched else None
         # Measured once: every device's hooks replace what emulation holds them to (compute, memory, link).
         measured = profile or probe_device(0.2, configs[0].device_type)
         self.agents = [
@@ -148,7 +156,7 @@ class Worker:
             self.stop()
 
 
-def run_worker(agent_list: Path, slots: int = 1, threads: int = 1, batch: bool = True) -> int:
+def run_worker(agent_list: Path, slots: int = 1, threads: int = 1, batch: bool | None = None) -> int:
     """``device-agent worker``: serve the listed devices until SIGINT/SIGTERM; 1 if one of them failed."""
     configs = read_agent_list(agent_list)
     for config in configs:

@@ -34,7 +34,7 @@ def test_six_devices_in_two_workers_complete_their_rounds(tmp_path: Path) -> Non
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "coordinator", "emulate", "--fleet", str(path), "--run-dir", str(run_dir)]
     command += ["--no-live", "--pack-above", "4"]  # 6 > 4: packed, DEVICES_PER_WORKER would make it one worker
-    command += ["--workers", "2"]
+    command += ["--workers", "2", "--batch"]  # CPU workers train one by one unless told
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, cwd=ROOT)
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(run_dir) in " ".join(p.info["cmdline"] or [])]
     assert leftovers == [], "workers left running after the emulation ended"

@@ -171,6 +171,7 @@ def test_a_worker_serves_its_devices_over_the_port_kind_their_agent_yaml_names(
         folders = [tmp_path / device for device in ("dev-00", "dev-01")]
         configs = [load_config(agent_yaml(folder, device=folder.name)) for folder in folders]
         worker = Worker(configs, profile=reported_profile())
+        assert worker.batcher is None  # a CPU worker trains its devices' steps one by one unless told
         serving = threading.Thread(target=worker.run, kwargs={"stagger_s": 0.0}, daemon=True)
         serving.start()
         try:
