@@ -19,6 +19,23 @@ from device_agent.secagg.quantize import Quantizer
 SUPPORTED_STRATEGIES = frozenset({"fedavg", "heterofl", "fedrolex", "fedhm"})
 """Strategies whose round runs under secure aggregation (coordinator/rounds/secure_layouts.py): their aggregate is
 a weighted sum of what devices send, or (FedHM) of the dense updates devices rebuild from it."""
+WHY_NOT: dict[str, str] = {
+    "factorized_fl": "it is personalized: each device's new u mixes the round's u by the similarity of the devices' "
+    "own v, a different weighted sum per recipient (one protocol run each, or the v in the clear); a single sum "
+    "would be a global u, not Factorized-FL",
+    "factorized_fl_beta": "it is personalized (as factorized_fl), and mixes v and mu too",
+    "simfed": "its similarity weights read each device's own embedding",
+    "fedfac": "the coordinator picks the shared elements from the raw updates",
+    "flora": "stacking puts each device's factors in its own block, so the 'sum' would show every device's factors",
+    "hetlora": "not wired yet: its sparsity weights read each device's factors (with weighting: samples, the "
+    "zero-padded factors would be a sum, as HeteroFL's slices)",
+    "fedlora": "not wired yet: heterogeneous LoRA ranks averaged per rank slice (zero-padded factors would do)",
+    "lora_homogeneous": "not wired yet: it averages the factors A and B apart, a plain sum each (FedAvg's layout "
+    "would do)",
+    "ft": "not wired yet: full fine-tuning of the transformer",
+    "fedavg_small": "not wired yet: one narrow model for every device (a FlatLayout would do)",
+}
+"""Why a strategy does not run under secure aggregation, named in fleet.yaml's refusal."""
 SCREENING = ("update_bound_factor", "direction_min_cosine", "peer_min_cosine", "peer_hard_floor", "update_noise")
 """The ``limits`` that read one device's update (``update_noise`` scales by the median update's norm): each must be
 null (off) under secure aggregation."""
@@ -77,9 +94,10 @@ class SecureAggregation(BaseModel):
         noise each device adds, z C / sqrt(devices), when fleet.yaml fixes z and C)."""
         found = []
         if strategy not in SUPPORTED_STRATEGIES:
+            why = WHY_NOT.get(strategy, "its aggregate must be a sum of the devices' uploads")
             found.append(
-                f"strategy.name: {strategy!r} does not run under secure aggregation (only "
-                f"{', '.join(sorted(SUPPORTED_STRATEGIES))}: its aggregate must be a sum of the devices' uploads)"
+                f"strategy.name: {strategy!r} does not run under secure aggregation: {why} (supported: "
+                f"{', '.join(sorted(SUPPORTED_STRATEGIES))})"
             )
         found += [f"strategy.params.{key}: {why}" for key, why in _params_problems(strategy, params or {})]
         screening = [key for key in SCREENING if limits.get(key) is not None]
@@ -134,4 +152,4 @@ def round_size(devices: int, participation: float) -> int:
     return math.ceil(participation * devices)
 
 
-__all__ = ["EXCHANGES", "SCREENING", "SUPPORTED_STRATEGIES", "SecureAggregation", "round_size"]
+__all__ = ["EXCHANGES", "SCREENING", "SUPPORTED_STRATEGIES", "WHY_NOT", "SecureAggregation", "round_size"]

@@ -6,6 +6,7 @@ import pytest
 
 from benchmarks.screening import OFF
 from coordinator.config.fleet import FleetError, parse_fleet
+from coordinator.config.secure import WHY_NOT
 from profiles.catalog import load_catalog
 
 CATALOG = load_catalog()
@@ -44,7 +45,8 @@ def test_fedavg_without_screening_runs_under_secure_aggregation() -> None:
 def test_a_strategy_whose_aggregate_is_not_a_sum_of_uploads_is_refused_by_name(name: str) -> None:
     message = refusal({k: v for k, v in fleet(strategy={"name": name}).items() if k != "ratios"})
 
-    assert "secure_aggregation" in message and f"{name!r} does not run under secure aggregation" in message
+    assert "secure_aggregation" in message and f"{name!r} does not run under secure aggregation: " in message
+    assert WHY_NOT[name].split(":")[0] in message  # its own reason
 
 
 @pytest.mark.parametrize("name", ["heterofl", "fedrolex", "fedhm"])
