@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 from pathlib import Path
 
@@ -132,6 +133,8 @@ def run_provision(args: argparse.Namespace) -> int:
             "note: fleet.yaml has no transport.broker.hosts; kits dial this host's name. "
             "List the names/IPs devices use."
         )
+    elif not mqtt and f"://{socket.gethostname()}:" in done.broker_url:
+        print("note: kits dial this host's name; list the names/IPs devices use in transport.hosts.")
     if done.missing:
         print("warning: set the missing secrets and run the same command again; the rest is kept", file=sys.stderr)
     return 0

@@ -36,7 +36,6 @@ def fleet_yaml(port: int) -> str:
     devices = "".join(f"  - {{id: {d}, profile: x86-laptop-cpu}}\n" for d in DEVICES)
     return (
         "fleet: wsfleet\n"
-        "broker: {}\n"
         f"transport: {{kind: websocket, host: 127.0.0.1, port: {port}, keepalive_s: 120}}\n"
         "model: {arch: cnn, num_classes: 10}\n"
         "dataset: {name: digits, partition: iid}\n"

@@ -253,9 +253,7 @@ def test_malformed_frames_are_refused_logged_and_the_connection_goes_on(server, 
 
 def test_fleet_and_agent_settings_of_the_websocket_transport_are_checked_with_their_keys() -> None:
     def fleet(transport: dict) -> object:
-        return parse_fleet(
-            {"fleet": FLEET, "broker": {}, "transport": transport, "devices": [{"id": "d0", "profile": "reported"}]}
-        )
+        return parse_fleet({"fleet": FLEET, "transport": transport, "devices": [{"id": "d0", "profile": "reported"}]})
 
     good = fleet({"kind": "websocket", "port": 9443, "hosts": ["coord.example.org"]})
     kind = transport_of(good)
