@@ -358,18 +358,36 @@ def test_a_stopped_agent_leaves_itself_offline_for_a_coordinator_that_comes_late
     """A clean disconnect discards the will: without this, the next run's coordinator counted the device online."""
 
     def retained() -> list[Message]:
-        """The retained messages a coordinator subscribing now would get first (a fresh, clean subscriber)."""
+        """The retained messages a coordinator subscribing now would get first (a fresh, clean subscriber).
+
+        The broker queues a subscription's retained messages as it handles the SUBSCRIBE, so a message the
+        probe publishes to its own second subscription after it arrives behind them: once that marker is
+        back, every retained message is in (a fixed wait missed them on a loaded host).
+        """
         heard: list[Message] = []
+        marker_topic = f"fedfleet/{fresh_mosquitto.fleet}/probe-{time.monotonic_ns()}"
+        marker = threading.Event()
+
+        def on_message(_client: mqtt.Client, _userdata: object, msg: mqtt.MQTTMessage) -> None:
+            if msg.topic == marker_topic:
+                marker.set()
+            elif msg.retain:
+                heard.append(parse_message(msg.payload))
+
         address = fresh_mosquitto.address()
         client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"probe-{time.monotonic_ns()}")
         client.username_pw_set(address.username, address.password)
-        client.on_message = lambda _c, _u, msg: heard.append(parse_message(msg.payload)) if msg.retain else None
+        client.on_message = on_message
         client.connect(address.host, address.port)
         client.subscribe(fleet_uplinks(fresh_mosquitto.fleet), qos=1)
+        client.subscribe(marker_topic, qos=1)
+        client.publish(marker_topic, b"end", qos=1)
         client.loop_start()
-        time.sleep(1.0)
-        client.disconnect()
-        client.loop_stop()
+        try:
+            assert marker.wait(30), "the probe's own marker never came back from the broker"
+        finally:
+            client.disconnect()
+            client.loop_stop()
         return heard
 
     agent = Agent(agent_config(fresh_mosquitto, tmp_path, monkeypatch), reported_profile())

@@ -13,6 +13,7 @@ from device_agent.wire.guard import InboundGuard, InboundLimits
 from device_agent.wire.messages import Hello, Manifest, RoundFailed, Status
 from device_agent.wire.session import coordinator_session, device_session
 from device_agent.wire.topics import DeviceTopics
+from tests.waiting import until
 
 
 def manifest(size: int, chunk_size: int = 256 * 1024) -> Manifest:
@@ -107,6 +108,9 @@ def test_a_retained_manifest_is_refused_and_cleared_from_the_broker(fresh_mosqui
         guard = InboundGuard(on_refused=lambda p, r, into=refused: into.append((p, r)))
         coordinator = coordinator_session(broker.fleet, broker.address(), guard=guard)
         coordinator.start()
-        time.sleep(1.0)
+        if expected:  # wait for the refusal (late on a loaded host) ...
+            until(lambda seen=refused, want=expected: seen == want)
+        else:  # ... and give a manifest still retained a second to show up
+            time.sleep(1.0)
         coordinator.stop()
         assert refused == expected

@@ -31,6 +31,7 @@ from device_agent.wire.transfer import (
     parse_chunk_frame,
 )
 from tests.transport_fixtures import DEVICES
+from tests.waiting import until
 
 
 class Inbox:
@@ -508,8 +509,9 @@ def test_a_cancelled_transfer_stops_sending_and_fails_without_counting_as_refuse
         deliveries: list = []
         sending = threading.Thread(target=lambda: deliveries.append(dev.send(topics.up, os.urandom(8 * 64 * 1024))))
         sending.start()
-        time.sleep(0.5)
-        assert dev.cancel(lambda manifest: manifest.round == 0, "superseded") == 1
+        # Cancelled once the transfer exists (its first chunk held by the link); 0 until the thread has sent it.
+        # (tests.waiting.until asks once more only while it fails: a second cancel would find nothing left.)
+        assert until(lambda: dev.cancel(lambda manifest: manifest.round == 0, "superseded") == 1)
         release.set()
         sending.join(10)
         [delivery] = deliveries
@@ -520,7 +522,7 @@ def test_a_cancelled_transfer_stops_sending_and_fails_without_counting_as_refuse
         dev.stop()
 
 
-def _until(condition, timeout=10.0):
+def _until(condition, timeout=30.0):
     deadline = time.monotonic() + timeout
     while not condition() and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -657,8 +659,8 @@ def test_the_timer_polls_only_the_peers_with_a_transfer_on_its_way(fresh_mosquit
         for key, receiver in coord.receivers.peers.items():
             poll = receiver.poll
             receiver.poll = lambda now, poll=poll, key=key: (polls[key].append(now), poll(now))[1]
-        time.sleep(0.6)
-        assert polls[topics_a.down] == [] and polls[topics_b.down]
+        assert _until(lambda: len(polls[topics_b.down]) >= 3)  # the timer polls the open upload (5 a second)...
+        assert polls[topics_a.down] == []  # ... and never the finished one meanwhile
         held.set()
         sending.join(10)
         assert _until(lambda: len(inbox.payloads) == 2)
@@ -725,8 +727,8 @@ def test_a_receiving_session_holds_no_chunk_frame_once_its_payload_is_delivered(
         assert completed.data == payload
         inbox.payloads.clear()
         del completed
-        time.sleep(0.2)  # paho's thread is back, waiting for the next packet
-        assert _frames_held_by(f"paho-mqtt-client-{dev.config.client_id}", 50_000) == []
+        # Once paho's thread is back waiting for the next packet (late on a loaded host), it holds no frame.
+        assert _until(lambda: _frames_held_by(f"paho-mqtt-client-{dev.config.client_id}", 50_000) == [])
     finally:
         coord.stop()
         dev.stop()
