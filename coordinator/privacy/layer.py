@@ -203,7 +203,10 @@ class PrivateStrategy(Strategy, register=False):
         """What the device sent for the slot's level clipped (:func:`upload_shapes`: factor pairs at twice their
         rank), the inner strategy's side information, and the one-bit unclipped report when clipping adapts."""
         inner = self.inner.upload_contract(slot)
-        shapes = self._references[slot.level].shapes
+        reference = self._references.get(slot.level)
+        if reference is None:
+            raise RuntimeError(f"private {self.name}: no round open at level {slot.level} (call open_round first)")
+        shapes = reference.shapes
         bit = {UNCLIPPED: TensorSpec((1,), torch.int64)} if self.adaptive is not None else {}
         tensors = {k: TensorSpec(shape, dtype) for k, (shape, dtype) in shapes.items()}
         return UploadContract(tensors, {**inner.extras, **bit}, inner.index_lists)
