@@ -32,7 +32,7 @@ from coordinator.rounds.fedbuff import FedBuff, Published
 from coordinator.run.rundir import RunDir
 from coordinator.strategies.base import Assignment, ClientSlot, Strategy
 from device_agent.common.atomic import append_line, atomic_write
-from device_agent.wire.codec import decode_tensors
+from device_agent.wire.codec import decode_tensors, header_specs
 from device_agent.wire.protocol import split_upload
 
 log = logging.getLogger("fedfleet.async")
@@ -122,8 +122,10 @@ class AsyncLedger:
         newest = max(t.number for t in self.tickets.values() if t.device == device)
         if ticket_number != newest:
             raise UpdateRejected(f"{device!r}: ticket {ticket_number} was superseded by ticket {newest}", "wrong_round")
-        upload, extras = split_upload(decode_tensors(data))
         slot = self._slot(ticket, samples)
+        contract = self.server.strategy.upload_contract(slot)  # from the header first: nothing decoded if off it
+        contract.check_specs(*split_upload(header_specs(data)))
+        upload, extras = split_upload(decode_tensors(data))
         self.server.check(slot, ticket.version, upload, samples, extras)
         meta = {"ticket": ticket_number, "version": ticket.version, "samples": samples, "level": ticket.level}
         key = f"{device}@{ticket_number}"  # a fast device sends several updates toward one version

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from coordinator.algorithms.aggregation import UpdateRejected
+from coordinator.rounds import async_ledger
 from coordinator.strategies import ClientSlot
+from device_agent.wire.codec import decode_tensors, encode_tensors
 from tests.coordinator.rounds.fedbuff_process import SETTINGS, ledger_on, metrics_of, update
 from tests.paths import REPO_ROOT
 
@@ -111,5 +113,19 @@ def test_a_torn_last_log_line_is_cut_off_and_the_next_append_starts_clean(tmp_pa
         assert list(ledger.tickets) == [first.number]
         again, _ = ledger.assign(ClientSlot("d1", 1.0, 50))
         assert again.number == first.number + 1 and (run / "async" / "tickets.jsonl").read_text().count("\n") == 2
+    finally:
+        rundir.close()
+
+
+def test_an_update_off_its_contract_is_refused_from_its_header_and_nothing_is_journaled(tmp_path, monkeypatch) -> None:
+    rundir, ledger = ledger_on(tmp_path / "run")
+    try:
+        ticket, sent = ledger.assign(ClientSlot("d0", 1.0, 50))
+        tensors = decode_tensors(update(sent.tensors, ticket.number))
+        wrong = encode_tensors({**tensors, "fc.weight": torch.zeros(3, 3)})
+        monkeypatch.setattr(async_ledger, "decode_tensors", lambda data: pytest.fail("decoded before the header"))
+        with pytest.raises(UpdateRejected, match=r"'fc.weight': shape \(3, 3\), expected") as refused:
+            ledger.accept("d0", ticket.number, "t1", wrong, 50)
+        assert refused.value.reason == "bad_shape" and not ledger.folded and rundir.resume().journal == []
     finally:
         rundir.close()
