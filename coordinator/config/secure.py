@@ -16,7 +16,7 @@ from device_agent.secagg.errors import ParameterError
 from device_agent.secagg.graph import validate
 from device_agent.secagg.quantize import Quantizer
 
-SUPPORTED_STRATEGIES = frozenset({"fedavg", "heterofl", "fedrolex", "fedhm"})
+SUPPORTED_STRATEGIES = frozenset({"fedavg", "fedavg_small", "heterofl", "fedrolex", "fedhm"})
 """Strategies whose round runs under secure aggregation (coordinator/rounds/secure_layouts.py): their aggregate is
 a weighted sum of what devices send, or (FedHM) of the dense updates devices rebuild from it."""
 WHY_NOT: dict[str, str] = {
@@ -33,7 +33,6 @@ WHY_NOT: dict[str, str] = {
     "lora_homogeneous": "not wired yet: it averages the factors A and B apart, a plain sum each (FedAvg's layout "
     "would do)",
     "ft": "not wired yet: full fine-tuning of the transformer",
-    "fedavg_small": "not wired yet: one narrow model for every device (a FlatLayout would do)",
 }
 """Why a strategy does not run under secure aggregation, named in fleet.yaml's refusal."""
 SCREENING = ("update_bound_factor", "direction_min_cosine", "peer_min_cosine", "peer_hard_floor", "update_noise")

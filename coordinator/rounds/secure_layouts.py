@@ -5,7 +5,7 @@ under it when every device's contribution can be written in one common vector; t
 its :class:`~device_agent.agent.secure.Layout` with the setup and folds the unmasked sum into the strategy's round
 (docs/secure-aggregation.md, "What each strategy gets"):
 
-- :class:`FlatLayout` (FedAvg): the update's own tensors, trained minus sent; public sample weights.
+- :class:`FlatLayout` (FedAvg, FedAvgSmall): the update's own tensors, trained minus sent; public sample weights.
 - :class:`SliceLayout` (HeteroFL, FedRolex): each device's width slice padded into the full tensor with zeros
   (one protocol instance, one sum: the coordinator learns no per-level sum). Who holds which value is public (the
   levels, the survivors, the weights), except a label-masked classifier's rows, whose holders depend on each
@@ -30,7 +30,7 @@ from coordinator.config.secure import SecureAggregation
 from coordinator.privacy.layer import PrivateRound, PrivateStrategy
 from coordinator.strategies import ClientSlot, RoundAggregate, Strategy
 from coordinator.strategies.fedhm import FedHM, FedHMRound
-from coordinator.strategies.width import FedAvg, HeteroFL, WidthRound, WidthStrategy
+from coordinator.strategies.width import FedAvg, FedAvgSmall, HeteroFL, WidthRound, WidthStrategy
 from device_agent.agent.secure import Entry, Layout, vector_keys
 from device_agent.clients.base import is_norm_statistic
 from device_agent.secagg.quantize import Quantizer
@@ -241,7 +241,7 @@ def secure_layout(
     """The layout of ``strategy``'s round; ``TypeError`` for a strategy that does not run under secure aggregation."""
     if isinstance(strategy, PrivateStrategy) and isinstance(strategy.inner, FedAvg):
         return PrivateLayout(strategy, assignments[slots[0].client_id], slots)
-    if isinstance(strategy, FedAvg):
+    if isinstance(strategy, (FedAvg, FedAvgSmall)):  # one model for every device (FedAvgSmall's is narrow)
         return FlatLayout(assignments[slots[0].client_id], slots)
     if isinstance(strategy, HeteroFL):
         return SliceLayout(strategy, round_, slots, settings)

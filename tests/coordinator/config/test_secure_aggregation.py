@@ -49,7 +49,7 @@ def test_a_strategy_whose_aggregate_is_not_a_sum_of_uploads_is_refused_by_name(n
     assert WHY_NOT[name].split(":")[0] in message  # its own reason
 
 
-@pytest.mark.parametrize("name", ["heterofl", "fedrolex", "fedhm"])
+@pytest.mark.parametrize("name", ["heterofl", "fedrolex", "fedhm", "fedavg_small"])
 def test_width_slices_and_fedhm_s_dense_updates_run_under_secure_aggregation(name: str) -> None:
     assert parse_fleet(fleet(strategy={"name": name}, ratios=[1, 0.5]), CATALOG).secure_aggregation is not None
 

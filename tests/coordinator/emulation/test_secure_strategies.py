@@ -1,4 +1,5 @@
-"""simulate() with secure aggregation beyond FedAvg: HeteroFL and FedRolex width slices, FedHM's dense updates.
+"""simulate() with secure aggregation beyond FedAvg: HeteroFL and FedRolex width slices, FedHM's dense updates,
+FedAvgSmall's one narrow model.
 
 Real agents over the in-memory transport, levels 1, 1, 1/2, 1/2, 1/4: each device masks its contribution in the
 layout the coordinator sent with its setup (a width slice padded into the full model with a count per value of the
@@ -56,7 +57,7 @@ def largest_gap(plain: Path, secure: Path) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["heterofl", "fedrolex", "fedhm"])
+@pytest.mark.parametrize("name", ["heterofl", "fedrolex", "fedhm", "fedavg_small"])
 def test_a_secure_round_of_a_sum_strategy_ends_where_the_plain_one_does(name: str, tmp_path: Path) -> None:
     run(name, tmp_path / "plain", secure=False)
     run(name, tmp_path / "secure", secure=True)
@@ -65,8 +66,12 @@ def test_a_secure_round_of_a_sum_strategy_ends_where_the_plain_one_does(name: st
     # HeteroFL and FedRolex weigh each holder 1 (padded zeros are taken off exactly, and the label-masked
     # classifier's holder counts come out as integers); FedHM weighs device i by exp(gamma_i - 1) (its paper
     # softmax, scaled to the largest), so its bound is 5 half steps over the sum of those weights.
-    weights = [math.exp(level - 1) for level in LEVELS] if name == "fedhm" else [1.0] * len(LEVELS)
-    bound = len(LEVELS) * HALF_STEP / sum(weights) if name == "fedhm" else HALF_STEP
+    # FedAvgSmall: every device trains the narrowest model, weighted by its samples over the largest share.
+    weights = {
+        "fedhm": [math.exp(level - 1) for level in LEVELS],
+        "fedavg_small": [len(c.train[1]) / max(len(d.train[1]) for d in clients()) for c in clients()],
+    }.get(name, [1.0] * len(LEVELS))
+    bound = len(LEVELS) * HALF_STEP / sum(weights) if name in ("fedhm", "fedavg_small") else HALF_STEP
     assert largest_gap(tmp_path / "plain", tmp_path / "secure") <= bound + 1e-6
     metrics = [json.loads(line) for line in (tmp_path / "secure" / "metrics.jsonl").read_text().splitlines()]
     assert {d: m["status"] for d, m in metrics[0]["devices"].items()} == {f"c{i}": "accepted" for i in range(5)}
