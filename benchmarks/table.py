@@ -31,7 +31,7 @@ HEADLINES: dict[str, tuple[str, ...]] = {
     "costmodel": (
         "memory_rel_error_max",
         "time_ratio_rel_error_max",
-        "fixed_mmap_time_ratio_rel_error_max",
+        "held_out_time_ratio_rel_error_max",
     ),
     "poisoning": ("worst_drop_one_in_ten", "worst_drop_two_in_ten", "backdoor_success_one_in_ten"),
     "privacy": ("worst_gap_at_epsilon_8", "goal_met", "devices", "rounds", "seeds"),

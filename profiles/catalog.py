@@ -118,8 +118,7 @@ def profile_from_report(report: DeviceProfile, base: DeviceClass | None = None) 
 
 def _measured_source(report: DeviceProfile) -> dict:
     fields = ["memory.total", "memory.shared", "memory.reserved", "compute.fp32_gflops"]
-    if report.compute.memory_bandwidth_gbs is not None:
-        fields.append("compute.memory_bandwidth_gbs")
+    fields += [f"compute.{name}" for name, value in report.compute if name != "fp32_gflops" and value is not None]
     if report.network is not None:
         fields += ["network.downlink_mbps", "network.uplink_mbps", "network.latency_ms"]
     return {"fields": fields, "ref": f"device-agent probe on {report.hostname}", "estimate": False}

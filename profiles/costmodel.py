@@ -18,16 +18,23 @@ FedHM hybrid (what benchmarks/costmodel.py measures).
   bandwidth- or overhead-bound long before it is compute-bound). A convolution whose GEMM view has
   a side below 64 (few output channels, or a short reduction: the r-channel halves of a
   factorized layer at small gamma) cannot fill the SIMD / tensor-core tiles, so its efficiency
-  is scaled by side / 64. Training FLOPs and bytes are 3x the forward's (backward = 2 x forward,
-  as FedScale and POET assume).
+  is scaled by sqrt(side / 64) per side (a 64 -> 8 channel 3 x 3 convolution trains at 0.36 of the
+  full rate on a 2-core EPYC; side / 64 said 0.125). Training FLOPs and bytes are 3x the forward's
+  (backward = 2 x forward, as FedScale and POET assume).
+- On a CPU, an operator whose input or output exceeds glibc's largest mmap threshold (32 MiB) gets
+  fresh mappings every step, whose pages fault in as they are written: its bytes move at the
+  profile's ``fresh_memory_bandwidth_gbs`` (the probe's batch norm on a fresh 64 MiB buffer), the
+  others' at ``memory_bandwidth_gbs`` (the same on a reused 16 MiB one).
 
-``efficiency`` is the one number to calibrate per device class (see benchmarks/costmodel.py).
+``efficiency`` (the convolutions' training rate over the matmul peak) is what varies most between
+device classes: the probe measures it (``training_efficiency``); benchmarks/costmodel.py checks the
+whole model against timed steps with nothing fitted to them.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Literal
 
@@ -54,6 +61,8 @@ RUNTIME_CONTEXT_BYTES = {"cpu": 300 * 2**20, "cuda": 600 * 2**20, "mps": 400 * 2
 # caching allocator's rounding and cuDNN workspaces.
 ALLOCATOR_SLACK = {"cpu": 1.0, "cuda": 1.1, "mps": 1.1}
 _FULL_TILE = 64
+# glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: blocks above it are always mmapped, hence page-faulted.
+FRESH_MAPPING_BYTES = 32 * 2**20
 _TRAIN_MULTIPLIER = 3
 _FP32 = 4
 
@@ -67,10 +76,11 @@ class OpCost:
     weight_bytes: float
     output_bytes: float = 0.0
     efficiency_scale: float = 1.0
+    largest_bytes: float = 0.0  # its largest input or output tensor (a fresh mapping above FRESH_MAPPING_BYTES)
 
 
 def _tile_scale(out_channels: int, reduction: int) -> float:
-    return min(1.0, out_channels / _FULL_TILE) * min(1.0, reduction / _FULL_TILE)
+    return math.sqrt(min(1.0, out_channels / _FULL_TILE) * min(1.0, reduction / _FULL_TILE))
 
 
 @dataclass(frozen=True)
@@ -171,7 +181,7 @@ def trace_module(model: nn.Module, in_channels: int, image_size: int) -> ModelTr
     def leaf_hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         cost = _op_cost(module, inputs, output)
         if cost is not None:
-            ops.append(cost)
+            ops.append(replace(cost, largest_bytes=float(max(inputs[0].numel(), output.numel()) * _FP32)))
 
     def lowrank_hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         # reduce: C_in -> r over (1 x k); expand: r -> C_out over (k x 1); the r-channel map sits between.
@@ -186,6 +196,7 @@ def trace_module(model: nn.Module, in_channels: int, image_size: int) -> ModelTr
                 float(reduce.numel() * _FP32),
                 float(mid * _FP32),
                 _tile_scale(r, reduce_k),
+                float(max(x.numel(), mid) * _FP32),
             )
         )
         ops.append(
@@ -195,6 +206,7 @@ def trace_module(model: nn.Module, in_channels: int, image_size: int) -> ModelTr
                 float(expand.numel() * _FP32),
                 float(output.numel() * _FP32),
                 _tile_scale(out_channels, expand_k),
+                float(max(mid, output.numel()) * _FP32),
             )
         )
 
@@ -362,11 +374,14 @@ def predict_step_seconds(work: Workload, profile: DeviceClass, efficiency: float
     overhead = DEFAULT_KERNEL_OVERHEAD_US[profile.accelerator] if overhead is None else overhead
     flop_rate = eff * compute.fp32_gflops * 1e9
     byte_rate = (compute.memory_bandwidth_gbs or math.inf) * 1e9
+    fresh = compute.fresh_memory_bandwidth_gbs if profile.accelerator == "cpu" else None
+    fresh_rate = fresh * 1e9 if fresh else byte_rate
     seconds = 0.0
     for op in trace.ops:
         flops = op.flops * work.batch_size * _TRAIN_MULTIPLIER
         moved = (op.activation_bytes * work.batch_size + op.weight_bytes) * _TRAIN_MULTIPLIER
-        seconds += max(flops / (flop_rate * op.efficiency_scale), moved / byte_rate)
+        rate = fresh_rate if op.largest_bytes * work.batch_size >= FRESH_MAPPING_BYTES else byte_rate
+        seconds += max(flops / (flop_rate * op.efficiency_scale), moved / rate)
     # Optimizer: reads weight, grad and each state, writes weight and states.
     optimizer_bytes = trace.trainable_params * _FP32 * (3 + 2 * OPTIMIZER_STATES[work.optimizer])
     seconds += optimizer_bytes / byte_rate
@@ -375,8 +390,8 @@ def predict_step_seconds(work: Workload, profile: DeviceClass, efficiency: float
 
 
 def calibrate_efficiency(work: Workload, profile: DeviceClass, measured_seconds: float) -> float:
-    """The efficiency at which ``predict_step_seconds`` equals a measured step (bisection; clamped to (0, 1])."""
-    low, high = 1e-4, 1.0
+    """The efficiency at which ``predict_step_seconds`` equals a measured step (bisection; clamped to (0, 4])."""
+    low, high = 1e-4, 4.0
     if predict_step_seconds(work, profile, high) >= measured_seconds:
         return high
     for _ in range(60):

@@ -34,8 +34,14 @@ from device_agent.common.profile import ComputeSpec, DeviceProfile, MemorySpec, 
 # warm-ups plus the minimum of three timed repeats stay bounded.
 _MATMUL_N = {"cpu": 512, "mps": 1024, "cuda": 2048}
 _MIN_REPEATS = 3
-# Bandwidth test buffer: 64 MiB defeats every cache of the devices we target, cheap on a 4 GB Jetson.
-_COPY_BYTES = 64 * 2**20
+# Bandwidth test buffers. 16 MiB: a training step's activations (ResNet-18 at batch 32: 1-8 MiB a
+# tensor), below glibc's largest mmap threshold (32 MiB) so the output reuses freed memory, as a
+# step's tensors do. 64 MiB: above it, every such tensor is a fresh mapping whose pages fault in.
+_REUSED_BYTES = 16 * 2**20
+_FRESH_BYTES = 64 * 2**20
+# The convolution timed for the training efficiency: ResNet-18's second stage at batch 8 (0.6 GFLOP
+# forward, three times that per training step: about 20 ms on a 2-core x86 laptop, 0.4 s on a Pi 4).
+_CONV_SHAPE = {"batch": 8, "channels": 128, "size": 16}
 _VERSIONED_PACKAGES = ("numpy", "paho-mqtt", "pydantic", "safetensors", "psutil", "pyyaml", "fedfleet")
 
 
@@ -134,29 +140,72 @@ def measure_matmul_gflops(
     return 2 * n**3 / statistics.median(per_product) / 1e9
 
 
-def measure_memory_bandwidth_gbs(
-    dev: torch.device, repeats: int = 5, clock: Callable[[], float] = time.perf_counter
+def _timed_median(
+    fn: Callable[[], object], sync: Callable[[], None], repeats: int, clock: Callable[[], float]
 ) -> float:
-    """Effective bandwidth, in GB/s, of a training-mode batch norm on a buffer no cache holds.
+    """Median seconds of ``repeats`` calls of ``fn`` (synchronized): robust to a one-off stall."""
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = clock()
+        fn()
+        sync()
+        times.append(max(clock() - t0, 1e-9))
+    return statistics.median(times)
+
+
+def measure_memory_bandwidth_gbs(
+    dev: torch.device, repeats: int = 5, clock: Callable[[], float] = time.perf_counter, fresh: bool = False
+) -> float:
+    """Effective bandwidth, in GB/s, of a training-mode batch norm on a buffer the size of a step's tensors.
 
     Norms, activations and pooling (and the thin factorized convolutions' data movement) are
     bound by memory traffic, not by matmul throughput. A plain copy overstates what such kernels
     reach on a CPU (they also compute per element), so the probe times the real thing: batch norm
     reads its input twice (statistics, then normalization) and writes once, 3 x the buffer.
+
+    The default times a 16 MiB buffer whose output lands in memory the allocator reuses, as a training
+    step's tensors do. ``fresh=True`` times a 64 MiB one instead: on a CPU, glibc maps every block over
+    32 MiB afresh, so its pages fault in as it is written (2-3 x slower on a 2-core EPYC): what a step
+    whose tensors are that large pays (the cost model prices those operators at this figure).
     """
     sync = _synchronizer(dev)
-    elements = _COPY_BYTES // 4
-    x = torch.ones(16, 64, 128, elements // (16 * 64 * 128), device=dev)
+    size = _FRESH_BYTES if fresh else _REUSED_BYTES
+    x = torch.ones(16, 64, 128, size // 4 // (16 * 64 * 128), device=dev)
     with torch.inference_mode():
-        torch.nn.functional.batch_norm(x, None, None, training=True)
-        sync()
-        times = []
-        for _ in range(max(1, repeats)):
-            t0 = clock()
+
+        def norm() -> None:
             torch.nn.functional.batch_norm(x, None, None, training=True)
-            sync()
-            times.append(max(clock() - t0, 1e-9))
-    return 3 * _COPY_BYTES / statistics.median(times) / 1e9
+
+        for _ in range(2):  # the second call's output reuses the first's memory (under the mmap threshold)
+            norm()
+        sync()
+        return 3 * size / _timed_median(norm, sync, repeats, clock) / 1e9
+
+
+def measure_training_efficiency(
+    dev: torch.device, matmul_gflops: float, repeats: int = 3, clock: Callable[[], float] = time.perf_counter
+) -> float:
+    """The rate of a convolution's training step (forward, both gradients) over ``matmul_gflops``.
+
+    What the cost model multiplies the matmul rate by for a training step's convolutions: measured on a
+    3 x 3 convolution the size of a small step's layers (ResNet-18's second stage at batch 8) rather than
+    assumed, so that nothing needs fitting to timed training steps. It may exceed 1 (convolution kernels
+    can beat the probe's 512 x 512 matmul on a CPU).
+    """
+    sync = _synchronizer(dev)
+    batch, channels, size = _CONV_SHAPE["batch"], _CONV_SHAPE["channels"], _CONV_SHAPE["size"]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, channels, size, size, generator=gen).to(dev).requires_grad_()
+    weight = torch.randn(channels, channels, 3, 3, generator=gen).to(dev).requires_grad_()
+
+    def step() -> None:
+        y = torch.nn.functional.conv2d(x, weight, padding=1)
+        y.backward(torch.ones_like(y))
+
+    step()
+    sync()
+    flops = 3 * 2 * batch * channels * size * size * channels * 9
+    return flops / _timed_median(step, sync, repeats, clock) / 1e9 / matmul_gflops
 
 
 def measure_broker_link(url: str, payload_bytes: int = 1 << 20, timeout: float = 10.0) -> NetworkSpec:
@@ -264,6 +313,13 @@ def probe_device(
     memory = psutil.virtual_memory()
     name, accel_memory = _accelerator_details(dev)
     gflops = measure_matmul_gflops(dev, benchmark_seconds)
+    compute = ComputeSpec(
+        fp32_gflops=gflops,
+        memory_bandwidth_gbs=measure_memory_bandwidth_gbs(dev),
+        fresh_memory_bandwidth_gbs=measure_memory_bandwidth_gbs(dev, fresh=True) if dev.type == "cpu" else None,
+        # A GPU's small convolution is launch-bound, not a rate the planner should scale a step by: CPU only.
+        training_efficiency=measure_training_efficiency(dev, gflops) if dev.type == "cpu" else None,
+    )
     return DeviceProfile(
         hostname=socket.gethostname(),
         platform=f"{platform.system()}-{platform.release()}-{platform.machine()}",
@@ -278,7 +334,7 @@ def probe_device(
         accelerator_memory_bytes=accel_memory,
         matmul_gflops=gflops,
         memory=_memory_section(dev, memory, accel_memory),
-        compute=ComputeSpec(fp32_gflops=gflops, memory_bandwidth_gbs=measure_memory_bandwidth_gbs(dev)),
+        compute=compute,
         network=None if broker_url is None else measure_broker_link(broker_url),
         versions=_versions(dev),
     )

@@ -47,8 +47,17 @@ class ComputeSpec(BaseModel):
     memory_bandwidth_gbs: float | None = Field(
         None, gt=0, description="GB/s that bandwidth-bound kernels reach (datasheet peak, or probed); None: unknown"
     )
+    fresh_memory_bandwidth_gbs: float | None = Field(
+        None,
+        gt=0,
+        description="GB/s of the same kernels on tensors over glibc's 32 MiB mmap threshold, whose pages fault in "
+        "each step (CPU; probed); None: memory_bandwidth_gbs",
+    )
     training_efficiency: float | None = Field(
-        None, ge=1e-3, le=1, description="fraction of fp32_gflops a training step's convolutions reach; None = default"
+        None,
+        ge=1e-3,
+        le=4,
+        description="training convolutions' rate over fp32_gflops (probed; may exceed 1 on a CPU); None: default",
     )
     kernel_overhead_us: float | None = Field(
         None, ge=0, description="fixed cost per launched operator (Python + dispatch + launch); None = default"

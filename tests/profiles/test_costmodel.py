@@ -25,6 +25,7 @@ from profiles.costmodel import (
     trace_hybrid,
     trace_module,
 )
+from profiles.schema import DeviceClass
 
 GAMMAS = (1.0, 0.5, 0.25, 0.125)
 
@@ -168,3 +169,30 @@ def test_the_process_peak_adds_the_runtime_data_and_model_copies_to_the_step() -
         samples=500,
     )
     assert bigger.step > peak.step and bigger.inference == peak.inference
+
+
+def _with_fresh_bandwidth(profile: DeviceClass, gbs: float) -> DeviceClass:
+    compute = profile.compute.model_copy(update={"fresh_memory_bandwidth_gbs": gbs})
+    return profile.model_copy(update={"compute": compute})
+
+
+def test_only_tensors_over_the_mmap_threshold_move_at_the_fresh_mapping_bandwidth_on_a_cpu() -> None:
+    catalog = load_catalog()
+    cpu = catalog["x86-laptop-cpu"]
+    slow_fresh = _with_fresh_bandwidth(cpu, cpu.compute.memory_bandwidth_gbs / 4)
+    small, large = hybrid_workload("cnn", 1.0, 8, image_size=32), hybrid_workload("cnn", 1.0, 256, image_size=32)
+
+    # Batch 8: no tensor reaches 32 MiB, so the page-faulting bandwidth changes nothing ...
+    assert predict_step_seconds(small, slow_fresh) == predict_step_seconds(small, cpu)
+    # ... batch 256's 32 MiB activations (32 channels x 32 x 32 x 256 floats) are fresh mappings every step.
+    assert predict_step_seconds(large, slow_fresh) > predict_step_seconds(large, cpu)
+    # A GPU's caching allocator reuses its blocks: the figure is a CPU's only.
+    gpu = catalog["rtx-3060-laptop"]
+    assert predict_step_seconds(large, _with_fresh_bandwidth(gpu, 1.0)) == predict_step_seconds(large, gpu)
+
+
+def test_a_probed_efficiency_above_one_speeds_the_convolutions_up() -> None:
+    cpu = load_catalog()["x86-laptop-cpu"]
+    work = hybrid_workload("resnet18", 1.0, 32)
+
+    assert predict_step_seconds(work, cpu, efficiency=1.2) < predict_step_seconds(work, cpu, efficiency=1.0)

@@ -33,6 +33,8 @@ def test_probe_output_validates_as_a_device_profile(capsys: pytest.CaptureFixtur
     assert profile.memory.usable_bytes == report.memory_available_bytes
     assert profile.compute.fp32_gflops == report.matmul_gflops
     assert profile.compute.memory_bandwidth_gbs > 0
+    # On a CPU it also measures what the cost model needs for large tensors and for convolutions.
+    assert profile.compute.fresh_memory_bandwidth_gbs > 0 and profile.compute.training_efficiency > 0
     # The measured sections are the very models static profile files are made of.
     assert type(profile.memory) is type(report.memory)
     assert type(profile.compute) is type(report.compute)
