@@ -170,8 +170,9 @@ def probed_profile(probe_seconds: float) -> DeviceClass:
     return profile_from_report(report)
 
 
-def _errors(rows: list[dict], key: str) -> float:
-    return max((abs(r[key]) for r in rows), default=0.0)
+def _errors(rows: list[dict], key: str) -> float | None:
+    """The worst absolute error of ``rows`` (None for a set that was not run)."""
+    return max((abs(r[key]) for r in rows), default=None)
 
 
 def run(
@@ -227,6 +228,8 @@ def run(
         "time_ratio_rel_error_max": _errors(table, "time_ratio_rel_error"),
         "default_time_ratio_rel_error_max": _errors(default, "time_ratio_rel_error"),
         "held_out_time_ratio_rel_error_max": _errors(held, "time_ratio_rel_error"),
+        "default_memory_rel_error_max": _errors(default, "memory_rel_error"),
+        "held_out_memory_rel_error_max": _errors(held, "memory_rel_error"),
         "load_average_1min_after": os.getloadavg()[0],
     }
 
