@@ -67,7 +67,7 @@ def calibrate_baseline(settle_s: float = 3.0, timeout: float = 180.0) -> int:
         agent_config = {
             "device": "idle",
             "fleet": "bench",
-            "broker": {"url": "mqtt://127.0.0.1:9"},
+            "transport": {"broker": {"url": "mqtt://127.0.0.1:9"}},
             "device_type": "cpu",
             "state_dir": str(Path(folder) / "state"),
             "emulation": {"threads": 1},

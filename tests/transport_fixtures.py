@@ -49,7 +49,7 @@ class TestBroker:
             {
                 "device": device,
                 "fleet": self.fleet,
-                "broker": {"url": self.address(device).url, "password": f"file:{secret}"},
+                "transport": {"broker": {"url": self.address(device).url, "password": f"file:{secret}"}},
                 "device_type": "cpu",
                 "state_dir": str(folder / "agents" / device),
                 "heartbeat_s": 2,

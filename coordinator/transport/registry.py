@@ -147,7 +147,7 @@ class Transport:
             broker |= {"ca_file": files.ca_file, "cert_file": files.cert_file, "key_file": files.key_file}
         if files.doctor is not None:
             broker["doctor"] = dict(files.doctor)
-        return {"broker": broker}
+        return {"transport": {"kind": "mqtt", "broker": broker}}
 
     def services(self, setup: FleetSetup) -> Services:
         """The services of a real run (``coordinator start``)."""

@@ -9,6 +9,8 @@ Relative paths in the file (``file:`` secrets, certificates, data, state dir) ar
 
 from __future__ import annotations
 
+import copy
+import logging
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -32,6 +34,8 @@ from device_agent.common.schema import (
 from device_agent.common.validation import describe
 from device_agent.data.datasets import BUILT_IN, source_of
 from device_agent.data.partition import PartitionSpec
+
+log = logging.getLogger(__name__)
 
 # Relative to agent.yaml's folder when read from a file, else to the working directory.
 DEFAULT_STATE_DIR = "agent-state"
@@ -74,11 +78,13 @@ class DoctorLogin(_Section):
     @model_validator(mode="after")
     def _client_certificate(self) -> DoctorLogin:
         if (self.cert_file is None) != (self.key_file is None):
-            raise ValueError("broker.doctor.cert_file and key_file go together (a client certificate and its key)")
+            raise ValueError(
+                "transport.broker.doctor.cert_file and key_file go together (a client certificate and its key)"
+            )
         return self
 
     def resolve_password(self) -> str | None:
-        return _resolved(self.password, "broker.doctor.password")
+        return _resolved(self.password, "transport.broker.doctor.password")
 
 
 class BrokerConfig(_Section):
@@ -112,9 +118,9 @@ class BrokerConfig(_Section):
     @model_validator(mode="after")
     def _client_certificate(self) -> BrokerConfig:
         if (self.cert_file is None) != (self.key_file is None):
-            raise ValueError("broker.cert_file and broker.key_file go together (a client certificate and its key)")
+            raise ValueError("cert_file and key_file go together (a client certificate and its key)")
         if self.cert_file is not None and not self.url.startswith("mqtts://"):
-            raise ValueError("a client certificate (broker.cert_file) needs an mqtts:// url")
+            raise ValueError("a client certificate (cert_file) needs an mqtts:// url")
         return self
 
     @field_validator("password")
@@ -130,15 +136,15 @@ class BrokerConfig(_Section):
 
     def resolve_password(self) -> str | None:
         """The secret the reference points at; a missing variable or file is an error naming it."""
-        return _resolved(self.password, "broker.password")
+        return _resolved(self.password, "transport.broker.password")
 
 
 class TransportConfig(BaseModel):
     """How the agent reaches its coordinator: a port kind of :data:`device_agent.agent.ports.PORTS`.
 
-    Every key besides ``kind`` is that kind's own setting (``model_extra``), which the kind checks at start
-    (:meth:`device_agent.agent.ports.PortKind.problems`: ``mqtt`` takes none). ``broker:`` stays a section of
-    its own (what ``mqtt`` connects to), not one under ``transport:``.
+    ``broker`` is what the ``mqtt`` kind connects to. Every other key besides ``kind`` is that kind's own
+    setting (``model_extra``), which the kind checks at start (:meth:`device_agent.agent.ports.PortKind.problems`:
+    ``mqtt`` takes none).
     """
 
     model_config = ConfigDict(extra="allow")
@@ -149,6 +155,7 @@ class TransportConfig(BaseModel):
         description="a registered port kind (device_agent.agent.ports; a package adds one under the entry point "
         "group fedfleet.ports): mqtt, the device's MQTT session on broker:",
     )
+    broker: BrokerConfig = Field(default_factory=BrokerConfig, description="mqtt: the broker and this device's login")
 
 
 class DataConfig(_Section):
@@ -225,7 +232,6 @@ class AgentConfig(_Section):
     device: DeviceName
     fleet: FleetName
     transport: TransportConfig = Field(default_factory=TransportConfig)
-    broker: BrokerConfig = Field(default_factory=BrokerConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     device_type: str = "auto"
     state_dir: Path = Path(DEFAULT_STATE_DIR)
@@ -241,6 +247,30 @@ class AgentConfig(_Section):
 
     # Where this device's upload-signing key is (env:/file:); set when the fleet has security.sign_uploads.
     signing_key: str | None = None
+
+    @property
+    def broker(self) -> BrokerConfig:
+        """The MQTT broker and this device's login (``transport.broker``)."""
+        return self.transport.broker
+
+    @model_validator(mode="before")
+    @classmethod
+    def _broker_under_transport(cls, data: Any) -> Any:
+        """agent.yaml files from before 0.9 (every kit in the field) have ``broker:`` at the top level: read it as
+        ``transport.broker``, with a line saying how to move it; keys under ``transport.broker`` (flags) win."""
+        if not isinstance(data, dict) or not isinstance(data.get("broker"), dict):
+            return data
+        transport = data.get("transport", {})
+        if not isinstance(transport, dict):
+            return data
+        log.warning(
+            "agent.yaml: the top-level `broker:` section is now `transport.broker:`; move it under `transport:` "
+            "(indent it and add `transport:` above it); this file is read as if it had been moved"
+        )
+        moved = {key: value for key, value in data.items() if key != "broker"}
+        given = transport.get("broker")
+        broker = {**data["broker"], **(given if isinstance(given, dict) else {})}
+        return {**moved, "transport": {**transport, "broker": broker}}
 
     @field_validator("signing_key")
     @classmethod
@@ -288,7 +318,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 
 def load_config(path: Path, overrides: dict[str, Any] | None = None) -> AgentConfig:
-    """agent.yaml with ``overrides`` (dotted keys, e.g. ``{"broker.url": ...}``) applied on top.
+    """agent.yaml with ``overrides`` (dotted keys, e.g. ``{"transport.broker.url": ...}``) applied on top.
 
     The file's relative paths (and the default state dir) are anchored at the file's folder;
     the overrides, being flags, stay relative to the working directory.
@@ -318,16 +348,13 @@ def load_kit(folder: Path, overrides: dict[str, Any] | None = None) -> AgentConf
     state = folder / KIT_STATE_DIR
     installed_state = raw.get("state_dir")
     raw["state_dir"] = str(state)
-    for name in ("broker", "transport"):  # a port kind's own TLS files and login are where broker's are
-        section = raw.get(name)
-        if isinstance(section, dict):
-            for key in ("ca_file", "cert_file", "key_file"):
-                if key in section:
-                    section[key] = _in_kit(section[key], folder)
-            if "password" in section:
-                section["password"] = _secret_in_kit(section["password"], folder)
-    broker = raw.get("broker")
-    if isinstance(broker, dict):
+    for section in _login_sections(raw):  # a port kind's own TLS files and login are where broker's are
+        for key in ("ca_file", "cert_file", "key_file"):
+            if key in section:
+                section[key] = _in_kit(section[key], folder)
+        if "password" in section:
+            section["password"] = _secret_in_kit(section["password"], folder)
+    for broker in _broker_sections(raw):
         doctor = broker.get("doctor")
         if isinstance(doctor, dict):
             for key in ("cert_file", "key_file"):
@@ -341,6 +368,19 @@ def load_kit(folder: Path, overrides: dict[str, Any] | None = None) -> AgentConf
             data["path"] = str(state / inside.relative_to(installed_state))
     raw = {key: value for key, value in raw.items() if value is not None}
     return parse_config(merge_overrides(anchor_file_paths(raw, folder), overrides or {}), str(path))
+
+
+def _broker_sections(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """The broker sections of a raw agent.yaml: ``transport.broker``, and a top-level ``broker`` of an older file."""
+    transport = raw.get("transport")
+    candidates = [raw.get("broker"), transport.get("broker") if isinstance(transport, dict) else None]
+    return [section for section in candidates if isinstance(section, dict)]
+
+
+def _login_sections(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every section that may name TLS files and a password: the broker's and the port kind's own."""
+    transport = raw.get("transport")
+    return [*_broker_sections(raw), *([transport] if isinstance(transport, dict) else [])]
 
 
 def _in_kit(value: Any, folder: Path) -> Any:
@@ -358,14 +398,14 @@ def _secret_in_kit(ref: Any, folder: Path) -> Any:
 
 def anchor_file_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
     """A copy of an agent.yaml mapping whose relative paths point into ``base``."""
-    anchored = merge_overrides(raw, {})
+    anchored = copy.deepcopy(raw)
     anchored.setdefault("state_dir", DEFAULT_STATE_DIR)
     anchor_keys(anchored, ("state_dir",), base)
-    for name in ("broker", "transport"):
-        anchor_keys(anchored.get(name), ("ca_file", "cert_file", "key_file"), base, secrets=("password",))
-    if isinstance(anchored.get("broker"), dict) and isinstance(anchored["broker"].get("doctor"), dict):
-        anchored["broker"]["doctor"] = dict(anchored["broker"]["doctor"])
-        anchor_keys(anchored["broker"]["doctor"], ("cert_file", "key_file"), base, secrets=("password",))
+    for section in _login_sections(anchored):
+        anchor_keys(section, ("ca_file", "cert_file", "key_file"), base, secrets=("password",))
+    for broker in _broker_sections(anchored):
+        if isinstance(broker.get("doctor"), dict):
+            anchor_keys(broker["doctor"], ("cert_file", "key_file"), base, secrets=("password",))
     anchor_keys(anchored.get("data"), ("path",), base)
     return anchored
 

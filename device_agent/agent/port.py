@@ -164,7 +164,7 @@ class MqttPort:
     def fatal(self) -> str | None:
         session = self._started()
         if session.refused:
-            return f"{session.refused}; check the device's broker.password (--password)"
+            return f"{session.refused}; check the device's transport.broker.password (--password)"
         if self._give_up is not None and session.stats.connects == 0 and time.monotonic() > self._give_up:
             return (
                 f"could not connect to {self.address.url} within {self.connect_timeout_s:g} s (connect_timeout_s, "

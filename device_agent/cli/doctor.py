@@ -76,7 +76,8 @@ def check_network(address: BrokerAddress, timeout: float) -> list[Check]:
                 "broker reachable",
                 False,
                 f"{address.host}:{address.port}: {exc.strerror or exc}",
-                "is the broker running and the address in broker.url right? firewall? try: ping " + address.host,
+                "is the broker running and the address in transport.broker.url right? firewall? try: ping "
+                + address.host,
             )
         ]
     checks = [
@@ -100,7 +101,10 @@ def check_network(address: BrokerAddress, timeout: float) -> list[Check]:
         return [*checks, Check("TLS verifies", False, problem.reason, problem.hint)]
     except (ssl.SSLError, OSError) as exc:
         raw.close()
-        return [*checks, Check("TLS verifies", False, str(exc), "check broker.ca_file, cert_file and key_file")]
+        return [
+            *checks,
+            Check("TLS verifies", False, str(exc), "check transport.broker.ca_file, cert_file and key_file"),
+        ]
     checks.append(Check("TLS verifies", True, f"broker certificate for {address.host} signed by {address.ca_file}"))
     not_before = dt.datetime.fromtimestamp(ssl.cert_time_to_seconds(peer["notBefore"]), dt.timezone.utc)
     now = dt.datetime.now(dt.timezone.utc)
@@ -158,7 +162,7 @@ def check_login(config: AgentConfig, address: BrokerAddress, timeout: float) -> 
                     "login accepted",
                     False,
                     f"refused as {address.username}: {reason}",
-                    "broker.password is not this device's current secret (rotated? copied from another kit?)",
+                    "transport.broker.password is not this device's current secret (rotated? copied from another kit?)",
                 )
             ]
         checks = [Check("login accepted", True, f"as {address.username}")]
@@ -173,7 +177,8 @@ def check_login(config: AgentConfig, address: BrokerAddress, timeout: float) -> 
                     bool(granted),
                     f"{topic}: {events.get(name, 'no answer')}",
                     "the broker's ACL does not confine users to fedfleet/<fleet>/dev/<user>: wrong fleet name? "
-                    "or broker.cert_file is another device's (over TLS the broker logs in the certificate's name)",
+                    "or transport.broker.cert_file is another device's "
+                    "(over TLS the broker logs in the certificate's name)",
                 )
             )
         return checks
@@ -201,7 +206,7 @@ def ask_broker_online(config: AgentConfig, address: BrokerAddress, timeout: floa
         return Check(
             "agent online",
             True,
-            f"unknown: agent.yaml has no broker.doctor login ({login}) to ask the broker with",
+            f"unknown: agent.yaml has no transport.broker.doctor login ({login}) to ask the broker with",
             "an agent of this device online on another machine would lose its session to doctor's login check: "
             "provision the kits again (coordinator provision) for a doctor login, or stop that agent first",
             warn=True,

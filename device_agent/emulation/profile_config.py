@@ -225,7 +225,7 @@ def agent_config(
     return {
         "device": device,
         "fleet": fleet,
-        "broker": broker,
+        "transport": {"broker": broker},
         "data": data.as_config(),
         "device_type": device_type,
         "state_dir": str(state_dir),

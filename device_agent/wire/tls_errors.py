@@ -93,8 +93,8 @@ def classify(
         return TlsProblem(
             "ca",
             reason,
-            f"broker.ca_file is not the CA of this fleet's broker ({ca_file or 'the system CAs'} did not sign "
-            "its certificate): a kit of another fleet, or a re-created CA? install this fleet's current kit",
+            f"transport.broker.ca_file is not the CA of this fleet's broker ({ca_file or 'the system CAs'} did not "
+            "sign its certificate): a kit of another fleet, or a re-created CA? install this fleet's current kit",
         )
     if "mismatch" in text or "hostname" in text:
         return TlsProblem(
@@ -102,7 +102,7 @@ def classify(
             reason,
             f"the broker's certificate does not name {host}: add it to the fleet's broker.hosts and re-provision",
         )
-    return TlsProblem("other", reason, "check broker.ca_file, cert_file and key_file")
+    return TlsProblem("other", reason, "check transport.broker.ca_file, cert_file and key_file")
 
 
 def _peer_window(
@@ -140,7 +140,7 @@ def why_tls_fails(
         if cert_file:
             context.load_cert_chain(cert_file, key_file)
     except (OSError, ssl.SSLError) as exc:
-        return TlsProblem("files", str(exc), "broker.ca_file, cert_file or key_file cannot be read or used")
+        return TlsProblem("files", str(exc), "transport.broker.ca_file, cert_file or key_file cannot be read or used")
     try:
         with (
             socket.create_connection((host, port), timeout=timeout) as raw,

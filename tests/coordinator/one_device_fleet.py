@@ -50,7 +50,12 @@ def device_settings(tmp: Path, broker: TestBroker, device: str) -> dict[str, Any
     return {
         "device": device,
         "fleet": broker.fleet,
-        "broker": {"url": f"mqtt://127.0.0.1:{broker.address().port}", "password": f"file:{tmp / 'secrets' / device}"},
+        "transport": {
+            "broker": {
+                "url": f"mqtt://127.0.0.1:{broker.address().port}",
+                "password": f"file:{tmp / 'secrets' / device}",
+            }
+        },
         "device_type": "cpu",
         "state_dir": str(tmp / "agent"),
     }

@@ -50,4 +50,4 @@ def test_demo_runs_on_the_amqtt_fallback(tmp_path: Path) -> None:
     assert all(d["status"] == "accepted" for r in rounds for d in r["devices"].values())
     for device in fleet["devices"]:
         agent = yaml.safe_load((run_dir / "agents" / device["id"] / "agent.yaml").read_text())
-        assert agent["broker"]["protocol"] == "3.1.1"
+        assert agent["transport"]["broker"]["protocol"] == "3.1.1"

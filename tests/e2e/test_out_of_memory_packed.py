@@ -34,7 +34,7 @@ def _agent_yaml(tmp: Path, broker: TestBroker) -> Path:
     config = {
         "device": DEVICE,
         "fleet": broker.fleet,
-        "broker": {"url": f"mqtt://127.0.0.1:{broker.address().port}", "password": "env:DEV_A_PASSWORD"},
+        "transport": {"broker": {"url": f"mqtt://127.0.0.1:{broker.address().port}", "password": "env:DEV_A_PASSWORD"}},
         "device_type": "cpu",
         "state_dir": str(tmp / "agent"),
         "emulation": {

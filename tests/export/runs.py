@@ -38,7 +38,7 @@ def make_run(
     model.update({k: v for k, v in (("image_size", image_size), ("in_channels", in_channels)) if v is not None})
     config = {
         "fleet": "t",
-        "broker": {"mode": "managed"},
+        "transport": {"broker": {"mode": "managed"}},
         "model": model,
         "dataset": {"name": dataset}
         if dataset_path is None

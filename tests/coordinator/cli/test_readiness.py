@@ -17,7 +17,9 @@ DEVICES = [{"id": "pi5-01", "profile": "raspberry-pi-5"}]
 
 
 def _fleet(**settings: object):
-    return parse_fleet({"fleet": "lab", "broker": {"mode": "amqtt"}, "devices": DEVICES, **settings}, CATALOG)
+    return parse_fleet(
+        {"fleet": "lab", "transport": {"broker": {"mode": "amqtt"}}, "devices": DEVICES, **settings}, CATALOG
+    )
 
 
 def test_a_minimal_fleet_is_told_its_data_set_needs_a_path() -> None:
@@ -38,7 +40,7 @@ def test_a_missing_path_and_an_unset_password_variable_are_named(monkeypatch: py
     monkeypatch.delenv("FEDFLEET_TEST_UNSET", raising=False)
     fleet = _fleet(
         dataset={"name": "cifar10", "path": "/nonexistent/cifar"},
-        broker={"mode": "amqtt", "password": "env:FEDFLEET_TEST_UNSET"},
+        transport={"broker": {"mode": "amqtt", "password": "env:FEDFLEET_TEST_UNSET"}},
     )
 
     assert start_problems(fleet) == [
@@ -68,7 +70,7 @@ def test_a_transport_no_package_registered_is_named_with_those_that_are() -> Non
 
 def test_start_refuses_before_it_creates_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     fleet = tmp_path / "fleet.yaml"
-    fleet.write_text(yaml.safe_dump({"fleet": "lab", "broker": {"mode": "amqtt"}, "devices": DEVICES}))
+    fleet.write_text(yaml.safe_dump({"fleet": "lab", "transport": {"broker": {"mode": "amqtt"}}, "devices": DEVICES}))
 
     assert main(["start", "--fleet", str(fleet), "--run-dir", str(tmp_path / "run"), "--no-live"]) == 2
 

@@ -8,7 +8,11 @@ from coordinator.config.checkpoints import Retention, kept_rounds
 from coordinator.config.fleet import FleetError, parse_fleet
 from profiles.catalog import load_catalog
 
-MINIMAL = {"fleet": "lab", "broker": {"mode": "managed"}, "devices": [{"id": "pi5-01", "profile": "raspberry-pi-5"}]}
+MINIMAL = {
+    "fleet": "lab",
+    "transport": {"broker": {"mode": "managed"}},
+    "devices": [{"id": "pi5-01", "profile": "raspberry-pi-5"}],
+}
 
 
 def test_a_fleet_keeps_the_last_three_rounds_and_the_best_by_default() -> None:

@@ -10,7 +10,11 @@ from coordinator.run.fleet_data import fleet_data
 from profiles.catalog import load_catalog
 
 CATALOG = load_catalog()
-FLEET = {"fleet": "lab", "broker": {"mode": "managed"}, "devices": [{"id": "pi5-01", "profile": "raspberry-pi-5"}]}
+FLEET = {
+    "fleet": "lab",
+    "transport": {"broker": {"mode": "managed"}},
+    "devices": [{"id": "pi5-01", "profile": "raspberry-pi-5"}],
+}
 
 
 def test_the_server_evaluates_unless_told_not_to() -> None:

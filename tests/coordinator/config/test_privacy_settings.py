@@ -11,7 +11,7 @@ from profiles.catalog import load_catalog
 CATALOG = load_catalog()
 FLEET = {
     "fleet": "lab",
-    "broker": {"mode": "managed"},
+    "transport": {"broker": {"mode": "managed"}},
     "strategy": {"name": "fedavg"},
     "devices": [{"id": f"pi-{i}", "profile": "raspberry-pi-5"} for i in range(4)],
 }

@@ -15,7 +15,7 @@ CATALOG = load_catalog()
 def fleet(devices: int = 5, **settings: object) -> dict:
     return {
         "fleet": "lab",
-        "broker": {"mode": "managed"},
+        "transport": {"broker": {"mode": "managed"}},
         "strategy": {"name": "fedavg"},
         "ratios": [1],
         "limits": dict(OFF),

@@ -100,7 +100,7 @@ def test_passwords_travel_in_the_environment_not_in_the_files(tmp_path: Path) ->
     for spec in specs:
         text = spec.config.read_text()
         assert "secret-of" not in text
-        assert yaml.safe_load(text)["broker"]["password"] == "env:FEDFLEET_PASSWORD"
+        assert yaml.safe_load(text)["transport"]["broker"]["password"] == "env:FEDFLEET_PASSWORD"
         assert spec.env == {"FEDFLEET_PASSWORD": f"secret-of-{spec.device}"}
         assert "secret-of" not in repr(spec)
     with pytest.raises(EmulatorError, match=r"no broker credentials for device.*laptop-a"):
@@ -173,7 +173,7 @@ def test_launch_starts_one_agent_per_device_and_reports_a_crash(tmp_path: Path) 
     credentials = {d.id: Credentials(d.id, "pw") for d in fleet.devices}
     emulation.launch("mqtt://0.0.0.0:18999", credentials, tmp_path / "run", "3.1.1")
     assert sorted(emulation.agents.pids) == sorted(credentials)
-    broker = yaml.safe_load(emulation.specs[0].config.read_text())["broker"]
+    broker = yaml.safe_load(emulation.specs[0].config.read_text())["transport"]["broker"]
     assert broker["url"] == "mqtt://127.0.0.1:18999"
     assert broker["protocol"] == "3.1.1"  # the agents speak what the broker speaks (amqtt: 3.1.1 only)
     deadline = time.monotonic() + 20

@@ -20,7 +20,7 @@ RATIOS = [1.0, 0.5, 0.25, 0.125]
 
 
 def _fleet(devices: list[dict], **settings: object) -> Fleet:
-    return parse_fleet({"fleet": "t", "broker": {}, "devices": devices, **settings}, CATALOG)
+    return parse_fleet({"fleet": "t", "transport": {"broker": {}}, "devices": devices, **settings}, CATALOG)
 
 
 def _rank(ratio: float | None) -> float:

@@ -90,11 +90,10 @@ def test_agent_yaml_says_where_the_data_goes_right_above_the_data_section(tmp_pa
     note = lines.index("data:") - 1
     assert lines[note] == "# PUT THIS DEVICE'S cifar10 DATA AT data.path (readable by user fedfleet) and edit the path"
     config = yaml.safe_load(text)
-    assert list(config) == ["device", "fleet", "broker", "device_type", "state_dir", "data", "signing_key"]
+    assert list(config) == ["device", "fleet", "transport", "device_type", "state_dir", "data", "signing_key"]
     assert config["data"] == {"dataset": "cifar10", "path": "/data/cifar", "partition": "iid"}
-    assert (
-        config["broker"]["ca_file"] == "/srv/ff/etc/ca.pem" and config["signing_key"] == "file:/srv/ff/etc/signing.key"
-    )
+    assert config["transport"]["broker"]["ca_file"] == "/srv/ff/etc/ca.pem"
+    assert config["signing_key"] == "file:/srv/ff/etc/signing.key"
 
 
 def test_a_kit_trains_on_the_samples_the_planner_sized_its_device_at(tmp_path: Path) -> None:

@@ -30,11 +30,11 @@ def _config(kits, root: Path, name: str, **broker: str) -> Path:
     folder = kits.participant("a")
     raw = yaml.safe_load((folder / "agent.yaml").read_text())
     for key in ("ca_file", "cert_file", "key_file"):
-        raw["broker"][key] = str(folder / Path(raw["broker"][key]).name)
-    raw["broker"]["password"] = f"file:{folder / 'password'}"
+        raw["transport"]["broker"][key] = str(folder / Path(raw["transport"]["broker"][key]).name)
+    raw["transport"]["broker"]["password"] = f"file:{folder / 'password'}"
     doctor = {"password": f"file:{folder / 'doctor.password'}", "cert_file": str(folder / "doctor.pem")}
-    raw["broker"]["doctor"] = doctor | {"key_file": str(folder / "doctor.key")}
-    raw["broker"] |= broker
+    raw["transport"]["broker"]["doctor"] = doctor | {"key_file": str(folder / "doctor.key")}
+    raw["transport"]["broker"] |= broker
     raw["state_dir"] = str(root / "state-a")
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -65,7 +65,7 @@ def test_another_devices_certificate_is_named(kit: tuple, capsys: pytest.Capture
     code, out = _doctor(config, capsys)
     assert code == 1
     assert "PASS  login accepted" in out and "FAIL  may write own topics" in out
-    assert "or broker.cert_file is another device's" in out
+    assert "or transport.broker.cert_file is another device's" in out
 
 
 def test_a_ca_of_another_fleet_fails_tls(kit: tuple, capsys: pytest.CaptureFixture[str]) -> None:
@@ -73,7 +73,7 @@ def test_a_ca_of_another_fleet_fails_tls(kit: tuple, capsys: pytest.CaptureFixtu
     other = provision_into(make_fleet()[1], root / "other")
     code, out = _doctor(_config(kits, root, "wrong-ca", ca_file=str(other.participant("a") / "ca.pem")), capsys)
     assert code == 1
-    assert "FAIL  TLS verifies" in out and "hint: broker.ca_file is not the CA of this fleet's broker" in out
+    assert "FAIL  TLS verifies" in out and "hint: transport.broker.ca_file is not the CA of this fleet's broker" in out
     assert "SKIP  login accepted" in out
 
 
@@ -134,11 +134,11 @@ def test_a_kit_without_a_doctor_login_warns_that_the_broker_was_not_asked(
     kits, _, root = kit
     config = _config(kits, root, "no-doctor")
     raw = yaml.safe_load(config.read_text())
-    del raw["broker"]["doctor"]
+    del raw["transport"]["broker"]["doctor"]
     config.write_text(yaml.safe_dump(raw))
     code, out = _doctor(config, capsys)
     assert code == 0, out
-    assert "WARN  agent online           unknown: agent.yaml has no broker.doctor login (doctor@a)" in out
+    assert "WARN  agent online           unknown: agent.yaml has no transport.broker.doctor login (doctor@a)" in out
     assert "hint: an agent of this device online on another machine would lose its session" in out
     assert "PASS  login accepted" in out
 
@@ -149,7 +149,7 @@ def test_a_doctor_login_the_broker_refuses_is_a_warning_naming_it(kit: tuple, ca
     (root / "wrong.password").write_text("not-the-doctor-password\n")
     config = _config(kits, root, "wrong-doctor")
     raw = yaml.safe_load(config.read_text())
-    raw["broker"]["doctor"] = {"password": f"file:{root / 'wrong.password'}"}  # and no certificate
+    raw["transport"]["broker"]["doctor"] = {"password": f"file:{root / 'wrong.password'}"}  # and no certificate
     config.write_text(yaml.safe_dump(raw))
     code, out = _doctor(config, capsys)
     assert code == 0, out

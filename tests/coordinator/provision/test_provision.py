@@ -181,5 +181,5 @@ def test_an_external_broker_fleet_gets_kits_without_certificates(tmp_path: Path)
     # its logins are not ours to make: no doctor login (doctor says it cannot ask that broker)
     assert (
         not (kit / "doctor.password").exists()
-        and "doctor" not in yaml.safe_load((kit / "agent.yaml").read_text())["broker"]
+        and "doctor" not in yaml.safe_load((kit / "agent.yaml").read_text())["transport"]["broker"]
     )

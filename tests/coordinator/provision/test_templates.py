@@ -17,7 +17,7 @@ from tests.paths import REPO_ROOT
 
 def test_a_template_renders_with_its_values() -> None:
     assert render("mosquitto-plain.conf", port=1883, host="0.0.0.0", max_connections=1000) == (
-        "# plain TCP, asked for in fleet.yaml (broker.plain_port): passwords cross the network in clear\n"
+        "# plain TCP, asked for in fleet.yaml (transport.broker.plain_port): passwords cross the network in clear\n"
         "listener 1883 0.0.0.0\n"
         "max_connections 1000\n"
     )

@@ -25,7 +25,7 @@ from tests.device_agent.agent.test_misconfiguration import PROFILE
 
 FLEET = {
     "fleet": "waiting",
-    "broker": {"mode": "managed"},
+    "transport": {"broker": {"mode": "managed"}},
     "model": {"arch": "cnn", "num_classes": 10, "in_channels": 1, "image_size": 8},
     "dataset": {"name": "digits"},
     "ratios": [1],

@@ -11,7 +11,7 @@ from coordinator.run.fleet_data import fleet_data
 def fleet(arch: str, **model: int) -> dict:
     return {
         "fleet": "sizes",
-        "broker": {"mode": "managed"},
+        "transport": {"broker": {"mode": "managed"}},
         "model": {"arch": arch, "num_classes": 10, **model},
         "dataset": {"name": "digits", "partition": "iid"},
         "strategy": {"name": "fedavg"},

@@ -14,7 +14,14 @@ DEVICES = [{"id": "pi5-01", "profile": "raspberry-pi-5"}]
 
 def fleet(strategy: dict, **sections):
     return parse_fleet(
-        {"fleet": "lab", "broker": {"mode": "managed"}, "devices": DEVICES, "strategy": strategy, **sections}, CATALOG
+        {
+            "fleet": "lab",
+            "transport": {"broker": {"mode": "managed"}},
+            "devices": DEVICES,
+            "strategy": strategy,
+            **sections,
+        },
+        CATALOG,
     )
 
 

@@ -21,7 +21,7 @@ def test_an_upload_over_the_fleets_max_upload_bytes_is_refused_and_a_smaller_one
     fleet = parse_fleet(
         {
             "fleet": mosquitto.fleet,
-            "broker": {"mode": "managed"},
+            "transport": {"broker": {"mode": "managed"}},
             "devices": [{"id": "dev-a", "profile": "reported"}],
             "limits": {"max_upload_bytes": "64 KiB"},
         }
@@ -54,7 +54,11 @@ def test_closing_a_round_stops_its_downloads_and_refuses_its_late_uploads(mosqui
     """What still travels for a closed round cannot hold up the next: a model still on its way to a device
     stops, and the device's update for that round is refused at its manifest, before any chunk is taken."""
     fleet = parse_fleet(
-        {"fleet": mosquitto.fleet, "broker": {"mode": "managed"}, "devices": [{"id": "dev-a", "profile": "reported"}]}
+        {
+            "fleet": mosquitto.fleet,
+            "transport": {"broker": {"mode": "managed"}},
+            "devices": [{"id": "dev-a", "profile": "reported"}],
+        }
     )
     arrived: list[int] = []
     done = threading.Event()

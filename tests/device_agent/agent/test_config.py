@@ -13,10 +13,12 @@ from device_agent.cli.run import config_from_args
 SAMPLE = """\
 device: pi5-01
 fleet: demo
-broker:
-  url: mqtt://127.0.0.1:1883
-  password: env:FEDFLEET_PASSWORD
-  protocol: 5
+transport:
+  kind: mqtt
+  broker:
+    url: mqtt://127.0.0.1:1883
+    password: env:FEDFLEET_PASSWORD
+    protocol: 5
 data:
   dataset: digits
   partition: dirichlet(0.5)
@@ -46,6 +48,20 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     args = build_parser().parse_args(["run", "--config", str(path), "--device", "pi5-02", "--broker", "mqtt://h:1"])
     config = config_from_args(args)
     assert (config.device, config.broker.url, config.fleet) == ("pi5-02", "mqtt://h:1", "demo")
+    assert config.broker.password == "env:FEDFLEET_PASSWORD"  # the file's, beside the flag's url
+
+
+def test_a_top_level_broker_of_a_kit_in_the_field_is_read_as_moved_and_flags_still_win(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "agent.yaml"
+    path.write_text("device: pi5-01\nfleet: demo\nbroker: {url: 'mqtt://old:1883', password: 'file:password'}\n")
+    args = build_parser().parse_args(["run", "--config", str(path), "--broker", "mqtt://new:1"])
+
+    config = config_from_args(args)
+
+    assert (config.broker.url, config.broker.password) == ("mqtt://new:1", f"file:{tmp_path / 'password'}")
+    assert "the top-level `broker:` section is now `transport.broker:`" in caplog.text
 
 
 def test_flags_alone_are_enough() -> None:
@@ -59,9 +75,9 @@ def test_flags_alone_are_enough() -> None:
     [
         ({"device": "a/b", "fleet": "f"}, "device"),
         ({"device": "a", "fleet": "f", "data": {"partition": "dirichlet(-1)"}}, "data.partition"),
-        ({"device": "a", "fleet": "f", "broker": {"password": "hunter2"}}, "broker.password"),
+        ({"device": "a", "fleet": "f", "transport": {"broker": {"password": "hunter2"}}}, "broker.password"),
         ({"device": "a", "fleet": "f", "emulation": {"slowdown": 0.5}}, "emulation.slowdown"),
-        ({"device": "a", "fleet": "f", "broker": {"keepalive_s": 0}}, "broker.keepalive_s"),
+        ({"device": "a", "fleet": "f", "transport": {"broker": {"keepalive_s": 0}}}, "broker.keepalive_s"),
         ({"device": "a", "fleet": "f", "data": {"dataset": "npz"}}, "data"),
         ({"device": "a", "fleet": "f", "colour": "red"}, "colour"),
     ],
@@ -75,18 +91,18 @@ def test_password_references_resolve_or_say_what_is_missing(tmp_path: Path, monk
     monkeypatch.setenv("AGENT_SECRET", "s3cret")
     assert (
         parse_config(
-            {"device": "a", "fleet": "f", "broker": {"password": "env:AGENT_SECRET"}}
+            {"device": "a", "fleet": "f", "transport": {"broker": {"password": "env:AGENT_SECRET"}}}
         ).broker.resolve_password()
         == "s3cret"
     )
     secret = tmp_path / "pw"
     secret.write_text("from-file\n")
-    config = parse_config({"device": "a", "fleet": "f", "broker": {"password": f"file:{secret}"}})
+    config = parse_config({"device": "a", "fleet": "f", "transport": {"broker": {"password": f"file:{secret}"}}})
     assert config.broker.resolve_password() == "from-file"
     monkeypatch.delenv("AGENT_SECRET")
     with pytest.raises(ConfigError, match="AGENT_SECRET"):
         parse_config(
-            {"device": "a", "fleet": "f", "broker": {"password": "env:AGENT_SECRET"}}
+            {"device": "a", "fleet": "f", "transport": {"broker": {"password": "env:AGENT_SECRET"}}}
         ).broker.resolve_password()
 
 

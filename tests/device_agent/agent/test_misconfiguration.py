@@ -30,7 +30,7 @@ def _config(broker: TestBroker, fleet: str, tmp_path: Path, monkeypatch: pytest.
         {
             "device": "dev-a",
             "fleet": fleet,
-            "broker": {"url": broker.address("dev-a").url, "password": "env:FEDFLEET_TEST_DEV_A"},
+            "transport": {"broker": {"url": broker.address("dev-a").url, "password": "env:FEDFLEET_TEST_DEV_A"}},
             "device_type": "cpu",
             "state_dir": str(tmp_path / "agent"),
         }
@@ -103,7 +103,7 @@ def test_nothing_listening_on_the_broker_port_is_named_and_given_up_on(
         {
             "device": "dev-a",
             "fleet": "test",
-            "broker": {"url": f"mqtt://127.0.0.1:{port}"},
+            "transport": {"broker": {"url": f"mqtt://127.0.0.1:{port}"}},
             "connect_timeout_s": 2,
             "state_dir": str(tmp_path / "agent"),
         }
@@ -125,10 +125,12 @@ def test_a_tls_handshake_that_keeps_failing_ends_at_the_connect_timeout(
             {
                 "device": "dev-a",
                 "fleet": "demo",
-                "broker": {
-                    "url": f"mqtts://localhost:{port}",
-                    "password": "env:FEDFLEET_TEST_DEV_A",
-                    "ca_file": str(pki.ca_file),
+                "transport": {
+                    "broker": {
+                        "url": f"mqtts://localhost:{port}",
+                        "password": "env:FEDFLEET_TEST_DEV_A",
+                        "ca_file": str(pki.ca_file),
+                    }
                 },
                 "device_type": "cpu",
                 "state_dir": str(tmp_path / "agent"),

@@ -35,7 +35,9 @@ def recorder_plugin(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_mqtt_is_the_default_kind_and_its_claim_is_one_login_on_one_broker() -> None:
-    config = parse_config({"device": "dev-a", "fleet": "lab", "broker": {"url": "mqtts://broker.lan:8883"}})
+    config = parse_config(
+        {"device": "dev-a", "fleet": "lab", "transport": {"broker": {"url": "mqtts://broker.lan:8883"}}}
+    )
 
     assert config.transport.kind == "mqtt" and "mqtt" in PORTS
     assert isinstance(port_kind_of(config).port(config), MqttPort)

@@ -49,7 +49,7 @@ def agent_config(broker: TestBroker, tmp_path: Path, monkeypatch: pytest.MonkeyP
         {
             "device": DEVICE,
             "fleet": broker.fleet,
-            "broker": {"url": broker.address(DEVICE).url, "password": "env:FEDFLEET_TEST_DEV_A"},
+            "transport": {"broker": {"url": broker.address(DEVICE).url, "password": "env:FEDFLEET_TEST_DEV_A"}},
             "device_type": "cpu",
             "state_dir": str(tmp_path / "agent"),
         }
@@ -157,7 +157,12 @@ def agent_beside(
 ) -> Iterator[tuple[Agent, FakeCoordinator, threading.Thread]]:
     """An agent serving on its own thread with ``coordinator`` as its port; stopped on the way out."""
     config = parse_config(
-        {"device": DEVICE, "fleet": "test", "broker": {"url": "mqtt://127.0.0.1:1"}, "state_dir": str(state)}
+        {
+            "device": DEVICE,
+            "fleet": "test",
+            "transport": {"broker": {"url": "mqtt://127.0.0.1:1"}},
+            "state_dir": str(state),
+        }
     )
     agent = Agent(config, reported_profile(), port=coordinator)
     serving = threading.Thread(target=agent.run, daemon=True)
@@ -310,7 +315,7 @@ def test_any_status_counts_as_the_heartbeat_and_a_silent_agent_still_beats(tmp_p
         {
             "device": DEVICE,
             "fleet": "test",
-            "broker": {"url": "mqtt://127.0.0.1:1"},
+            "transport": {"broker": {"url": "mqtt://127.0.0.1:1"}},
             "state_dir": str(tmp_path),
             "heartbeat_s": 0.4,
         }

@@ -53,7 +53,7 @@ def _doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
 
 def test_load_kit_takes_the_kits_files_and_state_not_the_install_paths(kit: Path) -> None:
     written = yaml.safe_load((kit / "agent.yaml").read_text())
-    assert written["broker"]["ca_file"] != str(kit / "ca.pem")  # the kit names where install.sh puts it
+    assert written["transport"]["broker"]["ca_file"] != str(kit / "ca.pem")  # the kit names where install.sh puts it
     config = load_kit(kit)
     assert config.broker.ca_file == str(kit / "ca.pem")
     assert (config.broker.cert_file, config.broker.key_file) == (str(kit / "client.pem"), str(kit / "client.key"))

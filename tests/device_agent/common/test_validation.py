@@ -74,7 +74,12 @@ def test_a_nested_validation_keeps_its_hints_under_the_outer_key() -> None:
 
 
 def test_agent_yaml_keys_get_the_same_answer() -> None:
-    raw = {"device": "a", "fleet": "f", "broker": {"url": "mqtt://x", "pasword": "env:X"}, "stat_dir": "/tmp"}
+    raw = {
+        "device": "a",
+        "fleet": "f",
+        "transport": {"broker": {"url": "mqtt://x", "pasword": "env:X"}},
+        "stat_dir": "/tmp",
+    }
     with pytest.raises(ConfigError) as info:
         parse_config(raw)
     assert "broker.pasword: Extra inputs are not permitted (did you mean 'password'?)" in str(info.value)

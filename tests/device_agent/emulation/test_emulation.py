@@ -112,7 +112,7 @@ def test_bulk_configs_take_global_indices_and_per_device_passwords(tmp_path: Pat
     assert [s.device for s in specs] == ["pi-04", "pi-05", "pi-06"]
     configs = [yaml.safe_load(s.config.read_text()) for s in specs]
     assert [(c["data"]["index"], c["data"]["count"]) for c in configs] == [(4, 8), (5, 8), (6, 8)]
-    assert configs[1]["broker"]["password"] == "file:/secrets/pi-05.pw"
+    assert configs[1]["transport"]["broker"]["password"] == "file:/secrets/pi-05.pw"
     assert configs[0]["emulation"]["slowdown"] == pytest.approx(2.0)  # 72 / 36 GFLOPS
     assert all(s.log == tmp_path / s.device / "agent.log" for s in specs)
     args.total = 5

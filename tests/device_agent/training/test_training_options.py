@@ -27,7 +27,7 @@ WIDTH = WidthSpec(strategy="fedavg", model=CNN, level=1.0, scaler=False, send_cl
 def fleet(training: dict, overrides: dict) -> dict:
     return {
         "fleet": "f",
-        "broker": {"mode": "managed"},
+        "transport": {"broker": {"mode": "managed"}},
         "model": {"arch": "cnn"},
         "dataset": {"name": "digits"},
         "training": training,
