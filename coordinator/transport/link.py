@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
@@ -106,19 +107,78 @@ def _by_device(handler: Callable[[str, Any], None], what: str) -> Callable[[str,
     return on_topic
 
 
-class MqttLink:
+class TransferCarrier(Protocol):
+    """What carries chunked transfers (an MQTT session, a WebSocket endpoint): a closed round's stop both ways."""
+
+    def cancel(self, stale: Callable[[Manifest], bool], why: str) -> int: ...
+
+    def refuse(self, stale: Callable[[Manifest], bool], why: str) -> int: ...
+
+
+class ChunkedLink(ABC):
+    """A Link over the chunked-transfer engine: a model is hashed once (a sealed manifest) for every device it goes
+    to, each device's delivery is watched, and closing a round stops what still travels for it both ways."""
+
+    kind = "chunked"
+
+    def __init__(self) -> None:
+        self._deliveries: dict[str, Delivery] = {}
+
+    @abstractmethod
+    def _carrier(self) -> TransferCarrier: ...
+
+    @abstractmethod
+    def _chunk_size(self) -> int: ...
+
+    @abstractmethod
+    def _send(self, device: str, payload: bytes, manifest: Manifest) -> Delivery: ...
+
+    def prepare(self, payload: bytes, **fields: Any) -> Manifest:
+        return make_manifest(payload, self._chunk_size(), **fields)
+
+    def send_payload(self, device: str, payload: bytes, outgoing: Outgoing) -> str:
+        if not isinstance(outgoing, Manifest):
+            raise TypeError(f"the {self.kind} link sends what its prepare() made, not a {type(outgoing).__name__}")
+        delivery = self._send(device, payload, outgoing)
+        self._deliveries[device] = delivery
+        return delivery.transfer
+
+    def payload_in_flight(self, device: str) -> bool:
+        delivery = self._deliveries.get(device)
+        return delivery is not None and not delivery.done and delivery.error is None
+
+    def delivered_ago(self, device: str) -> float | None:
+        delivery = self._deliveries.get(device)
+        if delivery is None or not delivery.done or delivery.settled_at is None:
+            return None
+        return time.monotonic() - delivery.settled_at
+
+    def close_round(self, round_: int) -> None:
+        """Models still on their way to devices stop; a device's update for a closed round is refused at its
+        manifest, before its chunks reach the coordinator, and the agent stops sending it (no receipt to wait for)."""
+        carrier = self._carrier()
+        closed = partial(_of_closed_round, round_)
+        stopped = carrier.cancel(closed, f"round {round_} closed")
+        dropped = carrier.refuse(closed, f"round {round_} is closed; its updates are no longer taken")
+        if stopped or dropped:
+            log.info("round %d closed: %d downloads stopped, %d unfinished uploads dropped", round_, stopped, dropped)
+
+
+class MqttLink(ChunkedLink):
     """A fleet over an MQTT broker: one coordinator session, per-device topics under the fleet's name."""
+
+    kind = "MQTT"
 
     def __init__(
         self, fleet: str, broker: BrokerAddress, limits: InboundLimits | None = None, **session_config: Any
     ) -> None:
+        super().__init__()
         self.fleet = fleet
         self.broker = broker
         self.limits = limits or InboundLimits()
         self.session_config = session_config
         self.session: Session | None = None
         self._topics: dict[str, DeviceTopics] = {}
-        self._deliveries: dict[str, Delivery] = {}
 
     @classmethod
     def of(cls, fleet: Fleet, broker: BrokerAddress, **session_config: Any) -> MqttLink:
@@ -159,35 +219,14 @@ class MqttLink:
     def send_control(self, device: str, message: Message) -> None:
         self._session().publish(self.topics(device).down, message)
 
-    def prepare(self, payload: bytes, **fields: Any) -> Manifest:
-        return make_manifest(payload, self._session().config.chunk_size, **fields)
+    def _carrier(self) -> Session:
+        return self._session()
 
-    def send_payload(self, device: str, payload: bytes, outgoing: Outgoing) -> str:
-        if not isinstance(outgoing, Manifest):
-            raise TypeError(f"the MQTT link sends what its prepare() made, not a {type(outgoing).__name__}")
-        delivery = self._session().send(self.topics(device).down, payload, manifest=outgoing)
-        self._deliveries[device] = delivery
-        return delivery.transfer
+    def _chunk_size(self) -> int:
+        return self._session().config.chunk_size
 
-    def payload_in_flight(self, device: str) -> bool:
-        delivery = self._deliveries.get(device)
-        return delivery is not None and not delivery.done and delivery.error is None
-
-    def delivered_ago(self, device: str) -> float | None:
-        delivery = self._deliveries.get(device)
-        if delivery is None or not delivery.done or delivery.settled_at is None:
-            return None
-        return time.monotonic() - delivery.settled_at
-
-    def close_round(self, round_: int) -> None:
-        """Models still on their way to devices stop; a device's update for a closed round is refused at its
-        manifest, before its chunks reach the coordinator, and the agent stops sending it (no receipt to wait for)."""
-        session = self._session()
-        closed = partial(_of_closed_round, round_)
-        stopped = session.cancel(closed, f"round {round_} closed")
-        dropped = session.refuse(closed, f"round {round_} is closed; its updates are no longer taken")
-        if stopped or dropped:
-            log.info("round %d closed: %d downloads stopped, %d unfinished uploads dropped", round_, stopped, dropped)
+    def _send(self, device: str, payload: bytes, manifest: Manifest) -> Delivery:
+        return self._session().send(self.topics(device).down, payload, manifest=manifest)
 
     def bytes_up(self, device: str) -> int:
         return self._session().stats.bytes_in.get(self.topics(device).up, 0)
