@@ -116,6 +116,7 @@ def load_dataset(source: str | Path, image_size: int | None = None, in_channels:
     A file is read again once rewritten, a folder once its entries change (modification time is in the key).
     With ``FEDFLEET_DATA_CACHE`` set, the processes of a host map one copy (:mod:`device_agent.data.mapped`).
     """
+    check_source(source)  # before the cache: a built-in set removed since it was cached is still an error
     path = Path(source)
     changed = path.stat().st_mtime_ns if path.exists() else None
     with _LOAD_LOCK:
