@@ -158,7 +158,7 @@ class RoundEngine:
                 if not self._run_round(self.next_round, progress):
                     return False
                 self.next_round += 1
-            return True
+            return self.next_round > self.fleet.rounds  # a stop between two rounds is a stop, not the end
         finally:
             self.link.stop()
 
