@@ -155,8 +155,14 @@ class WsClient:
             self._failed(f"HTTP {status} from {self.dial.url}: {body or 'not a fedfleet WebSocket server?'}")
         except InvalidURI as exc:
             self.refused = f"transport.url: {exc}"
-        except InvalidHandshake as exc:
-            self._failed(f"the WebSocket handshake with {self.dial.url} failed: {exc}")
+        except InvalidHandshake as exc:  # TLS 1.3: a refused certificate can also end the HTTP request unanswered
+            cause = exc.__cause__
+            if isinstance(cause, ssl.SSLError):
+                self._refused_certificate(cause)
+            elif isinstance(cause, EOFError | ConnectionError) and self.dial.cert_file is not None:
+                self._closed_after_tls()
+            else:
+                self._failed(f"the WebSocket handshake with {self.dial.url} failed: {exc}")
         except ssl.SSLCertVerificationError as exc:
             self._failed(self._tls_problem() or f"TLS: {exc.verify_message or exc}")
         except ConnectionClosed as exc:  # TLS 1.3: the server's verdict on our certificate comes after our handshake
@@ -164,11 +170,7 @@ class WsClient:
             if isinstance(cause, ssl.SSLError):
                 self._refused_certificate(cause)
             elif self.dial.cert_file is not None:
-                self._failed(
-                    f"TLS handshake with {self.dial.url} failed: the coordinator closed the connection after it: "
-                    "it refused this device's client certificate (not signed by the fleet's CA, revoked, or not "
-                    "this device's: transport.cert_file must be the one its kit carries)"
-                )
+                self._closed_after_tls()
             else:
                 self._failed(f"{self.dial.url} closed the connection during the handshake ({exc})")
         except ssl.SSLError as exc:
@@ -176,6 +178,13 @@ class WsClient:
         except (OSError, TimeoutError) as exc:
             self._failed(f"{self.dial.url} unreachable: {exc}")
         return None
+
+    def _closed_after_tls(self) -> None:
+        self._failed(
+            f"TLS handshake with {self.dial.url} failed: the coordinator closed the connection after it: "
+            "it refused this device's client certificate (not signed by the fleet's CA, revoked, or not "
+            "this device's: transport.cert_file must be the one its kit carries)"
+        )
 
     def _refused_certificate(self, exc: ssl.SSLError) -> None:
         self._failed(
