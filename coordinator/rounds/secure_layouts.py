@@ -18,6 +18,7 @@ its :class:`~device_agent.agent.secure.Layout` with the setup and folds the unma
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -36,7 +37,7 @@ from device_agent.clients.base import is_norm_statistic
 from device_agent.secagg.quantize import Quantizer
 
 
-class SecureLayout:
+class SecureLayout(ABC):
     """A round's common vector: ``length``, each device's ``layout`` and ``weights``, and ``fold`` of the sum."""
 
     length: int
@@ -49,9 +50,9 @@ class SecureLayout:
         """What the device is told with its setup (None: its update's own tensors in key order)."""
         return None
 
+    @abstractmethod
     def fold(self, aggregate: RoundAggregate, total: np.ndarray, survivors: Sequence[str]) -> None:
         """Fold the survivors' unmasked sum into the strategy's round, as if each had uploaded."""
-        raise NotImplementedError
 
     def weight(self, device: str) -> float:
         return 1.0 if self.weights is None else self.weights[device]
