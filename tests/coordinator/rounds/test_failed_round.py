@@ -8,21 +8,17 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import yaml
 
 from coordinator.cli.live import round_table
-from coordinator.config.fleet import parse_fleet
-from coordinator.emulation.simulation import fixed_levels, simulation_fleet
+from coordinator.emulation.simulation import simulation_fleet
 from coordinator.rounds.closing import log_closed
-from coordinator.rounds.engine import EngineSettings, RoundEngine
+from coordinator.rounds.engine import EngineSettings
 from coordinator.run.metrics import DeviceRoundMetrics, DeviceStatus, RoundMetrics
-from coordinator.run.rundir import RunDir
 from coordinator.strategies import ModelSpec, build_strategy
 from coordinator.transport.memory_link import LocalDevice, MemoryLink
 from device_agent.clients.spec import TrainConfig
-from device_agent.data.datasets import LabeledData, load_dataset
 from device_agent.wire.messages import Assignment, Message, Status
-from tests.digit_clients import digit_clients
+from tests.digit_clients import digit_clients, digit_engine
 
 CNN = ModelSpec("cnn", 10, 1, 8)
 
@@ -103,26 +99,15 @@ class LostOnceLink(MemoryLink):
 def test_a_round_below_its_quorum_at_the_deadline_is_retried_and_closes_with_every_update(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    data = load_dataset("digits", 8, 1)
     clients = digit_clients(["a", "b"])
     strategy = build_strategy("fedavg", CNN, {}, seed=0)
     raw = simulation_fleet(strategy, clients, 1, TrainConfig(batch_size=32))  # quorum 1: both updates
     # a's round must end inside the first deadline, also on a loaded host (3 s was not always enough): b's
     # lost assignment is the only reason to retry, which is what the assertions below name.
     raw |= {"round_deadline_s": 12, "on_quorum_miss": "retry"}
-    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(raw))
     link = LostOnceLink([LocalDevice(c.client_id, c.train, c.test) for c in clients])
-    calibration = data.train_x[:128]
-    engine = RoundEngine(
-        parse_fleet(raw),
-        {},
-        strategy,
-        RunDir.create(tmp_path / "run", tmp_path / "fleet.yaml", strategy.state_dict(), seed=0),
-        LabeledData(calibration, calibration.new_zeros(128), data.test_x, data.test_y, 10),
-        link,
-        EngineSettings(min_devices=2, wait_timeout_s=30),
-        planner=fixed_levels({"a": 1.0, "b": 1.0}),
-    )
+    levels = {"a": 1.0, "b": 1.0}
+    engine = digit_engine(tmp_path, raw, strategy, link, levels, EngineSettings(min_devices=2, wait_timeout_s=30))
     with caplog.at_level(logging.INFO, logger="fedfleet.engine"):
         assert engine.run()
     assert link.assignments == ["a", "b", "b"]
