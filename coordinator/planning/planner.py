@@ -295,7 +295,8 @@ def _why_not(estimate: _Estimate, budget: int, deadline: float, profile: DeviceC
             f"({fmt_bytes(usable)} usable / safety {fleet.planning.memory_safety_factor:g})"
         )
     if estimate.seconds > deadline:
-        return f"round takes ~{estimate.seconds:.0f} s > deadline {deadline:g} s"
+        seconds = f"{estimate.seconds:.0f}" if estimate.seconds >= 10 else f"{estimate.seconds:.2g}"  # not "~0 s"
+        return f"round takes ~{seconds} s > deadline {deadline:g} s"
     return None
 
 

@@ -90,6 +90,20 @@ def test_a_device_too_slow_for_the_deadline_is_excluded_with_the_times() -> None
     assert row.est_round_seconds > 5
 
 
+def test_a_sub_second_deadline_is_refused_with_a_sub_second_time() -> None:
+    fleet = _fleet(
+        [{"id": "slow", "profile": "raspberry-pi-4"}],
+        model={"arch": "cnn", "image_size": 8},
+        dataset={"name": "digits", "samples_per_device": 64},
+        round_deadline_s=0.001,
+    )
+
+    [row] = plan_fleet(fleet, CATALOG)
+
+    assert row.est_round_seconds < 10  # the case that read "round takes ~0 s > deadline 0.001 s"
+    assert f"round takes ~{row.est_round_seconds:.2g} s > deadline 0.001 s" in row.reason
+
+
 def test_a_reported_device_waits_for_its_report_then_gets_planned() -> None:
     fleet = _fleet([{"id": "box", "profile": "reported"}], dataset={"samples_per_device": 500})
     assert plan_fleet(fleet, CATALOG)[0].reason == "waiting for the device's measured profile"
