@@ -35,6 +35,7 @@ from device_agent.agent.config import load_config
 from device_agent.data.datasets import FASHION_MNIST, DatasetError, check_source, load_dataset
 from device_agent.data.partition import partition
 from device_agent.emulation.limits import Throttle, step_seconds_at
+from device_agent.emulation.packing import add_batch_arguments
 from device_agent.emulation.shaping import TokenBucket
 
 _ROOT = Path(__file__).resolve().parents[1]
@@ -233,19 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         help="--scale: round deadline in seconds instead of the demo's 60 (a small host training Fashion-MNIST)",
     )
     parser.add_argument("--rounds", type=int, default=3, help="--scale: rounds per size (default: 3)")
-    batching = parser.add_mutually_exclusive_group()
-    batching.add_argument(
-        "--batch",
-        dest="batch",
-        action="store_true",
-        default=None,
-        help="--scale: workers batch their devices' steps where cheaper (coordinator emulate --batch; default on CUDA)",
-    )
-    batching.add_argument(
-        "--no-batch",
-        dest="batch",
-        action="store_false",
-        help="--scale: workers train each device's steps one by one (coordinator emulate --no-batch; default on CPU)",
+    add_batch_arguments(
+        parser,
+        "--scale: workers batch their devices' steps where cheaper (coordinator emulate --batch; default on CUDA)",
+        "--scale: workers train each device's steps one by one (coordinator emulate --no-batch; default on CPU)",
     )
     parser.add_argument(
         "--pairs",

@@ -50,6 +50,7 @@ from benchmarks import flower_peer, scale_task
 from benchmarks.process_tree import TreeSampler
 from benchmarks.scale_fleet import DIGITS, ROUNDS, ScaleData, scale_fleet
 from device_agent.emulation.limits import thread_env
+from device_agent.emulation.packing import batch_flags
 
 _ROOT = Path(__file__).resolve().parents[1]
 _MIB = 2**20
@@ -116,7 +117,7 @@ def run_size(
         path.write_text(yaml.safe_dump(fleet, sort_keys=False))
         predicted = _slowest_predicted_seconds(path)
         command = [sys.executable, "-m", "coordinator", "emulate", "--fleet", str(path), "--run-dir", str(run_dir)]
-        command += ["--device-type", device_type, *({True: ["--batch"], False: ["--no-batch"]}.get(batch, []))]
+        command += ["--device-type", device_type, *batch_flags(batch)]
         log = Path(folder) / "emulate.log"
         start = time.monotonic()
         with log.open("wb") as out:

@@ -14,7 +14,7 @@ from coordinator.emulation.capacity import host_load
 from coordinator.emulation.emulator import AGENTS_DIR, Emulation, EmulatorError
 from coordinator.provision import default_kits
 from device_agent.data.mapped import share_fitted_sets
-from device_agent.emulation.packing import PackingError, add_packing_arguments, describe
+from device_agent.emulation.packing import PackingError, add_batch_arguments, add_packing_arguments, describe
 from device_agent.emulation.profile_config import measure_host_gflops
 
 _EPILOG = f"""\
@@ -71,20 +71,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--device-type", default="cpu", metavar="TYPE", help="where agents train: cpu, cuda, cuda:N (default: cpu)"
     )
     add_packing_arguments(parser)
-    batching = parser.add_mutually_exclusive_group()
-    batching.add_argument(
-        "--batch",
-        dest="batch",
-        action="store_true",
-        default=None,
-        help="workers run the training steps of their devices with the same model, level and batch shape as one "
+    add_batch_arguments(
+        parser,
+        "workers run the training steps of their devices with the same model, level and batch shape as one "
         "batched step wherever that measures cheaper (default on CUDA workers, where steps are launch-bound)",
-    )
-    batching.add_argument(
-        "--no-batch",
-        dest="batch",
-        action="store_false",
-        help="workers train each device's steps one by one (default on CPU workers, where batching measured no gain)",
+        "workers train each device's steps one by one (default on CPU workers, where batching measured no gain)",
     )
     parser.set_defaults(handler=_emulate)
 

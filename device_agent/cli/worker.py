@@ -7,6 +7,8 @@ import logging
 import sys
 from pathlib import Path
 
+from device_agent.emulation.packing import add_batch_arguments
+
 _EPILOG = """\
 examples:
   device-agent worker --agents run/agents/worker-00.yaml
@@ -39,17 +41,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--threads", type=int, default=1, metavar="N", help="torch threads of this process (default: %(default)s)"
     )
-    batching = parser.add_mutually_exclusive_group()
-    batching.add_argument(
-        "--batch",
-        dest="batch",
-        action="store_true",
-        default=None,
-        help="run the steps of devices with the same model, level and batch shape as one batched step where that "
+    add_batch_arguments(
+        parser,
+        "run the steps of devices with the same model, level and batch shape as one batched step where that "
         "measures cheaper (default on CUDA)",
-    )
-    batching.add_argument(
-        "--no-batch", dest="batch", action="store_false", help="train each device's steps one by one (default on CPU)"
+        "train each device's steps one by one (default on CPU)",
     )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.set_defaults(handler=_worker)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from device_agent.common.processes import die_with_parent
 from device_agent.emulation.limits import thread_env
+from device_agent.emulation.packing import batch_flags
 
 _TAIL_LINES = 15
 
@@ -67,7 +68,7 @@ def worker_command(agent_list: Path, threads: int = 1, batch: bool | None = None
     ``batch``: True / False its devices' training steps batched where cheaper / one by one, None the worker's
     default (batched on CUDA only)."""
     command = [sys.executable, "-m", "device_agent", "worker", "--agents", str(agent_list), "--threads", str(threads)]
-    return command if batch is None else [*command, "--batch" if batch else "--no-batch"]
+    return [*command, *batch_flags(batch)]
 
 
 def write_agent_list(path: Path, configs: list[Path]) -> Path:

@@ -108,3 +108,15 @@ def add_packing_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="pack automatically when there are more than K devices (default: %(default)s)",
     )
+
+
+def add_batch_arguments(parser: argparse.ArgumentParser, batch_help: str, no_batch_help: str) -> None:
+    """``--batch`` / ``--no-batch`` (``args.batch``: True, False, or None for the worker's default)."""
+    batching = parser.add_mutually_exclusive_group()
+    batching.add_argument("--batch", dest="batch", action="store_true", default=None, help=batch_help)
+    batching.add_argument("--no-batch", dest="batch", action="store_false", help=no_batch_help)
+
+
+def batch_flags(batch: bool | None) -> list[str]:
+    """The flags that pass ``batch`` on to a command taking :func:`add_batch_arguments`."""
+    return [] if batch is None else ["--batch" if batch else "--no-batch"]
