@@ -252,6 +252,22 @@ def _run_in_worker(
     return run_setting(name, setting, _WORKER_DATA[0], rounds, train, arch, limits)
 
 
+def cells_of(names: list[str], seeds: int, clients: int, strategies: list[str]) -> list[tuple[str, int, Setting, str]]:
+    """Every (scenario, seed, setting, strategy) cell, in the order they run."""
+    return [
+        (scenario, seed, setting, name)
+        for scenario in names
+        for seed in range(seeds)
+        for setting in scenarios(clients, seed)[scenario]
+        for name in strategies
+    ]
+
+
+def cell_key(scenario: str, seed: int, setting: Setting, name: str) -> str:
+    """A cell's name in the cache (not its configuration, which the cache's header holds)."""
+    return f"{scenario}/{setting.label}/seed {seed}/{name}"
+
+
 def compare(
     names: list[str],
     rounds: int,
@@ -272,14 +288,8 @@ def compare(
     once with ``load`` (the same call that made ``data``). Results do not depend on ``jobs``.
     Cells found in ``cache`` are taken from it, and each finished cell is added to it.
     """
-    tasks = [
-        (scenario, seed, setting, name)
-        for scenario in names
-        for seed in range(seeds)
-        for setting in scenarios(clients, seed)[scenario]
-        for name in strategies
-    ]
-    keys = [f"{scenario}/{setting.label}/seed {seed}/{name}" for scenario, seed, setting, name in tasks]
+    tasks = cells_of(names, seeds, clients, strategies)
+    keys = [cell_key(*task) for task in tasks]
     cached = {i: row for i, key in enumerate(keys) if cache is not None and (row := cache.get(key)) is not None}
     futures: dict[int, Future[dict]] = {}
     pool: Executor | None = None
@@ -562,6 +572,10 @@ def main(argv: list[str] | None = None) -> int:
         names, args.rounds, args.seeds, args.clients, train, strategies, data, arch, args.jobs, load, cache, limits
     )
     checks = claims(results)
+    if cache is not None:
+        # Which commit computed the table's cells: one, unless --allow-other-commit took another's.
+        keys = [cell_key(*task) for task in cells_of(names, args.seeds, args.clients, strategies)]
+        provenance |= {"cells_by_commit": cache.commits(keys)}
     if args.json:
         print(
             json.dumps(

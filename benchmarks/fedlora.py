@@ -208,11 +208,13 @@ class _Cells:
 
     def __init__(self, bed: Bed, base: Path, jobs: int, cache: CellCache | None, log: Callable[[str], None]) -> None:
         self.bed, self.base, self.cache, self.log = bed, base, cache, log
+        self.keys: list[str] = []
         context = multiprocessing.get_context("spawn")
         self.pool = ProcessPoolExecutor(jobs, mp_context=context, initializer=_worker_init) if jobs > 1 else None
 
     def run(self, cells: list[tuple[str, int, float]]) -> dict[tuple[str, int, float], dict]:
         keys = {cell: f"seed {cell[1]}/{cell[0]}/lr {cell[2]:g}" for cell in cells}
+        self.keys += keys.values()
         done = {cell: row for cell in cells if self.cache is not None and (row := self.cache.get(keys[cell]))}
         futures: dict[tuple[str, int, float], Future[dict]] = {}
         if self.pool is not None:
@@ -277,6 +279,7 @@ def report(
         **({"ft_lr_sweep": {"seed": TUNING_SEED, **{f"{lr:g}": acc for lr, acc in sweep.items()}}} if sweep else {}),
         f"fedlora/dirichlet-{bed.dirichlet:g}": results,
         "checks": {"base_transfers": probe["base"] >= PROBE_BAR, **checks(results)},
+        **({"cells_by_commit": cache.commits(cells.keys)} if cache is not None else {}),
     }
 
 

@@ -21,8 +21,8 @@ def test_cells_survive_a_reopen_and_a_line_cut_short_by_a_kill_is_dropped(tmp_pa
     assert again.get("domains/2-domains/seed 0/fedavg") == {"accuracy": 0.5}
     assert again.get("domains/2-domains/seed 0/fedhm") is None
     assert [json.loads(line) for line in path.read_text().splitlines()][1:] == [
-        {"cell": "domains/2-domains/seed 0/fedavg", "row": {"accuracy": 0.5}},
-        {"cell": "domains/2-domains/seed 1/fedavg", "row": {"accuracy": 0.6}},
+        {"cell": "domains/2-domains/seed 0/fedavg", "row": {"accuracy": 0.5}, "source": "unknown"},
+        {"cell": "domains/2-domains/seed 1/fedavg", "row": {"accuracy": 0.6}, "source": "unknown"},
     ]
 
 
@@ -71,6 +71,9 @@ def test_a_stopped_comparison_resumes_from_its_cache(monkeypatch, capsys, tmp_pa
     assert len(ran) == 4  # nothing trained again
     assert json.loads(second.out) == json.loads(first.out)
     assert second.err.count("from the cache") == 4
+    commit = json.loads(first.out)["provenance"]["commit"]
+    assert list(json.loads(first.out)["provenance"]["cells_by_commit"].values()) == [4]
+    assert next(iter(json.loads(first.out)["provenance"]["cells_by_commit"])).startswith(commit)
 
     assert compare.main([*argv, "--rounds", "3"]) == 2
     assert "--cache: " in (err := capsys.readouterr().err) and "differs in: rounds" in err
@@ -83,3 +86,16 @@ def test_cells_of_the_same_commit_with_other_uncommitted_changes_are_refused(tmp
     assert CellCache(path, CONFIG, dict(theirs)).get("a") == {"accuracy": 0.5}  # the same edits: resumed
     with pytest.raises(CacheMismatch, match="\\(dirty\\) with other uncommitted changes: resuming would mix"):
         CellCache(path, CONFIG, theirs | {"changes_sha256": "2" * 64})
+
+
+def test_each_cell_records_the_commit_that_computed_it_and_a_mixed_table_says_so(tmp_path) -> None:
+    path = tmp_path / "cells.jsonl"
+    first = {"commit": "a" * 40, "dirty": False}
+    CellCache(path, CONFIG, first).put("seed 0", {"accuracy": 0.5})
+    later = CellCache(path, CONFIG, {"commit": "b" * 40, "dirty": True, "changes_sha256": "c" * 64}, True)
+    later.put("seed 1", {"accuracy": 0.6})
+
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["source"] for line in lines[1:]] == ["a" * 40, f"{'b' * 40}+dirty:{'c' * 12}"]
+    assert later.commits(["seed 0", "seed 1", "seed 2"]) == {"a" * 40: 1, f"{'b' * 40}+dirty:{'c' * 12}": 1}
+    assert CellCache(path, CONFIG, first, True).commits(["seed 0"]) == {"a" * 40: 1}  # kept across a reopen

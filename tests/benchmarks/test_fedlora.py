@@ -87,3 +87,4 @@ def test_the_bed_pretrains_its_base_once_then_runs_every_cell_from_the_cache(tmp
     assert again[SETTING] == first[SETTING]
     assert any(line.endswith("(cached)") for line in lines)
     assert all("from the cache" in line for line in lines if "accuracy" in line and line.startswith("seed"))
+    assert sum(again["cells_by_commit"].values()) == len(fedlora.FT_LRS) + 2  # the sweep, ft and fedlora at seed 0
