@@ -16,9 +16,12 @@ from device_agent.secagg.errors import ParameterError
 from device_agent.secagg.graph import validate
 from device_agent.secagg.quantize import Quantizer
 
-SUPPORTED_STRATEGIES = frozenset({"fedavg", "fedavg_small", "heterofl", "fedrolex", "fedhm"})
+SUPPORTED_STRATEGIES = frozenset(
+    {"fedavg", "fedavg_small", "heterofl", "fedrolex", "fedhm", "ft", "lora_homogeneous", "hetlora", "fedlora"}
+)
 """Strategies whose round runs under secure aggregation (coordinator/rounds/secure_layouts.py): their aggregate is
-a weighted sum of what devices send, or (FedHM) of the dense updates devices rebuild from it."""
+a weighted sum of what devices send (HetLoRA's factors zero-padded to max_rank), or (FedHM, fedlora) of the dense
+updates devices rebuild from it."""
 WHY_NOT: dict[str, str] = {
     "factorized_fl": "it is personalized: each device's new u mixes the round's u by the similarity of the devices' "
     "own v, a different weighted sum per recipient (one protocol run each, or the v in the clear); a single sum "
@@ -27,12 +30,6 @@ WHY_NOT: dict[str, str] = {
     "simfed": "its similarity weights read each device's own embedding",
     "fedfac": "the coordinator picks the shared elements from the raw updates",
     "flora": "stacking puts each device's factors in its own block, so the 'sum' would show every device's factors",
-    "hetlora": "not wired yet: its sparsity weights read each device's factors (with weighting: samples, the "
-    "zero-padded factors would be a sum, as HeteroFL's slices)",
-    "fedlora": "not wired yet: heterogeneous LoRA ranks averaged per rank slice (zero-padded factors would do)",
-    "lora_homogeneous": "not wired yet: it averages the factors A and B apart, a plain sum each (FedAvg's layout "
-    "would do)",
-    "ft": "not wired yet: full fine-tuning of the transformer",
 }
 """Why a strategy does not run under secure aggregation, named in fleet.yaml's refusal."""
 SCREENING = ("update_bound_factor", "direction_min_cosine", "peer_min_cosine", "peer_hard_floor", "update_noise")
@@ -141,6 +138,9 @@ def _params_problems(strategy: str, params: Mapping[str, object]) -> list[tuple[
     if strategy == "fedhm" and params.get("label_masked_classifier", "off") != "off":
         why = "weighs each classifier row by the classes of the devices holding it; only 'off' is wired"
         found.append(("label_masked_classifier", why))
+    if strategy == "hetlora" and params.get("weighting", "sparsity") != "samples":
+        why = "'sparsity' weighs each device by ||B_i A_i||_F, read from its own factors; use weighting: samples"
+        found.append(("weighting", why))
     if strategy == "fedhm" and params.get("global_as_pseudo_client"):
         found.append(("global_as_pseudo_client", "depends on which devices survived at full rank; set it false"))
     return found

@@ -159,7 +159,10 @@ def simulation_fleet(
             "image_size": model.image_size,
         },
         "dataset": {"name": "digits", "seed": train.seed},
-        "strategy": {"name": strategy.name, **({"params": strategy.params.model_dump(mode="json")} if privacy else {})},
+        "strategy": {
+            "name": strategy.name,
+            **({"params": strategy.params.model_dump(mode="json")} if privacy or secure_aggregation else {}),
+        },
         "ratios": sorted({c.level for c in clients}, reverse=True),
         "rounds": rounds,
         "participation": participation,

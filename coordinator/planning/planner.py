@@ -22,7 +22,9 @@ from functools import lru_cache
 from coordinator.config.fleet import DATASET_SIZES, REPORTED, Device, Fleet
 from coordinator.config.secure import EXCHANGES, round_size
 from coordinator.strategies import STRATEGIES, ModelSpec
+from coordinator.strategies.fedlora import FedLoRA
 from device_agent.common.profile import DeviceProfile
+from device_agent.layers.lora import lora_layers
 from device_agent.models import model_card
 from profiles.catalog import profile_from_report
 from profiles.costmodel import (
@@ -92,14 +94,29 @@ def level_cost(fleet: Fleet, level: float) -> LevelCost:
     """The cost of ``level`` under the fleet's strategy (cached by strategy, parameters, model and level).
 
     Under ``secure_aggregation`` every device masks a vector of the full model (a width slice padded, FedHM's
-    factors rebuilt dense: docs/secure-aggregation.md) and sends the protocol's messages too."""
+    factors rebuilt dense, HetLoRA's padded to the largest rank, fedlora's products B A dense:
+    docs/secure-aggregation.md) and sends the protocol's messages too."""
     params = json.dumps(fleet.strategy.params, sort_keys=True)
     cost = _level_cost(fleet.strategy.name, params, model_spec(fleet), level)
     if fleet.secure_aggregation is None:
         return cost
-    values = _level_cost(fleet.strategy.name, params, model_spec(fleet), 1.0).upload_bytes // 4  # float32 values
+    values = _secure_values(fleet.strategy.name, params, model_spec(fleet))
     devices = round_size(len(fleet.devices), fleet.participation)
     return replace(cost, upload_bytes=fleet.secure_aggregation.upload_bytes(values, devices))
+
+
+@lru_cache(maxsize=128)
+def _secure_values(strategy: str, params_json: str, model: ModelSpec) -> int:
+    """The values a device masks under secure aggregation: the largest level's upload; fedlora's adapters as the
+    dense products each device rebuilds (out x in per layer instead of r (out + in))."""
+    values = _level_cost(strategy, params_json, model, 1.0).upload_bytes // 4  # float32 values
+    cls = STRATEGIES[strategy]
+    if issubclass(cls, FedLoRA):
+        params = cls.Params.model_validate(json.loads(params_json))
+        rank = cls.rank_of(params, 1.0)
+        for layer in lora_layers(cls.client_model(model, params, 1.0)).values():
+            values += layer.out_features * layer.in_features - rank * (layer.out_features + layer.in_features)
+    return values
 
 
 @lru_cache(maxsize=128)

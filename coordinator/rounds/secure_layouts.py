@@ -13,6 +13,9 @@ its :class:`~device_agent.agent.secure.Layout` with the setup and folds the unma
 - :class:`PrivateLayout` (FedAvg under ``privacy``): the clipped update plus the device's share of the DP noise.
 - :class:`DenseLayout` (FedHM): each device rebuilds its low-rank layers' dense weights and masks the dense update
   (the full model's size: the bytes grow; the planner counts them), weighted by FedHM's public softmax weights.
+- :class:`FineTuneLayout` (ft, lora_homogeneous = FedIT, hetlora with ``weighting: samples``, fedlora): what each
+  device uploads as its round folds it: ft's model and FedIT's factors as they are; HetLoRA's factors zero-padded
+  to ``max_rank`` (B in effective form, times alpha / r); fedlora's product scale B A rebuilt dense per layer.
 """
 
 from __future__ import annotations
@@ -26,14 +29,18 @@ import torch
 from torch import Tensor
 
 from coordinator.algorithms.aggregation import ClassifierRule, log_score
+from coordinator.algorithms.lora import ClientFactors
 from coordinator.algorithms.lowrank import align, factor_keys
 from coordinator.config.secure import SecureAggregation
 from coordinator.privacy.layer import PrivateRound, PrivateStrategy
 from coordinator.strategies import ClientSlot, RoundAggregate, Strategy
 from coordinator.strategies.fedhm import FedHM, FedHMRound
+from coordinator.strategies.fedlora import FedLoRA, FineTune, FineTuneRound
+from coordinator.strategies.lora_rules import FactorRound, HetLoRA, RankedLoRA
 from coordinator.strategies.width import FedAvg, FedAvgSmall, HeteroFL, WidthRound, WidthStrategy
-from device_agent.agent.secure import Entry, Layout, vector_keys
+from device_agent.agent.secure import Entry, Layout, place, vector_keys
 from device_agent.clients.base import is_norm_statistic
+from device_agent.layers.factorized import reconstruct
 from device_agent.secagg.quantize import Quantizer
 
 
@@ -204,6 +211,92 @@ class DenseLayout(SecureLayout):
         aggregate.aggregator.add(mean, 1.0, 1)
 
 
+class FineTuneLayout(SecureLayout):
+    """ft, lora_homogeneous (FedIT), hetlora (``weighting: samples``), fedlora: every device's upload in the shapes
+    of the largest rank, weighted by the strategy's public weights (samples; fedlora: FedHM's softmax of levels).
+
+    - ft and lora_homogeneous: every tensor as uploaded (one shape on every device), trained minus sent.
+    - hetlora: a device at rank r pads A (r, in) with zero rows and B (out, r) with zero columns up to
+      ``max_rank``, B times its scale alpha / r (the effective form HetLoRA averages): the weighted sum over all
+      survivors divided by their weights is HetLoRA's zero-padded average. The rows each holds are public (ranks);
+      the padded zeros' half-step offsets are taken off exactly, as :class:`SliceLayout`'s.
+    - fedlora: each device's product scale B A per layer, rebuilt dense (the bytes of the dense projections).
+
+    The coordinator adds back what it sent (in the same form) and hands the round the weighted sums, so the
+    round closes as if every survivor had uploaded.
+    """
+
+    def __init__(
+        self,
+        strategy: FineTune,
+        slots: Sequence[ClientSlot],
+        assignments: Mapping[str, Mapping[str, Tensor]],
+        settings: SecureAggregation,
+    ) -> None:
+        self.strategy = strategy
+        scores = {slot.client_id: strategy.score(slot.level, max(1, slot.num_samples)) for slot in slots}
+        self.top = max(scores.values())
+        self.weights = {device: math.exp(score - self.top) for device, score in scores.items()}
+        self.entries = {slot.client_id: self._entries(slot.level) for slot in slots}
+        self.sent = {device: assignments[device] for device in self.entries}
+        first = next(iter(self.entries.values()))
+        self.keys, self.shapes = [e.key for e in first], [e.shape for e in first]
+        self.length = sum(math.prod(shape) for shape in self.shapes)
+        quantizer = Quantizer(clip=settings.clip, bits=settings.bits, devices=max(2, len(slots)))
+        self.zero = float(quantizer.decode_sum(quantizer.encode(np.zeros(1)), 1)[0])
+        """What one device's padded 0 decodes to (half a step): taken off once per device that padded a value."""
+
+    def _entries(self, level: float) -> tuple[Entry, ...]:
+        strategy = self.strategy
+        if not isinstance(strategy, (RankedLoRA, FedLoRA)):
+            return tuple(Entry(key=k, shape=s) for k, s in sorted(strategy.expected_upload(level).items()))
+        rank, top = strategy.rank_of(strategy.params, level), strategy.params.max_rank
+        scale = strategy.scale_of(rank)
+        entries = [Entry(key=k, shape=tuple(strategy.state[k].shape)) for k in strategy.head_keys]
+        for name, (out_features, in_features) in sorted(strategy.layers.items()):
+            reduce, expand = f"{name}.reduce", f"{name}.expand"
+            if isinstance(strategy, FedLoRA):
+                entries.append(
+                    Entry(key=f"{name}.delta", shape=(out_features, in_features), factors=(reduce, expand), scale=scale)
+                )
+                continue
+            kept = tuple(range(rank))
+            entries.append(Entry(key=reduce, shape=(top, in_features), index=(kept, None)))
+            entries.append(Entry(key=expand, shape=(out_features, top), index=(None, kept), scale=scale))
+        return tuple(entries)
+
+    def layout(self, device: str) -> Layout:
+        return Layout(entries=self.entries[device])
+
+    def _reference(self, device: str, entry: Entry) -> tuple[Tensor, Tensor]:
+        """What ``device``'s value of ``entry`` is relative to (what it was sent, in the layout's form), and where
+        it holds a value (1) or padded one (0)."""
+        sent = self.sent[device]
+        if entry.factors is not None:
+            reduce, expand = entry.factors
+            value = reconstruct(sent[reduce].double(), sent[expand].double(), entry.shape) * entry.scale
+            return value, torch.ones(entry.shape, dtype=torch.float64)
+        value = sent[entry.key].double() * entry.scale
+        return place(entry, value), place(entry, torch.ones_like(value))
+
+    def fold(self, aggregate: RoundAggregate, total: np.ndarray, survivors: Sequence[str]) -> None:
+        if not isinstance(aggregate, FineTuneRound):
+            raise TypeError(f"{type(aggregate).__name__} is not a fine-tuning round")
+        weight, n = sum(self.weights[d] for d in survivors), len(survivors)
+        sums = {}
+        for index, (key, part) in enumerate(zip(self.keys, _split(total, self.shapes), strict=True)):
+            sent, held = torch.zeros(part.shape, dtype=torch.float64), torch.zeros(part.shape, dtype=torch.float64)
+            for device in survivors:
+                value, holds = self._reference(device, self.entries[device][index])
+                sent, held = sent + self.weights[device] * value, held + holds
+            sums[key] = sent + part - (n - held) * self.zero
+        if isinstance(aggregate, FactorRound):  # one full-rank "device" carrying the zero-padded average
+            for name in aggregate.factors:
+                expand, reduce = sums.pop(f"{name}.expand") / weight, sums.pop(f"{name}.reduce") / weight
+                aggregate.factors[name] = [ClientFactors(expand, reduce, 1.0)]
+        aggregate.sums, aggregate.total, aggregate.shift = sums, weight, self.top
+
+
 class PrivateLayout(FlatLayout):
     """DP-FedAvg under SecAgg: each of the n participants adds N(0, (z C)^2 / n) to its clipped update, unweighted.
 
@@ -250,7 +343,19 @@ def secure_layout(
         if strategy.params.label_masked_classifier is not ClassifierRule.OFF or strategy.params.global_as_pseudo_client:
             raise TypeError("fedhm runs under secure aggregation without label masking and the pseudo client")
         return DenseLayout(strategy, assignments, slots)
+    if isinstance(strategy, HetLoRA) and strategy.params.weighting != "samples":
+        raise TypeError("hetlora runs under secure aggregation with weighting: samples (sparsity reads each device)")
+    if isinstance(strategy, FineTune) and (not isinstance(strategy, RankedLoRA) or isinstance(strategy, HetLoRA)):
+        return FineTuneLayout(strategy, slots, assignments, settings)
     raise TypeError(f"{strategy.name} does not run under secure aggregation")
 
 
-__all__ = ["DenseLayout", "FlatLayout", "PrivateLayout", "SecureLayout", "SliceLayout", "secure_layout"]
+__all__ = [
+    "DenseLayout",
+    "FineTuneLayout",
+    "FlatLayout",
+    "PrivateLayout",
+    "SecureLayout",
+    "SliceLayout",
+    "secure_layout",
+]

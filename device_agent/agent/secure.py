@@ -96,6 +96,7 @@ class Entry(BaseModel):
     dense product is taken, trained minus sent (FedHM). ``count``: the entry carries ``clip`` wherever this device
     holds the tensor (so the sum counts the holders per value, which the classes below make private).
     ``by_class``: rows (dim 0) of classes the device has no data of are zero (a label-masked classifier).
+    ``scale``: the value is multiplied by it (a LoRA factor B or product B A in effective form, times alpha / r).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -106,6 +107,7 @@ class Entry(BaseModel):
     factors: tuple[str, str] | None = None
     count: bool = False
     by_class: bool = False
+    scale: float = 1.0
 
 
 class Layout(BaseModel):
@@ -135,17 +137,20 @@ def layout_vector(layout: Layout, sent: Mapping[str, Tensor], upload: Mapping[st
             value = torch.full(sent[entry.key].shape, clip, dtype=torch.float64)
         else:
             value = trained[entry.key].double() - sent[entry.key].double()
+        if entry.scale != 1.0:
+            value = value * entry.scale
         if entry.by_class:
             if classes is None:
                 raise ProtocolViolation(f"{entry.key!r}: a label-masked layout needs this device's classes")
             present = torch.zeros(value.shape[0], dtype=torch.bool)
             present[classes.long()] = True
             value = value * present.view((-1,) + (1,) * (value.dim() - 1))
-        parts.append(_placed(entry, value).reshape(-1).numpy())
+        parts.append(place(entry, value).reshape(-1).numpy())
     return np.concatenate(parts) if parts else np.zeros(0)
 
 
-def _placed(entry: Entry, value: Tensor) -> Tensor:
+def place(entry: Entry, value: Tensor) -> Tensor:
+    """``value`` (this device's tensor) where ``entry`` puts it in the full tensor, zeros elsewhere."""
     if entry.index is None:
         if tuple(value.shape) != entry.shape:
             raise ProtocolViolation(f"{entry.key!r}: shape {tuple(value.shape)}, the layout says {entry.shape}")
@@ -296,6 +301,7 @@ __all__ = [
     "Layout",
     "SecureRounds",
     "layout_vector",
+    "place",
     "unwrap",
     "update_vector",
     "vector_keys",

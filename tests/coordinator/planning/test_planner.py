@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from coordinator.config.fleet import Fleet, load_fleet, parse_fleet
-from coordinator.planning.planner import after_out_of_memory, level_cost, plan_fleet
+from coordinator.planning.planner import after_out_of_memory, level_cost, model_spec, plan_fleet
+from coordinator.strategies import build_strategy
 from device_agent.common.profile import DeviceProfile
 from device_agent.models import build_model
 from profiles.catalog import load_catalog
@@ -244,3 +245,24 @@ def test_under_secure_aggregation_every_level_uploads_the_full_model_masked_and_
         assert level_cost(secure, level).upload_bytes == full + 640 * 8 + 600  # keys, shares, answers: 8 neighbours
     # FedHM at gamma 1/4 sends 3.8x its factors' bytes; a HeteroFL width-1/4 device 15x its slice.
     assert level_cost(secure, 0.25).upload_bytes / level_cost(plain, 0.25).upload_bytes > 3.5
+
+
+@pytest.mark.parametrize("strategy", ["hetlora", "fedlora"])
+def test_under_secure_aggregation_lora_devices_upload_the_largest_rank_or_the_dense_products(strategy: str) -> None:
+    settings = {
+        "strategy": {"name": strategy, "params": {"weighting": "samples"}},
+        "ratios": [1, 0.5, 0.25],
+        "limits": {"update_bound_factor": None, "peer_min_cosine": None, "peer_hard_floor": None},
+        "model": {"arch": "vit_tiny", "num_classes": 10},
+    }
+    devices = [{"id": f"d{i}", "profile": "raspberry-pi-5"} for i in range(10)]
+    plain = _fleet(devices, **settings)
+    secure = _fleet(devices, **settings, secure_aggregation={"threshold": 5, "neighbours": 8})
+    protocol = 640 * 8 + 600
+    strategy_ = build_strategy(strategy, model_spec(secure), settings["strategy"]["params"])
+    head = sum(strategy_.state[k].numel() for k in strategy_.head_keys)
+    padded = level_cost(plain, 1.0).upload_bytes  # HetLoRA pads every rank to max_rank's factors
+    dense = 4 * (head + sum(o * i for o, i in strategy_.layers.values()))  # fedlora masks B A of every layer
+
+    for level in (1.0, 0.5, 0.25):
+        assert level_cost(secure, level).upload_bytes == (padded if strategy == "hetlora" else dense) + protocol
