@@ -24,11 +24,9 @@ link hook (``after_chunk_in``) that sleeps slows the reading the same way.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -38,17 +36,14 @@ from device_agent.wire.address import BrokerAddress
 from device_agent.wire.carrier import ChunkHook, MqttCarrier
 from device_agent.wire.connection import LoginRefused
 from device_agent.wire.delivery import Delivery
-from device_agent.wire.engine import NOTHING, Arrived, Outbound, OutgoingTransfer, Outputs, TransferEngine
-from device_agent.wire.engine.incoming import Completed
-from device_agent.wire.engine.manifests import for_sending
+from device_agent.wire.engine import NOTHING, Outputs
 from device_agent.wire.engine.receivers import Receivers
 from device_agent.wire.guard import InboundGuard
-from device_agent.wire.hashing import shared_pool
 from device_agent.wire.inbound import ChunkFrame, Inbound
+from device_agent.wire.join import EngineJoin, MessageHandler, PayloadHandler
 from device_agent.wire.messages import Ack, Error, Manifest, Message, Nack, Status, encode
 from device_agent.wire.receiving import ChunkIntake
 from device_agent.wire.settings import SessionConfig, SessionStats
-from device_agent.wire.timer import Dispatcher, Timer
 from device_agent.wire.topics import answered_on
 
 __all__ = [
@@ -64,11 +59,8 @@ __all__ = [
 
 log = logging.getLogger("fedfleet.wire")
 
-MessageHandler = Callable[[str, Message], None]
-PayloadHandler = Callable[[str, Completed], None]
 
-
-class Session:
+class Session(EngineJoin):
     """A persistent MQTT session that sends and receives messages and verified payloads.
 
     ``subscriptions`` are (re)subscribed on every connect. ``on_message(topic, message)`` gets
@@ -95,26 +87,9 @@ class Session:
         guard: InboundGuard | None = None,
     ) -> None:
         name = config.client_id
+        super().__init__(name, config, topics.device_of, guard, on_message, on_payload)
         self.config = config
-        self._on_message = on_message
-        self._on_payload = on_payload
         self._after_chunk_in = after_chunk_in
-        self._lock = threading.RLock()
-        """Guards the engine's transfers and the deliveries; never held while publishing (paho holds its own lock
-        while it runs on_publish, which takes it) nor while taking the window's (``window.lock``): a frame built
-        under that one may wait for the hashing pool, whose threads file chunks under this one."""
-        self.engine = TransferEngine(name, config.nack_after_s, config.send_window_bytes, topics.device_of, guard)
-        self._deliveries: dict[str, Delivery] = {}
-        self._hashing = shared_pool()
-        self.dispatcher = Dispatcher(name)
-        self.timer = Timer(
-            name,
-            config.tick_s,
-            self._lock,
-            busy=self.engine.busy,
-            pump=lambda: self._pump(retry=False),
-            tick=lambda now: self._tick(now),
-        )
         self.carrier = MqttCarrier(
             config,
             self.engine,
@@ -217,41 +192,6 @@ class Session:
         """Clear ``topic``'s retained message (an empty retained publish): later subscribers get none."""
         self._publish(topic, b"", retain=True)
 
-    def send(self, topic: str, payload: bytes, manifest: Manifest | None = None, **manifest_fields: Any) -> Delivery:
-        """Start a verified chunked transfer of ``payload`` to ``topic``; refuse it now if it breaks a limit.
-
-        Pass a ``manifest`` from ``make_manifest`` to send the same bytes to several receivers without
-        rehashing (each send gets a fresh transfer id, unless ``transfer=`` names the one a signature
-        binds); otherwise ``payload`` is announced with ``manifest_fields`` and hashed chunk by chunk
-        as it is published.
-        """
-        cfg = self.config
-        manifest = for_sending(payload, manifest, cfg.chunk_size, cfg.limits, **manifest_fields)
-        outgoing = OutgoingTransfer(manifest, payload, time.monotonic(), cfg.resend_after_s, cfg.max_attempts)
-        delivery = Delivery(outgoing.transfer)
-        with self._lock:  # never with the window's: a frame built under it may wait for the pool filing chunks
-            self._deliveries[outgoing.transfer] = delivery
-            self.engine.senders.add(topic, outgoing)
-        self.window.enqueue(topic, outgoing.transfer, outgoing.start(self._hashing.map))
-        self.timer.wake()
-        self._pump()
-        return delivery
-
-    def cancel(self, stale: Callable[[Manifest], bool], why: str) -> int:
-        """Stop sending every outgoing transfer whose manifest is ``stale`` (no more chunks, re-announcements
-        or repairs); their deliveries fail with ``why``. How many were cancelled."""
-        with self._lock:
-            cancelled = self.engine.cancel(stale, why)
-        self._apply(cancelled)
-        return len(cancelled)
-
-    def refuse(self, stale: Callable[[Manifest], bool], why: str) -> int:
-        """From now on answer every new inbound transfer whose manifest is ``stale`` with an error saying ``why``,
-        before any of its chunks is kept, and drop the unfinished ones already open (replaces the last rule).
-        How many unfinished transfers were dropped."""
-        with self._lock:
-            return self.engine.refuse(stale, why)
-
     # ---- the carrier: every frame leaves through _publish ------------------------------------
 
     def _pump(self, retry: bool = True) -> None:
@@ -260,30 +200,19 @@ class Session:
     def _publish_windowed(self, topic: str, frame: bytes, transfer: str | None) -> None:
         self._publish(topic, frame, transfer=transfer, windowed=True)
 
+    def _emit(self, route: str, data: bytes, transfer: str | None) -> None:
+        self._publish(route, data, transfer=transfer)
+
+    def _carrying(self) -> bool:
+        return self.connected
+
     def _publish(
         self, topic: str, data: bytes, retain: bool = False, transfer: str | None = None, windowed: bool = False
     ) -> None:
         # Never called with self._lock held (see there) nor the window's.
         self.carrier.publish(topic, data, retain, transfer, windowed)
 
-    # ---- the join: what the engine returns, acted on outside the lock ---------------------------
-
-    def _apply(self, outputs: Outputs, topic: str | None = None) -> None:
-        """Publish the engine's frames, hand over its payloads (from ``topic``) and settle its deliveries."""
-        for out in outputs:
-            if isinstance(out, Outbound):
-                if out.transfer is not None and out.transfer not in self.engine.senders:
-                    continue  # cancelled, refused or failed on the way: its frames would only be dropped
-                self._publish(out.route, out.data, transfer=out.transfer)
-            elif isinstance(out, Arrived):
-                if self._on_payload is not None:
-                    self.dispatcher.put(functools.partial(self._on_payload, topic or out.route, out.completed))
-            else:
-                with self._lock:
-                    delivery = self._deliveries.pop(out.transfer, None)
-                if delivery is not None:
-                    delivery.refused = out.refused
-                    delivery.settle(out.error)
+    # ---- the join: chunks and manifests into the engine ---------------------------------------
 
     def _file_chunk(
         self, topic: str, transfer: str, index: int, chunk: memoryview, digest: bytes, now: float, intact: bool
@@ -303,15 +232,6 @@ class Session:
         if woke:
             self.timer.wake()
         self._apply(outputs, topic)
-
-    def _tick(self, now: float) -> None:
-        """The timer's beat: re-announcements, nacks and expiries due (while connected)."""
-        if not self.connected:
-            return
-        waiting = self.window.waiting()
-        with self._lock:
-            outputs = self.engine.tick(now, waiting)
-        self._apply(outputs)
 
     # ---- paho callbacks (network thread) ---------------------------------------------------
 
@@ -348,12 +268,6 @@ class Session:
                     outputs = self.engine.on_error(message)
             self._tell(msg.topic, message)
         self._apply(outputs, msg.topic)
-
-    def _tell(self, topic: str, message: Message) -> None:
-        """Hand ``message`` to the owner's handler, on the dispatcher thread."""
-        if self._on_message is not None:
-            handler = self._on_message
-            self.dispatcher.put(lambda: handler(topic, message))
 
 
 def device_session(

@@ -15,20 +15,17 @@ budget), a malformed message is logged, counted and dropped, one of another prot
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-from device_agent.wire.delivery import Delivery
-from device_agent.wire.engine import Arrived, Completed, Outbound, OutgoingTransfer, Outputs, TransferEngine
+from device_agent.wire.engine import Outputs
 from device_agent.wire.engine.frames import chunk_is_intact, is_chunk_frame, parse_chunk_frame
-from device_agent.wire.engine.manifests import DEFAULT_CHUNK_SIZE, Limits, for_sending
+from device_agent.wire.engine.manifests import DEFAULT_CHUNK_SIZE, Limits
 from device_agent.wire.guard import InboundGuard
-from device_agent.wire.hashing import shared_pool
+from device_agent.wire.join import EngineJoin, MessageHandler, PayloadHandler
 from device_agent.wire.messages import (
     Ack,
     Error,
@@ -41,14 +38,11 @@ from device_agent.wire.messages import (
     incompatible,
     parse_message,
 )
-from device_agent.wire.timer import Dispatcher, Timer
 from device_agent.wire.websocket.pipe import ChunkHook, Pipe
 from device_agent.wire.window import SendWindow
 
 log = logging.getLogger("fedfleet.wire")
 
-MessageHandler = Callable[[str, Message], None]
-PayloadHandler = Callable[[str, Completed], None]
 Admit = Callable[[str, bool, float], bool]
 """Whether to read a frame at all: (route, is a chunk frame, now); a refusal is the caller's to count and log."""
 
@@ -84,7 +78,7 @@ def _same(route: str) -> str:
     return route
 
 
-class Endpoint:
+class Endpoint(EngineJoin):
     """Transfers to and from peers over their connections; thread-safe.
 
     ``on_message(route, message)`` gets every valid control message but the transfer machinery's own,
@@ -104,25 +98,16 @@ class Endpoint:
         before_chunk_out: ChunkHook | None = None,
         after_chunk_in: ChunkHook | None = None,
     ) -> None:
+        super().__init__(name, settings, _same, guard, on_message, on_payload)
         self.name = name
         self.settings = settings
-        self.on_message = on_message
-        self.on_payload = on_payload
         self._guard = guard
         self._admit = admit
         self._before_chunk_out = before_chunk_out
         self._after_chunk_in = after_chunk_in
         self.stats = WsStats()
-        self._lock = threading.RLock()
-        """Guards the engine's transfers, the deliveries and the pipes; never held while taking the window's."""
-        self.engine = TransferEngine(name, settings.nack_after_s, settings.send_window_bytes, _same, guard)
         self._pipes: dict[str, Pipe] = {}
-        self._deliveries: dict[str, Delivery] = {}
-        self._hashing = shared_pool()
-        self.dispatcher = Dispatcher(name)
-        self.timer = Timer(
-            name, settings.tick_s, self._lock, self.engine.busy, lambda: self._pump(retry=False), self._tick
-        )
+        """Each connected peer's connection, under ``_lock``."""
         self.window = SendWindow(self.engine, self.timer.due)
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -190,32 +175,6 @@ class Endpoint:
         """Send one control message; False when ``route`` has no connection (it is dropped)."""
         return self._write(route, encode(message))
 
-    def send(self, route: str, payload: bytes, manifest: Manifest | None = None, **fields: Any) -> Delivery:
-        """Start a verified chunked transfer of ``payload`` to ``route`` (see ``Session.send``: the same rules)."""
-        settings = self.settings
-        manifest = for_sending(payload, manifest, settings.chunk_size, settings.limits, **fields)
-        outgoing = OutgoingTransfer(manifest, payload, time.monotonic(), settings.resend_after_s, settings.max_attempts)
-        delivery = Delivery(outgoing.transfer)
-        with self._lock:
-            self._deliveries[outgoing.transfer] = delivery
-            self.engine.senders.add(route, outgoing)
-        self.window.enqueue(route, outgoing.transfer, outgoing.start(self._hashing.map))
-        self.timer.wake()
-        self._pump()
-        return delivery
-
-    def cancel(self, stale: Callable[[Manifest], bool], why: str) -> int:
-        """Stop sending every transfer whose manifest is ``stale``; their deliveries fail with ``why``."""
-        with self._lock:
-            cancelled = self.engine.cancel(stale, why)
-        self._apply(cancelled)
-        return len(cancelled)
-
-    def refuse(self, stale: Callable[[Manifest], bool], why: str) -> int:
-        """Answer every new inbound transfer whose manifest is ``stale`` with an error (``Session.refuse``)."""
-        with self._lock:
-            return self.engine.refuse(stale, why)
-
     def _write(self, route: str, data: bytes, windowed: int = 0) -> bool:
         with self._lock:
             pipe = self._pipes.get(route)
@@ -229,32 +188,13 @@ class Endpoint:
     def _pump(self, retry: bool = True) -> None:
         self.window.pump(lambda route, data, _transfer: self._write(route, data, len(data)), retry)
 
-    def _tick(self, now: float) -> None:
-        """Re-announcements, nacks and expiries due, while a peer is connected (MQTT's session: while connected):
-        with nobody to hear them they would only spend a transfer's attempts."""
-        with self._lock:
-            if not self._pipes:
-                return
-        waiting = self.window.waiting()
-        with self._lock:
-            outputs = self.engine.tick(now, waiting)
-        self._apply(outputs)
+    def _emit(self, route: str, data: bytes, transfer: str | None) -> None:
+        self._write(route, data)
 
-    def _apply(self, outputs: Outputs) -> None:
-        """Write the engine's frames, hand over its payloads and settle its deliveries (never under the lock)."""
-        for out in outputs:
-            if isinstance(out, Outbound):
-                if out.transfer is None or out.transfer in self.engine.senders:
-                    self._write(out.route, out.data)
-            elif isinstance(out, Arrived):
-                if self.on_payload is not None:
-                    self.dispatcher.put(functools.partial(self.on_payload, out.route, out.completed))
-            else:
-                with self._lock:
-                    delivery = self._deliveries.pop(out.transfer, None)
-                if delivery is not None:
-                    delivery.refused = out.refused
-                    delivery.settle(out.error)
+    def _carrying(self) -> bool:
+        """MQTT's session: while connected."""
+        with self._lock:
+            return bool(self._pipes)
 
     # ---- receiving (each connection's reader thread) ---------------------------------------
 
@@ -289,12 +229,7 @@ class Endpoint:
             self.timer.wake()
         self._apply(outputs)
         if not isinstance(message, Manifest | Ack | Nack):
-            self.tell(route, message)
-
-    def tell(self, route: str, message: Message) -> None:
-        """Hand ``message`` from ``route`` to the owner's handler, on the dispatcher thread."""
-        if self.on_message is not None:
-            self.dispatcher.put(functools.partial(self.on_message, route, message))
+            self._tell(route, message)
 
     def _take_chunk(self, route: str, frame: bytes, now: float) -> None:
         try:
@@ -321,7 +256,7 @@ class Endpoint:
         if isinstance(exc, VersionMismatch) and first:
             answer = incompatible(exc.version)
             self.publish(route, answer)
-            self.tell(route, answer)
+            self._tell(route, answer)
 
 
 __all__ = ["Endpoint", "WsSettings", "WsStats"]
