@@ -25,6 +25,7 @@ from coordinator.provision import (
     read_credentials,
 )
 from coordinator.provision.broker_files import CONFIG
+from coordinator.rounds.async_engine import engine_class
 from coordinator.rounds.engine import EngineSettings, RoundEngine
 from coordinator.rounds.signing import upload_signatures
 from coordinator.run.fleet_data import fleet_data
@@ -228,7 +229,7 @@ def run_start(
         if isinstance(services, BrokerServices) and services.address is not None and on_broker_ready is not None:
             before_broker_stops = on_broker_ready(services.address.url, credentials, run_dir, services.protocol)
         min_devices = args.min_devices or max(1, math.ceil(fleet.quorum * len(fleet.devices)))
-        engine = RoundEngine(
+        engine = engine_class(fleet)(
             fleet,
             catalog,
             strategy,

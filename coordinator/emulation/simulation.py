@@ -28,7 +28,8 @@ from torch import Tensor
 
 from coordinator.config.fleet import Fleet, parse_fleet
 from coordinator.planning.planner import DevicePlan
-from coordinator.rounds.engine import EngineSettings, RoundEngine
+from coordinator.rounds.async_engine import engine_class
+from coordinator.rounds.engine import EngineSettings
 from coordinator.run.metrics import failed_rounds
 from coordinator.run.rundir import RunDir
 from coordinator.strategies.base import ClientSlot, Strategy
@@ -130,13 +131,15 @@ def simulation_fleet(
     quorum: float = 1.0,
     transport: str = "in_process",
     secure_aggregation: Mapping[str, object] | None = None,
+    asynchronous: Mapping[str, object] | None = None,
 ) -> dict:
     """The fleet.yaml of a simulation: one device per client, every training option from ``train``,
     fleet.yaml's ``limits`` from ``limits`` (the upload gate's bounds); ``participation`` < 1 asks that
     fraction of the clients each round (a large fleet's partial rounds); ``quorum`` is the share of a round's
     devices it must aggregate not to count as failed (below 1 where some are expected to be refused);
     ``transport`` the registered transport whose in-memory devices run it; ``secure_aggregation`` fleet.yaml's
-    section of that name."""
+    section of that name; ``asynchronous`` fleet.yaml's ``strategy.async`` (FedBuff, ``mode: async``: ``rounds``
+    counts model versions)."""
     model = strategy.model
     training = {
         "optimizer": train.optimizer,
@@ -161,7 +164,12 @@ def simulation_fleet(
         "dataset": {"name": "digits", "seed": train.seed},
         "strategy": {
             "name": strategy.name,
-            **({"params": strategy.params.model_dump(mode="json")} if privacy or secure_aggregation else {}),
+            **(
+                {"params": strategy.params.model_dump(mode="json")}
+                if privacy or secure_aggregation or asynchronous is not None
+                else {}
+            ),
+            **({"mode": "async", "async": dict(asynchronous)} if asynchronous is not None else {}),
         },
         "ratios": sorted({c.level for c in clients}, reverse=True),
         "rounds": rounds,
@@ -196,6 +204,7 @@ def simulate(
     secure_aggregation: Mapping[str, object] | None = None,
     run_dir: Path | None = None,
     batch: bool = False,
+    asynchronous: Mapping[str, object] | None = None,
 ) -> SimulationResult:
     """Run ``rounds`` rounds of ``strategy`` over ``clients``; ``train.seed`` seeds the run.
 
@@ -210,7 +219,9 @@ def simulate(
     caller to read), else a temporary one. ``batch``: the clients train at once, their steps of one model, level
     and batch shape batched (:mod:`device_agent.emulation.batching`; uploads still reach the engine in the order
     it assigned them), so the same seeds give the same model to float rounding rather than bit for bit; the
-    ``in_process`` transport's option.
+    ``in_process`` transport's option. ``asynchronous``: fleet.yaml's ``strategy.async`` section: FedBuff
+    (:class:`~coordinator.rounds.async_engine.AsyncEngine`) instead of rounds, ``rounds`` model versions, each
+    reported as a round.
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
@@ -228,6 +239,7 @@ def simulate(
         quorum,
         transport,
         secure_aggregation,
+        asynchronous,
     )
     fleet = parse_fleet(raw, source="simulation")
     if link is None:
@@ -244,7 +256,7 @@ def simulate(
         fleet_file.write_text(yaml.safe_dump(raw))
         rundir = RunDir.create(run_dir or Path(tmp) / "run", fleet_file, strategy.state_dict(), seed=train.seed)
         try:
-            engine = RoundEngine(
+            engine = engine_class(fleet)(
                 fleet,
                 {},
                 strategy,

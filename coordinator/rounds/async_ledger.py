@@ -33,6 +33,7 @@ from coordinator.run.rundir import RunDir
 from coordinator.strategies.base import Assignment, ClientSlot, Strategy
 from device_agent.common.atomic import append_line, atomic_write
 from device_agent.wire.codec import decode_tensors, header_specs
+from device_agent.wire.payload import PayloadDigest
 from device_agent.wire.protocol import split_upload
 
 log = logging.getLogger("fedfleet.async")
@@ -112,28 +113,64 @@ class AsyncLedger:
     ) -> tuple[str, Published | None]:
         """Check, journal, fold: ("accepted", the new version if this update filled the buffer) or ("duplicate",
         None) for an update already folded; ``UpdateRejected`` says why one is refused. Answer the device after."""
+        ticket = self.ticket(device, ticket_number)
+        if ticket is None:
+            return "duplicate", None
+        upload, extras, _ = self.check(ticket, data, samples)
+        return self.fold(ticket, transfer, data, samples, upload, extras)
+
+    def ticket(self, device: str, ticket_number: int) -> Ticket | None:
+        """The device's live ticket of that number, None when its update is already folded (a duplicate), or
+        ``UpdateRejected`` (``wrong_round``) for a ticket not the device's or superseded by a newer one."""
         ticket = self.tickets.get(ticket_number)
         if ticket is None or ticket.device != device:
             raise UpdateRejected(
                 f"{device!r}: ticket {ticket_number} is not an assignment of this device", "wrong_round"
             )
         if ticket_number in self.folded:
-            return "duplicate", None
+            return None
         newest = max(t.number for t in self.tickets.values() if t.device == device)
         if ticket_number != newest:
             raise UpdateRejected(f"{device!r}: ticket {ticket_number} was superseded by ticket {newest}", "wrong_round")
+        return ticket
+
+    def check(self, ticket: Ticket, data: bytes, samples: int) -> tuple[dict[str, Tensor], dict[str, Tensor], int]:
+        """(upload, extras, staleness) of an upload for ``ticket``: its header against the strategy's upload contract
+        before anything is decoded, then its values and staleness (``TooStale``); changes nothing."""
         slot = self._slot(ticket, samples)
         contract = self.server.strategy.upload_contract(slot)  # from the header first: nothing decoded if off it
         contract.check_specs(*split_upload(header_specs(data)))
         upload, extras = split_upload(decode_tensors(data))
-        self.server.check(slot, ticket.version, upload, samples, extras)
-        meta = {"ticket": ticket_number, "version": ticket.version, "samples": samples, "level": ticket.level}
-        key = f"{device}@{ticket_number}"  # a fast device sends several updates toward one version
-        if not self.rundir.accept_upload(self.version + 1, key, transfer, data, meta):
+        stale = self.server.check(slot, ticket.version, upload, samples, extras)
+        return upload, extras, stale
+
+    def fold(
+        self,
+        ticket: Ticket,
+        transfer: str,
+        data: bytes,
+        samples: int,
+        upload: Mapping[str, Tensor],
+        extras: Mapping[str, Tensor] | None,
+        meta: Mapping[str, object] | None = None,
+        verified: PayloadDigest | None = None,
+    ) -> tuple[str, Published | None]:
+        """Journal ``data`` (what is folded: ``upload`` and ``extras`` as :meth:`check` gave them, or as the gate
+        clipped them), then fold it: ("accepted", the new version if it filled the buffer), or ("duplicate", None)
+        when the journal already has it. ``meta``: more to journal beside what a resume needs."""
+        journaled = {
+            **(meta or {}),
+            "ticket": ticket.number,
+            "version": ticket.version,
+            "samples": samples,
+            "level": ticket.level,
+        }
+        key = f"{ticket.device}@{ticket.number}"  # a fast device sends several updates toward one version
+        if not self.rundir.accept_upload(self.version + 1, key, transfer, data, journaled, verified):
             return "duplicate", None
-        published = self.server.fold(slot, ticket.version, upload, samples, extras)
-        self.folded.add(ticket_number)
-        append_line(self.folder / FOLDED_FILE, str(ticket_number))  # a crash before this line: the journal has it
+        published = self.server.fold(self._slot(ticket, samples), ticket.version, upload, samples, extras)
+        self.folded.add(ticket.number)
+        append_line(self.folder / FOLDED_FILE, str(ticket.number))  # a crash before this line: the journal has it
         return "accepted", published
 
     def commit(self, published: Published, metrics) -> None:

@@ -77,6 +77,9 @@ TICK_S = 0.25  # the longest the loop applies events before it looks at the roun
 class RoundEngine:
     """Runs ``fleet.rounds`` rounds of ``strategy`` over ``link`` and records them in ``rundir``."""
 
+    runs_async = False
+    """Async mode (``strategy.mode: async``) is :class:`~coordinator.rounds.async_engine.AsyncEngine`'s."""
+
     def __init__(
         self,
         fleet: Fleet,
@@ -90,8 +93,9 @@ class RoundEngine:
         signatures: UploadSignatures | None = None,
     ) -> None:
         """``signatures``: the fleet's upload signature check (``security.sign_uploads``), None when off."""
-        if fleet.strategy.mode == "async":  # FedBuff runs on the fleet clock (docs/async.md), not in rounds yet
-            raise ValueError("strategy.mode: async is not run by the round engine yet (docs/async.md); use mode: sync")
+        if (fleet.strategy.mode == "async") != self.runs_async:
+            engine = "AsyncEngine" if fleet.strategy.mode == "async" else "RoundEngine"
+            raise ValueError(f"strategy.mode: {fleet.strategy.mode} runs on {engine} (async_engine.engine_class)")
         self.fleet = fleet
         self.privacy = (
             None
@@ -146,11 +150,7 @@ class RoundEngine:
 
     def run(self, progress: Callable[[RoundEngine], None] = lambda _e: None) -> bool:
         """Run until every round is done (True) or :meth:`stop` (False). The link is stopped on return."""
-        self.link.start(
-            on_message=lambda device, m: self._events.put(partial(self._on_message, device, m, time.monotonic())),
-            on_payload=lambda device, c: self._events.put(lambda: self._on_payload(device, c)),
-            on_refused=lambda device, reason: self._events.put(lambda: self._on_transport_refusal(device, reason)),
-        )
+        self._listen()
         try:
             if not self._wait_for_devices(progress):
                 return False
@@ -164,6 +164,14 @@ class RoundEngine:
 
     def stop(self) -> None:
         self.stopping.set()
+
+    def _listen(self) -> None:
+        """Start the link: its threads only queue what arrives, for the loop to apply in order."""
+        self.link.start(
+            on_message=lambda device, m: self._events.put(partial(self._on_message, device, m, time.monotonic())),
+            on_payload=lambda device, c: self._events.put(lambda: self._on_payload(device, c)),
+            on_refused=lambda device, reason: self._events.put(lambda: self._on_transport_refusal(device, reason)),
+        )
 
     def _pump(self, until: float, progress: Callable[[RoundEngine], None]) -> None:
         """Apply events for one tick at most, never past ``until``: no flood holds a round open past its deadline."""

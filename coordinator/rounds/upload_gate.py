@@ -74,6 +74,7 @@ REASONS = frozenset(
         "wrong_kind",
         "wrong_run",
         "wrong_round",
+        "too_stale",
         "not_participant",
         "wrong_sender",
         "bad_message",

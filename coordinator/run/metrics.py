@@ -93,6 +93,28 @@ class SecureMetrics(BaseModel):
     )
 
 
+class AsyncMetrics(BaseModel):
+    """A model version published in async mode (fleet.yaml ``strategy.mode: async``; docs/async.md): in a run's
+    metrics each "round" is a version, made of the ``updates`` the buffer folded."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    updates: Annotated[int, Field(ge=1)] = Field(description="updates folded into this version (the buffer, K)")
+    staleness: dict[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=1)]] = Field(
+        description="staleness (versions published while the update trained) -> this version's updates"
+    )
+    too_stale: Annotated[int, Field(ge=0)] = Field(
+        0, description="updates refused as too stale (async.max_staleness) since the version before"
+    )
+    in_flight: Annotated[int, Field(ge=0)] = Field(0, description="devices training when this version was published")
+
+    @model_validator(mode="after")
+    def _counted(self) -> AsyncMetrics:
+        if sum(self.staleness.values()) != self.updates:
+            raise ValueError(f"the staleness histogram counts {sum(self.staleness.values())} of {self.updates} updates")
+        return self
+
+
 class RoundMetrics(BaseModel):
     """One closed round. ``phases`` splits ``seconds`` (e.g. plan, push, train, aggregate, evaluate, checkpoint).
 
@@ -120,6 +142,8 @@ class RoundMetrics(BaseModel):
     devices: dict[str, DeviceRoundMetrics] = Field(default_factory=dict)
     privacy: PrivacyMetrics | None = None
     secure: SecureMetrics | None = None
+    asynchronous: AsyncMetrics | None = None
+    """In async mode (docs/async.md): this "round" is a model version; what made it."""
 
     @model_validator(mode="after")
     def _consistent(self) -> RoundMetrics:

@@ -1,0 +1,113 @@
+"""Async mode (FedBuff) over real in-memory agents: versions, staleness, the too-stale bound and concurrency."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from coordinator.config.fleet import parse_fleet
+from coordinator.emulation.simulation import fixed_levels, simulate, simulation_fleet
+from coordinator.rounds.async_engine import AsyncEngine, engine_class
+from coordinator.rounds.engine import EngineSettings, RoundEngine
+from coordinator.run.rundir import RunDir
+from coordinator.strategies import ModelSpec, build_strategy
+from coordinator.transport.memory_link import LocalDevice, MemoryLink
+from device_agent.clients.spec import TrainConfig
+from device_agent.data.datasets import LabeledData, load_dataset
+from tests.digit_clients import digit_clients
+
+CNN = ModelSpec("cnn", 10, 1, 8)
+NAMES = ["a", "b", "c", "d", "e", "f"]
+
+
+def async_engine(tmp_path: Path, names: list[str], versions: int, settings: dict, levels=None) -> AsyncEngine:
+    """An AsyncEngine over one real agent per name (in memory), FedAvg on iid digits."""
+    data = load_dataset("digits", 8, 1)
+    clients = digit_clients(names, levels)
+    strategy = build_strategy("fedavg", CNN, {}, seed=0)
+    raw = simulation_fleet(strategy, clients, versions, TrainConfig(batch_size=32), asynchronous=settings)
+    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(raw))
+    calibration = data.train_x[:128]
+    fleet = parse_fleet(raw)
+    engine = engine_class(fleet)(
+        fleet,
+        {},
+        strategy,
+        RunDir.create(tmp_path / "run", tmp_path / "fleet.yaml", strategy.state_dict(), seed=0),
+        LabeledData(calibration, calibration.new_zeros(128), data.test_x, data.test_y, 10),
+        MemoryLink([LocalDevice(c.client_id, c.train, c.test) for c in clients]),
+        EngineSettings(min_devices=len(names), wait_timeout_s=60, calibration_samples=128),
+        planner=fixed_levels({c.client_id: c.level for c in clients}),
+    )
+    assert isinstance(engine, AsyncEngine)
+    return engine
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "fedhm"])
+def test_simulate_async_publishes_each_version_from_k_updates_and_learns(strategy: str, tmp_path: Path) -> None:
+    data = load_dataset("digits", 8, 1)
+    levels = [1.0, 1.0, 0.5, 0.5, 0.25, 0.25] if strategy == "fedhm" else None
+    result = simulate(
+        build_strategy(strategy, CNN, {}, seed=0),
+        digit_clients(NAMES, levels),
+        6,
+        TrainConfig(batch_size=32),
+        (data.test_x, data.test_y),
+        data.train_x[:256],
+        asynchronous={"buffer": 3, "max_staleness": 4},
+        run_dir=tmp_path / "run",
+    )
+
+    assert [r.round for r in result.rounds] == [1, 2, 3, 4, 5, 6] and result.failed_rounds == []
+    assert max(r.accuracy for r in result.rounds) > 0.6  # from 0.1 at random: the versions learn
+    versions = RunDir.open(tmp_path / "run").metrics()
+    for version in versions:
+        assert version.asynchronous is not None and version.asynchronous.updates == 3
+        assert sum(version.asynchronous.staleness.values()) == 3
+        assert all(0 <= s <= 4 for s in version.asynchronous.staleness)
+        assert all(row.status == "accepted" for row in version.devices.values())
+    # six devices, three updates a version: an update trained while others published is stale, and weighed so
+    assert any(s > 0 for version in versions for s in version.asynchronous.staleness)
+    if strategy == "fedhm":  # each device trains at its own level; the update is folded at full rank
+        assert {row.ratio for version in versions for row in version.devices.values()} == {1.0, 0.5, 0.25}
+
+
+def test_an_update_older_than_max_staleness_is_refused_too_stale_with_the_numbers(tmp_path: Path) -> None:
+    # One update makes a version: the device that trained on the version before is one behind, past the bound 0.
+    engine = async_engine(tmp_path, ["a", "b", "c"], 4, {"buffer": 1, "max_staleness": 0})
+
+    assert engine.run() is True
+    assert engine.version == 4
+    refused = sum(n for (_, reason), n in engine.refusals.items() if reason == "too_stale")
+    assert refused >= 1 and engine.too_stale == refused
+    stale = [r for r in engine.recent_refusals if r.reason == "too_stale"]
+    assert stale and "versions behind the newest" in stale[0].detail and "async.max_staleness is 0" in stale[0].detail
+    versions = engine.rundir.metrics()
+    assert all(v.asynchronous is not None and v.asynchronous.staleness == {0: 1} for v in versions)
+    assert sum(v.asynchronous.too_stale for v in versions) <= engine.too_stale  # the last refusals may come after
+
+
+def test_no_more_devices_train_at_once_than_concurrency(tmp_path: Path) -> None:
+    engine = async_engine(tmp_path, ["a", "b", "c", "d"], 3, {"buffer": 2, "concurrency": 2})
+    most = []
+
+    assert engine.run(lambda e: most.append(len(e.server.in_flight))) is True
+    assert max(most) == 2
+    assert all(v.asynchronous is not None and v.asynchronous.in_flight <= 2 for v in engine.rundir.metrics())
+
+
+def test_the_round_engine_refuses_an_async_fleet_and_the_async_engine_a_sync_one(tmp_path: Path) -> None:
+    clients = digit_clients(["a"])
+    strategy = build_strategy("fedavg", CNN, {}, seed=0)
+    (tmp_path / "fleet.yaml").write_text("fleet: x\n")
+    rundir = RunDir.create(tmp_path / "run", tmp_path / "fleet.yaml", strategy.state_dict(), seed=0)
+    data = load_dataset("digits", 8, 1)
+    labeled = LabeledData(data.train_x, data.train_y, data.test_x, data.test_y, 10)
+    link = MemoryLink([LocalDevice(c.client_id, c.train, c.test) for c in clients])
+    for engine, settings in ((RoundEngine, {"buffer": 1}), (AsyncEngine, None)):
+        fleet = parse_fleet(simulation_fleet(strategy, clients, 1, TrainConfig(), asynchronous=settings))
+        with pytest.raises(ValueError, match=r"strategy\.mode"):
+            engine(fleet, {}, strategy, rundir, labeled, link, EngineSettings(min_devices=1))
+    rundir.close()
