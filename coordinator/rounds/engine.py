@@ -54,7 +54,7 @@ from coordinator.rounds.state import (
     printable,
     refusal_reason,
 )
-from coordinator.rounds.upload_gate import UploadGate
+from coordinator.rounds.upload_gate import UploadGate, UploadRefused
 from coordinator.run.metrics import PrivacyMetrics
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ClientSlot, Strategy
@@ -253,6 +253,8 @@ class RoundEngine:
             lambda: {d: a.tensors for d, a in self.strategy.configure(round_, slots).items()},
         )
         self._journal = []
+        # A secure round's bytes start with its key exchange (the dispatcher counts from the assignment on).
+        counted = {d: (self.link.bytes_up(d), self.link.bytes_down(d)) for d in self.open.participants}
         if self.fleet.secure_aggregation is not None:
             if not self._exchange_keys(round_, slots, progress):
                 return False
@@ -260,6 +262,10 @@ class RoundEngine:
             slots = [slot for slot in slots if slot.client_id in members]
         planned = time.monotonic()
         self.dispatch.push(self.open, slots, self.roster)
+        if self.secure is not None:
+            for device, (up, down) in counted.items():
+                self.open.participants[device].bytes_up_start = up
+                self.open.participants[device].bytes_down_start = down
         pushed = time.monotonic()
         deferred, self._deferred = self._deferred, []
         for device, received in deferred:
@@ -342,6 +348,22 @@ class RoundEngine:
             if participant.status != "failed":
                 participant.status, participant.reason = "failed", "secure_aggregation"
                 participant.error = secure.error or "the coordinator stopped"
+
+    def _left_secure_round(self, device: str) -> None:
+        """A device that goes offline owing its masked input has left the round's protocol for good.
+
+        Its protocol keys lived in its process: a new process of it holds none and could not mask. So the masking
+        stage does not wait for it to come back, and it is not sent its assignment again (it would train a round it
+        cannot mask); its masks come off with its neighbours' shares. It takes part again from the next round.
+        """
+        open_, secure = self.open, self.secure
+        participant = open_.participants.get(device) if open_ is not None else None
+        if open_ is None or secure is None or participant is None or participant.status != "assigned":
+            return
+        if secure.owes_masked_input(device):
+            participant.status, participant.reason = "failed", "secure_aggregation"
+            participant.error = "went offline before its masked input: its protocol keys are gone with it"
+            log.info("round %d: %s left secure aggregation (offline before its masked input)", open_.round, device)
 
     def _secure_retry_due(self, secure: SecureRound, gone: list[str]) -> bool:
         """``on_quorum_miss: retry`` under SecAgg: the masked inputs fall below the quorum as their stage closes.
@@ -457,6 +479,8 @@ class RoundEngine:
         elif isinstance(message, Status):
             if not self.roster.status(device, message):
                 return
+            if message.state == "offline":
+                self._left_secure_round(device)
             if message.state in ("idle", "online"):
                 self.dispatch.resend(device, self.open, arrived)
             else:
@@ -488,6 +512,11 @@ class RoundEngine:
         if received.kind == MASKED_KIND:  # never an update: a masked input only counts within the protocol's sum
             if self.secure is not None:
                 self.secure.on_masked(device, received)
+            return
+        if self.fleet.secure_aggregation is not None:  # an update in the clear is never decoded, nor folded
+            why = "a plain update under secure_aggregation: updates must come masked (the agent lost its keys?)"
+            self.admission.refuse(device, received.round, UploadRefused("wrong_kind", why), self.open)
+            self.link.send_control(device, Error(code="rejected", detail=why, transfer=received.transfer))
             return
         if self.open is None and received.round == self.next_round and received.run == self.rundir.run_id:
             # An update for the round about to (re)open, e.g. right after a coordinator restart: keep it.

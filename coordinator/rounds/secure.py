@@ -147,6 +147,10 @@ class SecureRound:
         grace = max(UNMASK_GRACE_S, self.stage_s) if self.server.stage is ServerStage.UNMASK else self.stage_s
         self.stage_deadline = time.monotonic() + grace
 
+    def owes_masked_input(self, device: str) -> bool:
+        """Whether ``device`` was sent its assignment and its masked input has not arrived yet."""
+        return self.server.stage is ServerStage.MASK and device in self.server.pending()
+
     @property
     def members(self) -> frozenset[str]:
         """The devices still in the protocol."""
