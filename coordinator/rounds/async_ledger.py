@@ -83,6 +83,8 @@ class AsyncLedger:
             self.server.in_flight[ticket.device] = ticket.version
             upload, extras = split_upload(self.rundir.load_upload(entry))
             self.replayed = self.server.fold(self._slot(ticket, samples), ticket.version, upload, samples, extras)
+            if ticket.number not in self.folded:  # killed between its journal and this line: its version's journal
+                append_line(self.folder / FOLDED_FILE, str(ticket.number))  # is not read again once committed
             self.folded.add(ticket.number)
             log.info(
                 "version %d: replayed %s's journaled update (ticket %d)", self.version + 1, ticket.device, ticket.number
