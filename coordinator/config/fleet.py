@@ -39,7 +39,7 @@ from coordinator.config.logins import COORDINATOR_USER
 from coordinator.config.secure import SecureAggregation, round_size
 from coordinator.privacy.settings import PrivacySettings
 from coordinator.privacy.support import privacy_problem
-from coordinator.strategies import STRATEGIES
+from coordinator.strategies import STRATEGIES, ModelSpec
 from coordinator.strategies.presets import apply_preset, preset_for
 from device_agent.clients.spec import TrainConfig
 from device_agent.common.names import DatasetName
@@ -47,7 +47,8 @@ from device_agent.common.paths import anchor_keys
 from device_agent.common.profile import ComputeSpec, MemorySpec, NetworkSpec
 from device_agent.common.schema import DeviceName, FleetName, Partition, check_secret_ref
 from device_agent.common.validation import describe, with_hints
-from device_agent.models import MODELS
+from device_agent.models import MODELS, model_card
+from device_agent.wire.guard import InboundLimits
 from export.auto import ExportSettings
 from profiles.catalog import Catalog, ProfileError, load_catalog, unknown_profile_message
 from profiles.costmodel import OPTIMIZER_STATES
@@ -443,6 +444,21 @@ class Fleet(_Strict):
     def broker(self) -> Broker:
         """The MQTT broker's settings (``transport.broker``)."""
         return self.transport.broker
+
+    def inbound_limits(self) -> InboundLimits:
+        """The transport guard's bounds on each device, sized to the largest model the strategy sends or takes
+        back (a device masks values of up to 8 bytes under secure aggregation) unless ``limits`` says."""
+        cls = STRATEGIES[self.strategy.name]
+        params = cls.Params.model_validate(self.strategy.params)
+        card = model_card(self.model.arch)
+        spec = ModelSpec(
+            self.model.arch,
+            self.model.num_classes,
+            self.model.in_channels or card.in_channels,
+            self.model.image_size or card.image_size,
+        )
+        largest = max(cls.upload_bytes(spec, params, 1.0), cls.download_bytes(spec, params, 1.0))
+        return self.limits.inbound(largest * (2 if self.secure_aggregation is not None else 1))
 
     def with_broker(self, broker: Broker) -> Fleet:
         """A copy on another broker (``model_copy(update={"broker": ...})`` would not reach a property)."""

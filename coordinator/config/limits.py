@@ -18,6 +18,12 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, PositiveFloat, Posi
 
 from device_agent.wire.guard import InboundLimits
 
+UPLOAD_HEADROOM = 4
+"""The default ``max_upload_bytes`` over the fleet's largest honest upload: room for side information, a
+safetensors header and a model larger than planned, while an abandoned transfer cannot hold a gigabyte (it
+did: 1 GiB was the default against the demo's 0.38 MB uploads)."""
+MIN_UPLOAD_BYTES = 16 << 20
+
 
 @dataclass(frozen=True)
 class GateSettings:
@@ -128,10 +134,11 @@ class FleetLimits(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_upload_bytes: ByteSize = Field(
-        ByteSize(InboundLimits.max_transfer_bytes),
+    max_upload_bytes: ByteSize | None = Field(
+        None,
         gt=0,
-        description="bytes one device may have in flight to the coordinator, e.g. '256 MiB' or a number of bytes",
+        description="bytes one device may have in flight to the coordinator, e.g. '256 MiB' or a number of bytes; "
+        "unset: 4x the largest model its strategy sends or takes back (at least 16 MiB)",
     )
     messages_per_s: PositiveFloat = Field(
         InboundLimits.messages_per_s, description="control messages and manifests per second and device"
@@ -268,11 +275,13 @@ class FleetLimits(BaseModel):
     )
     backoff_max_rounds: PositiveInt = Field(16, description="the most rounds a missing device sits out at a time")
 
-    def inbound(self) -> InboundLimits:
-        """The transport guard's bounds: one upload may use all of a device's pending bytes, as by default."""
+    def inbound(self, largest_upload: int) -> InboundLimits:
+        """The transport guard's bounds, ``largest_upload`` the bytes of the fleet's largest honest upload: one
+        upload may use all of a device's pending bytes, as by default."""
+        most = self.max_upload_bytes or max(UPLOAD_HEADROOM * largest_upload, MIN_UPLOAD_BYTES)
         return InboundLimits(
-            max_transfer_bytes=self.max_upload_bytes,
-            max_pending_bytes=self.max_upload_bytes,
+            max_transfer_bytes=most,
+            max_pending_bytes=most,
             max_open_transfers=self.max_open_transfers,
             messages_per_s=self.messages_per_s,
             burst=self.message_burst,

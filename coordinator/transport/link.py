@@ -183,7 +183,7 @@ class MqttLink(ChunkedLink):
     @classmethod
     def of(cls, fleet: Fleet, broker: BrokerAddress, **session_config: Any) -> MqttLink:
         """The link of ``fleet``, its devices held to fleet.yaml's ``limits``."""
-        return cls(fleet.fleet, broker, fleet.limits.inbound(), **session_config)
+        return cls(fleet.fleet, broker, fleet.inbound_limits(), **session_config)
 
     def topics(self, device: str) -> DeviceTopics:
         if device not in self._topics:

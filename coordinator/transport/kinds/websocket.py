@@ -76,7 +76,7 @@ class WebSocketServices:
             passwords,
             tls,
             WsSettings(keepalive_s=self.settings.keepalive_s),
-            fleet.limits.inbound(),
+            fleet.inbound_limits(),
         )
 
     def start(self) -> None:

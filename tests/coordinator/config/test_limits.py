@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from coordinator.config.fleet import FleetError, parse_fleet
@@ -21,10 +23,12 @@ TUNED = {
 }
 
 
-def test_a_fleet_without_limits_runs_with_the_bounds_the_code_always_had() -> None:
+def test_a_fleet_without_limits_runs_with_the_bounds_the_code_always_had_but_uploads_sized_to_its_model() -> None:
     fleet = parse_fleet(MINIMAL, CATALOG)
 
-    assert fleet.limits.inbound() == InboundLimits()
+    most = fleet.inbound_limits().max_transfer_bytes
+    assert replace(fleet.inbound_limits(), max_transfer_bytes=1 << 30, max_pending_bytes=1 << 30) == InboundLimits()
+    assert fleet.inbound_limits().max_pending_bytes == most
     assert EngineSettings.of(fleet, min_devices=2, wait_timeout_s=60) == EngineSettings(
         min_devices=2, wait_timeout_s=60, gate=GateSettings()
     )
@@ -33,12 +37,30 @@ def test_a_fleet_without_limits_runs_with_the_bounds_the_code_always_had() -> No
 def test_tuned_limits_reach_the_transport_guard_the_upload_gate_and_the_engine() -> None:
     fleet = parse_fleet({**MINIMAL, "limits": TUNED}, CATALOG)
 
-    inbound = fleet.limits.inbound()
+    inbound = fleet.inbound_limits()
     assert (inbound.max_transfer_bytes, inbound.max_pending_bytes) == (256 << 20, 256 << 20)
     assert (inbound.messages_per_s, inbound.burst, inbound.max_open_transfers) == (20, 50, 2)
     settings = EngineSettings.of(fleet, min_devices=1, wait_timeout_s=60)
     assert settings.gate.max_norm_ratio == 25
     assert (settings.rejected_grace_s, settings.resend_after_s) == (30, 12.5)
+
+
+@pytest.mark.parametrize(
+    ("model", "secure", "expected_mib"),
+    [("cnn", False, 16), ("resnet18", False, 171), ("resnet18", True, 341)],
+)
+def test_the_default_upload_bound_is_four_times_the_largest_model_the_strategy_moves(
+    model: str, secure: bool, expected_mib: int
+) -> None:
+    raw = {**MINIMAL, "strategy": {"name": "fedavg"}, "model": {"arch": model, "num_classes": 10}}
+    if secure:
+        devices = [{"id": f"pi5-0{i}", "profile": "raspberry-pi-5"} for i in range(3)]
+        screening = dict.fromkeys(["update_bound_factor", "peer_min_cosine", "peer_hard_floor"])
+        raw |= {"devices": devices, "limits": screening, "secure_aggregation": {"threshold": 2, "neighbours": 2}}
+    inbound = parse_fleet(raw, CATALOG).inbound_limits()
+
+    assert round(inbound.max_transfer_bytes / 2**20) == expected_mib  # ResNet-18: 4 x 42.7 MB of float32 weights
+    assert inbound.max_pending_bytes == inbound.max_transfer_bytes
 
 
 def test_the_norm_bound_can_be_turned_off() -> None:
