@@ -367,6 +367,54 @@ def peer_cosines(sketches: Mapping[str, Tensor], duplicate: float = DUPLICATE_CO
     return cosines
 
 
+class PeerHistory:
+    """Per device, how far its updates lay under their rounds' median cosine (:func:`peer_cosines`), over the last
+    ``rounds`` rounds that agreed: a device's record, where one round says little.
+
+    A backdoor device's update is a genuine training update: in any one round it can read no lower than an honest
+    device's of unusual data (label skew), but it reads low in every round, its data's pull repeated; an honest
+    device's unusual rounds come and go. :meth:`score` is the mean with ``prior`` rounds of 0 added, so one round
+    alone (a device's first) counts for 1 / (1 + prior) of itself and a record builds over rounds.
+    """
+
+    def __init__(self, rounds: int, prior: float) -> None:
+        if rounds < 1 or prior < 0:
+            raise ValueError(f"rounds must be >= 1 and prior >= 0, got {rounds} and {prior}")
+        self.rounds, self.prior = rounds, prior
+        self._deviations: dict[str, deque[float]] = {}
+
+    def score(self, device: str, deviation: float | None = None) -> float:
+        """The device's mean deviation (cosine minus its round's median), with this round's ``deviation`` when it
+        counts and ``prior`` zeros; 0 for a device without a record."""
+        past = self._deviations.get(device, ())
+        total = sum(past) + (deviation or 0.0)
+        return total / (len(past) + (deviation is not None) + self.prior or 1.0)
+
+    def record(self, deviations: Mapping[str, float]) -> None:
+        """One agreeing round's deviations (:func:`round_deviations`), each added to its device's record."""
+        for device, value in deviations.items():
+            self._deviations.setdefault(device, deque(maxlen=self.rounds)).append(float(value))
+
+    def state(self) -> dict[str, list[float]]:
+        """What a resumed run restores (:meth:`restore`)."""
+        return {device: list(values) for device, values in self._deviations.items()}
+
+    def restore(self, state: Mapping[str, Sequence[float]]) -> None:
+        self._deviations = {d: deque(map(float, values), maxlen=self.rounds) for d, values in state.items()}
+
+
+@dataclass(frozen=True)
+class Removed:
+    """An update the peer check takes out of its round: its cosine with the rest when it was, and why."""
+
+    device: str
+    cosine: float
+    cut: float
+    """The cosine cut of its round (:func:`peer_cut`) when it was taken out."""
+    score: float | None = None
+    """Its record (:meth:`PeerHistory.score`) when the record took it out, else None."""
+
+
 def iterated_outliers(
     sketches: Mapping[str, Tensor],
     floor: float,
@@ -375,24 +423,64 @@ def iterated_outliers(
     hard_floor: float | None = None,
     agreement: float | None = None,
     outlier: Outlier | None = None,
-) -> list[tuple[str, float, float]]:
-    """The round's outliers taken out one at a time, worst first, as (device, cosine, cut): after each, every
-    cosine, the median and the spread are computed again without it, so an attacker's vote leaves the honest
-    devices' references and the cut (Multi-Krum-style iterative removal). Never half the round or more."""
+    history: PeerHistory | None = None,
+    history_gap: float | None = None,
+) -> list[Removed]:
+    """The round's outliers taken out one at a time, worst first: after each, every cosine, the median and the
+    spread are computed again without it, so an attacker's vote leaves the honest devices' references and the cut
+    (Multi-Krum-style iterative removal). Never half the round or more.
+
+    With ``history`` and ``history_gap``, an update is also an outlier when its device's record with this round
+    (:meth:`PeerHistory.score`; this round counts only if it agrees) lies more than ``history_gap`` under the median.
+    """
     remaining = dict(sketches)
     limit = (len(remaining) - 1) // 2
-    removed: list[tuple[str, float, float]] = []
+    removed: list[Removed] = []
     while len(removed) < limit:
         cosines = peer_cosines(remaining, duplicate)
         if len(cosines) < 3:
             break
         cut = peer_cut(cosines, floor, spread, hard_floor, agreement, outlier)
-        worst = min(cosines, key=cosines.__getitem__)
-        if cosines[worst] >= cut:
+        margins = {device: cos - cut for device, cos in cosines.items()}
+        scores: dict[str, float] = {}
+        if history is not None and history_gap is not None:
+            median = statistics.median(cosines.values())
+            agrees = agreement is None or median >= agreement
+            scores = {d: history.score(d, c - median if agrees else None) for d, c in cosines.items()}
+            margins = {d: min(m, scores[d] + history_gap) for d, m in margins.items()}
+        worst = min(margins, key=margins.__getitem__)
+        if margins[worst] >= 0:
             break
-        removed.append((worst, cosines[worst], cut))
+        by_record = cosines[worst] >= cut
+        removed.append(Removed(worst, cosines[worst], cut, scores[worst] if by_record else None))
         del remaining[worst]
     return removed
+
+
+def round_deviations(
+    sketches: Mapping[str, Tensor],
+    removed: Iterable[str],
+    agreement: float | None,
+    duplicate: float = DUPLICATE_COSINE,
+) -> dict[str, float]:
+    """What a round adds to :class:`PeerHistory`: per device, its cosine with the sum of the kept updates (its
+    others, for a kept one) minus the kept updates' median, or nothing when the kept updates do not agree (their
+    median under ``agreement``: a converged round on non-IID data says nothing about anyone)."""
+    out = set(removed)
+    kept = {d: s for d, s in sketches.items() if d not in out}
+    cosines = peer_cosines(kept, duplicate)
+    if len(cosines) < 3:
+        return {}
+    median = statistics.median(cosines.values())
+    if agreement is not None and median < agreement:
+        return {}
+    reference = torch.stack([s / s.norm().clamp_min(1e-30) for s in kept.values()]).sum(dim=0)
+    deviations = {d: c - median for d, c in cosines.items()}
+    for device in out & set(sketches):
+        scale = float(sketches[device].norm() * reference.norm())
+        if scale > 0:
+            deviations[device] = float(sketches[device] @ reference) / scale - median
+    return deviations
 
 
 @dataclass(frozen=True)

@@ -63,11 +63,13 @@ class GateSettings:
     Off by default: on Fashion-MNIST with a ResNet-9 and Dirichlet(0.5) shards every honest update of a
     round pointed slightly away from the last round's direction (cosines -0.003 to -0.46) and was refused.
     """
-    peer_min_cosine: float | None = -0.1
+    peer_min_cosine: float | None = -0.2
     """At the round's close, refuse an update whose cosine with the sum of the round's other updates (each a unit
     vote) is below this, in a round whose updates agree (``peer_min_agreement``), fewer than half the round at most;
     None: off. A same-round reference, so it holds on non-IID data where consecutive rounds point apart
-    (docs/robust-aggregation.md)."""
+    (docs/robust-aggregation.md). -0.2 (was -0.1 until 2026-11-29): an honest update of label-skewed digits read
+    -0.12 in a round that agreed; an update a little under the round, round after round, is the record's
+    (``peer_record_gap``)."""
     peer_min_updates: int = 4
     """Updates a round needs (with a direction sketch) before the peer check judges any of them."""
     peer_min_agreement: float | None = 0.1
@@ -82,13 +84,23 @@ class GateSettings:
     peer_hard_floor: float | None = -0.35
     """The peer check refuses an update below this cosine in every round, whether the round agrees or not (None:
     none); below the lowest honest cosine of every soak (-0.30), above colluders' reversed updates."""
-    peer_outlier_deviations: float | None = 4.0
+    peer_outlier_deviations: float | None = None
     """In a round that agrees, also refuse an update more than this many scaled median absolute deviations (and
     ``peer_outlier_gap``) below the round's median cosine, above the floor too; None: off (and off with the peer
-    check). A backdoor device of iid digits sat 4.8-45 deviations (0.33-0.79) under its rounds' median, no honest
-    update of the demo's or the soak's fleets more than 3.6 (docs/robust-aggregation.md)."""
+    check). Off by default since 2026-11-29: one round's cut at 4 (gap 0.3) refused an honest update of a
+    label-skewed round 1, and let a backdoor through in rounds where it read close to the rest; the device's record
+    (``peer_record_gap``) replaced it (docs/robust-aggregation.md)."""
     peer_outlier_gap: float = 0.3
     """The least distance under the round's median that ``peer_outlier_deviations`` refuses at."""
+    peer_record_gap: float | None = 0.2
+    """Refuse an update whose device's record lies more than this under its rounds' median cosine: the mean of its
+    deviations over its last ``peer_record_rounds`` agreeing rounds, this one included, with
+    ``peer_record_prior`` rounds of 0 (:class:`~coordinator.algorithms.robust.PeerHistory`); None: off. A backdoor
+    device reads low in every round, an unusual honest one now and then (docs/robust-aggregation.md)."""
+    peer_record_rounds: int = 10
+    """Agreeing rounds a device's record is taken over."""
+    peer_record_prior: float = 1.0
+    """Rounds of 0 deviation every record starts with: one round alone counts for 1 / (1 + this) of itself."""
     sample_weight_factor: float | None = 2.0
     """An upload weighs at most this many times the samples the fleet expects of its device; None: no cap."""
     update_noise: float | None = None
@@ -125,6 +137,13 @@ class GateSettings:
             raise ValueError(f"peer_outlier_deviations must be > 0 (or None), got {self.peer_outlier_deviations}")
         if not 0 <= self.peer_outlier_gap <= 2:
             raise ValueError(f"peer_outlier_gap must be in [0, 2], got {self.peer_outlier_gap}")
+        if self.peer_record_gap is not None and not 0 < self.peer_record_gap <= 2:
+            raise ValueError(f"peer_record_gap must be in (0, 2] (or None), got {self.peer_record_gap}")
+        if self.peer_record_rounds < 1 or not self.peer_record_prior >= 0:
+            raise ValueError(
+                f"peer_record_rounds must be >= 1 and peer_record_prior >= 0, got {self.peer_record_rounds} and "
+                f"{self.peer_record_prior}"
+            )
         if self.sample_weight_factor is not None and self.sample_weight_factor < 1:
             raise ValueError(f"sample_weight_factor must be >= 1 (or None), got {self.sample_weight_factor}")
 
@@ -237,6 +256,22 @@ class FleetLimits(BaseModel):
         le=2,
         description="the least distance below the round's median cosine at which peer_outlier_deviations refuses",
     )
+    peer_record_gap: float | None = Field(
+        GateSettings.peer_record_gap,
+        gt=0,
+        le=2,
+        description="the peer check also refuses an update whose device's record (its mean cosine under its "
+        "rounds' median over its last peer_record_rounds agreeing rounds, this one included, with peer_record_prior "
+        "rounds of 0) is more than this under; null: off",
+    )
+    peer_record_rounds: PositiveInt = Field(
+        GateSettings.peer_record_rounds, description="agreeing rounds a device's record is taken over"
+    )
+    peer_record_prior: float = Field(
+        GateSettings.peer_record_prior,
+        ge=0,
+        description="rounds of 0 every record starts with: one round alone counts for 1 / (1 + this) of itself",
+    )
     sample_weight_factor: float | None = Field(
         GateSettings.sample_weight_factor,
         ge=1,
@@ -306,6 +341,9 @@ class FleetLimits(BaseModel):
             peer_hard_floor=self.peer_hard_floor,
             peer_outlier_deviations=self.peer_outlier_deviations,
             peer_outlier_gap=self.peer_outlier_gap,
+            peer_record_gap=self.peer_record_gap,
+            peer_record_rounds=self.peer_record_rounds,
+            peer_record_prior=self.peer_record_prior,
             sample_weight_factor=self.sample_weight_factor,
             update_noise=self.update_noise,
         )

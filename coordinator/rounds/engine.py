@@ -138,6 +138,9 @@ class RoundEngine:
         window = rundir.saved_norm_history()
         if window is not None:
             gate.history.restore(window)
+        records = rundir.saved_peer_records()
+        if records is not None:
+            gate.records.restore(records)
         self.next_round = resume.next_round
         self._journal = resume.journal
 
@@ -295,7 +298,8 @@ class RoundEngine:
                 population,
                 release.clip_norm,
             )
-        self.rundir.save_norm_history(round_, self.admission.gate.history.window())
+        gate = self.admission.gate
+        self.rundir.save_norm_history(round_, gate.history.window(), gate.records.state())
         self.rundir.complete_round(round_, self.strategy.state_dict(), self.last)
         self.open, self.secure = None, None
         log_closed(self.last, self.fleet.quorum)

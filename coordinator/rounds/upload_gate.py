@@ -45,6 +45,7 @@ from coordinator.algorithms.robust import (
     DirectionReference,
     NormHistory,
     Outlier,
+    PeerHistory,
     apply_steps,
     clip_layer,
     dense,
@@ -53,6 +54,7 @@ from coordinator.algorithms.robust import (
     layer_norms,
     layers_of,
     peer_cosines,
+    round_deviations,
     sketch,
 )
 from coordinator.config.limits import GateSettings
@@ -218,7 +220,11 @@ class UploadGate:
         self._accepted: dict[float, list[float]] = {}
         self.history = NormHistory(self.settings.update_history_rounds, self.settings.update_history_min)
         self.direction = DirectionReference()
+        self.records = PeerHistory(self.settings.peer_record_rounds, self.settings.peer_record_prior)
+        """Per device, its updates' deviations from their rounds' median cosine (the peer check's record)."""
         self._sketches: dict[str, Tensor] = {}
+        self._outliers: dict[str, str] | None = None
+        """The open round's peer check, once judged (:meth:`peer_outliers`): a round adds to the records once."""
         self._sent_layer_norms: dict[int, dict[str, float]] = {}
         """Per payload sent this round (by id: the tensors are shared and held in ``_sent_tensors``), layer norms."""
 
@@ -226,6 +232,7 @@ class UploadGate:
         self._sent.clear()
         self._sent_layer_norms.clear()
         self._sketches.clear()
+        self._outliers = None
         self._sent_tensors.clear()
         self._accepted.clear()
         self.history.next_round()
@@ -335,9 +342,15 @@ class UploadGate:
 
     def peer_outliers(self) -> dict[str, str]:
         """The round's updates below ``peer_hard_floor``, or, in a round that agrees, below ``peer_min_cosine`` and
-        ``peer_spread`` deviations below the round's median (:func:`~coordinator.algorithms.robust.peer_cut`), taken
-        out one at a time with every cosine computed again without them
-        (:func:`~coordinator.algorithms.robust.iterated_outliers`), fewer than half, with why."""
+        ``peer_spread`` deviations below the round's median (:func:`~coordinator.algorithms.robust.peer_cut`), or
+        whose device's record lies over ``peer_record_gap`` under its rounds' median, taken out one at a time with
+        every cosine computed again without them (:func:`~coordinator.algorithms.robust.iterated_outliers`), fewer
+        than half, with why. Judged once a round: the round's deviations then join the devices' records."""
+        if self._outliers is None:
+            self._outliers = self._judge_peers()
+        return dict(self._outliers)
+
+    def _judge_peers(self) -> dict[str, str]:
         settings = self.settings
         floor = settings.peer_min_cosine
         if floor is None or len(self._sketches) < settings.peer_min_updates:
@@ -357,13 +370,31 @@ class UploadGate:
             )
         if hard is not None:
             rule += f"; below {hard:g} in any round"
-        return {
-            device: f"update has cosine {cos:.3g} with the sum of the round's other updates "
-            f"(at least {cut:.3g}: {rule})"
-            for device, cos, cut in iterated_outliers(
-                self._sketches, floor, settings.peer_spread, hard_floor=hard, agreement=agreement, outlier=outlier
-            )
-        }
+        gap = settings.peer_record_gap
+        removed = iterated_outliers(
+            self._sketches,
+            floor,
+            settings.peer_spread,
+            hard_floor=hard,
+            agreement=agreement,
+            outlier=outlier,
+            history=self.records,
+            history_gap=gap,
+        )
+        self.records.record(round_deviations(self._sketches, [r.device for r in removed], agreement))
+        reasons: dict[str, str] = {}
+        for r in removed:
+            if r.score is None:
+                reasons[r.device] = (
+                    f"update has cosine {r.cosine:.3g} with the sum of the round's other updates "
+                    f"(at least {r.cut:.3g}: {rule})"
+                )
+            else:
+                reasons[r.device] = (
+                    f"its updates lie {-r.score:.3g} under their rounds' median cosine with the others, on average "
+                    f"over its last rounds (at most {gap:g}); this one's cosine {r.cosine:.3g}"
+                )
+        return reasons
 
     def noise_std(self, folded: int) -> float | None:
         """Per weight, the std of the round's weak noise (``update_noise`` x the norm of the fleet's median update of

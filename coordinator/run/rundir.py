@@ -469,13 +469,18 @@ class RunDir:
         record = {"round": round_, "participants": dict(participants), "population": population}
         atomic_write(self.path / OPEN_ROUND_FILE, json.dumps(record).encode())
 
-    def save_norm_history(self, round_: int, window: list[dict[str, list[float]]]) -> None:
-        """The upload gate's accepted update norms as of ``round_``'s close, written before the round commits.
+    def save_norm_history(
+        self, round_: int, window: list[dict[str, list[float]]], records: dict[str, list[float]] | None = None
+    ) -> None:
+        """The upload gate's accepted update norms as of ``round_``'s close, written before the round commits, and
+        the peer check's device records (:class:`~coordinator.algorithms.robust.PeerHistory`).
 
         A resumed run bounds updates by the fleet's recent median again, not by the warm-up bound: without
-        it a reversed update receipted right after a restart was folded at up to the weights' own norm.
+        it a reversed update receipted right after a restart was folded at up to the weights' own norm. Without the
+        records a backdoor device would start again with a clean one.
         """
-        atomic_write(self.path / NORM_HISTORY_FILE, json.dumps({"round": round_, "window": window}).encode())
+        saved = {"round": round_, "window": window, "records": records or {}}
+        atomic_write(self.path / NORM_HISTORY_FILE, json.dumps(saved).encode())
 
     def saved_norm_history(self) -> list[dict[str, list[float]]] | None:
         """The window saved with the last completed round, or None (a fresh run, or it died before its commit)."""
@@ -484,6 +489,14 @@ class RunDir:
             return None
         raw = json.loads(saved.read_text())
         return raw["window"] if raw.get("round") == self.last_completed_round else None
+
+    def saved_peer_records(self) -> dict[str, list[float]] | None:
+        """The peer check's records saved with the last completed round (:meth:`save_norm_history`), or None."""
+        saved = self.path / NORM_HISTORY_FILE
+        if not saved.exists():
+            return None
+        raw = json.loads(saved.read_text())
+        return raw.get("records") if raw.get("round") == self.last_completed_round else None
 
     def saved_population(self, round_: int) -> int | None:
         """The ``population`` saved with ``round_``'s participants, or None."""

@@ -10,6 +10,7 @@ from benchmarks.poisoning import (
     AT_THE_CUT_MARGIN,
     ATTACKS,
     BACKDOOR_TARGET,
+    Case,
     Upload,
     at_the_cut,
     backdoored,
@@ -17,6 +18,7 @@ from benchmarks.poisoning import (
     fleet_clients,
     main,
     poisoning,
+    suite,
     table,
     triggered,
 )
@@ -98,13 +100,17 @@ def test_the_adaptive_attacker_aims_inside_the_cut_the_gate_applies_this_round()
     cosines = list(peer_cosines(agreeing).values())
     median = statistics.median(cosines)
     deviation = 1.4826 * statistics.median(abs(c - median) for c in cosines)
-    outlier_cut = median - max(gate.peer_outlier_deviations * deviation, gate.peer_outlier_gap)  # type: ignore[operator]
-    assert outlier_cut > gate.peer_min_cosine  # an agreeing round: the outlier cut lies above the floor
-    assert cut_target(gate, agreeing) == pytest.approx(outlier_cut + AT_THE_CUT_MARGIN)
-    floor_only = GateSettings(peer_outlier_deviations=None)
+    outlier = GateSettings(peer_outlier_deviations=4.0, peer_record_gap=None)
+    outlier_cut = median - max(4.0 * deviation, outlier.peer_outlier_gap)
+    assert outlier_cut > gate.peer_min_cosine  # type: ignore[operator]  # an agreeing round: above the floor
+    assert cut_target(outlier, agreeing) == pytest.approx(outlier_cut + AT_THE_CUT_MARGIN)
+    record = GateSettings(peer_outlier_deviations=None, peer_record_gap=0.2)
+    assert cut_target(record, agreeing) == pytest.approx(median - 0.2 + AT_THE_CUT_MARGIN)  # a record kept inside
+    floor_only = GateSettings(peer_outlier_deviations=None, peer_record_gap=None)
     assert cut_target(floor_only, agreeing) == pytest.approx(gate.peer_min_cosine + AT_THE_CUT_MARGIN)
     assert cut_target(gate, noise) == pytest.approx(gate.peer_hard_floor + AT_THE_CUT_MARGIN)  # no agreement
-    assert cut_target(GateSettings(peer_min_agreement=None), noise) == pytest.approx(-0.09)
+    every_round = GateSettings(peer_min_agreement=None, peer_record_gap=None)
+    assert cut_target(every_round, noise) == pytest.approx(-0.19)  # the floor judges every round
     assert cut_target(GateSettings(peer_min_cosine=None), agreeing) == -1.0  # no peer check: anything passes
 
 
@@ -133,3 +139,15 @@ def test_alpha_gives_the_clients_label_skewed_shards() -> None:
     iid = [top_share(c) for c in fleet_clients(data, 10, 0, None, (1.0,))]
     skewed = [top_share(c) for c in fleet_clients(data, 10, 0, None, (1.0,), alpha=0.1)]
     assert max(iid) < 0.25 and sum(skewed) / len(skewed) > 0.5  # iid: about a tenth each; Dirichlet(0.1): one class
+
+
+def test_a_suite_reports_the_worst_of_its_cases_and_every_honest_refusal() -> None:
+    cases = (Case("digits", None, ("fedavg",), ("update_x-1",)), Case("digits", 1.0, ("fedavg",), ("backdoor",)))
+    result = suite(cases, rounds=2, clients=5, train=TRAIN)
+    iid, skewed = result["cases"]
+    assert (iid["case"], skewed["case"]) == ("digits iid", "digits dirichlet(1)")
+    assert skewed["settings"]["partition"] == "dirichlet(1)" and [e["malicious"] for e in iid["attacks"]] == [1, 2]
+    assert result["worst_drop_two_in_ten"] == max(iid["worst_drop_two_in_ten"], skewed["worst_drop_two_in_ten"])
+    assert result["backdoor_success_two_in_ten"] == skewed["backdoor_success_two_in_ten"] is not None
+    assert result["honest_refused_attacked"] == sum(e["honest_refused"] for c in (iid, skewed) for e in c["attacks"])
+    json.dumps(result)

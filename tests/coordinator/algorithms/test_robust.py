@@ -12,6 +12,7 @@ from coordinator.algorithms.robust import (
     DirectionReference,
     NormHistory,
     Outlier,
+    PeerHistory,
     apply_steps,
     clip_layer,
     coordinate_median,
@@ -24,6 +25,7 @@ from coordinator.algorithms.robust import (
     noised,
     peer_cosines,
     peer_cut,
+    round_deviations,
     sketch,
     trimmed_mean,
 )
@@ -213,7 +215,7 @@ def test_a_mixed_rank_fleet_in_its_upload_forms_agrees_across_levels() -> None:
     honest = peer_cosines(sketches)
     assert min(honest.values()) > 0.2  # full-rank devices compared with the low-rank ones on the conv layer too
     sketches["h0"] = -sketches["h0"]  # a full-rank device reversed
-    assert [device for device, _, _ in iterated_outliers(sketches, -0.1, 3.0)] == ["h0"]
+    assert [r.device for r in iterated_outliers(sketches, -0.1, 3.0)] == ["h0"]
 
 
 def test_peer_cosines_leave_each_update_out_of_its_own_reference() -> None:
@@ -236,7 +238,7 @@ def test_outliers_are_the_worst_below_the_cut_and_always_fewer_than_half() -> No
     honest = {f"h{i}": sketch({"w": fleet + torch.randn(4000, generator=generator)}) for i in range(3)}
     flips = {f"f{i}": sketch({"w": -fleet + torch.randn(4000, generator=generator)}) for i in range(3)}
     removed = iterated_outliers(honest | dict(list(flips.items())[:2]), -0.1, 3.0)
-    assert sorted(device for device, _, _ in removed) == ["f0", "f1"]
+    assert sorted(r.device for r in removed) == ["f0", "f1"]
     assert len(iterated_outliers(honest | flips, -0.1, 3.0)) <= 2  # 3 of 6 are never half the round
 
 
@@ -260,7 +262,7 @@ def test_two_flips_on_a_mixed_rank_fleet_are_both_refused_once_the_first_is_out(
     once = peer_cosines(sketches)
     assert once["h6"] > -0.1  # one pass: the other flipper's vote lifts the 1/4 flipper over the floor
     removed = iterated_outliers(sketches, -0.1, 3.0)
-    assert sorted(device for device, _, _ in removed) == ["h0", "h6"]
+    assert sorted(r.device for r in removed) == ["h0", "h6"]
 
 
 def test_colluders_sending_one_update_count_as_one_vote() -> None:
@@ -273,7 +275,7 @@ def test_colluders_sending_one_update_count_as_one_vote() -> None:
     voting = peer_cosines(sketches, duplicate=2.0)  # the check before: each colluder in the other's reference
     assert voting["c0"] > 0  # the other colluder's vote carries it over the floor
     assert peer_cosines(sketches)["c0"] < -0.1
-    assert sorted(device for device, _, _ in iterated_outliers(sketches, -0.1, 3.0)) == ["c0", "c1"]
+    assert sorted(r.device for r in iterated_outliers(sketches, -0.1, 3.0)) == ["c0", "c1"]
 
 
 def unit_toward(direction: torch.Tensor, agreement: float, generator: torch.Generator) -> torch.Tensor:
@@ -298,14 +300,14 @@ def test_under_the_hard_floor_an_update_is_refused_whatever_the_rounds_spread() 
     sketches["f3"], sketches["f4"] = -sketches.pop("h3"), -sketches.pop("h4")  # two devices reverse their own
     assert iterated_outliers(sketches, -0.1, 3.0) == []  # the relative cut alone fell below them
     removed = iterated_outliers(sketches, -0.1, 3.0, hard_floor=-0.25)
-    assert sorted(d for d, _, _ in removed) == ["f3", "f4"] and all(c < cut == -0.25 for _, c, cut in removed)
+    assert sorted(r.device for r in removed) == ["f3", "f4"] and all(r.cosine < r.cut == -0.25 for r in removed)
 
 
 def test_copies_of_an_honest_update_reversed_cannot_vote_it_out() -> None:
     sketches = wide_fleet()
     sketches["a0"], sketches["a1"] = -sketches["h7"], -1.01 * sketches["h7"]
     assert peer_cosines(sketches)["h7"] > 0  # the reversed copies are no vote on the update they copy
-    assert "h7" not in [d for d, _, _ in iterated_outliers(sketches, -0.1, 3.0, hard_floor=-0.25)]
+    assert "h7" not in [r.device for r in iterated_outliers(sketches, -0.1, 3.0, hard_floor=-0.25)]
 
 
 def test_the_cut_follows_the_round_so_a_converged_rounds_noise_is_not_refused() -> None:
@@ -333,9 +335,9 @@ def test_in_an_agreeing_round_the_floor_refuses_reversals_however_wide_the_sprea
     sketches = wide_fleet()
     sketches["f3"], sketches["f4"] = -sketches.pop("h3"), -sketches.pop("h4")  # two devices reverse their own
     relative = iterated_outliers(sketches, -0.1, 3.0, hard_floor=-0.35, agreement=0.1)
-    assert [d for d, _, _ in relative] == ["f3"]  # the spread sank the cut: only the hard floor held one
+    assert [r.device for r in relative] == ["f3"]  # the spread sank the cut: only the hard floor held one
     removed = iterated_outliers(sketches, -0.1, 0.0, hard_floor=-0.35, agreement=0.1)
-    assert sorted(d for d, _, _ in removed) == ["f3", "f4"] and all(cut == -0.1 for _, _, cut in removed)
+    assert sorted(r.device for r in removed) == ["f3", "f4"] and all(r.cut == -0.1 for r in removed)
 
 
 @given(
@@ -398,3 +400,55 @@ def test_the_outlier_cut_refuses_an_update_far_below_a_round_that_agrees_even_ab
     assert peer_cut(spread, -0.1, 0.0, -0.35, 0.1, outlier) < min(spread.values())
     # A round that does not agree keeps only the hard floor.
     assert peer_cut({f"h{i}": 0.05 - 0.02 * i for i in range(9)}, -0.1, 0.0, -0.35, 0.1, outlier) == -0.35
+
+
+def skewed_round(generator: torch.Generator, low: float) -> dict[str, torch.Tensor]:
+    """Nine sketches of a round that agrees (a shared direction, noise of their own) and ``bad``, ``low`` less of the
+    shared direction: a device that pulls a little away from the round, as a backdoor's or an unusual shard's."""
+    fleet = torch.randn(4000, generator=generator)
+    round_ = {f"h{i}": sketch({"w": fleet + 1.2 * torch.randn(4000, generator=generator)}) for i in range(9)}
+    round_["bad"] = sketch({"w": (1 - low) * fleet + 1.2 * torch.randn(4000, generator=generator)})
+    return round_
+
+
+def test_a_device_low_in_every_round_is_refused_by_its_record_one_low_round_is_not() -> None:
+    """A backdoor device's update reads a little low in every round, an unusual honest one's in one round: no single
+    round tells them apart (no cut refuses either), the record does."""
+    generator = torch.Generator().manual_seed(21)
+    records = PeerHistory(rounds=10, prior=1.0)
+    refused: list[list[str]] = []
+    for _ in range(6):
+        round_ = skewed_round(generator, low=0.6)
+        assert iterated_outliers(round_, -0.1, 0.0, hard_floor=-0.35, agreement=0.1) == []  # no cut sees it
+        removed = iterated_outliers(
+            round_, -0.1, 0.0, hard_floor=-0.35, agreement=0.1, history=records, history_gap=0.2
+        )
+        refused.append([r.device for r in removed])
+        records.record(round_deviations(round_, refused[-1], agreement=0.1))
+    assert refused[0] == [] and all(r == ["bad"] for r in refused[2:])  # the first round alone is not enough
+    assert all(r.score is not None and r.score < -0.2 for r in removed)  # refused by its record, not by a cut
+    assert max(records.score(f"h{i}") for i in range(9)) < 0.1 and records.score("bad") < -0.2
+
+
+def test_a_record_counts_only_rounds_that_agree_and_its_last_rounds() -> None:
+    generator = torch.Generator().manual_seed(22)
+    noise = {f"h{i}": sketch({"w": torch.randn(4000, generator=generator)}) for i in range(10)}
+    assert round_deviations(noise, [], agreement=0.1) == {}  # no direction: nobody's record moves
+    records = PeerHistory(rounds=3, prior=1.0)
+    for value in (-0.9, -0.1, -0.1, -0.1):
+        records.record({"d": value})
+    assert records.score("d") == pytest.approx(-0.3 / 4)  # the oldest left the window; one prior round of 0
+    assert records.score("d", -0.5) == pytest.approx(-0.8 / 5)  # this round counted when it agrees
+    assert records.score("new") == 0.0 and PeerHistory(3, 0.0).score("new") == 0.0
+    restored = PeerHistory(rounds=3, prior=1.0)
+    restored.restore(records.state())
+    assert restored.score("d") == records.score("d")
+
+
+def test_a_removed_update_is_measured_against_the_kept_ones() -> None:
+    generator = torch.Generator().manual_seed(23)
+    round_ = skewed_round(generator, low=0.0)
+    round_["flip"] = -round_["h0"]
+    deviations = round_deviations(round_, ["flip"], agreement=0.1)
+    assert set(deviations) == set(round_) and deviations["flip"] < -0.5
+    assert statistics.median(v for d, v in deviations.items() if d != "flip") == pytest.approx(0.0)

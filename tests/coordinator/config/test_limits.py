@@ -85,7 +85,7 @@ def test_the_update_bound_is_on_by_default_and_each_setting_is_checked_by_name()
 def test_the_peer_check_judges_agreeing_rounds_by_its_floor_and_every_round_by_the_hard_floor() -> None:
     gate = parse_fleet(MINIMAL, CATALOG).limits.gate()
     assert (gate.peer_min_cosine, gate.peer_min_agreement, gate.peer_spread, gate.peer_hard_floor) == (
-        -0.1,
+        -0.2,
         0.1,
         0.0,
         -0.35,

@@ -60,7 +60,7 @@ def test_a_sign_flipped_update_is_refused_an_honest_one_passes_with_its_cosine()
 
 def test_the_check_is_off_by_default_and_its_threshold_configurable() -> None:
     assert GateSettings().direction_min_cosine is None  # opt-in: honest non-IID rounds can point apart
-    assert GateSettings().peer_min_cosine == -0.1  # the same-round check is the default
+    assert GateSettings().peer_min_cosine == -0.2  # the same-round check is the default
     assert second_round_gate(GateSettings()).norm("bad", 1.0, flipped(9)).cosine is None
     with pytest.raises(UploadRefused, match=r"at least 0\.99"):
         second_round_gate(GateSettings(direction_min_cosine=0.99)).norm("good", 1.0, honest(8))
@@ -118,9 +118,33 @@ def test_the_peer_check_names_an_update_against_its_round_only_with_enough_peers
     assert cosines["bad"] < -0.5 and min(c for d, c in cosines.items() if d != "bad") > 0.3
     assert list(gate.peer_outliers()) == ["bad"]
     why = gate.peer_outliers()["bad"]
-    assert "with the sum of the round's other updates (at least " in why and "below -0.1 where the round's" in why
+    assert "with the sum of the round's other updates (at least " in why and "below -0.2 where the round's" in why
     gate.open_round()
     assert gate.peer_cosines() == {}  # a new round, new peers
+
+
+def pulling(seed: int) -> dict[str, torch.Tensor]:
+    """An update that follows the fleet's drift only partly: its own data pull it elsewhere (a backdoor's, or an
+    unusual shard's), every round."""
+    generator = torch.Generator().manual_seed(seed)
+    return {k: v + 0.01 * (0.3 * DRIFT[k] + 0.5 * torch.randn(v.shape, generator=generator)) for k, v in SENT.items()}
+
+
+def test_a_device_that_pulls_away_every_round_is_refused_by_its_record_from_a_later_round() -> None:
+    gate = UploadGate(GateSettings(peer_outlier_deviations=None))  # the record alone (the one-round cut: off)
+    verdicts = []
+    for round_ in range(4):
+        gate.open_round()
+        for i, device in enumerate(["h0", "h1", "h2", "h3", "h4", "pull"]):
+            gate.sent(device, squared_norms(SENT), SENT)
+            upload = pulling(10 * round_ + i) if device == "pull" else honest(10 * round_ + i)
+            gate.accepted(1.0, gate.norm(device, 1.0, upload), device)
+        verdicts.append(gate.peer_outliers())
+        assert gate.peer_outliers() == verdicts[-1]  # judged once: asking again adds nothing to the records
+    assert verdicts[0] == {}  # one round alone: an unusual device, not refused
+    assert all(list(v) == ["pull"] for v in verdicts[1:])
+    assert "under their rounds' median cosine with the others, on average over its last rounds" in verdicts[-1]["pull"]
+    assert gate.records.score("pull") < -0.2 < 0 < min(gate.records.score(f"h{i}") + 0.1 for i in range(5))
 
 
 @pytest.mark.slow

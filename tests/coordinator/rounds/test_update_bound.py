@@ -192,8 +192,8 @@ def test_a_clipped_fedhm_upload_is_journaled_as_folded_so_a_resume_folds_the_sam
 
 
 @pytest.mark.slow
-def test_a_resumed_run_bounds_updates_by_the_norm_history_it_had_not_the_warm_up_bound(tmp_path: Path) -> None:
-    clients = digit_clients(["pi-0", "pi-1", "pi-2"])
+def test_a_resumed_run_bounds_updates_by_the_norm_history_it_had_and_keeps_the_peer_records(tmp_path: Path) -> None:
+    clients = digit_clients(["pi-0", "pi-1", "pi-2", "pi-3"])  # four: the peer check judges, records build
     data = load_dataset("digits", 8, 1)
     raw = simulation_fleet(build_strategy("fedavg", CNN, {}, seed=0), clients, 2, TrainConfig(batch_size=32))
     fleet_file = tmp_path / "fleet.yaml"
@@ -207,19 +207,21 @@ def test_a_resumed_run_bounds_updates_by_the_norm_history_it_had_not_the_warm_up
             rundir,
             data,
             MemoryLink([LocalDevice(c.client_id, c.train, c.test) for c in clients]),
-            EngineSettings(min_devices=3, wait_timeout_s=60, calibration_samples=len(data.train_x)),
+            EngineSettings(min_devices=4, wait_timeout_s=60, calibration_samples=len(data.train_x)),
             planner=fixed_levels({c.client_id: c.level for c in clients}),
         )
 
     strategy = build_strategy("fedavg", CNN, {}, seed=0)
     first = engine(RunDir.create(tmp_path / "run", fleet_file, strategy.state_dict(), seed=0))
     assert first.run()
-    history = first.admission.gate.history
+    history, records = first.admission.gate.history, first.admission.gate.records
     first.rundir.close()
-    assert history.median("conv1.weight") is not None  # 6 accepted updates: the fleet's median is known
+    assert history.median("conv1.weight") is not None  # 8 accepted updates: the fleet's median is known
+    assert sorted(records.state()) == ["pi-0", "pi-1", "pi-2", "pi-3"]  # agreeing rounds: every device has a record
 
     resumed = RunDir.open(tmp_path / "run", fleet_file)
-    assert engine(resumed).admission.gate.history.window() == history.window()
+    gate = engine(resumed).admission.gate
+    assert gate.history.window() == history.window() and gate.records.state() == records.state()
     resumed.close()
 
 
