@@ -11,8 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
-from device_agent.agent.probe import measure_broker_link, probe_device
+from device_agent.agent.probe import measure_broker_link, measure_training_efficiency, probe_device
 from device_agent.cli.app import main
 from device_agent.common.profile import DeviceProfile
 from profiles.catalog import profile_from_report
@@ -122,3 +123,11 @@ def test_probe_measures_the_link_to_a_real_broker(mosquitto: str, capsys: pytest
 
     assert main(["probe", "--device", "cpu", "--seconds", "0.05", "--human", "--broker", mosquitto]) == 0
     assert "broker link:" in capsys.readouterr().out
+
+
+def test_a_training_efficiency_skewed_by_a_busy_host_stays_within_what_a_profile_accepts() -> None:
+    # A matmul rate measured far too low or too high (the scheduler cut one timing short) would give a ratio the
+    # profile refuses, failing the agent's start; it is kept to the profile's range instead.
+    cpu = torch.device("cpu")
+    assert measure_training_efficiency(cpu, matmul_gflops=1e-9) == 4
+    assert measure_training_efficiency(cpu, matmul_gflops=1e12) == 1e-3
