@@ -31,7 +31,7 @@ from torch import Tensor
 from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.rounds.signing import UploadSignatures
 from coordinator.rounds.state import OpenRound, Refusals, printable, refusal_reason
-from coordinator.rounds.upload_gate import Screened, UploadGate, UploadRefused, squared_norms
+from coordinator.rounds.upload_gate import Screened, UploadGate, UploadRefused, sample_scale, squared_norms
 from coordinator.run.journal import JournalEntry
 from coordinator.run.rundir import RoundNotOpen, RunDir
 from coordinator.strategies import ClientSlot, RoundAggregate, UploadContract
@@ -61,9 +61,14 @@ class Admission:
         refused: Refusals | None = None,
         *,
         contract: Callable[[ClientSlot], UploadContract],
+        typical_samples: float | None = None,
     ) -> None:
         """``contract``: what the device of a slot uploads (``Strategy.upload_contract``); ``refused``: where
-        refused uploads are counted (the engine's, which observers read)."""
+        refused uploads are counted (the engine's, which observers read); ``typical_samples``: the samples the update
+        bound scales every device's reference from (:func:`~coordinator.rounds.upload_gate.sample_scale`; one number
+        for the fleet, so a device with more data than the rest gets room for its longer update), else each
+        device's expected samples."""
+        self.typical_samples = typical_samples
         self.refused = refused if refused is not None else Refusals()
         self.gate = gate
         self.rundir = rundir
@@ -106,12 +111,13 @@ class Admission:
         parsed = self.gate.meta(received.meta, self.expected_samples(device))
         try:
             tensors, upload, extras = self.inspect(device, participant.level, data, parsed.samples, open_.aggregate)
-            screened = self.gate.norm(device, participant.level, upload)
+            weight = self.gate.sample_weight(parsed.samples, self.expected_samples(device))
+            scale = sample_scale(weight, self.typical_samples or self.expected_samples(device))
+            screened = self.gate.norm(device, participant.level, upload, scale)
         except (UpdateRejected, CodecError):
             raise
         except Exception as exc:  # one device's bytes must never stop the engine, whatever they trip over
             raise UploadRefused("other", f"the update could not be checked: {type(exc).__name__}: {exc}") from exc
-        weight = self.gate.sample_weight(parsed.samples, self.expected_samples(device))
         meta = {
             "samples": weight,
             "train_seconds": parsed.train_seconds,
@@ -171,12 +177,13 @@ class Admission:
                 payload_bytes = int(entry.meta.get("payload_bytes", 0))
                 data = self.rundir.upload_data(entry)
                 _, upload, extras = self.inspect(entry.device, participant.level, data, parsed.samples, open_.aggregate)
+                scale = sample_scale(parsed.samples, self.typical_samples or self.expected_samples(entry.device))
                 if assigned is not None:
                     sent = assigned() if sent is None else sent
-                    screened = self.gate.replayed(entry.device, upload, sent[entry.device])
+                    screened = self.gate.replayed(entry.device, upload, sent[entry.device], scale)
                 else:
                     norm = math.sqrt(sum(squared_norms(upload).values()))
-                    screened = Screened(upload, norm, dict(entry.meta.get("update_norms") or {}))
+                    screened = Screened(upload, norm, dict(entry.meta.get("update_norms") or {}), scale=scale)
             except Exception as exc:  # a journal of an older release: whatever it trips over, the run goes on
                 self._quarantine(entry, exc)
                 continue

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import queue
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -119,7 +120,10 @@ class RoundEngine:
         gate = UploadGate(settings.gate if self.strategy.aligned_updates else unaligned)
         expected = lambda d: fleet.samples_for(self.devices[d].device)  # noqa: E731
         contract = self.strategy.upload_contract
-        self.admission = Admission(gate, rundir, expected, signatures, self.refused, contract=contract)
+        typical = statistics.median(fleet.samples_for(d) for d in fleet.devices) if fleet.devices else None
+        self.admission = Admission(
+            gate, rundir, expected, signatures, self.refused, contract=contract, typical_samples=typical
+        )
         self.dispatch = Dispatcher(link, self.strategy, gate, rundir, fleet, settings.resend_after_s)
         self.laggards = LaggardGrace(settings.laggard_grace_factor, settings.laggard_grace_min_s)
         self.closer = RoundCloser(

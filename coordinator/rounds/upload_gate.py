@@ -12,12 +12,16 @@ the updates already accepted at the same level; with neither (e.g. a personalize
 device keeps what it uploads) the first upload of a level passes.
 
 That bound compares the upload with the weights, so it cannot tell -9.5x the weights sent (an
-update of 10.5x) from an honest upload. The update bound does: each layer's update (upload minus
-sent, full rank) is held to ``update_bound_factor`` x the median norm of that layer's accepted
-updates of the previous rounds (:class:`~coordinator.algorithms.robust.NormHistory`; never this
-round's, so no upload's bound depends on which arrived first), and clipped to it or refused. Until a
-layer has a median (the first round of a run), the layers without one may move by
-``update_warmup_factor`` x the norm of what was sent, together.
+update of 10.5x) from an honest upload. The update bound does (:func:`update_bounds`): each layer's update
+(upload minus sent, full rank) has a reference, the median norm of that layer's accepted updates of the
+previous rounds (:class:`~coordinator.algorithms.robust.NormHistory`; never this round's, so no upload's
+bound depends on which arrived first) scaled to the device's samples (x sqrt(samples / expected): more data,
+more steps, a longer update); the update as a whole, the root mean square of its moving layers' ratios to their
+references, is held to ``update_bound_factor`` and each layer alone to ``update_layer_bound_factor``, clipped to
+them or refused. One layer of an honest update can jump (3.6x its reference in the demo) where the whole
+update does not (2.0x), while a boosted update is large in every layer. Until a layer has a median (the first
+round of a run), the layers without one may move by ``update_warmup_factor`` x the norm of what was sent,
+together.
 
 A norm bound cannot see direction: a sign-flipped update has an honest norm. The direction check
 refuses (``wrong_direction``) an update, as it would be folded, whose cosine with the fleet's direction
@@ -34,7 +38,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -186,19 +190,34 @@ class Screened:
     """Per layer, the update as folded (full rank): what :meth:`UploadGate.accepted` adds to the reference."""
     sketch: Tensor | None = field(default=None, repr=False)
     """The update's direction sketch, for the peer check at the round's close (None: not checked)."""
+    scale: float = 1.0
+    """The device's :func:`sample_scale`: its update norms enter the fleet's history divided by it."""
 
 
 def update_bounds(
-    norms: Mapping[str, float], sent: Mapping[str, Tensor], history: NormHistory, settings: GateSettings
+    norms: Mapping[str, float],
+    sent: Mapping[str, Tensor],
+    history: NormHistory,
+    settings: GateSettings,
+    moving: Collection[str] = (),
+    scale: float = 1.0,
 ) -> dict[str, float]:
-    """Per layer, how far its update may go: k x the fleet median, else a share of the warm-up bound.
+    """Per layer, how far its update may go (module doc). A layer with a median: at most ``update_layer_bound_factor``
+    x its reference (``scale`` x the median), then all of them the share that brings the root mean square of the
+    ``moving`` layers' ratios to their references down to ``update_bound_factor`` where it is over. The others: a
+    share of the warm-up bound.
 
     A layer the fleet lately left unchanged (median 0: BatchNorm biases of devices whose one image gives no
     gradient) has no scale to judge by: k x 0 clipped every update of it to nothing, so the warm-up bound
     applies to it instead.
     """
-    factor = settings.update_bound_factor or math.inf
-    bounds = {name: factor * median for name in norms if (median := history.median(name))}
+    factor, layer = settings.update_bound_factor or math.inf, settings.update_layer_bound_factor or math.inf
+    references = {name: scale * median for name in norms if (median := history.median(name))}
+    capped = {name: min(norms[name], layer * reference) for name, reference in references.items()}
+    ratios = [capped[name] / references[name] for name in moving if name in references]
+    rms = math.sqrt(sum(r * r for r in ratios) / len(ratios)) if ratios else 0.0
+    share = min(1.0, factor / rms) if rms > 0 else 1.0
+    bounds = {name: share * norm for name, norm in capped.items()}
     warm = [name for name in norms if name not in bounds]
     if warm:
         layers = layers_of(sent)
@@ -207,6 +226,14 @@ def update_bounds(
         scale = min(1.0, settings.update_warmup_factor * max(sent_norm, settings.norm_floor) / max(update_norm, 1e-30))
         bounds.update({name: scale * norms[name] for name in warm})
     return bounds
+
+
+def sample_scale(samples: int | None, expected: int | None) -> float:
+    """How much longer an honest update of ``samples`` is than one of the ``expected`` samples (sqrt of the ratio:
+    between a random walk's and a straight line's growth with the steps taken); 1 when either is unknown."""
+    if not samples or not expected:
+        return 1.0
+    return math.sqrt(samples / expected)
 
 
 class UploadGate:
@@ -252,37 +279,39 @@ class UploadGate:
         check_meta_values(parsed, expected_samples, self.settings)
         return parsed
 
-    def norm(self, device: str, level: float, upload: Mapping[str, Tensor]) -> Screened:
+    def norm(self, device: str, level: float, upload: Mapping[str, Tensor], scale: float = 1.0) -> Screened:
         """The upload refused when beyond a bound, or as it may be folded (clipped); call after the strategy
-        found it finite."""
+        found it finite. ``scale``: the device's :func:`sample_scale`."""
         norms = squared_norms(upload)
         value = math.sqrt(sum(norms.values()))
         check_norm(value, norm_reference(norms, self._sent.get(device), self._accepted.get(level, [])), self.settings)
         sent = self._sent_tensors.get(device)
         directed = self.settings.direction_min_cosine is not None or self.settings.peer_min_cosine is not None
         if sent is None or (self.settings.update_bound_factor is None and not directed):
-            return Screened(dict(upload), value)
+            return Screened(dict(upload), value, scale=scale)
         direction = dense_updates(upload, sent)
         updates = layer_norms(direction)
+        moving = self._moving(updates, sent)
         over: dict[str, float] = {}
         if self.settings.update_bound_factor is not None:
-            bounds = update_bounds(updates, sent, self.history, self.settings)
+            bounds = update_bounds(updates, sent, self.history, self.settings, moving, scale)
             over = {name: bounds[name] for name in updates if updates[name] > bounds[name] * (1 + 1e-6)}
         if not over:
-            return self._directed(Screened(dict(upload), value, self._moving(updates, sent)), direction)
+            return self._directed(Screened(dict(upload), value, moving, scale=scale), direction)
         if self.settings.update_bound_action == "refuse":
             name = max(over, key=lambda n: updates[n] / max(over[n], 1e-30))
             raise UploadRefused(
                 "norm_too_large",
-                f"{name!r}: update norm {updates[name]:.4g} is over its bound {over[name]:.4g} "
-                f"({self.settings.update_bound_factor:g}x the fleet's recent median, or the warm-up bound)",
+                f"{name!r}: update norm {updates[name]:.4g} is over its bound {over[name]:.4g} (the whole update "
+                f"over {self.settings.update_bound_factor:g}x the fleet's recent median, a layer over "
+                f"{self.settings.update_layer_bound_factor or math.inf:g}x, or the warm-up bound)",
             )
         layers = layers_of(upload)
         steps = {name: clip_layer(upload, sent, layers[name], bound) for name, bound in over.items()}
         clipped = apply_steps(upload, sent, steps)
         direction |= dense_updates({key: clipped[key] for name in steps for key in layers[name]}, sent)
         folded = self._moving(layer_norms(direction), sent)
-        return self._directed(Screened(clipped, value, folded, steps), direction)
+        return self._directed(Screened(clipped, value, folded, steps, scale=scale), direction)
 
     def _moving(self, updates: dict[str, float], sent: Mapping[str, Tensor]) -> dict[str, float]:
         """The layers of ``updates`` that moved more than ``update_still_ratio`` x their norm as sent: only these
@@ -312,18 +341,21 @@ class UploadGate:
             )
         return replace(screened, cosine=cos, direction=direction, sketch=peer)
 
-    def replayed(self, device: str, upload: Mapping[str, Tensor], sent: Mapping[str, Tensor]) -> Screened:
+    def replayed(
+        self, device: str, upload: Mapping[str, Tensor], sent: Mapping[str, Tensor], scale: float = 1.0
+    ) -> Screened:
         """A journaled upload as a resume folds it. The norm bound judged it when it came (the journal keeps it as
         folded, clipped or not); its direction is measured again from ``sent`` (what the device was assigned this
-        round), so the peer check at the close judges it like a live one."""
+        round), so the peer check at the close judges it like a live one. ``scale``: as :meth:`norm`'s."""
         self.sent(device, squared_norms(sent), sent)
         direction = dense_updates(upload, sent)
         value = math.sqrt(sum(squared_norms(upload).values()))
-        return self._directed(Screened(dict(upload), value, self._moving(layer_norms(direction), sent)), direction)
+        moving = self._moving(layer_norms(direction), sent)
+        return self._directed(Screened(dict(upload), value, moving, scale=scale), direction)
 
     def accepted(self, level: float, screened: Screened, device: str | None = None) -> None:
         self._accepted.setdefault(level, []).append(screened.norm)
-        self.history.add(screened.update_norms, device or "")
+        self.history.add({name: n / screened.scale for name, n in screened.update_norms.items()}, device or "")
         if screened.direction:
             self.direction.add(screened.direction)
         if device is not None and screened.sketch is not None:

@@ -13,7 +13,7 @@ from coordinator.emulation.simulation import fixed_levels, simulation_fleet
 from coordinator.rounds.admission import Admission
 from coordinator.rounds.engine import EngineSettings, RoundEngine
 from coordinator.rounds.state import OpenRound, Participant
-from coordinator.rounds.upload_gate import UploadGate, UploadRefused, squared_norms
+from coordinator.rounds.upload_gate import UploadGate, UploadRefused, sample_scale, squared_norms
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ClientSlot, ModelSpec, build_strategy
 from coordinator.transport.memory_link import LocalDevice, MemoryLink
@@ -56,6 +56,64 @@ def test_minus_nine_and_a_half_times_the_weights_is_clipped_to_three_times_the_m
     assert screened.upload["w"].shape == SENT["w"].shape
     assert "b" not in screened.steps  # -9.5 x zeros is no update at all
     assert gate.norm("bad", 1.0, honest(7)).steps == {}  # an honest update passes untouched
+
+
+LAYERS = {f"l{i}": torch.ones(100) for i in range(8)}
+
+
+def layered(seed: int, boost: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
+    """An honest update of eight layers (each of norm ~0.1), the layers in ``boost`` scaled by their factor."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        k: v + (boost or {}).get(k, 1.0) * 0.01 * torch.randn(v.shape, generator=generator) for k, v in LAYERS.items()
+    }
+
+
+def layered_gate() -> UploadGate:
+    """A gate whose last round accepted five honest eight-layer updates of devices with the expected samples."""
+    gate = UploadGate(GateSettings())
+    for i in range(5):
+        gate.sent(f"h{i}", squared_norms(LAYERS), LAYERS)
+        gate.accepted(1.0, gate.norm(f"h{i}", 1.0, layered(i)), f"h{i}")
+    gate.open_round()
+    return gate
+
+
+def test_one_layer_of_an_honest_update_may_jump_where_an_update_boosted_in_every_layer_is_clipped() -> None:
+    """The bound holds the update as a whole (the root mean square of its layers' ratios) at 3x the fleet's median,
+    each layer alone at 6x: an honest update with one layer at 4x passes untouched (the demo's orin-02 had conv3 at
+    3.6x with the rest of its update at 2x), the same update boosted 4x everywhere is clipped to 3x in each layer."""
+    gate = layered_gate()
+    gate.sent("jump", squared_norms(LAYERS), LAYERS)
+    jump = layered(7, {"l0": 4.0})
+    assert gate.norm("jump", 1.0, jump).steps == {}
+    gate.sent("boost", squared_norms(LAYERS), LAYERS)
+    screened = gate.norm("boost", 1.0, layered(7, {name: 4.0 for name in LAYERS}))
+    ratios = [screened.update_norms[name] / gate.history.median(name) for name in LAYERS]
+    assert set(screened.steps) == set(LAYERS) and sum(r * r for r in ratios) / len(ratios) == pytest.approx(9, rel=1e-3)
+    gate.sent("one", squared_norms(LAYERS), LAYERS)
+    one = gate.norm("one", 1.0, layered(7, {"l0": 9.5}))  # one layer boosted: held at 6x by the bound per layer
+    assert set(one.steps) == {"l0"} and one.update_norms["l0"] == pytest.approx(6 * gate.history.median("l0"), rel=1e-4)
+
+
+def test_a_device_with_more_samples_gets_room_for_its_longer_update_and_its_norms_enter_the_median_scaled() -> None:
+    """Twice the data, twice the steps: the reference grows with sqrt(samples / expected), so a device with 4x the
+    expected samples may move twice as far, and its norms enter the history halved (the median stays a device's of
+    the expected samples)."""
+    gate = layered_gate()
+    medians = {name: gate.history.median(name) for name in LAYERS}
+    large = layered(8, {name: 5.0 for name in LAYERS})  # ~5x the median in every layer
+    gate.sent("small", squared_norms(LAYERS), LAYERS)
+    assert gate.norm("small", 1.0, large, scale=sample_scale(100, 100)).steps.keys() == LAYERS.keys()
+    gate.sent("big", squared_norms(LAYERS), LAYERS)
+    screened = gate.norm("big", 1.0, large, scale=sample_scale(400, 100))
+    assert screened.steps == {} and screened.scale == 2.0
+    gate.accepted(1.0, screened, "big")
+    gate.open_round()
+    window = gate.history.window()[-1]
+    assert window == {name: [pytest.approx(screened.update_norms[name] / 2)] for name in LAYERS}
+    assert all(gate.history.median(name) > medians[name] for name in LAYERS)  # its round joined the window
+    assert sample_scale(None, 100) == sample_scale(100, None) == 1.0
 
 
 def test_a_rounds_bounds_come_from_earlier_rounds_so_arrival_order_changes_nothing() -> None:
