@@ -550,19 +550,22 @@ SUITE = tuple(
     replace(case, strategies=(strategy,))
     for case in (
         Case("digits", None, (), ("backdoor", "update_x-1", "colluders_reversed", "at_the_cut")),
-        Case("digits", 1.0, (), ("backdoor", "update_x-1", "at_the_cut")),
+        Case("digits", 1.0, (), ("backdoor", "at_the_cut")),
         Case("fashion_mnist", None, (), ("backdoor", "update_x-1"), 2000, 2000),
     )
     for strategy in ("fedavg", "fedhm")
 )
 """issue 42's cases, one per strategy (so ``--jobs`` spreads them): a backdoor from 1 and 2 of 10 devices, plain
 flips (``update_x-1``) on the mixed-rank FedHM fleet, colluders and the adaptive attacker on iid digits; the
-backdoor, flips and the adaptive attacker on label-skewed digits (Dirichlet(1.0)); the backdoor and flips on
-Fashion-MNIST (its first 2,000 training and test images)."""
+backdoor and the adaptive attacker on label-skewed digits (Dirichlet(1.0)); the backdoor and flips on
+Fashion-MNIST (its first 2,000 training and test images). 36 runs of 20 rounds."""
 
 
-def run_case(case: Case, rounds: int, clients: int, train: TrainConfig) -> dict[str, Any]:
-    """:func:`poisoning` of one case, with 1 and 2 malicious devices (a process of its own under ``--jobs``)."""
+def run_case(case: Case, rounds: int, clients: int, train: TrainConfig, threads: int | None = None) -> dict[str, Any]:
+    """:func:`poisoning` of one case, with 1 and 2 malicious devices (a process of its own under ``--jobs``, with
+    ``threads`` torch threads: one each, as many processes share the cores)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
 
     def progress(line: str) -> None:
         print(f"[{case.name}] {line}", file=sys.stderr, flush=True)
@@ -587,7 +590,8 @@ def suite(cases: Sequence[Case], rounds: int, clients: int, train: TrainConfig, 
     worst drops, the backdoor's best success with 1 and 2 of 10, and every honest update refused."""
     if jobs > 1:
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            results = list(pool.map(run_case, cases, *zip(*[(rounds, clients, train)] * len(cases), strict=True)))
+            settings = zip(*[(rounds, clients, train, 1)] * len(cases), strict=True)
+            results = list(pool.map(run_case, cases, *settings))
     else:
         results = [run_case(case, rounds, clients, train) for case in cases]
 
