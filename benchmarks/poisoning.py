@@ -558,7 +558,7 @@ SUITE = tuple(
 """issue 42's cases, one per strategy (so ``--jobs`` spreads them): a backdoor from 1 and 2 of 10 devices, plain
 flips (``update_x-1``) on the mixed-rank FedHM fleet, colluders and the adaptive attacker on iid digits; the
 backdoor and the adaptive attacker on label-skewed digits (Dirichlet(1.0)); the backdoor and flips on
-Fashion-MNIST (its first 2,000 training and test images). 36 runs of 20 rounds."""
+Fashion-MNIST (its first 2,000 training and test images). 38 runs of 20 rounds."""
 
 
 def run_case(case: Case, rounds: int, clients: int, train: TrainConfig, threads: int | None = None) -> dict[str, Any]:
