@@ -10,10 +10,13 @@ from rich.table import Table
 from coordinator.run.metrics import RoundMetrics, is_failed
 
 if TYPE_CHECKING:
+    from coordinator.rounds.async_engine import AsyncEngine
     from coordinator.rounds.engine import RoundEngine
 
 
 def round_table(engine: RoundEngine) -> Table:
+    if engine.runs_async:
+        return version_table(engine)  # type: ignore[arg-type]
     open_ = engine.open
     last = engine.last
     title = f"fleet {engine.fleet.fleet}: round {engine.next_round}/{engine.fleet.rounds}"
@@ -50,3 +53,30 @@ def round_figures(last: RoundMetrics) -> str:
     if last.federated_accuracy is not None:
         parts.append(f"federated accuracy {last.federated_accuracy:.3f}")
     return ", ".join(parts) or "not evaluated"
+
+
+def version_table(engine: AsyncEngine) -> Table:
+    """Async mode: the model version, the buffer, who trains which version, and the last version's staleness."""
+    server, last = engine.server, engine.last
+    title = f"fleet {engine.fleet.fleet}: version {server.version}/{engine.fleet.rounds}"
+    title += f", buffer {server.buffered}/{server.settings.buffer}, {len(server.in_flight)} training"
+    if last is not None and last.asynchronous is not None:
+        histogram = " ".join(f"{s}:{n}" for s, n in sorted(last.asynchronous.staleness.items()))
+        title += f"  (version {last.round}: {round_figures(last)}, {last.asynchronous.updates} updates"
+        title += f" from {last.participants} devices, staleness {histogram}"
+        title += f", {last.asynchronous.too_stale} too stale)" if last.asynchronous.too_stale else ")"
+    table = Table(title=title)
+    for column in ("device", "class", "online", "agent", "ratio", "trains version", "staleness now"):
+        table.add_column(column, justify="right" if column in ("ratio", "trains version", "staleness now") else "left")
+    for device_id, state in engine.devices.items():
+        ticket = engine.holding(device_id)
+        table.add_row(
+            device_id,
+            state.device.profile,
+            "refused" if state.refused else "yes" if state.online else "no",
+            state.state,
+            str(Fraction(ticket.level).limit_denominator(1000)) if ticket else "-",
+            f"{ticket.version} (ticket {ticket.number})" if ticket else "-",
+            str(server.version - ticket.version) if ticket else "",
+        )
+    return table

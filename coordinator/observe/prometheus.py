@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from coordinator.observe.snapshot import DeviceView, Snapshot
+from coordinator.observe.snapshot import AsyncView, DeviceView, Snapshot
 from coordinator.planning.planner import fmt_ratio
 
 PREFIX = "fedfleet_"
@@ -50,6 +50,8 @@ class RunCollector(Collector):
         yield from _device_families(snapshot.devices)
         yield from _class_families(snapshot.devices)
         yield from _round_families(snapshot)
+        if snapshot.asynchronous is not None:
+            yield from _async_families(snapshot.asynchronous, snapshot)
 
 
 def _device_families(devices: list[DeviceView]) -> Iterator[Metric]:
@@ -168,3 +170,37 @@ def _round_families(snapshot: Snapshot) -> Iterator[Metric]:
         yield GaugeMetricFamily(
             f"{PREFIX}round_federated_loss", f"{last_round} {received}: loss", value=last.federated_loss
         )
+
+
+STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32)
+"""Upper bounds of the staleness histogram's buckets (versions); fleet.yaml's max_staleness is 20 by default."""
+
+
+def _async_families(view: AsyncView, snapshot: Snapshot) -> Iterator[Metric]:
+    """Async mode (docs/async.md): model versions, updates per version and the staleness of folded updates."""
+    yield GaugeMetricFamily(f"{PREFIX}model_version", "the newest published model version", value=view.version)
+    yield GaugeMetricFamily(
+        f"{PREFIX}async_buffered_updates",
+        "updates folded toward the next version (it is published at the buffer)",
+        value=view.buffered,
+    )
+    yield GaugeMetricFamily(f"{PREFIX}async_buffer_size", "updates that make a version (async.buffer, K)", view.buffer)
+    yield GaugeMetricFamily(
+        f"{PREFIX}async_devices_training", "devices holding an assignment they have not answered", value=view.training
+    )
+    newest = snapshot.history[-1].updates if snapshot.history else None
+    if newest is not None:
+        yield GaugeMetricFamily(f"{PREFIX}async_version_updates", "updates folded into the newest version", newest)
+    yield CounterMetricFamily(
+        f"{PREFIX}async_updates_too_stale",
+        "updates refused as too stale (async.max_staleness) in published versions",
+        value=view.too_stale,
+    )
+    cumulative = [(str(bound), sum(n for s, n in view.staleness.items() if s <= bound)) for bound in STALENESS_BUCKETS]
+    total = sum(view.staleness.values())
+    yield HistogramMetricFamily(
+        f"{PREFIX}async_update_staleness",
+        "versions published while a folded update trained, over the run's published versions",
+        buckets=[*cumulative, ("+Inf", total)],
+        sum_value=sum(s * n for s, n in view.staleness.items()),
+    )

@@ -85,10 +85,17 @@ class RoundView:
     epsilon: float | None = None
     """User-level epsilon after this round (fleet.yaml ``privacy``), at ``delta``; None without privacy."""
     delta: float | None = None
+    updates: int | None = None
+    """Async mode (the round is a model version): the updates folded into it; None in rounds."""
+    staleness: dict[int, int] | None = None
+    """Async mode: staleness -> this version's updates."""
+    too_stale: int = 0
+    """Async mode: updates refused as too stale since the version before."""
 
     @classmethod
     def of(cls, metrics: RoundMetrics) -> RoundView:
         statuses = Counter(d.status for d in metrics.devices.values())
+        a = metrics.asynchronous
         return cls(
             round=metrics.round,
             accuracy=metrics.accuracy,
@@ -105,6 +112,9 @@ class RoundView:
             phases=dict(metrics.phases),
             epsilon=None if metrics.privacy is None else metrics.privacy.epsilon,
             delta=None if metrics.privacy is None else metrics.privacy.delta,
+            updates=None if a is None else a.updates,
+            staleness=None if a is None else dict(a.staleness),
+            too_stale=0 if a is None else a.too_stale,
         )
 
 
@@ -115,6 +125,26 @@ class OpenRoundView:
     deadline_in_s: float
     selected: int
     statuses: dict[str, int]
+
+
+@dataclass(frozen=True)
+class AsyncView:
+    """Async mode (fleet.yaml ``strategy.mode: async``): where FedBuff stands now, and the run's staleness."""
+
+    version: int
+    """The newest published model version."""
+    buffered: int
+    """Updates folded toward the next version."""
+    buffer: int
+    """Updates that make a version (``async.buffer``, K)."""
+    training: int
+    """Devices holding an assignment they have not answered."""
+    concurrency: int | None
+    max_staleness: int
+    staleness: dict[int, int]
+    """Staleness -> updates folded into the run's published versions (a resumed run's included)."""
+    too_stale: int
+    """Updates refused as too stale over the run's published versions."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +161,8 @@ class Snapshot:
     """The engine's last refused uploads, oldest first."""
     quorum: float = 1.0
     """fleet.yaml's quorum: a round with fewer accepted updates than this share of its selected devices failed."""
+    asynchronous: AsyncView | None = None
+    """Async mode only: model versions instead of rounds (``history`` holds one row per version)."""
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -169,6 +201,7 @@ class FleetWatch:
             history=list(self._history),
             refusals=list(engine.recent_refusals),
             quorum=engine.fleet.quorum,
+            asynchronous=self._async(engine),
         )
         with self._lock:
             self._snapshot = snapshot
@@ -218,6 +251,24 @@ class FleetWatch:
                 )
             )
         return views
+
+    def _async(self, engine: RoundEngine) -> AsyncView | None:
+        if not engine.runs_async:
+            return None
+        server = engine.server  # type: ignore[attr-defined]
+        staleness: Counter[int] = Counter()
+        for row in self._history:
+            staleness.update(row.staleness or {})
+        return AsyncView(
+            version=server.version,
+            buffered=server.buffered,
+            buffer=server.settings.buffer,
+            training=len(server.in_flight),
+            concurrency=server.settings.concurrency,
+            max_staleness=server.settings.max_staleness,
+            staleness=dict(sorted(staleness.items())),
+            too_stale=sum(row.too_stale for row in self._history),
+        )
 
     @staticmethod
     def _open_round(engine: RoundEngine) -> OpenRoundView | None:

@@ -43,7 +43,7 @@ from coordinator.rounds.fedbuff import Published, TooStale
 from coordinator.rounds.settings import EngineSettings
 from coordinator.rounds.signing import UploadSignatures
 from coordinator.rounds.state import printable, refusal_reason
-from coordinator.rounds.upload_gate import UploadRefused, squared_norms
+from coordinator.rounds.upload_gate import UploadGate, UploadRefused, squared_norms
 from coordinator.run.metrics import AsyncMetrics, DeviceRoundMetrics, received_metrics
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ClientSlot, Strategy
@@ -265,8 +265,13 @@ class AsyncEngine(RoundEngine):
         self.server.release(device)
 
     @property
-    def gate(self):
+    def gate(self) -> UploadGate:
         return self.admission.gate
+
+    def holding(self, device: str) -> Ticket | None:
+        """The ticket ``device`` trains (sent by this process and not answered yet), for the live table."""
+        sent = self._sent.get(device)
+        return None if sent is None else sent.ticket
 
     # ---- messages --------------------------------------------------------------------------------
 

@@ -422,7 +422,40 @@ def _per_round(rounds: list[RoundMetrics]) -> str:
     if any(row.privacy is not None for row in rounds):
         header = (*header, "epsilon", "clip norm")
         rows = [(*cells, *_privacy_cells(row)) for cells, row in zip(rows, rounds, strict=True)]
+    if any(row.asynchronous is not None for row in rounds):
+        header = ("version", *header[1:], "updates", "staleness (s:updates)", "too stale")
+        rows = [(*cells, *_async_cells(row)) for cells, row in zip(rows, rounds, strict=True)]
     return _table(header, rows)
+
+
+def _async_cells(row: RoundMetrics) -> tuple[str, str, str]:
+    """Async mode (docs/async.md): the updates a version folded, their staleness, and the too-stale refused."""
+    a = row.asynchronous
+    if a is None:
+        return ("-", "-", "-")
+    return (str(a.updates), " ".join(f"{s}:{n}" for s, n in sorted(a.staleness.items())), str(a.too_stale))
+
+
+def _staleness(rounds: list[RoundMetrics]) -> str:
+    """Async mode: the run's staleness histogram over its published versions (empty in rounds)."""
+    versions = [row.asynchronous for row in rounds if row.asynchronous is not None]
+    if not versions:
+        return ""
+    histogram: Counter[int] = Counter()
+    for version in versions:
+        histogram.update(version.staleness)
+    total = sum(histogram.values())
+    rows = [
+        (s, n, f"{n / total:.1%}", "#" * max(1, round(40 * n / max(histogram.values()))))
+        for s, n in sorted(histogram.items())
+    ]
+    refused = sum(v.too_stale for v in versions)
+    updates = [v.updates for v in versions]
+    caption = (
+        f"<p>{len(versions)} model versions, {total} updates folded ({min(updates)}-{max(updates)} a version), "
+        f"{refused} refused as too stale. Staleness: versions published while the update trained.</p>"
+    )
+    return f"<h2>Staleness (async)</h2>{caption}{_table(('staleness', 'updates', 'share', ''), rows)}"
 
 
 def _privacy_cells(row: RoundMetrics) -> tuple[str, str]:
@@ -487,6 +520,7 @@ def write_report(run_dir: Path) -> Path:
 {"".join(figures)}
 <h2>Devices</h2>{_per_device(rounds)}
 <h2>Rounds</h2>{_per_round(rounds)}
+{_staleness(rounds)}
 {_exports(run_dir)}
 <h2>Configuration</h2><details><summary>{FLEET_FILE} snapshot</summary><pre>{snapshot}</pre></details>
 </body></html>

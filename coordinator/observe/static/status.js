@@ -107,6 +107,46 @@ function renderOpenRound(open) {
   );
 }
 
+// Async mode (docs/async.md): the newest model version, the buffer toward the next one, who trains, and the
+// run's staleness histogram (one bar per staleness, versions published while the update trained).
+function renderVersions(view, last) {
+  const box = document.getElementById("open-round");
+  box.replaceChildren();
+  box.className = "";
+  const bar = el("span", { class: "progress" });
+  const filled = el("span");
+  filled.style.width = (100 * view.buffered / Math.max(1, view.buffer)).toFixed(0) + "%";
+  bar.appendChild(filled);
+  box.append(
+    el("strong", {}, "version " + view.version + ": "),
+    bar,
+    document.createTextNode(
+      " " + view.buffered + "/" + view.buffer + " updates toward version " + (view.version + 1) + ", " +
+      view.training + " devices training" + (view.concurrency !== null ? " (at most " + view.concurrency + ")" : "") +
+      (last && last.updates !== null ? "; version " + last.round + " folded " + last.updates + " updates" : "")
+    ),
+  );
+  const counts = Object.entries(view.staleness).map(([s, n]) => [Number(s), n]);
+  const most = Math.max(1, ...counts.map(([, n]) => n));
+  const table = el("table", { id: "staleness" });
+  table.appendChild(el("caption", {}, "staleness of folded updates (max " + view.max_staleness + ", " +
+    view.too_stale + " refused too stale)"));
+  for (const [staleness, n] of counts) {
+    const row = el("tr");
+    cell(row, String(staleness), "num");
+    const bars = el("td");
+    const histogramBar = el("span", { class: "progress" });
+    const part = el("span");
+    part.style.width = (100 * n / most).toFixed(0) + "%";
+    histogramBar.appendChild(part);
+    bars.appendChild(histogramBar);
+    row.appendChild(bars);
+    cell(row, String(n), "num");
+    table.appendChild(row);
+  }
+  box.appendChild(table);
+}
+
 // A line chart in hand-written SVG: x = round, one path per series, y axis from yMin to yMax.
 function lineChart(svg, rounds, series, yMin, yMax, format) {
   svg.replaceChildren();
@@ -202,13 +242,15 @@ function render(s) {
   const online = s.devices.filter((d) => d.online).length;
   const refused = s.devices.filter((d) => d.refused_because).length;
   const failed = s.history.filter((r) => roundFailed(r, s.quorum)).length;
+  const unit = s.asynchronous ? "versions published" : "rounds done";
   document.getElementById("summary").textContent =
-    s.history.length + "/" + s.rounds_planned + " rounds done" + (failed ? " (" + failed + " FAILED)" : "") + ", " +
+    s.history.length + "/" + s.rounds_planned + " " + unit + (failed ? " (" + failed + " FAILED)" : "") + ", " +
     online + "/" + s.devices.length + " devices online" +
     (refused ? ", " + refused + " refused" : "") +
     (last ? "; round " + last.round + (roundFailed(last, s.quorum) ? " FAILED: " : ": ") + figures(last) + ", " + last.participants + "/" + last.selected + " updates, " + last.stragglers + " stragglers, " +
       last.seconds.toFixed(1) + " s" : "");
-  renderOpenRound(s.open_round);
+  if (s.asynchronous) renderVersions(s.asynchronous, last);
+  else renderOpenRound(s.open_round);
   renderFleet(s.devices);
   renderCharts(s.history);
   renderRefusals(s.refusals);

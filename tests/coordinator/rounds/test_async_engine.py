@@ -5,44 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import yaml
 
 from coordinator.config.fleet import parse_fleet
-from coordinator.emulation.simulation import fixed_levels, simulate, simulation_fleet
-from coordinator.rounds.async_engine import AsyncEngine, engine_class
+from coordinator.emulation.simulation import simulate, simulation_fleet
+from coordinator.rounds.async_engine import AsyncEngine
 from coordinator.rounds.engine import EngineSettings, RoundEngine
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ModelSpec, build_strategy
 from coordinator.transport.memory_link import LocalDevice, MemoryLink
 from device_agent.clients.spec import TrainConfig
 from device_agent.data.datasets import LabeledData, load_dataset
+from tests.coordinator.rounds.async_engines import async_engine
 from tests.digit_clients import digit_clients
 
 CNN = ModelSpec("cnn", 10, 1, 8)
 NAMES = ["a", "b", "c", "d", "e", "f"]
-
-
-def async_engine(tmp_path: Path, names: list[str], versions: int, settings: dict, levels=None) -> AsyncEngine:
-    """An AsyncEngine over one real agent per name (in memory), FedAvg on iid digits."""
-    data = load_dataset("digits", 8, 1)
-    clients = digit_clients(names, levels)
-    strategy = build_strategy("fedavg", CNN, {}, seed=0)
-    raw = simulation_fleet(strategy, clients, versions, TrainConfig(batch_size=32), asynchronous=settings)
-    (tmp_path / "fleet.yaml").write_text(yaml.safe_dump(raw))
-    calibration = data.train_x[:128]
-    fleet = parse_fleet(raw)
-    engine = engine_class(fleet)(
-        fleet,
-        {},
-        strategy,
-        RunDir.create(tmp_path / "run", tmp_path / "fleet.yaml", strategy.state_dict(), seed=0),
-        LabeledData(calibration, calibration.new_zeros(128), data.test_x, data.test_y, 10),
-        MemoryLink([LocalDevice(c.client_id, c.train, c.test) for c in clients]),
-        EngineSettings(min_devices=len(names), wait_timeout_s=60, calibration_samples=128),
-        planner=fixed_levels({c.client_id: c.level for c in clients}),
-    )
-    assert isinstance(engine, AsyncEngine)
-    return engine
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "fedhm"])
