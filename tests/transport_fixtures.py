@@ -73,7 +73,7 @@ def _start(kind: str) -> TestBroker:
         from coordinator.transport.broker.amqtt_broker import AmqttBroker
 
         broker = AmqttBroker(settings)
-    broker.start()
+    broker.start(timeout=60)  # a loaded host starts amqtt (Python) in well over its default 20 s
     return TestBroker(broker, FLEET, credentials)
 
 

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 
-def until(condition: Callable[[], object], timeout: float = 30.0, poll_s: float = 0.02) -> bool:
+def until(condition: Callable[[], object], timeout: float = 60.0, poll_s: float = 0.02) -> bool:
     """Poll ``condition`` until it holds or ``timeout`` seconds pass: whether it holds (assert on that)."""
     deadline = time.monotonic() + timeout
     while not condition():

@@ -155,7 +155,7 @@ def _send_garbage(fleet: Fleet, device: str, run: str, round_: int) -> list[Mess
         garbage = b"not a safetensors payload" * 100
         meta = {"sha256": hashlib.sha256(garbage).hexdigest(), "samples": "10", "train_seconds": "1", "loss": "1"}
         delivery = session.send(topics.up, garbage, run=run, round=round_, kind="update", meta=meta)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not any(
             isinstance(a, Error) and a.transfer == delivery.transfer for a in answers
         ):

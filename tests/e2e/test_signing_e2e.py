@@ -62,7 +62,7 @@ def _forge(broker: MosquittoBroker, login: Credentials, run: str, key: bytes) ->
             forged = meta if forgery == "unsigned" else signed_meta(meta, signing_key, identity)
             session.send(topics.up, payload, run=run, round=1, kind="update", meta=forged, transfer=transfer)
             sent[transfer] = forgery
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline and len({a.transfer for a in answers if isinstance(a, Error)}) < 3:
             time.sleep(0.1)
     return {sent[a.transfer]: a for a in answers if isinstance(a, Error) and a.transfer in sent}

@@ -176,7 +176,7 @@ def test_launch_starts_one_agent_per_device_and_reports_a_crash(tmp_path: Path) 
     broker = yaml.safe_load(emulation.specs[0].config.read_text())["transport"]["broker"]
     assert broker["url"] == "mqtt://127.0.0.1:18999"
     assert broker["protocol"] == "3.1.1"  # the agents speak what the broker speaks (amqtt: 3.1.1 only)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while not emulation.crashed and time.monotonic() < deadline:
         time.sleep(0.1)
     crashed = emulation.stop()

@@ -43,7 +43,7 @@ class Probe:
         self.client.on_message = lambda c, u, message: self.received.append(message.topic)
         self.client.connect(address.host, address.port)
         self.client.loop_start()
-        assert self._done["connect"].wait(10)
+        assert self._done["connect"].wait(60)
 
     def _set(self, key: str, value: object) -> None:
         self.answers[key] = value
@@ -56,13 +56,13 @@ class Probe:
     def subscribe(self, topic: str) -> bool:
         self._done["subscribe"].clear()
         self.client.subscribe(topic, qos=1)
-        assert self._done["subscribe"].wait(10)
+        assert self._done["subscribe"].wait(60)
         return not self.answers["subscribe"].is_failure
 
     def publish(self, topic: str) -> bool:
         self._done["publish"].clear()
         self.client.publish(topic, b"x", qos=1)
-        assert self._done["publish"].wait(10)
+        assert self._done["publish"].wait(60)
         return not self.answers["publish"].is_failure
 
     def close(self) -> None:
@@ -75,7 +75,7 @@ def kit_fleet() -> Iterator[tuple]:
     fleet_file, fleet = make_fleet()
     kits = provision_into(fleet, fleet_file.parent)
     broker = kit_broker(fleet, kits)
-    broker.start()
+    broker.start(timeout=60)
     yield fleet, kits, broker, fleet_file.parent
     broker.stop()
 
@@ -98,7 +98,7 @@ def test_a_device_cannot_touch_another_devices_subtree(kit_fleet: tuple) -> None
         assert a.publish(f"{other}/up/data")  # a's upload...
         assert coordinator.publish(f"{other}/down/data")  # ...and a's assignment...
         assert coordinator.publish(f"{own}/down/data")  # ...and b's own
-        deadline = time.monotonic() + 30  # a loaded host may take seconds; the loop ends on arrival
+        deadline = time.monotonic() + 60  # a loaded host may take seconds; the loop ends on arrival
         while len(b.received) < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.5)
@@ -119,7 +119,7 @@ def test_a_certificate_logs_in_only_as_the_device_it_names(kit_fleet: tuple) -> 
         coordinator.subscribe("fedfleet/kitfleet/dev/+/up/#")
         assert not impostor.publish("fedfleet/kitfleet/dev/a/up/data")  # refused: this connection is not a
         assert impostor.publish("fedfleet/kitfleet/dev/b/up/data")  # it is b, the certificate's CN
-        deadline = time.monotonic() + 30  # a loaded host may take seconds; the loop ends on arrival
+        deadline = time.monotonic() + 60  # a loaded host may take seconds; the loop ends on arrival
         while not coordinator.received and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(0.3)

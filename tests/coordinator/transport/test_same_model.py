@@ -44,7 +44,7 @@ class TurnTakingMqttLink(MqttLink):
         super().__init__(*args, **kwargs)
         self.turns = turns
 
-    def start(self, on_message, on_payload, on_refused=None, timeout: float = 30.0) -> None:
+    def start(self, on_message, on_payload, on_refused=None, timeout: float = 60.0) -> None:
         def message_in(device, message) -> None:
             on_message(device, message)
             if isinstance(message, RoundFailed):

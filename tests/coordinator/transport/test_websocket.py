@@ -81,7 +81,7 @@ class Heard:
             kind.append(item)
             self.changed.notify_all()
 
-    def wait(self, what: str, condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    def wait(self, what: str, condition: Callable[[], bool], timeout: float = 60.0) -> None:
         with self.changed:
             assert self.changed.wait_for(condition, timeout), f"no {what} within {timeout} s: {self}"
 
@@ -166,7 +166,7 @@ def test_an_upload_cut_off_by_a_lost_connection_resumes_after_the_reconnect(serv
         for _ in range(8):
             assert sent.acquire(timeout=60)
         served._connections["d0"].close(1011, "test: connection lost mid-transfer")
-        delivery.wait(30)
+        delivery.wait(60)
         heard.wait("upload", lambda: bool(heard.payloads))
         assert [(d, c.data == update) for d, c in heard.payloads] == [("d0", True)]  # once, whole
         assert client.endpoint.stats.connects == 2

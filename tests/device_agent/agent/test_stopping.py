@@ -30,7 +30,7 @@ def run_and_terminate(mode: str) -> tuple[int, float]:
     assert process.stdout is not None and process.stdout.readline().strip() == "ready"
     sent = time.monotonic()
     process.send_signal(signal.SIGTERM)
-    code = process.wait(timeout=20)
+    code = process.wait(timeout=60)
     return code, time.monotonic() - sent
 
 
@@ -52,7 +52,7 @@ stopping = threading.Event()
 stop_on_signals(stopping.set, grace_s=1.0)
 with stopping._cond:  # as mid-wait on the Event: the lock ``stopping.set`` needs is held by this thread
     print("ready", flush=True)
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         time.sleep(0.05)
 """
@@ -65,9 +65,9 @@ def test_a_signal_arriving_while_the_main_thread_holds_the_stop_s_lock_still_exi
     assert process.stdout is not None and process.stdout.readline().strip() == "ready"
     sent = time.monotonic()
     process.send_signal(signal.SIGTERM)
-    code = process.wait(timeout=20)
+    code = process.wait(timeout=90)
     assert code == 128 + signal.SIGTERM
-    assert time.monotonic() - sent < 10  # the grace, not the 15 s the main thread holds the lock
+    assert time.monotonic() - sent < 30  # the grace (1 s; slower on a loaded host), not the 60 s the lock is held
 
 
 def test_a_second_signal_exits_at_once() -> None:
@@ -77,4 +77,4 @@ def test_a_second_signal_exits_at_once() -> None:
     process.send_signal(signal.SIGINT)
     assert process.stdout.readline().strip() == "stopping"  # the first signal was handled
     process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=20) == 128 + signal.SIGTERM
+    assert process.wait(timeout=60) == 128 + signal.SIGTERM

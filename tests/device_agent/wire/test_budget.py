@@ -56,7 +56,7 @@ class _Flooder:
         self.client.connect(login.host, login.port)
         self.client.loop_start()
         self.client.subscribe(self.topics.down, qos=1)
-        assert subscribed.wait(5)
+        assert subscribed.wait(60)
 
     def publish(self, frames: list[tuple[str, bytes]]) -> None:
         infos = [self.client.publish(topic, data, qos=1) for topic, data in frames]

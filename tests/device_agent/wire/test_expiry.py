@@ -10,9 +10,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
-import time
 import tracemalloc
-from collections.abc import Callable
 
 import pytest
 
@@ -20,6 +18,7 @@ from device_agent.wire.guard import InboundGuard, InboundLimits
 from device_agent.wire.messages import Error, Message
 from device_agent.wire.session import coordinator_session, device_session
 from device_agent.wire.transfer import IncomingTransfers, announce
+from tests.waiting import until
 
 CHUNK = 256 * 1024
 SIZE = 8 << 20
@@ -83,28 +82,20 @@ def test_all_peers_together_cannot_hold_more_than_the_total_cap(fresh_mosquitto)
             session.start()
         first, second = announce(4 << 20, CHUNK, kind="update"), announce(4 << 20, CHUNK, kind="update")
         devices["dev-a"][0].publish(devices["dev-a"][1].up, first)  # announced, never a chunk: held as pending
-        assert _until(lambda: coordinator.receiving() == [first.transfer]), "dev-a's transfer was never held"
+        assert until(lambda: coordinator.receiving() == [first.transfer]), "dev-a's transfer was never held"
         devices["dev-b"][0].publish(devices["dev-b"][1].up, second)
-        assert _until(lambda: errors("dev-b")), "dev-b was never answered"
+        assert until(lambda: errors("dev-b")), "dev-b was never answered"
         (refusal,) = errors("dev-b")
         assert refusal.code == "too_large" and "from all peers" in refusal.detail
         assert ("dev-b", "transfer_refused") in refused
 
-        assert _until(lambda: errors("dev-a")), "dev-a's transfer never expired"
+        assert until(lambda: errors("dev-a")), "dev-a's transfer never expired"
         (expiry,) = errors("dev-a")
         assert expiry.transfer == first.transfer and "expired" in expiry.detail
         devices["dev-b"][0].publish(devices["dev-b"][1].up, second)  # room again: admitted this time
-        assert _until(lambda: coordinator.receiving() == [second.transfer]), "dev-b's transfer was not admitted"
+        assert until(lambda: coordinator.receiving() == [second.transfer]), "dev-b's transfer was not admitted"
         assert len(errors("dev-b")) == 1
     finally:
         for session, _ in devices.values():
             session.stop()
         coordinator.stop()
-
-
-def _until(condition: Callable[[], object], timeout: float = 30.0) -> bool:
-    """Wait for ``condition`` (polled), at most ``timeout`` seconds: whether it holds."""
-    deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return bool(condition())

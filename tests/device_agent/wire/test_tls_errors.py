@@ -77,7 +77,7 @@ def test_the_session_logs_the_clock_not_just_a_failed_connection(
         session = Session(SessionConfig(client_id="dev-a", broker=broker, reconnect_max_s=1), subscriptions=[])
         session.start(timeout=None)
         try:
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 60
             while "cannot reach broker" not in caplog.text and time.monotonic() < deadline:
                 time.sleep(0.05)
         finally:

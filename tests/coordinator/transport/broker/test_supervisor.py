@@ -29,12 +29,12 @@ def make_broker(port: int = 0) -> MosquittoBroker:
 @pytest.fixture
 def supervised(tmp_path: Path) -> Iterator[BrokerSupervisor]:
     supervisor = BrokerSupervisor(make_broker(), tmp_path / "broker.pid", max_restarts=1, interval_s=0.1)
-    supervisor.start()
+    supervisor.start(timeout=60)
     yield supervisor
     supervisor.stop()
 
 
-def wait_for(condition, timeout: float = 30.0) -> None:
+def wait_for(condition, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "timed out"
@@ -54,7 +54,7 @@ def test_a_killed_broker_is_reaped_reported_and_restarted_on_its_port(
 
     assert first.returncode == -signal.SIGKILL  # reaped: no zombie left behind
     assert pidfile.live_owner(supervised.pid_file) == supervised.broker.process.pid
-    assert probe(supervised.broker.address, 2) == "ok"
+    assert probe(supervised.broker.address, 30) == "ok"
     assert f"the broker (pid {first.pid}) was killed by SIGKILL; restarting it on the same port" in caplog.text
     assert "broker restarted (restart 1 of at most 1)" in caplog.text
 
@@ -85,7 +85,7 @@ def test_a_broker_left_by_a_killed_coordinator_is_ended_before_ours_starts(
         supervisor.start()  # would fail with "port ... is taken" had the stale broker kept running
     try:
         assert stale.process.poll() is not None
-        assert probe(supervisor.broker.address, 2) == "ok"
+        assert probe(supervisor.broker.address, 30) == "ok"
         assert f"stopping the broker (pid {stale.process.pid}) an earlier coordinator" in caplog.text
     finally:
         supervisor.stop()
