@@ -145,7 +145,7 @@ def test_a_suite_reports_the_worst_of_its_cases_and_every_honest_refusal() -> No
     cases = (Case("digits", None, ("fedavg",), ("update_x-1",)), Case("digits", 1.0, ("fedavg",), ("backdoor",)))
     result = suite(cases, rounds=2, clients=5, train=TRAIN)
     iid, skewed = result["cases"]
-    assert (iid["case"], skewed["case"]) == ("digits iid fedavg", "digits dirichlet(1) fedavg")
+    assert (iid["case"], skewed["case"]) == ("digits iid fedavg: update_x-1", "digits dirichlet(1) fedavg: backdoor")
     assert skewed["settings"]["partition"] == "dirichlet(1)" and [e["malicious"] for e in iid["attacks"]] == [1, 2]
     assert result["worst_drop_two_in_ten"] == max(iid["worst_drop_two_in_ten"], skewed["worst_drop_two_in_ten"])
     assert result["backdoor_success_two_in_ten"] == skewed["backdoor_success_two_in_ten"] is not None
