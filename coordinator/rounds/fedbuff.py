@@ -20,6 +20,7 @@ and ``fold`` folds what ``check`` accepted: the caller journals the update betwe
 from __future__ import annotations
 
 import copy
+import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from coordinator.algorithms.aggregation import UpdateRejected
+from coordinator.algorithms.aggregation import UpdateRejected, log_score
 from coordinator.config.asynchronous import AsyncSettings
 from coordinator.strategies.base import Assignment, ClientSlot, Strategy
 from device_agent.clients.base import is_norm_statistic
@@ -64,7 +65,12 @@ class Published:
 @dataclass
 class _Buffer:
     sums: dict[str, Tensor] = field(default_factory=dict)
+    """Sum over the buffer of exp(score - reference) * staleness weight * update."""
     updates: list[Folded] = field(default_factory=list)
+    shares: float = 0.0
+    """Sum over the buffer of exp(score - reference): the softmax's denominator."""
+    reference: float | None = None
+    """The first update's score: every exponent is taken relative to it (no overflow for any temperature)."""
 
 
 class FedBuff:
@@ -159,12 +165,24 @@ class FedBuff:
         base = self._versions[version]
         rebuilt = self._rebuild(slot, version, base, tensors, num_samples, extras)
         weight = self.settings.staleness_weight(stale)
+        score = self.score(slot, num_samples)
+        buffer = self._buffer
+        if buffer.reference is None:
+            buffer.reference = score
+        elif score > buffer.reference:  # keep every exponent <= 0: rescale what is summed so far
+            rescale = math.exp(buffer.reference - score)
+            for total in buffer.sums.values():
+                total.mul_(rescale)
+            buffer.shares *= rescale
+            buffer.reference = score
+        share = math.exp(score - buffer.reference)
+        buffer.shares += share
         for key, value in rebuilt.items():
             delta = value.to(torch.float64) - base[key].to(torch.float64)
-            if key in self._buffer.sums:
-                self._buffer.sums[key].add_(delta, alpha=weight)
+            if key in buffer.sums:
+                buffer.sums[key].add_(delta, alpha=share * weight)
             else:
-                self._buffer.sums[key] = delta.mul_(weight)
+                buffer.sums[key] = delta.mul_(share * weight)
         del self.in_flight[slot.client_id]
         folded = Folded(slot.client_id, version, stale, weight)
         self._buffer.updates.append(folded)
@@ -190,9 +208,20 @@ class FedBuff:
         scratch.close_round(aggregate)
         return {k: v for k, v in scratch.global_state().items() if _trained(k, v)}
 
+    def score(self, slot: ClientSlot, num_samples: int) -> float:
+        """The update's log-weight among the buffer's: the strategy's level weighting where it has one (FedHM's
+        ``weighting``: softmax(gamma / tau) by default, as a sync round weights levels), else 0 (FedAvg: uniform,
+        FedBuff's own rule)."""
+        weighting = getattr(self.strategy.params, "weighting", None)
+        if weighting is None:
+            return 0.0
+        temperature = float(getattr(self.strategy.params, "temperature", 1.0))
+        return log_score(weighting, slot.level, max(1, num_samples), temperature)
+
     def _publish(self) -> Published:
-        """global += server_lr * (sum of weighted updates) / K; the new version is the strategy's state."""
-        step = self.settings.server_lr / len(self._buffer.updates)
+        """global += server_lr * sum_i softmax_i(score) * w(s_i) * update_i (uniform scores: the buffer's mean of
+        staleness-weighted updates, FedBuff's rule); the new version is the strategy's state."""
+        step = self.settings.server_lr / self._buffer.shares
         current = self._state()
         for key, total in self._buffer.sums.items():
             current[key] = (current[key].to(torch.float64) + step * total).to(current[key].dtype)

@@ -66,8 +66,13 @@ def test_fresh_updates_of_a_full_buffer_are_the_synchronous_round() -> None:
     assert_same(server.strategy.global_state(), sync.global_state())
 
 
-def test_fedhm_devices_train_at_their_rank_and_are_folded_in_the_full_rank_space_as_a_round_does() -> None:
-    params = {"weighting": "uniform"}
+@pytest.mark.parametrize(
+    "params",
+    [{"weighting": "uniform"}, {}, {"weighting": "paper", "temperature": 0.1}, {"weighting": "reference"}],
+    ids=["uniform", "paper-softmax", "paper-tau-0.1", "reference"],
+)
+def test_fedhm_devices_train_at_their_rank_and_are_folded_in_the_full_rank_space_as_a_round_does(params) -> None:
+    """Each level weighted as a sync FedHM round weights it (softmax(gamma / tau) by default) within the buffer."""
     levels = {"d0": 1.0, "d1": 0.5, "d2": 0.25}
     sync = build_strategy("fedhm", SPEC, params, seed=0)
     slots = [slot(d, level) for d, level in levels.items()]
