@@ -103,8 +103,8 @@ SUITE: tuple[Benchmark, ...] = (
     # 30 simulations; 5 rounds take about 30 minutes on 2 shared cores (the module's default is 10 rounds).
     Benchmark("privacy", ("--rounds", "5", "--jobs", "2"), timeout_s=2 * 3600),
     Benchmark("soak", ("--minutes", "20"), timeout_s=3600),  # churn, broker and coordinator crashes for 20 minutes
-    Benchmark("secagg"),  # SecAgg+ at 10, 100 and 300 devices in one process, FedAvg and FedHM: about 2 minutes
-    Benchmark("secagg_accuracy"),  # FedAvg on Fashion-MNIST, 10 devices, 5 rounds, 3 seeds, plain vs SecAgg: 5 minutes
+    Benchmark("secagg"),  # SecAgg+ at 10/100/300 devices in process, rounds of 10/100 over the memory link: ~5 minutes
+    Benchmark("secagg_accuracy"),  # FedAvg and FedHM on Fashion-MNIST, 10 devices, 5 rounds, 3 seeds: ~15 minutes
     Benchmark("async", ("--jobs", "2"), timeout_s=3600),  # 30 devices x 3 modes x 3 seeds on the fleet clock
 )
 
