@@ -287,7 +287,9 @@ class AsyncEngine(RoundEngine):
                     log.info("%s went offline: its slot goes to another device (async.concurrency)", device)
                 self._free(device)
             elif message.state in ("idle", "online") and device in self._sent:
-                self._idle.setdefault(device, arrived or time.monotonic())
+                reported = time.monotonic() if arrived is None else arrived
+                if reported >= self._sent[device].at:  # one that came before the assignment left says nothing of it
+                    self._idle.setdefault(device, reported)
             else:
                 self._idle.pop(device, None)
             return
