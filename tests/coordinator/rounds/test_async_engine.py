@@ -10,10 +10,15 @@ from coordinator.config.fleet import parse_fleet
 from coordinator.emulation.simulation import simulate, simulation_fleet
 from coordinator.rounds.async_engine import AsyncEngine
 from coordinator.rounds.engine import EngineSettings, RoundEngine
+from coordinator.rounds.signing import UploadSignatures
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ModelSpec, build_strategy
-from coordinator.transport.memory_link import LocalDevice, MemoryLink
+from coordinator.transport.memory_link import HEARTBEAT_S, LocalDevice, MemoryLink, TakingTurns
+from device_agent.agent.config import AgentConfig
+from device_agent.agent.memory import MemoryPort
+from device_agent.agent.runtime import Agent
 from device_agent.clients.spec import TrainConfig
+from device_agent.common.profile import DeviceProfile
 from device_agent.data.datasets import LabeledData, load_dataset
 from tests.coordinator.rounds.async_engines import async_engine
 from tests.digit_clients import digit_clients
@@ -88,3 +93,35 @@ def test_the_round_engine_refuses_an_async_fleet_and_the_async_engine_a_sync_one
         with pytest.raises(ValueError, match=r"strategy\.mode"):
             engine(fleet, {}, strategy, rundir, labeled, link, EngineSettings(min_devices=1))
     rundir.close()
+
+
+KEYS = {"a": bytes(range(32)), "b": bytes(range(1, 33)), "mallory": bytes(range(2, 34))}
+
+
+class SigningLink(MemoryLink):
+    """Agents that sign their uploads with their own key; mallory signs with a key that is not hers."""
+
+    def agent(self, device: LocalDevice, profile: DeviceProfile, state: Path) -> Agent:
+        key = bytes(32) if device.device_id == "mallory" else KEYS[device.device_id]
+        key_file = state.parent / f"{device.device_id}.key"
+        key_file.parent.mkdir(parents=True, exist_ok=True)
+        key_file.write_text(key.hex())
+        config = AgentConfig(
+            device=device.device_id,
+            fleet=self.fleet,
+            state_dir=state,
+            heartbeat_s=HEARTBEAT_S,
+            signing_key=f"file:{key_file}",
+        )
+        hooks = TakingTurns(self.turns, device.device_id)
+        return Agent(config, profile, hooks, MemoryPort(self.hub, device.device_id), device)
+
+
+def test_each_update_passes_the_signature_check_and_a_forged_one_is_never_folded(tmp_path: Path) -> None:
+    signatures = UploadSignatures("simulation", KEYS)
+    engine = async_engine(tmp_path, ["a", "b", "mallory"], 3, {"buffer": 2}, link=SigningLink, signatures=signatures)
+
+    assert engine.run() is True
+    assert engine.refusals[("mallory", "bad_signature")] >= 1
+    versions = engine.rundir.metrics()
+    assert all(set(v.devices) <= {"a", "b"} for v in versions) and sum(v.asynchronous.updates for v in versions) == 6
