@@ -163,6 +163,7 @@ class AsyncEngine(RoundEngine):
         try:
             if not self._wait_for_devices(progress):
                 return False
+            self._window.started = time.monotonic()  # the first version's time counts from its first assignment
             if self.ledger.replayed is not None:  # the journal filled a version the last process did not commit
                 self._publish(self.ledger.replayed)
             if self.async_settings.concurrency is not None:  # resumed tickets of devices still away: slots free
