@@ -15,13 +15,13 @@ That bound compares the upload with the weights, so it cannot tell -9.5x the wei
 update of 10.5x) from an honest upload. The update bound does (:func:`update_bounds`): each layer's update
 (upload minus sent, full rank) has a reference, the median norm of that layer's accepted updates of the
 previous rounds (:class:`~coordinator.algorithms.robust.NormHistory`; never this round's, so no upload's
-bound depends on which arrived first) scaled to the device's samples (x sqrt(samples / expected): more data,
-more steps, a longer update); the update as a whole, the root mean square of its moving layers' ratios to their
-references, is held to ``update_bound_factor`` and each layer alone to ``update_layer_bound_factor``, clipped to
-them or refused. One layer of an honest update can jump (3.6x its reference in the demo) where the whole
-update does not (2.0x), while a boosted update is large in every layer. Until a layer has a median (the first
-round of a run), the layers without one may move by ``update_warmup_factor`` x the norm of what was sent,
-together.
+bound depends on which arrived first) scaled to the device's samples (x sqrt(samples / the fleet's typical
+samples): more data, more steps, a longer update); the update as a whole, the root mean square of its moving
+layers' ratios to their references, is held to ``update_bound_factor`` and each layer alone to
+``update_layer_bound_factor``, clipped to them or refused. One layer of an honest update can jump (3.6x its
+reference in the demo) where the whole update does not (2.0x), while a boosted update is large in every layer.
+Until a layer has a median (the first round of a run), the layers without one may move by
+``update_warmup_factor`` x the norm of what was sent, together.
 
 A norm bound cannot see direction: a sign-flipped update has an honest norm. The direction check
 refuses (``wrong_direction``) an update, as it would be folded, whose cosine with the fleet's direction
