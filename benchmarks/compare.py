@@ -11,7 +11,7 @@ Scenarios (8 clients by default):
 - domains: two disjoint class groups (classes 0-4 and 5-9), four clients each;
 - large-fleet: 50 clients, Dirichlet 0.5, device tiers as hetero-devices, 20 % of the clients asked per round;
 - fedlora: a ViT pre-trained on Fashion-MNIST classes 0-4 (cached) fine-tuned on 5-9 under
-  Dirichlet(0.1), 50 clients, 10 % per round, 20 rounds: ft, lora_r2 ... lora_r16, fedlora, hetlora and
+  Dirichlet(0.1), 50 clients, all of them every round, 20 rounds: ft, lora_r2 ... lora_r16, fedlora, hetlora and
   flora, with the paper's claims checked (``benchmarks.fedlora``); ``--strategies`` picks among them by
   strategy name.
 Strategies with no size levels train the full model on every device. The fine-tuning strategies
@@ -440,12 +440,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--seeds", type=int, default=5, help="seeds 0..K-1, paired across strategies (default: 5; claims need >= 2)"
     )
-    parser.add_argument("--clients", type=int, help="number of clients (default: 8; fedlora 50, 10 %% asked per round)")
+    parser.add_argument("--clients", type=int, help="number of clients (default: 8; fedlora 50, all asked every round)")
     parser.add_argument(
         "--participation",
         type=float,
-        help="fedlora scenario: share of the clients asked per round (default 0.1); more clients a round make "
-        "its seeds agree more (one round's class mix decides less)",
+        help="fedlora scenario: share of the clients asked per round (default 1: under Dirichlet(0.1) fewer "
+        "leave each seed's scored rounds a different class mix, docs/strategies.md)",
     )
     parser.add_argument("--epochs", type=int, default=1, help="local epochs per round (default: 1)")
     parser.add_argument(

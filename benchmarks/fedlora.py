@@ -3,7 +3,9 @@
 The bed: ``vit_fmnist`` pre-trained centrally, once, on Fashion-MNIST classes 0-4 (T-shirt, trouser,
 pullover, dress, coat) and cached; fine-tuned on classes 5-9 (sandal, shirt, sneaker, bag, ankle boot),
 classes the base never saw, over 50 clients under Dirichlet(0.1) label skew (one to three classes per
-client; clients the split leaves empty are dropped), 10 % of them asked per round. The paper's
+client; clients the split leaves empty are dropped), every one of them asked every round (``Bed.participation``:
+at 10 %, 5 clients a round, the scored rounds' class mix was 36-52 % off the test mix and the seeds spread by
+0.08-0.20). The paper's
 Dirichlet(0.01) gives one class per client here, and there every method stays at chance (FT 0.21-0.29,
 fedlora 0.23, chance 0.2; one seed each, docs/strategies.md), so it cannot judge the claims. A bed judges
 fine-tuning only if its base transfers: ``probe_accuracy`` is a head-only linear probe of the base on
@@ -67,7 +69,11 @@ class Bed:
 
     rounds: int = 20
     clients: int = 50
-    participation: float = 0.1
+    participation: float = 1.0
+    """Every client every round. The last 3 rounds' aggregated class mix, seeds 0-4, total-variation distance from
+    the test mix (labels only, no training; the engine's draw): 5 clients a round 0.36-0.52, 10: 0.26-0.43,
+    20: 0.17-0.29, 30: 0.11-0.22, 40: 0.05-0.12, all 50: 0.013 for every seed. Under Dirichlet(0.1) only the whole
+    fleet gives every seed the same class mix; short of it, which clients a round drew decides tens of points."""
     dirichlet: float = 0.1
     epochs: int = 1
     batch_size: int = 32

@@ -125,6 +125,13 @@ def _compare(result: dict[str, Any]) -> list[str]:
         verdicts = [c.get("verdict") or ("PASS" if c.get("pass") else "FAIL") for c in checks]
         tally = ", ".join(f"{verdicts.count(v)} {v}" for v in ("PASS", "TIE", "FAIL") if v in verdicts)
         out.append(f"papers' claims: {tally}")
+    # Each claim judged on a paired interval (since 2026-11-29): its verdict with the difference and 95 % CI.
+    out += [
+        f"{c['claim']} ({c['setting']}): {c['verdict']} {c['difference']:+.3f} "
+        f"[{c['interval'][0]:+.3f}, {c['interval'][1]:+.3f}]"
+        for c in checks
+        if {"claim", "setting", "verdict", "difference"} <= c.keys() and isinstance(c.get("interval"), list)
+    ]
     return out
 
 
@@ -216,6 +223,7 @@ FIGURES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "emulation": _emulation,
     "compare": _compare,
     "compare_partial": _compare,
+    "compare_5_seeds": _compare,
     "fedlora": _fedlora,
     "emulation_scale": _scale,
     "emulation_flower": _scale,

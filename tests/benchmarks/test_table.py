@@ -71,6 +71,13 @@ def test_each_strategy_is_shown_on_its_papers_metric_with_the_claims_tally():
     assert "papers' claims: 2 PASS, 1 TIE, 1 FAIL" in table
 
 
+def test_each_claim_judged_on_an_interval_is_shown_with_it():
+    claim = {"setting": "large/d0.5", "claim": "FedHM >= HeteroFL", "verdict": "PASS", "difference": 0.034}
+    compare = {"checks": [claim | {"interval": [0.001, 0.067]}, {"verdict": "FAIL"}]}
+    table = render(results(compare_5_seeds=compare))
+    assert "papers' claims: 1 PASS, 1 FAIL; FedHM >= HeteroFL (large/d0.5): PASS +0.034 [+0.001, +0.067]" in table
+
+
 def test_the_fedlora_row_shows_the_bases_probe_each_entry_and_the_papers_checks():
     entry = {"accuracy": {"mean": 0.8771, "std": 0.01}, "upload_bytes_per_round": 2048.0}
     claim = "fedlora_at_least_homogeneous_lora_at_smallest_r"
