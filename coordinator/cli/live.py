@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 def round_table(engine: RoundEngine) -> Table:
-    if engine.runs_async:
+    if getattr(engine, "runs_async", False):
         return version_table(engine)  # type: ignore[arg-type]
     open_ = engine.open
     last = engine.last

@@ -253,7 +253,7 @@ class FleetWatch:
         return views
 
     def _async(self, engine: RoundEngine) -> AsyncView | None:
-        if not engine.runs_async:
+        if not getattr(engine, "runs_async", False):
             return None
         server = engine.server  # type: ignore[attr-defined]
         staleness: Counter[int] = Counter()

@@ -349,8 +349,8 @@ class AsyncEngine(RoundEngine):
             self._publish(published)
         if status == "accepted":
             self._free(device)
-            if self.version < self.fleet.rounds and self.server.can_assign():
-                self._assign(device)  # the newest version at once
+            if self.version < self.fleet.rounds:  # the newest version at once: to the device waiting longest
+                self._assign_free()
 
     def _admit(self, device: str, received: Received) -> tuple[str, Published | None]:
         """The upload gate for one update (module doc): ("accepted" or "duplicate", a version it published)."""

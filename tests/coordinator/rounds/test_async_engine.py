@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,58 @@ def test_each_update_passes_the_signature_check_and_a_forged_one_is_never_folded
     assert engine.refusals[("mallory", "bad_signature")] >= 1
     versions = engine.rundir.metrics()
     assert all(set(v.devices) <= {"a", "b"} for v in versions) and sum(v.asynchronous.updates for v in versions) == 6
+
+
+class Restartable(MemoryLink):
+    """In-memory agents one of which can leave (its port says offline) and come back as a new agent process would,
+    on the same state directory."""
+
+    def __init__(self, devices) -> None:
+        super().__init__(devices)
+        self.made: dict[str, tuple[Agent, DeviceProfile, Path]] = {}
+        self.extra: list[threading.Thread] = []
+
+    def agent(self, device: LocalDevice, profile: DeviceProfile, state: Path) -> Agent:
+        made = super().agent(device, profile, state)
+        self.made[device.device_id] = (made, profile, state)
+        return made
+
+    def leave(self, device: str) -> None:
+        self.made[device][0].stop()
+
+    def come_back(self, device: str) -> None:
+        _, profile, state = self.made[device]
+        agent = self.agent(self.devices[device], profile, state)
+        thread = threading.Thread(target=agent.run, name=f"agent-{device}-again", daemon=True)
+        self.extra.append(thread)
+        thread.start()
+
+    def stop(self) -> None:
+        for agent, _, _ in self.made.values():
+            agent.stop()
+        for thread in self.extra:
+            thread.join()
+        super().stop()
+
+
+def test_a_device_offline_gives_its_concurrency_slot_up_and_trains_the_newest_version_when_back(tmp_path) -> None:
+    engine = async_engine(tmp_path, ["a", "b", "c"], 6, {"buffer": 2, "concurrency": 2}, link=Restartable)
+    link = engine.link
+    assert isinstance(link, Restartable)
+    seen = {"left": None, "back": None, "training": []}
+
+    def script(e: AsyncEngine) -> None:
+        seen["training"].append(len(e.server.in_flight))
+        if seen["left"] is None and e.version >= 1:
+            seen["left"] = e.version
+            link.leave("b")
+        elif seen["back"] is None and seen["left"] is not None and not e.devices["b"].online and e.version >= 3:
+            seen["back"] = e.version
+            link.come_back("b")
+
+    assert engine.run(script) is True
+    assert seen["back"] is not None and max(seen["training"]) <= 2
+    versions = engine.rundir.metrics()
+    assert "c" not in versions[0].devices  # c waited for a slot, and took b's when b left
+    assert any("c" in v.devices for v in versions[: seen["back"]])
+    assert any("b" in v.devices for v in versions[seen["back"] :]), "b did not train again after it came back"
