@@ -249,6 +249,38 @@ def test_a_clipped_fedhm_upload_is_journaled_as_folded_so_a_resume_folds_the_sam
     assert moved < 2 * sum(float(before[k].square().sum()) for k in keys) ** 0.5
 
 
+def test_admission_scales_each_device_from_the_fleets_typical_samples_and_a_replay_the_same(tmp_path: Path) -> None:
+    """A device with 4x the fleet's typical samples (its own expected share here: a fleet.yaml ``samples`` override)
+    has its norms enter the history halved, live and replayed alike; the scale is never taken from the device's own
+    expected samples, which would make every device typical."""
+    strategy = build_strategy("fedavg", CNN, {}, seed=0)
+    (tmp_path / "fleet.yaml").write_text("fleet: lab\n")
+    rundir = RunDir.create(tmp_path / "run", tmp_path / "fleet.yaml", strategy.state_dict(), seed=0)
+    slots = [ClientSlot("big", 1.0, 400)]
+    sent = strategy.configure(1, slots)["big"].tensors
+    upload = encode_tensors({k: v + 0.01 for k, v in sent.items() if not is_norm_statistic(k)})
+    meta = {"samples": "400", "train_seconds": "2", "loss": "1"}
+    manifest = make_manifest(upload, run=rundir.run_id, round=1, kind=UPDATE_KIND, meta=meta)
+
+    def fresh_round() -> tuple[Admission, OpenRound]:
+        gate = UploadGate()
+        gate.sent("big", squared_norms(sent), sent)
+        open_ = OpenRound(1, {"big": Participant(1.0)}, strategy.open_round(1, slots), 1e12, 0.0)
+        admission = Admission(gate, rundir, lambda _d: 400, contract=strategy.upload_contract, typical_samples=100)
+        return admission, open_
+
+    admission, open_ = fresh_round()
+    assert admission.admit("big", Received.of(Completed(manifest, [upload])), open_, next_round=1) == "accepted"
+    (entry,) = rundir.resume().journal
+    admission.gate.open_round()
+    halved = {name: [pytest.approx(norm / 2)] for name, norm in entry.meta["update_norms"].items()}
+    assert admission.gate.history.window() == [halved]
+    replayed, again = fresh_round()
+    replayed.replay([entry], again, lambda: strategy.open_round(1, slots), lambda: {"big": sent})
+    replayed.gate.open_round()
+    assert replayed.gate.history.window() == [halved]
+
+
 @pytest.mark.slow
 def test_a_resumed_run_bounds_updates_by_the_norm_history_it_had_and_keeps_the_peer_records(tmp_path: Path) -> None:
     clients = digit_clients(["pi-0", "pi-1", "pi-2", "pi-3"])  # four: the peer check judges, records build
