@@ -45,7 +45,13 @@ HEADLINES: dict[str, tuple[str, ...]] = {
         "link_extra_round_seconds_fedavg_100",
         "all_within_bound",
     ),
-    "secagg_accuracy": ("plain_accuracy", "secure_accuracy", "gap_points", "plain_seed_std_points", "seeds"),
+    "secagg_accuracy": (
+        "fedavg_gap_points",
+        "fedavg_plain_seed_std_points",
+        "fedhm_gap_points",
+        "fedhm_plain_seed_std_points",
+        "seeds",
+    ),
     "async": (
         "speedup_mean",
         "speedup_min",
