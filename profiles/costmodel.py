@@ -8,11 +8,14 @@ FedHM hybrid (what benchmarks/costmodel.py measures).
 
 - memory = runtime context + weights + gradients and optimizer state of the trainable weights
   + saved tensors that do not grow with the batch (a rank-one layer's rebuilt dense weight)
-  + batch x saved activations + batch x the largest single activation (the gradient buffer
-  backward allocates next to what is saved), times a slack factor for the allocator (1 on CPU, 1.1 on GPUs). Saved
-  activations are counted exactly, from the tensors autograd keeps (each storage once), so the
-  r-channel intermediate of a factorized convolution is in, and an in-place ReLU output shared
-  with the next convolution's input is counted once.
+  + batch x saved activations + batch x the gradients live at backward's peak, times a slack factor for the
+  allocator (1 on CPU, 1.1 on GPUs). Saved activations are counted exactly, from the tensors autograd keeps
+  (each storage once), so the r-channel intermediate of a factorized convolution is in, and an in-place ReLU
+  output shared with the next convolution's input is counted once. Backward frees what an operator saved
+  once it has run, in reverse order, so when it reaches operator k only what operators 1..k saved is still
+  held, next to k's output and input gradients: the peak is the largest of those sums (late in the model,
+  where nearly everything saved is held and the gradients are small), not everything saved plus the
+  largest activation anywhere (a 28 px CNN's first conv output: 12 % too much).
 - time = sum over operators of max(FLOPs / (efficiency x fp32 peak), bytes / memory bandwidth)
   + a fixed cost per launched operator (a per-operator roofline: a small factorized convolution is
   bandwidth- or overhead-bound long before it is compute-bound). A convolution whose GEMM view has
@@ -77,6 +80,7 @@ class OpCost:
     output_bytes: float = 0.0
     efficiency_scale: float = 1.0
     largest_bytes: float = 0.0  # its largest input or output tensor (a fresh mapping above FRESH_MAPPING_BYTES)
+    gradient_bytes: float = 0.0  # its output's gradient and, when its input needs one, the input's
 
 
 def _tile_scale(out_channels: int, reduction: int) -> float:
@@ -98,7 +102,7 @@ class ModelTrace:
     param_tensors: int
     saved_bytes_per_sample: int
     saved_fixed_bytes: int
-    transient_bytes_per_sample: int
+    transient_bytes_per_sample: int  # per sample, held at backward's peak beyond the saved activations
     ops: tuple[OpCost, ...]
 
     @property
@@ -181,7 +185,8 @@ def trace_module(model: nn.Module, in_channels: int, image_size: int) -> ModelTr
     def leaf_hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         cost = _op_cost(module, inputs, output)
         if cost is not None:
-            ops.append(replace(cost, largest_bytes=float(max(inputs[0].numel(), output.numel()) * _FP32)))
+            largest = float(max(inputs[0].numel(), output.numel()) * _FP32)
+            ops.append(replace(cost, largest_bytes=largest, gradient_bytes=_gradient_bytes(inputs[0], output.numel())))
 
     def lowrank_hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         # reduce: C_in -> r over (1 x k); expand: r -> C_out over (k x 1); the r-channel map sits between.
@@ -197,6 +202,7 @@ def trace_module(model: nn.Module, in_channels: int, image_size: int) -> ModelTr
                 float(mid * _FP32),
                 _tile_scale(r, reduce_k),
                 float(max(x.numel(), mid) * _FP32),
+                _gradient_bytes(x, mid),
             )
         )
         ops.append(
@@ -207,6 +213,7 @@ def trace_module(model: nn.Module, in_channels: int, image_size: int) -> ModelTr
                 float(output.numel() * _FP32),
                 _tile_scale(out_channels, expand_k),
                 float(max(mid, output.numel()) * _FP32),
+                float((mid + output.numel()) * _FP32),
             )
         )
 
@@ -217,38 +224,54 @@ def trace_module(model: nn.Module, in_channels: int, image_size: int) -> ModelTr
         elif isinstance(module, LORA_WRAPPERS) or not list(module.children()):
             handles.append(module.register_forward_hook(leaf_hook))
 
-    def saved_bytes(batch: int) -> int:
-        saved: dict[int, int] = {}
+    def saved_bytes(batch: int) -> list[int]:
+        """Bytes saved for backward by each operator (index into ``ops``; each storage at its first saver)."""
+        saved: dict[int, tuple[int, int]] = {}
+        ops.clear()
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
-            if storage.data_ptr() not in param_ptrs:
-                saved[storage.data_ptr()] = storage.nbytes()
+            if storage.data_ptr() not in param_ptrs and storage.data_ptr() not in saved:
+                saved[storage.data_ptr()] = (len(ops), storage.nbytes())  # saved while ops[len(ops)] runs
             return tensor
 
         x = torch.zeros(batch, in_channels, image_size, image_size)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             output = model(x)
         del output
-        return sum(saved.values())
+        by_op = [0] * (len(ops) + 1)
+        for position, nbytes in saved.values():
+            by_op[min(position, len(ops))] += nbytes
+        return by_op
 
+    two = saved_bytes(2)
     one = saved_bytes(1)
     for handle in handles:
         handle.remove()
-    # A second pass at batch 2 splits what is saved into per-sample activations and what does not
-    # grow with the batch (e.g. the dense weight a rank-one layer rebuilds every step).
-    per_sample = saved_bytes(2) - one
-    largest = max(op.output_bytes for op in ops)
+    # The pass at batch 2 splits what is saved into per-sample activations and what does not grow with
+    # the batch (e.g. the dense weight a rank-one layer rebuilds every step).
+    per_op = [b - a for a, b in zip(one, two, strict=True)]
+    per_sample, fixed = sum(per_op), sum(one) - sum(per_op)
+    held = 0
+    peak = 0.0
+    for op, saved in zip(ops, per_op, strict=False):  # what backward holds as it reaches each operator
+        held += saved
+        peak = max(peak, held + op.gradient_bytes)
     return ModelTrace(
         params=sum(p.numel() for p in model.parameters()),
         trainable_params=sum(p.numel() for p in params),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         param_tensors=len(params),
         saved_bytes_per_sample=per_sample,
-        saved_fixed_bytes=one - per_sample,
-        transient_bytes_per_sample=int(largest),
+        saved_fixed_bytes=fixed,
+        transient_bytes_per_sample=max(0, int(peak) - per_sample),
         ops=tuple(ops),
     )
+
+
+def _gradient_bytes(x: torch.Tensor, output_numel: int) -> float:
+    """Bytes of an operator's gradients in backward: its output's, and its input's unless nothing needs it."""
+    return float((output_numel + (x.numel() if x.requires_grad else 0)) * _FP32)
 
 
 @lru_cache(maxsize=64)
