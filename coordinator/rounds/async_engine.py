@@ -43,7 +43,7 @@ from coordinator.rounds.fedbuff import Published, TooStale
 from coordinator.rounds.settings import EngineSettings
 from coordinator.rounds.signing import UploadSignatures
 from coordinator.rounds.state import printable, refusal_reason
-from coordinator.rounds.upload_gate import UploadGate, UploadRefused, squared_norms
+from coordinator.rounds.upload_gate import UploadGate, UploadRefused, sample_scale, squared_norms
 from coordinator.run.metrics import AsyncMetrics, DeviceRoundMetrics, received_metrics
 from coordinator.run.rundir import RunDir
 from coordinator.strategies import ClientSlot, Strategy
@@ -368,12 +368,13 @@ class AsyncEngine(RoundEngine):
         data = received.data
         try:
             upload, extras, stale = self.ledger.check(ticket, data, parsed.samples)
-            screened = self.gate.norm(device, ticket.level, upload)
+            weight = self.gate.sample_weight(parsed.samples, expected)
+            scale = sample_scale(weight, self.admission.typical_samples or expected)  # as rounds bound it
+            screened = self.gate.norm(device, ticket.level, upload, scale)
         except (UpdateRejected, CodecError):
             raise
         except Exception as exc:  # one device's bytes must never stop the engine, whatever they trip over
             raise UploadRefused("other", f"the update could not be checked: {type(exc).__name__}: {exc}") from exc
-        weight = self.gate.sample_weight(parsed.samples, expected)
         meta: dict[str, object] = {
             "staleness": stale,
             "train_seconds": parsed.train_seconds,
