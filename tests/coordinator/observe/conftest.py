@@ -52,7 +52,15 @@ def watched_run(tmp_path_factory: pytest.TempPathFactory) -> WatchedRun:
         rundir,
         LabeledData(calibration, calibration.new_zeros(len(calibration)), data.test_x, data.test_y, 10),
         TamperingLink([LocalDevice(c.client_id, c.train, c.test) for c in clients], nan_loss),
-        EngineSettings(min_devices=2, wait_timeout_s=60, calibration_samples=len(calibration), rejected_grace_s=0.5),
+        # No re-send after the refusal: "bad" would train its round again and be refused twice in that round
+        # whenever "good" trains longer than resend_after_s (a loaded host), and the counts below are exact.
+        EngineSettings(
+            min_devices=2,
+            wait_timeout_s=60,
+            calibration_samples=len(calibration),
+            rejected_grace_s=0.5,
+            resend_after_s=3600,
+        ),
         planner=fixed_levels({c.client_id: c.level for c in clients}),
     )
     watch = FleetWatch(rundir.metrics())
