@@ -13,7 +13,8 @@ FedHM hybrid (what benchmarks/costmodel.py measures).
   (each storage once), so the r-channel intermediate of a factorized convolution is in, and an in-place ReLU
   output shared with the next convolution's input is counted once. Backward frees what an operator saved
   once it has run, in reverse order, so when it reaches operator k only what operators 1..k saved is still
-  held, next to k's output and input gradients: the peak is the largest of those sums (late in the model,
+  held, next to k's output and input gradients and the weight gradients of k and the operators after it (the
+  earlier layers' are not made yet): the peak is the largest of those sums (late in the model,
   where nearly everything saved is held and the gradients are small), not everything saved plus the
   largest activation anywhere (a 28 px CNN's first conv output: 12 % too much).
 - time = sum over operators of max(FLOPs / (efficiency x fp32 peak), bytes / memory bandwidth)
@@ -81,6 +82,7 @@ class OpCost:
     efficiency_scale: float = 1.0
     largest_bytes: float = 0.0  # its largest input or output tensor (a fresh mapping above FRESH_MAPPING_BYTES)
     gradient_bytes: float = 0.0  # its output's gradient and, when its input needs one, the input's
+    weight_gradient_bytes: float = 0.0  # its trainable weights' gradients, made when backward reaches it
 
 
 def _tile_scale(out_channels: int, reduction: int) -> float:
@@ -104,6 +106,9 @@ class ModelTrace:
     saved_fixed_bytes: int
     transient_bytes_per_sample: int  # per sample, held at backward's peak beyond the saved activations
     ops: tuple[OpCost, ...]
+    backward: tuple[tuple[int, int], ...] = ()
+    """Per operator, as backward reaches it: (bytes per sample held: what it and earlier operators saved, and its
+    gradients; weight-gradient bytes made so far: its own, later operators' and any weight no operator claimed)."""
 
     @property
     def forward_flops_per_sample(self) -> float:
@@ -181,12 +186,28 @@ def trace_module(model: nn.Module, in_channels: int, image_size: int) -> ModelTr
     params = [p for p in model.parameters() if p.requires_grad]
     param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
     ops: list[OpCost] = []
+    claimed: set[int] = set()
+
+    def weight_gradients(module: nn.Module) -> float:
+        """Bytes of the gradients of ``module``'s trainable weights no operator claimed yet (a wrapper's
+        children run, and claim theirs, first)."""
+        mine = [p for p in module.parameters() if p.requires_grad and id(p) not in claimed]
+        claimed.update(id(p) for p in mine)
+        return float(sum(p.numel() for p in mine) * _FP32)
 
     def leaf_hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         cost = _op_cost(module, inputs, output)
         if cost is not None:
             largest = float(max(inputs[0].numel(), output.numel()) * _FP32)
-            ops.append(replace(cost, largest_bytes=largest, gradient_bytes=_gradient_bytes(inputs[0], output.numel())))
+            gradients = _gradient_bytes(inputs[0], output.numel())
+            ops.append(
+                replace(
+                    cost,
+                    largest_bytes=largest,
+                    gradient_bytes=gradients,
+                    weight_gradient_bytes=weight_gradients(module),
+                )
+            )
 
     def lowrank_hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
         # reduce: C_in -> r over (1 x k); expand: r -> C_out over (k x 1); the r-channel map sits between.
@@ -214,6 +235,7 @@ def trace_module(model: nn.Module, in_channels: int, image_size: int) -> ModelTr
                 _tile_scale(out_channels, expand_k),
                 float(max(mid, output.numel()) * _FP32),
                 float((mid + output.numel()) * _FP32),
+                weight_gradients(module),  # backward reaches the expand half first
             )
         )
 
@@ -228,6 +250,7 @@ def trace_module(model: nn.Module, in_channels: int, image_size: int) -> ModelTr
         """Bytes saved for backward by each operator (index into ``ops``; each storage at its first saver)."""
         saved: dict[int, tuple[int, int]] = {}
         ops.clear()
+        claimed.clear()
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
@@ -252,11 +275,19 @@ def trace_module(model: nn.Module, in_channels: int, image_size: int) -> ModelTr
     # the batch (e.g. the dense weight a rank-one layer rebuilds every step).
     per_op = [b - a for a, b in zip(one, two, strict=True)]
     per_sample, fixed = sum(per_op), sum(one) - sum(per_op)
+    # What backward holds as it reaches each operator: what it and earlier operators saved (later ones' is
+    # freed), its gradients, and the weight gradients of it and the operators after it (made already).
+    unclaimed = sum(p.numel() * _FP32 for p in params if id(p) not in claimed)
+    made = [0.0] * (len(ops) + 1)
+    for k in range(len(ops) - 1, -1, -1):
+        made[k] = made[k + 1] + ops[k].weight_gradient_bytes
     held = 0
     peak = 0.0
-    for op, saved in zip(ops, per_op, strict=False):  # what backward holds as it reaches each operator
+    backward = []
+    for k, (op, saved) in enumerate(zip(ops, per_op, strict=False)):
         held += saved
         peak = max(peak, held + op.gradient_bytes)
+        backward.append((int(held + op.gradient_bytes), int(made[k] + unclaimed)))
     return ModelTrace(
         params=sum(p.numel() for p in model.parameters()),
         trainable_params=sum(p.numel() for p in params),
@@ -266,6 +297,7 @@ def trace_module(model: nn.Module, in_channels: int, image_size: int) -> ModelTr
         saved_fixed_bytes=fixed,
         transient_bytes_per_sample=max(0, int(peak) - per_sample),
         ops=tuple(ops),
+        backward=tuple(backward),
     )
 
 
@@ -318,6 +350,11 @@ def predict_memory(work: Workload, accelerator: str = "cpu", include_runtime: bo
     optimizer = trace.trainable_params * _FP32 * OPTIMIZER_STATES[work.optimizer]
     activations = trace.saved_fixed_bytes + trace.saved_bytes_per_sample * work.batch_size
     transient = trace.transient_bytes_per_sample * work.batch_size
+    if trace.backward:
+        # The peak of backward's walk: the gradients of weights it has not reached yet do not exist, so
+        # ``transient`` (the peak beyond the saved activations and every gradient) can be below zero.
+        peak = max(held * work.batch_size + made for held, made in trace.backward)
+        transient = trace.saved_fixed_bytes + peak - activations - gradients
     runtime = RUNTIME_CONTEXT_BYTES[accelerator] if include_runtime else 0
     counted = weights + gradients + optimizer + activations + transient
     total = runtime + math.ceil(counted * ALLOCATOR_SLACK[accelerator])
@@ -379,7 +416,7 @@ def predict_process_peak(
     """
     step = predict_memory(work, accelerator, include_runtime=False)
     copies = 2 * download_bytes + step.weights + 2 * upload_bytes
-    activations = (step.activations + step.transient) * PROCESS_ACTIVATION_FACTOR[accelerator]
+    activations = (step.activations + max(step.transient, 0)) * PROCESS_ACTIVATION_FACTOR[accelerator]
     training = step.gradients + step.optimizer + math.ceil(activations * ALLOCATOR_SLACK[accelerator])
     trace = work.trace
     inference = math.ceil(INFERENCE_LIVE_FRACTION * trace.saved_bytes_per_sample * min(INFERENCE_BATCH, samples))

@@ -196,3 +196,16 @@ def test_a_probed_efficiency_above_one_speeds_the_convolutions_up() -> None:
     work = hybrid_workload("resnet18", 1.0, 32)
 
     assert predict_step_seconds(work, cpu, efficiency=1.2) < predict_step_seconds(work, cpu, efficiency=1.0)
+
+
+def test_backward_peak_holds_everything_saved_but_only_the_weight_gradients_it_has_made() -> None:
+    """At backward's peak (late in ResNet-9) every saved activation is still held, but the early layers'
+    weight gradients are not made yet: the step needs less than everything at once, and at least the saved."""
+    work = hybrid_workload("resnet9", 1.0, 16)
+    step = predict_memory(work, include_runtime=False)
+    everything_at_once = step.weights + step.gradients + step.optimizer + step.activations
+    first_conv = work.trace.ops[0].weight_gradient_bytes
+
+    assert first_conv > 0
+    assert step.total <= everything_at_once - first_conv
+    assert step.total >= step.weights + step.optimizer + step.activations
