@@ -44,7 +44,8 @@ def test_the_readme_stays_a_front_page() -> None:
 
 def test_every_repository_path_the_docs_name_exists() -> None:
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    pattern = r"\b(?:tests|benchmarks|coordinator|device_agent|export|profiles|examples)/[\w./-]+\.(?:py|yaml|md|jsonl|json)\b"
+    folders = "tests|benchmarks|coordinator|device_agent|export|profiles|examples"
+    pattern = rf"\b(?:{folders})/[\w./-]+\.(?:py|yaml|md|jsonl|json)\b"
     named = {(page.name, path) for page in pages for path in re.findall(pattern, page.read_text())}
     assert len(named) > 20, "the pattern no longer finds the paths the docs name"
     missing = sorted(f"{page}: {path}" for page, path in named if not (ROOT / path).exists())
