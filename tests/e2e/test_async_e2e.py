@@ -61,7 +61,23 @@ def test_async_run_survives_a_coordinator_kill_9_with_no_acknowledged_update_los
     agents["d1"].send_signal(signal.SIGKILL)  # a device offline mid-run, then back on the same state directory
     agents["d1"].wait()
     back_at = len(fleet.metrics())
-    agents["d1"] = fleet.agent("d1")
+    d1_log = fleet.tmp / "d1.log"
+    acks_before = len(ACKED.findall(d1_log.read_text()))
+    # The other three are held while d1 starts again: on a loaded host (two busy loops) they published the run's
+    # last versions before d1's new process had imported torch, and d1 never came back into a version.
+    others = [agents[d] for d in DEVICES if d != "d1"]
+    for agent in others:
+        agent.send_signal(signal.SIGSTOP)
+    try:
+        agents["d1"] = fleet.agent("d1")
+        fleet.wait_for(
+            "d1's first acknowledged update after its restart",
+            lambda: len(ACKED.findall(d1_log.read_text())) > acks_before,
+            timeout=180,
+        )
+    finally:
+        for agent in others:
+            agent.send_signal(signal.SIGCONT)
     fleet.wait_for("the resumed run to finish", lambda: restarted.poll() is not None, timeout=300)
 
     log = (fleet.tmp / "coordinator.log").read_text()
