@@ -45,11 +45,13 @@ from coordinator.algorithms.robust import Outlier, dense_updates, peer_cosines, 
 from coordinator.config.limits import FleetLimits, GateSettings
 from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.strategies import ModelSpec, build_strategy
+from coordinator.transport.link import PayloadHandler
 from coordinator.transport.memory_link import LocalDevice, MemoryLink
 from device_agent.data.datasets import LabeledData, load_dataset
 from device_agent.data.partition import PartitionSpec, client_shard
 from device_agent.training.optimizer import TrainConfig
 from device_agent.wire.codec import decode_tensors, encode_tensors
+from device_agent.wire.messages import Assignment, Message, RoundFailed
 from device_agent.wire.payload import Received
 
 MODELS = {"digits": ModelSpec("cnn", 10, 1, 8), "fashion_mnist": ModelSpec("cnn28", 10, 1, 28)}
@@ -273,11 +275,55 @@ SAMPLE_INFLATION = {"weights_x-9.5_samples_x97": 97}
 """Attacks that also claim this many times their real samples (under the gate's 100x refusal bound)."""
 
 
+HOLD_S = 120.0
+"""The longest a malicious upload is held for its round's honest ones (:class:`PoisoningLink`): an honest device that
+was assigned the round but never answers (its agent died) does not hold the attacker, and so the round, for good."""
+
+Held = tuple[str, Received]
+
+
+class Holding:
+    """Per round, the malicious uploads held until every honest device assigned the round has answered it (uploaded,
+    or failed the round). Only the assigned ones count: a device the backoff benched this round never uploads, and
+    waiting for it held the attackers, and the round, for good. Each call returns what it releases."""
+
+    def __init__(self) -> None:
+        self._assigned: dict[int, set[str]] = {}
+        self._answered: dict[int, set[str]] = {}
+        self._held: dict[int, list[Held]] = {}
+        self._lock = threading.Lock()
+
+    def assigned(self, device: str, round_: int) -> None:
+        with self._lock:
+            self._assigned.setdefault(round_, set()).add(device)
+
+    def answered(self, device: str, round_: int) -> list[Held]:
+        with self._lock:
+            self._answered.setdefault(round_, set()).add(device)
+            return self._ready(round_)
+
+    def hold(self, round_: int, upload: Held) -> list[Held]:
+        with self._lock:
+            self._held.setdefault(round_, []).append(upload)
+            return self._ready(round_)
+
+    def release(self, round_: int) -> list[Held]:
+        """Whatever of ``round_`` is still held (its deadline)."""
+        with self._lock:
+            return self._held.pop(round_, [])
+
+    def _ready(self, round_: int) -> list[Held]:
+        if self._assigned.get(round_, set()) <= self._answered.get(round_, set()):
+            return self._held.pop(round_, [])
+        return []
+
+
 class PoisoningLink(MemoryLink):
     """In-process devices of which ``malicious`` rewrite their upload with ``attack`` after training.
 
-    Malicious uploads are held until every honest one of the round is in, so the omniscient attacks
-    see them; the engine receives them last (as a slow device's).
+    Malicious uploads are held until the round's assigned honest devices have answered (:class:`Holding`), at most
+    ``hold_s`` (:data:`HOLD_S`), so the omniscient attacks see the honest uploads; the engine receives them last (as
+    a slow device's).
     """
 
     def __init__(
@@ -287,37 +333,54 @@ class PoisoningLink(MemoryLink):
         attack: Callable[[Upload], Tensors] | None,
         name: str,
         gate: GateSettings | None = None,
+        hold_s: float = HOLD_S,
     ) -> None:
         super().__init__(devices)
         self.malicious, self.attack, self.name = malicious, attack, name
         self.gate = gate or GateSettings()
         """The gate the adaptive attacker knows (the run's limits)."""
+        self.hold_s = hold_s
+        self.holding = Holding()
         self._sent: dict[str, Tensors] = {}
         self._honest: dict[int, dict[str, Tensors]] = {}
-        self._held: dict[int, list[tuple[str, Received]]] = {}
-        self._lock = threading.Lock()
+        self._on_payload: PayloadHandler | None = None
+
+    def send_control(self, device: str, message: Message) -> None:
+        if isinstance(message, Assignment) and device not in self.malicious:
+            self.holding.assigned(device, message.round)
+        super().send_control(device, message)
 
     def send_payload(self, device: str, payload: bytes, manifest: Any) -> str:
         self._sent[device] = decode_tensors(payload)
         return super().send_payload(device, payload, manifest)
 
     def start(self, on_message, on_payload, on_refused=None) -> None:  # type: ignore[no-untyped-def]
-        honest_count = len(self.devices) - len(self.malicious)
+        self._on_payload = on_payload
 
-        def intercept(device: str, received: Received) -> None:
-            round_ = received.round
-            with self._lock:
-                if device not in self.malicious:
-                    self._honest.setdefault(round_, {})[device] = decode_tensors(received.data)
-                    release = len(self._honest[round_]) == honest_count
-                    ready = [(device, received)] + (self._held.pop(round_, []) if release else [])
-                else:
-                    self._held.setdefault(round_, []).append((device, received))
-                    ready = self._held.pop(round_) if len(self._honest.get(round_, [])) >= honest_count else []
-            for sender, upload in ready:
-                on_payload(sender, self._tampered(sender, upload) if sender in self.malicious else upload)
+        def message_in(device: str, message: Message) -> None:
+            on_message(device, message)
+            if isinstance(message, RoundFailed) and device not in self.malicious:
+                self._deliver(self.holding.answered(device, message.round))
 
-        super().start(on_message, intercept, on_refused)
+        def payload_in(device: str, received: Received) -> None:
+            if device in self.malicious:
+                released = self.holding.hold(received.round, (device, received))
+                if not released:
+                    timer = threading.Timer(self.hold_s, lambda: self._deliver(self.holding.release(received.round)))
+                    timer.daemon = True
+                    timer.start()
+                self._deliver(released)
+                return
+            self._honest.setdefault(received.round, {})[device] = decode_tensors(received.data)
+            on_payload(device, received)
+            self._deliver(self.holding.answered(device, received.round))
+
+        super().start(message_in, payload_in, on_refused)
+
+    def _deliver(self, released: Sequence[Held]) -> None:
+        assert self._on_payload is not None
+        for sender, upload in released:
+            self._on_payload(sender, self._tampered(sender, upload))
 
     def _target(self, honest: Mapping[str, Tensors]) -> float:
         """:func:`cut_target` for this round's honest updates, sketched as the gate sketches them."""
@@ -333,7 +396,7 @@ class PoisoningLink(MemoryLink):
         else:
             trained = decode_tensors(received.data)
             shapes = {k: v.shape for k, v in trained.items()}
-            round_honest = self._honest[received.round]
+            round_honest = self._honest.get(received.round, {})
             honest = [h for h in round_honest.values() if {k: v.shape for k, v in h.items()} == shapes]
             upload = Upload(self._sent[device], trained, honest)
             if self.attack is at_the_cut:

@@ -11,6 +11,7 @@ from benchmarks.poisoning import (
     ATTACKS,
     BACKDOOR_TARGET,
     Case,
+    Holding,
     Upload,
     at_the_cut,
     backdoored,
@@ -151,3 +152,16 @@ def test_a_suite_reports_the_worst_of_its_cases_and_every_honest_refusal() -> No
     assert result["backdoor_success_two_in_ten"] == skewed["backdoor_success_two_in_ten"] is not None
     assert result["honest_refused_attacked"] == sum(e["honest_refused"] for c in (iid, skewed) for e in c["attacks"])
     json.dumps(result)
+
+
+def test_malicious_uploads_wait_for_the_honest_devices_assigned_the_round_only() -> None:
+    holding = Holding()
+    for device in ("c2", "c3"):
+        holding.assigned(device, 5)  # c4, benched by the backoff, was not assigned round 5
+    assert holding.hold(5, ("c0", "upload-0")) == []
+    assert holding.answered("c2", 5) == []
+    assert holding.answered("c3", 5) == [("c0", "upload-0")]  # every assigned honest device is in: released
+    assert holding.hold(5, ("c1", "upload-1")) == [("c1", "upload-1")]  # a late attacker is not held
+    holding.assigned("c2", 6)
+    assert holding.hold(6, ("c0", "upload-6")) == []
+    assert holding.release(6) == [("c0", "upload-6")] and holding.answered("c2", 6) == []  # the deadline's release
