@@ -32,28 +32,22 @@ from torch import Tensor
 from coordinator.algorithms.aggregation import UpdateRejected
 from coordinator.config.asynchronous import AsyncSettings
 from coordinator.config.fleet import Fleet
-from coordinator.planning.planner import fmt_ratio, plan_fleet
+from coordinator.planning.planner import fmt_ratio
 from coordinator.rounds.admission import describe_steps
 from coordinator.rounds.async_ledger import AsyncLedger, Ticket
-from coordinator.rounds.closing import every_core, round_metrics
-from coordinator.rounds.draw import Planner
+from coordinator.rounds.closing import round_metrics
 from coordinator.rounds.engine import TICK_S, RoundEngine
-from coordinator.rounds.evaluation import evaluate_global
 from coordinator.rounds.fedbuff import Published, TooStale
 from coordinator.rounds.settings import EngineSettings
-from coordinator.rounds.signing import UploadSignatures
 from coordinator.rounds.state import printable, refusal_reason
 from coordinator.rounds.upload_gate import UploadGate, UploadRefused, sample_scale, squared_norms
 from coordinator.run.metrics import AsyncMetrics, DeviceRoundMetrics, received_metrics
-from coordinator.run.rundir import RunDir
-from coordinator.strategies import ClientSlot, Strategy
-from coordinator.transport.link import Link, Outgoing
-from device_agent.data.datasets import LabeledData
+from coordinator.strategies import ClientSlot
+from coordinator.transport.link import Outgoing
 from device_agent.wire.codec import CodecError, encode_tensors
 from device_agent.wire.messages import Assignment, Error, Hello, Message, Receipt, RoundFailed, Status
 from device_agent.wire.payload import Received
 from device_agent.wire.protocol import ASSIGNMENT_KIND, UPDATE_KIND, ReceivedEvaluation, UploadMetaError, round_seed
-from profiles.schema import DeviceClass
 
 log = logging.getLogger("fedfleet.async")
 
@@ -112,27 +106,19 @@ class AsyncEngine(RoundEngine):
 
     runs_async = True
 
-    def __init__(
-        self,
-        fleet: Fleet,
-        catalog: dict[str, DeviceClass],
-        strategy: Strategy,
-        rundir: RunDir,
-        data: LabeledData,
-        link: Link,
-        settings: EngineSettings,
-        planner: Planner = plan_fleet,
-        signatures: UploadSignatures | None = None,
-    ) -> None:
-        async_settings = fleet.strategy.asynchronous
-        if fleet.strategy.mode != "async" or async_settings is None:
-            raise ValueError("AsyncEngine runs fleets with strategy.mode: async (RoundEngine runs rounds)")
-        # The peer check compares one round's updates at its close: async has neither.
-        settings = replace(settings, gate=replace(settings.gate, peer_min_cosine=None))
-        super().__init__(fleet, catalog, strategy, rundir, data, link, settings, planner, signatures)
+    @classmethod
+    def settings_for(cls, settings: EngineSettings) -> EngineSettings:
+        """The peer check compares one round's updates at its close: async has neither, so it is off."""
+        return replace(settings, gate=replace(settings.gate, peer_min_cosine=None))
+
+    def _resume(self) -> None:
+        """Open the ledger where the last process stopped (it replays the open version's journal) and start with
+        no device holding a ticket of this process."""
+        async_settings = self.fleet.strategy.asynchronous
+        if async_settings is None:  # parse_fleet gives every async fleet its settings
+            raise ValueError("strategy.mode: async without strategy.async settings")
         self.async_settings: AsyncSettings = async_settings
-        self.data = data
-        self.ledger = AsyncLedger(rundir, self.strategy, async_settings)
+        self.ledger = AsyncLedger(self.rundir, self.strategy, async_settings)
         self.server = self.ledger.server
         self.next_round = self.ledger.version + 1
         self._journal = []  # the ledger replayed the open version's journal
@@ -416,11 +402,7 @@ class AsyncEngine(RoundEngine):
         """Evaluate the new version as a round is evaluated, then commit it with its metrics line."""
         closing = time.monotonic()
         window, self._window = self._window, _Window()
-        accuracy = loss = None
-        if self.fleet.evaluation.server:
-            calibration = self.data.train_x[: self.settings.calibration_samples]
-            with every_core():
-                accuracy, loss = evaluate_global(self.strategy, (self.data.test_x, self.data.test_y), calibration)
+        server = self.closer.evaluate()
         self.server.remember()  # static BN changed the model in place: the version's base is the calibrated one
         self._payloads.clear()
         self.gate.history.next_round()  # the update bound learns from the versions before, as from rounds before
@@ -433,7 +415,6 @@ class AsyncEngine(RoundEngine):
             devices[device] = row.row(up - before[0], down - before[1])
             self._bytes[device] = (up, down)
         staleness = Counter(update.staleness for update in published.updates)
-        server = None if accuracy is None or loss is None else (accuracy, loss)
         received = (row.received for row in window.devices.values())
         metrics = round_metrics(
             published.version, devices, received, server, evaluated - window.started, {"evaluate": evaluated - closing}
@@ -460,7 +441,7 @@ class AsyncEngine(RoundEngine):
             metrics.participants,
             " ".join(f"{s}:{n}" for s, n in sorted(staleness.items())),
             f", {window.too_stale} too stale" if window.too_stale else "",
-            "no server evaluation" if accuracy is None else f"accuracy {accuracy:.4f}, loss {loss:.4f}",
+            "no server evaluation" if server is None else "accuracy {:.4f}, loss {:.4f}".format(*server),
             metrics.seconds,
         )
 

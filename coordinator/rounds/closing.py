@@ -88,12 +88,7 @@ class RoundCloser:
             self.strategy.close_round(open_.aggregate)
             self._add_noise(len(open_.accepted))
         aggregated = time.monotonic()
-        acc: float | None = None
-        loss: float | None = None
-        if self.fleet.evaluation.server:
-            calibration = self.data.train_x[: self.calibration_samples]
-            with every_core():
-                acc, loss = evaluate_global(self.strategy, (self.data.test_x, self.data.test_y), calibration)
+        server = self.evaluate()
         evaluated = time.monotonic()
         devices = {d: self.device_metrics(d, p) for d, p in open_.participants.items()}
         phases = {
@@ -106,10 +101,19 @@ class RoundCloser:
             open_.round,
             devices,
             (p.received for p in open_.participants.values() if p.status == "accepted"),
-            None if acc is None or loss is None else (acc, loss),
+            server,
             evaluated - open_.started,
             phases,
         )
+
+    def evaluate(self) -> tuple[float, float] | None:
+        """The new global model's (accuracy, loss) on the test set after static BN on the calibration samples;
+        None without ``evaluation.server``."""
+        if not self.fleet.evaluation.server:
+            return None
+        calibration = self.data.train_x[: self.calibration_samples]
+        with every_core():
+            return evaluate_global(self.strategy, (self.data.test_x, self.data.test_y), calibration)
 
     def _add_noise(self, folded: int) -> None:
         """The weak noise on the new global weights (not the BatchNorm statistics, which are calibrated apart): the

@@ -97,6 +97,7 @@ class RoundEngine:
         if (fleet.strategy.mode == "async") != self.runs_async:
             engine = "AsyncEngine" if fleet.strategy.mode == "async" else "RoundEngine"
             raise ValueError(f"strategy.mode: {fleet.strategy.mode} runs on {engine} (async_engine.engine_class)")
+        settings = self.settings_for(settings)
         self.fleet = fleet
         self.privacy = (
             None
@@ -137,14 +138,25 @@ class RoundEngine:
         self.stopping = threading.Event()
         self._events: queue.Queue[Callable[[], None]] = queue.Queue()
         self._deferred: list[tuple[str, Received]] = []
-        resume = rundir.resume()
-        self.strategy.load_state_dict(resume.state)
         window = rundir.saved_norm_history()
         if window is not None:
             gate.history.restore(window)
         records = rundir.saved_peer_records()
         if records is not None:
             gate.records.restore(records)
+        self._resume()
+
+    @classmethod
+    def settings_for(cls, settings: EngineSettings) -> EngineSettings:
+        """The settings this engine runs under: rounds run ``settings`` as given (a subclass may turn off what
+        its mode cannot do)."""
+        return settings
+
+    def _resume(self) -> None:
+        """Go on where the last process on the run directory stopped: its last committed state, the open round
+        and that round's journal (folded back in when the round re-opens)."""
+        resume = self.rundir.resume()
+        self.strategy.load_state_dict(resume.state)
         self.next_round = resume.next_round
         self._journal = resume.journal
 

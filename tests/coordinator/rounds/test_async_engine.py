@@ -96,6 +96,16 @@ def test_the_round_engine_refuses_an_async_fleet_and_the_async_engine_a_sync_one
     rundir.close()
 
 
+def test_the_async_engine_runs_with_the_peer_check_off_and_the_round_engine_as_configured(tmp_path: Path) -> None:
+    settings = EngineSettings(min_devices=1)
+    assert settings.gate.peer_min_cosine is not None  # on by default
+    engine = async_engine(tmp_path, ["a"], 1, {"buffer": 1})  # the peer check judges a round at its close: none here
+
+    assert engine.gate.settings.peer_min_cosine is None and engine.settings.gate.peer_min_cosine is None
+    assert RoundEngine.settings_for(settings) is settings
+    engine.rundir.close()
+
+
 KEYS = {"a": bytes(range(32)), "b": bytes(range(1, 33)), "mallory": bytes(range(2, 34))}
 
 
