@@ -36,6 +36,7 @@ from coordinator.planning.planner import fmt_ratio
 from coordinator.rounds.admission import describe_steps
 from coordinator.rounds.async_ledger import AsyncLedger, Ticket
 from coordinator.rounds.closing import round_metrics
+from coordinator.rounds.dispatch import Sent
 from coordinator.rounds.engine import TICK_S, RoundEngine
 from coordinator.rounds.fedbuff import Published, TooStale
 from coordinator.rounds.settings import EngineSettings
@@ -43,24 +44,12 @@ from coordinator.rounds.state import printable, refusal_reason
 from coordinator.rounds.upload_gate import UploadGate, UploadRefused, sample_scale, squared_norms
 from coordinator.run.metrics import AsyncMetrics, DeviceRoundMetrics, received_metrics
 from coordinator.strategies import ClientSlot
-from coordinator.transport.link import Outgoing
 from device_agent.wire.codec import CodecError, encode_tensors
 from device_agent.wire.messages import Assignment, Error, Hello, Message, Receipt, RoundFailed, Status
 from device_agent.wire.payload import Received
 from device_agent.wire.protocol import ASSIGNMENT_KIND, UPDATE_KIND, ReceivedEvaluation, UploadMetaError, round_seed
 
 log = logging.getLogger("fedfleet.async")
-
-
-@dataclass(frozen=True)
-class _Sent:
-    """A device's live ticket and what it was sent, for sending it again."""
-
-    ticket: Ticket
-    payload: bytes
-    outgoing: Outgoing
-    message: Assignment
-    at: float
 
 
 @dataclass
@@ -122,7 +111,8 @@ class AsyncEngine(RoundEngine):
         self.server = self.ledger.server
         self.next_round = self.ledger.version + 1
         self._journal = []  # the ledger replayed the open version's journal
-        self._sent: dict[str, _Sent] = {}
+        self._sent: dict[str, Sent] = {}
+        """Devices holding a live ticket (the assignment's round number) of this process: what they were sent."""
         self._idle: dict[str, float] = {}
         """Devices that said they are idle while holding a live ticket: when they said so."""
         self._hold: dict[str, float] = {}
@@ -220,7 +210,7 @@ class AsyncEngine(RoundEngine):
             train=self.fleet.training.for_device(state.device, round_seed(self.rundir.seed, ticket.number, seat)),
         )
         self.link.send_control(device, message)
-        self._sent[device] = _Sent(ticket, payload, outgoing, message, time.monotonic())
+        self._sent[device] = Sent(payload, outgoing, message, time.monotonic())
         self._assigned_at[device] = time.monotonic()
         self._idle.pop(device, None)
 
@@ -238,12 +228,9 @@ class AsyncEngine(RoundEngine):
             delivered = self.link.delivered_ago(device)
             if delivered is not None and delivered < self.settings.resend_after_s:
                 continue  # the model just arrived: the idle report may predate it
-            transfer = self.link.send_payload(device, sent.payload, sent.outgoing)
-            again = sent.message.model_copy(update={"download": transfer})
-            self.link.send_control(device, again)
-            self._sent[device] = replace(sent, message=again, at=now)
+            self._sent[device] = sent.again(self.link, device)
             self._idle.pop(device, None)
-            log.info("%s is idle without an update; ticket %d sent again", device, sent.ticket.number)
+            log.info("%s is idle without an update; ticket %d sent again", device, sent.assignment.round)
 
     def _free(self, device: str) -> None:
         """The device's ticket is answered or given up: its concurrency slot is free."""
@@ -258,7 +245,7 @@ class AsyncEngine(RoundEngine):
     def holding(self, device: str) -> Ticket | None:
         """The ticket ``device`` trains (sent by this process and not answered yet), for the live table."""
         sent = self._sent.get(device)
-        return None if sent is None else sent.ticket
+        return None if sent is None else self.ledger.tickets[sent.assignment.round]
 
     # ---- messages --------------------------------------------------------------------------------
 
@@ -288,19 +275,19 @@ class AsyncEngine(RoundEngine):
         super()._on_message(device, message, arrived)
 
     def _failed(self, device: str, failure: RoundFailed) -> None:
-        sent = self._sent.get(device)
-        if sent is None or failure.run != self.rundir.run_id or failure.round != sent.ticket.number:
+        ticket = self.holding(device)
+        if ticket is None or failure.run != self.rundir.run_id or failure.round != ticket.number:
             return
         log.warning(
             "%s failed ticket %d (version %d): %s: %s",
             device,
-            sent.ticket.number,
-            sent.ticket.version,
+            ticket.number,
+            ticket.version,
             failure.reason,
             printable(failure.detail, 480),
         )
         if failure.reason == "out_of_memory":
-            self.draw.out_of_memory(device, sent.ticket.level)
+            self.draw.out_of_memory(device, ticket.level)
             self._replan = True
         self._free(device)
         self._hold[device] = time.monotonic() + self.settings.resend_after_s
@@ -325,7 +312,7 @@ class AsyncEngine(RoundEngine):
             self.refused.upload(device, received.round, reason, str(exc))
             self.link.send_control(device, Error(code="rejected", detail=str(exc)[:1000], transfer=received.transfer))
             sent = self._sent.get(device)
-            if sent is not None and sent.ticket.number == received.round:
+            if sent is not None and sent.assignment.round == received.round:
                 self._free(device)  # it trains the newest version next
             return
         self.link.send_control(

@@ -22,13 +22,22 @@ log = logging.getLogger("fedfleet.engine")
 
 
 @dataclass(frozen=True)
-class _Sent:
-    """What a device was last sent, kept for sending it again."""
+class Sent:
+    """What a device was last sent (the model's bytes, their prepared transfer, the assignment), kept for sending it
+    again: by rounds (:class:`Dispatcher`) and by async mode."""
 
     payload: bytes
     outgoing: Outgoing
     assignment: Assignment
     at: float  # time.monotonic() when it was sent
+
+    def again(self, link: Link, device: str, **changes: object) -> Sent:
+        """Send the model (a new transfer) and the assignment again, with ``changes`` to the message (its deadline)."""
+        now = time.monotonic()
+        transfer = link.send_payload(device, self.payload, self.outgoing)
+        assignment = self.assignment.model_copy(update={**changes, "download": transfer})
+        link.send_control(device, assignment)
+        return Sent(self.payload, self.outgoing, assignment, now)
 
 
 @dataclass(frozen=True)
@@ -57,7 +66,7 @@ class Dispatcher:
         self.rundir = rundir
         self.fleet = fleet
         self.resend_after_s = resend_after_s
-        self._assigned: dict[str, _Sent] = {}
+        self._assigned: dict[str, Sent] = {}
         self._due: dict[str, _Due] = {}
 
     def clear(self) -> None:
@@ -107,7 +116,7 @@ class Dispatcher:
             )
             self.link.send_control(slot.client_id, message)
             participant.assigned_at = time.monotonic()
-            self._assigned[slot.client_id] = _Sent(payload, outgoing[payload], message, participant.assigned_at)
+            self._assigned[slot.client_id] = Sent(payload, outgoing[payload], message, participant.assigned_at)
 
     def cancel(self, device: str) -> None:
         """The device is downloading or training: no deferred re-send."""
@@ -155,14 +164,11 @@ class Dispatcher:
                 again.append(device)
         return again
 
-    def _send_again(self, device: str, open_: OpenRound, sent: _Sent) -> None:
-        now = time.monotonic()
-        transfer = self.link.send_payload(device, sent.payload, sent.outgoing)
-        again = sent.assignment.model_copy(update={"download": transfer, "deadline_s": max(1.0, open_.deadline - now)})
-        self.link.send_control(device, again)
-        self._assigned[device] = _Sent(sent.payload, sent.outgoing, again, now)
+    def _send_again(self, device: str, open_: OpenRound, sent: Sent) -> None:
+        again = sent.again(self.link, device, deadline_s=max(1.0, open_.deadline - time.monotonic()))
+        self._assigned[device] = again
         participant = open_.participants[device]
-        participant.assigned_at = now
+        participant.assigned_at = again.at
         if participant.status == "rejected":  # expected to answer again: the refusal grace no longer applies
             participant.status, participant.retried = "assigned", True
 
@@ -172,4 +178,4 @@ class Dispatcher:
             self.resend(device, open_, due.reported_at)
 
 
-__all__ = ["Dispatcher"]
+__all__ = ["Dispatcher", "Sent"]
