@@ -12,6 +12,10 @@ from coordinator.run.metrics import RoundMetrics, is_failed
 if TYPE_CHECKING:
     from coordinator.rounds.async_engine import AsyncEngine
     from coordinator.rounds.engine import RoundEngine
+    from coordinator.rounds.state import DeviceState
+
+_LEFT = {"device", "class", "online", "agent", "round status"}
+"""The columns of words; the others (numbers) align right."""
 
 
 def round_table(engine: RoundEngine) -> Table:
@@ -24,25 +28,35 @@ def round_table(engine: RoundEngine) -> Table:
         failed = is_failed(last, engine.fleet.quorum)
         title += f"  (round {last.round}{' FAILED' if failed else ''}: {round_figures(last)}"
         title += f", {last.participants}/{len(last.devices)} updates, {last.seconds:.1f} s)"
-    table = Table(title=title)
-    for column in ("device", "class", "online", "agent", "ratio", "round status", "bytes up", "train s"):
-        table.add_column(column, justify="right" if column in ("ratio", "bytes up", "train s") else "left")
+    table = _device_table(title, "round status", "bytes up", "train s")
     for device_id, state in engine.devices.items():
         participant = open_.participants.get(device_id) if open_ else None
         up = ""
         if participant is not None:
             up = f"{participant.payload_bytes / 2**10:.0f} KiB" if participant.payload_bytes else ""
         table.add_row(
-            device_id,
-            state.device.profile,
-            "refused" if state.refused else "yes" if state.online else "no",
-            state.state,
-            str(Fraction(participant.level).limit_denominator(1000)) if participant else "-",
+            *_device_cells(device_id, state, participant.level if participant else None),
             participant.status if participant else "-",
             up,
             f"{participant.train_seconds:.1f}" if participant and participant.train_seconds is not None else "",
         )
     return table
+
+
+def _device_table(title: str, *columns: str) -> Table:
+    """A table of one row a device: the columns of :func:`_device_cells`, then ``columns``."""
+    table = Table(title=title)
+    for column in ("device", "class", "online", "agent", "ratio", *columns):
+        table.add_column(column, justify="left" if column in _LEFT else "right")
+    return table
+
+
+def _device_cells(device_id: str, state: DeviceState, level: float | None) -> tuple[str, ...]:
+    """A device's first cells in either view: its id, class, online (or refused), the agent's state and the level it
+    trains at ("-" when it trains nothing)."""
+    online = "refused" if state.refused else "yes" if state.online else "no"
+    ratio = "-" if level is None else str(Fraction(level).limit_denominator(1000))
+    return device_id, state.device.profile, online, state.state, ratio
 
 
 def round_figures(last: RoundMetrics) -> str:
@@ -65,17 +79,11 @@ def version_table(engine: AsyncEngine) -> Table:
         title += f"  (version {last.round}: {round_figures(last)}, {last.asynchronous.updates} updates"
         title += f" from {last.participants} devices, staleness {histogram}"
         title += f", {last.asynchronous.too_stale} too stale)" if last.asynchronous.too_stale else ")"
-    table = Table(title=title)
-    for column in ("device", "class", "online", "agent", "ratio", "trains version", "staleness now"):
-        table.add_column(column, justify="right" if column in ("ratio", "trains version", "staleness now") else "left")
+    table = _device_table(title, "trains version", "staleness now")
     for device_id, state in engine.devices.items():
         ticket = engine.holding(device_id)
         table.add_row(
-            device_id,
-            state.device.profile,
-            "refused" if state.refused else "yes" if state.online else "no",
-            state.state,
-            str(Fraction(ticket.level).limit_denominator(1000)) if ticket else "-",
+            *_device_cells(device_id, state, ticket.level if ticket else None),
             f"{ticket.version} (ticket {ticket.number})" if ticket else "-",
             str(server.version - ticket.version) if ticket else "",
         )
