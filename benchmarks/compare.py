@@ -49,7 +49,6 @@ import argparse
 import json
 import math
 import multiprocessing
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -64,7 +63,14 @@ import torch
 from benchmarks import fedlora, screening
 from benchmarks.cell_cache import CacheMismatch, CellCache
 from benchmarks.machine import describe
-from benchmarks.stats import CONFIDENCE, interval_of, last_rounds_mean, mean_std, paired_interval, verdict
+from benchmarks.stats import (
+    CONFIDENCE,
+    interval_of,
+    last_rounds_mean,
+    over_seeds,
+    paired_interval,
+    verdict,
+)
 from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.strategies import STRATEGIES, ModelSpec, build_strategy
 from coordinator.strategies.fedlora import FineTune
@@ -337,14 +343,17 @@ def compare(
     for scenario, by_label in cells.items():
         for label, by_strategy in by_label.items():
             out[f"{scenario}/{label}"] = {
-                name: {
-                    "accuracy": mean_std(c.accuracy),
-                    "final_accuracy": mean_std(c.final),
-                    "personalized_accuracy": mean_std(c.personalized),
-                    "upload_bytes_per_round": statistics.fmean(c.upload),
-                    "wall_seconds": statistics.fmean(c.seconds),
-                    "failed_rounds": c.failed_rounds,
-                }
+                name: over_seeds(
+                    {
+                        "accuracy": c.accuracy,
+                        "final_accuracy": c.final,
+                        "personalized_accuracy": c.personalized,
+                        "upload_bytes_per_round": c.upload,
+                        "wall_seconds": c.seconds,
+                    },
+                    means_only=("upload_bytes_per_round", "wall_seconds"),
+                )
+                | {"failed_rounds": c.failed_rounds}
                 for name, c in by_strategy.items()
             }
     return out

@@ -16,7 +16,8 @@ import sys
 
 import torch
 
-from benchmarks.compare import ARCH, levels_for, mean_std, scenarios
+from benchmarks.compare import ARCH, levels_for, scenarios
+from benchmarks.stats import mean_std
 from coordinator.algorithms.aggregation import ClassifierRule
 from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.strategies import ModelSpec, build_strategy

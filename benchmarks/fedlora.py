@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -40,7 +39,7 @@ from safetensors.torch import load_file
 from benchmarks import screening
 from benchmarks.cell_cache import CellCache
 from benchmarks.machine import describe
-from benchmarks.stats import CONFIDENCE, interval_of, last_rounds_mean, mean_std, paired_interval, verdict
+from benchmarks.stats import CONFIDENCE, interval_of, last_rounds_mean, over_seeds, paired_interval, verdict
 from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.run.pretrain import class_subset, fit_probe, linear_probe, pretrain, save_checkpoint
 from coordinator.strategies import STRATEGIES, ModelSpec, build_strategy
@@ -290,13 +289,16 @@ def report(
 
 
 def _summary(rows: list[dict]) -> dict:
-    return {
-        "accuracy": mean_std([r["accuracy"] for r in rows]),
-        "final_accuracy": mean_std([r.get("final_accuracy", r["accuracy"]) for r in rows]),
-        "upload_bytes_per_round": statistics.fmean(r["upload_bytes_per_round"] for r in rows),
-        "trainable_params_per_device": rows[0]["trainable_params_per_device"],
-        "wall_seconds": statistics.fmean(r["seconds"] for r in rows),
-    }
+    summary = over_seeds(
+        {
+            "accuracy": [r["accuracy"] for r in rows],
+            "final_accuracy": [r.get("final_accuracy", r["accuracy"]) for r in rows],
+            "upload_bytes_per_round": [r["upload_bytes_per_round"] for r in rows],
+            "wall_seconds": [r["seconds"] for r in rows],
+        },
+        means_only=("upload_bytes_per_round", "wall_seconds"),
+    )
+    return summary | {"trainable_params_per_device": rows[0]["trainable_params_per_device"]}
 
 
 WITHIN = 0.02

@@ -29,7 +29,8 @@ from functools import partial
 
 import torch
 
-from benchmarks.compare import load_data, mean_std
+from benchmarks.compare import load_data
+from benchmarks.stats import mean_std
 from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.privacy.accountant import calibrate
 from coordinator.strategies import ModelSpec, build_strategy

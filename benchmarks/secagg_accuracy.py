@@ -14,7 +14,6 @@ off (``benchmarks.screening.OFF``): under SecAgg the coordinator cannot screen.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -26,6 +25,7 @@ from benchmarks.compare import load_data
 from benchmarks.machine import describe
 from benchmarks.output import print_result
 from benchmarks.screening import OFF
+from benchmarks.stats import over_seeds
 from coordinator.emulation.simulation import SimClient, simulate
 from coordinator.run.rundir import read_metrics
 from coordinator.strategies import ModelSpec, build_strategy
@@ -140,14 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         rows = [compare_seed(name, seed, args, data) for seed in range(args.seeds)]
         runs += rows
-        plain = [row["plain"]["accuracy"][-1] for row in rows]
-        secure = [row["secure"]["accuracy"][-1] for row in rows]
-        result[f"{name}_plain_accuracy"] = round(statistics.fmean(plain), 4)
-        result[f"{name}_secure_accuracy"] = round(statistics.fmean(secure), 4)
-        result[f"{name}_gap_points"] = round(100 * (statistics.fmean(plain) - statistics.fmean(secure)), 2)
+        final = over_seeds({mode: [row[mode]["accuracy"][-1] for row in rows] for mode in ("plain", "secure")})
+        plain, secure = final["plain"]["mean"], final["secure"]["mean"]
+        result[f"{name}_plain_accuracy"] = round(plain, 4)
+        result[f"{name}_secure_accuracy"] = round(secure, 4)
+        result[f"{name}_gap_points"] = round(100 * (plain - secure), 2)
         # The seed-to-seed spread of the plain runs: how much a run's accuracy moves for reasons other than SecAgg.
-        std = round(100 * statistics.stdev(plain), 2) if len(plain) > 1 else None
+        std = round(100 * final["plain"]["std"], 2) if len(rows) > 1 else None
         result[f"{name}_plain_seed_std_points"] = std
+        result[f"{name}_final_accuracy_over_seeds"] = final
     result["clamped_fraction"] = max(row["secure"]["clamped_fraction"] for row in runs)
     result["runs"] = runs
     result["provenance"] = describe()

@@ -1,4 +1,5 @@
-"""How a benchmark scores a run and judges a claim over seeds: shared by ``compare`` and its fedlora bed.
+"""How a benchmark scores a run, summarises it over seeds and judges a claim: shared by ``compare``, its fedlora
+bed and ``secagg_accuracy``.
 
 A run's score is the mean of its last :data:`LAST_ROUNDS` rounds (one round's class mix decides less than
 on the final round alone). A claim "ours >= theirs" is judged on the seed-by-seed differences of the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 LAST_ROUNDS = 3
@@ -31,6 +33,19 @@ def mean_std(values: list[float]) -> dict[str, Any]:
         "std": statistics.stdev(values) if len(values) > 1 else 0.0,
         "spread": max(values) - min(values),
         "seeds": values,
+    }
+
+
+def over_seeds(per_seed: Mapping[str, Sequence[float]], means_only: Collection[str] = ()) -> dict[str, Any]:
+    """Each figure's summary over the seeds, in ``per_seed``'s order: :func:`mean_std` (every seed's value kept,
+    for the paired claims and the reader), or just the mean for a figure named in ``means_only`` (costs such as
+    bytes and seconds, which no claim is judged on)."""
+    unknown = sorted(set(means_only) - set(per_seed))
+    if unknown:
+        raise ValueError(f"means_only names figures not given: {', '.join(unknown)}")
+    return {
+        name: statistics.fmean(values) if name in means_only else mean_std(list(values))
+        for name, values in per_seed.items()
     }
 
 
@@ -63,4 +78,13 @@ def verdict(low: float, high: float) -> str:
     return "PASS" if low > 0 else "FAIL" if high < 0 else "TIE"
 
 
-__all__ = ["CONFIDENCE", "LAST_ROUNDS", "interval_of", "last_rounds_mean", "mean_std", "paired_interval", "verdict"]
+__all__ = [
+    "CONFIDENCE",
+    "LAST_ROUNDS",
+    "interval_of",
+    "last_rounds_mean",
+    "mean_std",
+    "over_seeds",
+    "paired_interval",
+    "verdict",
+]

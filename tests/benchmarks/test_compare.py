@@ -10,6 +10,7 @@ import torch
 
 from benchmarks import compare
 from benchmarks.machine import source
+from benchmarks.stats import mean_std
 from coordinator.config.limits import GateSettings
 from coordinator.rounds.engine import RoundEngine
 from coordinator.strategies import STRATEGIES
@@ -115,8 +116,8 @@ def test_participation_sets_how_many_fedlora_clients_a_round_asks(monkeypatch, c
 
 def _row(accuracy: list[float], personalized: list[float], upload: float) -> dict:
     return {
-        "accuracy": compare.mean_std(accuracy),
-        "personalized_accuracy": compare.mean_std(personalized),
+        "accuracy": mean_std(accuracy),
+        "personalized_accuracy": mean_std(personalized),
         "upload_bytes_per_round": upload,
     }
 

@@ -24,3 +24,8 @@ def test_one_secure_round_moves_the_weights_by_at_most_the_quantization_error(ca
     assert report["clamped_fraction"] == 0.0
     assert fedhm["secure"]["survivors"] == [4]
     assert len(fedavg["plain"]["accuracy"]) == len(fedavg["secure"]["accuracy"]) == 1
+    # The summary over seeds keeps every seed's final accuracy, plain and secure, beside the means.
+    over_seeds = report["fedhm_final_accuracy_over_seeds"]
+    assert over_seeds["secure"]["seeds"] == [fedhm["secure"]["accuracy"][-1]]
+    assert report["fedhm_plain_accuracy"] == round(fedhm["plain"]["accuracy"][-1], 4)
+    assert report["fedhm_plain_seed_std_points"] is None  # one seed: no spread

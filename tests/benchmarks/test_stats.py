@@ -31,3 +31,13 @@ def test_a_summary_keeps_every_seed_and_their_spread() -> None:
     summary = stats.mean_std([0.5, 0.7, 0.6])
     assert summary["seeds"] == [0.5, 0.7, 0.6]
     assert (summary["mean"], summary["std"], summary["spread"]) == pytest.approx((0.6, 0.1, 0.2))
+
+
+def test_over_seeds_spreads_the_scores_and_averages_the_costs() -> None:
+    summary = stats.over_seeds(
+        {"accuracy": [0.5, 0.7, 0.6], "wall_seconds": [10.0, 20.0, 30.0]}, means_only=("wall_seconds",)
+    )
+    assert summary == {"accuracy": stats.mean_std([0.5, 0.7, 0.6]), "wall_seconds": 20.0}
+    assert summary["accuracy"]["seeds"] == [0.5, 0.7, 0.6]  # in seed order, for the paired claims
+    with pytest.raises(ValueError, match="means_only names figures not given: seconds"):
+        stats.over_seeds({"accuracy": [0.5]}, means_only=("seconds",))
