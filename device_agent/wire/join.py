@@ -30,15 +30,23 @@ PayloadHandler = Callable[[str, Completed], None]
 
 
 class TransferSettings(Protocol):
-    """The settings of a join's transfers (both carriers' settings have them under these names)."""
+    """The settings of a join's transfers (both carriers' settings have them under these names). Read-only: the
+    carriers' settings are frozen dataclasses, and a join only reads them."""
 
-    chunk_size: int
-    limits: Limits
-    resend_after_s: float
-    max_attempts: int
-    nack_after_s: float
-    send_window_bytes: int
-    tick_s: float
+    @property
+    def chunk_size(self) -> int: ...
+    @property
+    def limits(self) -> Limits: ...
+    @property
+    def resend_after_s(self) -> float: ...
+    @property
+    def max_attempts(self) -> int: ...
+    @property
+    def nack_after_s(self) -> float: ...
+    @property
+    def send_window_bytes(self) -> int: ...
+    @property
+    def tick_s(self) -> float: ...
 
 
 class EngineJoin(ABC):
