@@ -116,6 +116,10 @@ class NormHistory:
     the norms of the open round join the median when it closes (:meth:`next_round`), so a round's
     bounds do not depend on which of its uploads arrived first, and an attacker gains nothing by
     arriving early. A device's norms refused at the close (:meth:`forget`) never join it.
+
+    It also keeps each layer's :meth:`peak`, the highest its median has been in the run: as a model converges most
+    devices barely move and the median falls 10-30 fold, while a device the model still fits worse moves about as
+    far as the fleet did early on (the update bound's floor, :func:`coordinator.rounds.upload_gate.update_bounds`).
     """
 
     def __init__(self, rounds: int, min_updates: int) -> None:
@@ -128,6 +132,7 @@ class NormHistory:
         # Per layer, every norm of the closed rounds kept sorted: the median is read for every upload, and sorting
         # the window each time made a 1,000-device round slower with each round the window filled.
         self._sorted: dict[str, list[float]] = {}
+        self._peaks: dict[str, float] = {}
 
     def next_round(self) -> None:
         """The open round's norms join the median (a round that accepted none leaves the window as it was)."""
@@ -149,6 +154,9 @@ class NormHistory:
         for name, values in norms.items():
             for value in values:
                 bisect.insort(self._sorted.setdefault(name, []), float(value))
+        for name in self._sorted:
+            if (median := self.median(name)) is not None and median > self._peaks.get(name, 0.0):
+                self._peaks[name] = median
 
     def add(self, norms: Mapping[str, float], device: str = "") -> None:
         """One accepted update's layer norms, counted from the next round on (a device's second update of a round
@@ -169,11 +177,23 @@ class NormHistory:
                 current.setdefault(name, []).append(value)
         return rounds + ([current] if current else [])
 
-    def restore(self, window: Sequence[Mapping[str, Sequence[float]]]) -> None:
-        """Start again from a :meth:`window` saved earlier: its newest ``rounds`` rounds, all of them closed."""
+    def peaks(self) -> dict[str, float]:
+        """Per layer, the highest median of the run so far (what a resumed run restores with the window)."""
+        return dict(self._peaks)
+
+    def peak(self, name: str) -> float:
+        """The highest median layer ``name`` has had in the run (0 before it had one)."""
+        return self._peaks.get(name, 0.0)
+
+    def restore(
+        self, window: Sequence[Mapping[str, Sequence[float]]], peaks: Mapping[str, float] | None = None
+    ) -> None:
+        """Start again from a :meth:`window` saved earlier: its newest ``rounds`` rounds, all of them closed, and
+        the :meth:`peaks` saved with it."""
         self._closed.clear()
         self._sorted.clear()
         self._open = {}
+        self._peaks = {name: float(value) for name, value in (peaks or {}).items()}
         for norms in list(window)[-(self._closed.maxlen or 1) :]:
             self._push(norms)
 

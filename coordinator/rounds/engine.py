@@ -140,7 +140,7 @@ class RoundEngine:
         self._deferred: list[tuple[str, Received]] = []
         window = rundir.saved_norm_history()
         if window is not None:
-            gate.history.restore(window)
+            gate.history.restore(window, rundir.saved_norm_peaks())
         records = rundir.saved_peer_records()
         if records is not None:
             gate.records.restore(records)
@@ -315,7 +315,7 @@ class RoundEngine:
                 release.clip_norm,
             )
         gate = self.admission.gate
-        self.rundir.save_norm_history(round_, gate.history.window(), gate.records.state())
+        self.rundir.save_norm_history(round_, gate.history.window(), gate.records.state(), gate.history.peaks())
         self.rundir.complete_round(round_, self.strategy.state_dict(), self.last)
         self.open, self.secure = None, None
         log_closed(self.last, self.fleet.quorum)

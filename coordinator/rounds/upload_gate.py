@@ -15,8 +15,10 @@ That bound compares the upload with the weights, so it cannot tell -9.5x the wei
 update of 10.5x) from an honest upload. The update bound does (:func:`update_bounds`): each layer's update
 (upload minus sent, full rank) has a reference, the median norm of that layer's accepted updates of the
 previous rounds (:class:`~coordinator.algorithms.robust.NormHistory`; never this round's, so no upload's
-bound depends on which arrived first) scaled to the device's samples (x sqrt(samples / the fleet's typical
-samples): more data, more steps, a longer update); the update as a whole, the root mean square of its moving
+bound depends on which arrived first), never below ``update_reference_floor`` of the highest that median has
+been in the run (a converged model's median collapses while its worst-fit honest device still moves), scaled to
+the device's samples (x sqrt(samples / the fleet's typical samples): more data, more steps, a longer update); the
+update as a whole, the root mean square of its moving
 layers' ratios to their references, is held to ``update_bound_factor`` and each layer alone to
 ``update_layer_bound_factor``, clipped to them or refused. One layer of an honest update can jump (3.6x its
 reference in the demo) where the whole update does not (2.0x), while a boosted update is large in every layer.
@@ -203,7 +205,8 @@ def update_bounds(
     scale: float = 1.0,
 ) -> dict[str, float]:
     """Per layer, how far its update may go (module doc). A layer with a median: at most ``update_layer_bound_factor``
-    x its reference (``scale`` x the median), then all of them the share that brings the root mean square of the
+    x its reference (``scale`` x the median, or x ``update_reference_floor`` of the layer's highest median in the
+    run where that is more), then all of them the share that brings the root mean square of the
     ``moving`` layers' ratios to their references down to ``update_bound_factor`` where it is over. The others: a
     share of the warm-up bound.
 
@@ -212,7 +215,10 @@ def update_bounds(
     applies to it instead.
     """
     factor, layer = settings.update_bound_factor or math.inf, settings.update_layer_bound_factor or math.inf
-    references = {name: scale * median for name in norms if (median := history.median(name))}
+    floor = settings.update_reference_floor or 0.0
+    references = {
+        name: scale * max(median, floor * history.peak(name)) for name in norms if (median := history.median(name))
+    }
     capped = {name: min(norms[name], layer * reference) for name, reference in references.items()}
     ratios = [capped[name] / references[name] for name in moving if name in references]
     rms = math.sqrt(sum(r * r for r in ratios) / len(ratios)) if ratios else 0.0

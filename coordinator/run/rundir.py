@@ -470,33 +470,47 @@ class RunDir:
         atomic_write(self.path / OPEN_ROUND_FILE, json.dumps(record).encode())
 
     def save_norm_history(
-        self, round_: int, window: list[dict[str, list[float]]], records: dict[str, list[float]] | None = None
+        self,
+        round_: int,
+        window: list[dict[str, list[float]]],
+        records: dict[str, list[float]] | None = None,
+        peaks: dict[str, float] | None = None,
     ) -> None:
-        """The upload gate's accepted update norms as of ``round_``'s close, written before the round commits, and
-        the peer check's device records (:class:`~coordinator.algorithms.robust.PeerHistory`).
+        """The upload gate's accepted update norms as of ``round_``'s close, written before the round commits, each
+        layer's highest median of the run (:meth:`~coordinator.algorithms.robust.NormHistory.peaks`) and the peer
+        check's device records (:class:`~coordinator.algorithms.robust.PeerHistory`).
 
         A resumed run bounds updates by the fleet's recent median again, not by the warm-up bound: without
         it a reversed update receipted right after a restart was folded at up to the weights' own norm. Without the
+        peaks a converged run's bound would fall to its collapsed median and clip honest devices; without the
         records a backdoor device would start again with a clean one.
         """
-        saved = {"round": round_, "window": window, "records": records or {}}
+        saved = {"round": round_, "window": window, "records": records or {}, "peaks": peaks or {}}
         atomic_write(self.path / NORM_HISTORY_FILE, json.dumps(saved).encode())
+
+    def _saved_gate(self) -> dict | None:
+        """What :meth:`save_norm_history` wrote with the last completed round, or None (a fresh run, or it died
+        before its commit)."""
+        saved = self.path / NORM_HISTORY_FILE
+        if not saved.exists():
+            return None
+        raw = json.loads(saved.read_text())
+        return raw if raw.get("round") == self.last_completed_round else None
 
     def saved_norm_history(self) -> list[dict[str, list[float]]] | None:
         """The window saved with the last completed round, or None (a fresh run, or it died before its commit)."""
-        saved = self.path / NORM_HISTORY_FILE
-        if not saved.exists():
-            return None
-        raw = json.loads(saved.read_text())
-        return raw["window"] if raw.get("round") == self.last_completed_round else None
+        raw = self._saved_gate()
+        return None if raw is None else raw["window"]
+
+    def saved_norm_peaks(self) -> dict[str, float] | None:
+        """Each layer's highest median saved with the last completed round (:meth:`save_norm_history`), or None."""
+        raw = self._saved_gate()
+        return None if raw is None else raw.get("peaks", {})
 
     def saved_peer_records(self) -> dict[str, list[float]] | None:
         """The peer check's records saved with the last completed round (:meth:`save_norm_history`), or None."""
-        saved = self.path / NORM_HISTORY_FILE
-        if not saved.exists():
-            return None
-        raw = json.loads(saved.read_text())
-        return raw.get("records") if raw.get("round") == self.last_completed_round else None
+        raw = self._saved_gate()
+        return None if raw is None else raw.get("records")
 
     def saved_population(self, round_: int) -> int | None:
         """The ``population`` saved with ``round_``'s participants, or None."""

@@ -349,8 +349,11 @@ def test_in_an_agreeing_round_the_floor_refuses_reversals_however_wide_the_sprea
     window=st.integers(1, 3),
 )
 def test_the_history_median_is_the_median_of_the_norms_in_its_window(rounds, window) -> None:
+    """The median is the window's; the peak the highest that median has been, also after the window slid past it
+    and after a restore."""
     history = NormHistory(rounds=window, min_updates=1)
     closed: list[list[float]] = []
+    medians = [0.0]
     for norms in rounds:
         for index, norm in enumerate(norms):
             history.add({"w": norm}, f"d{index}")
@@ -359,10 +362,13 @@ def test_the_history_median_is_the_median_of_the_norms_in_its_window(rounds, win
             closed.append(norms)
         kept = [norm for round_ in closed[-window:] for norm in round_]
         assert history.median("w") == (statistics.median(kept) if kept else None)
+        medians.append(statistics.median(kept) if kept else 0.0)
+        assert history.peak("w") == max(medians)
     saved = history.window()
     restored = NormHistory(rounds=window, min_updates=1)
-    restored.restore(saved)
+    restored.restore(saved, history.peaks())
     assert restored.window() == saved and restored.median("w") == history.median("w")
+    assert restored.peaks() == history.peaks()
 
 
 def test_noised_adds_gaussian_noise_of_the_given_std_to_the_named_weights_only() -> None:

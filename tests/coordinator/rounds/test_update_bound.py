@@ -136,6 +136,43 @@ def test_a_rounds_bounds_come_from_earlier_rounds_so_arrival_order_changes_nothi
     assert first == last and first["big"]["w"] < 0.5 and first["h7"] == first["h9"] == {}
 
 
+def moved(seed: int, factor: float) -> dict[str, torch.Tensor]:
+    """:func:`honest`'s update of ``seed`` scaled by ``factor``."""
+    return {k: SENT[k] + factor * (v - SENT[k]) for k, v in honest(seed).items()}
+
+
+def converged_gate(settings: GateSettings) -> UploadGate:
+    """A gate whose fleet moved ~0.1 (layer "w") in its first round and a tenth of that in the five rounds since."""
+    gate = warmed_gate(settings)
+    for round_ in range(5):
+        for i in range(3):
+            gate.sent(f"h{i}", squared_norms(SENT), SENT)
+            gate.accepted(1.0, gate.norm(f"h{i}", 1.0, moved(10 * round_ + i, 0.1)), f"h{i}")
+        gate.open_round()
+    return gate
+
+
+def test_a_converged_fleets_collapsed_median_does_not_clip_a_device_moving_as_far_as_the_fleet_once_did() -> None:
+    """As a model converges most devices barely move; one the model still fits worse moves about as far as the fleet
+    did early on (the soak: 3-10x the round's median, about the first rounds' median). The reference never falls
+    below 0.75 of the highest median of the run, so that device passes, while 9.5x it is still clipped, to 3x the
+    floor."""
+    gate = converged_gate(GateSettings())
+    median, peak = gate.history.median("w"), gate.history.peak("w")
+    assert median is not None and median < 0.15 * peak  # collapsed: the window holds only the converged rounds
+    gate.sent("slow", squared_norms(SENT), SENT)
+    assert gate.norm("slow", 1.0, honest(99)).steps == {}  # ~10x the median, ~1x the peak
+    gate.sent("boost", squared_norms(SENT), SENT)
+    boosted = gate.norm("boost", 1.0, moved(99, 9.5))
+    assert boosted.steps and boosted.update_norms["w"] == pytest.approx(3 * 0.75 * peak, rel=1e-3)
+
+    median_alone = converged_gate(GateSettings(update_reference_floor=None))
+    median_alone.sent("slow", squared_norms(SENT), SENT)
+    assert median_alone.norm("slow", 1.0, honest(99)).steps  # the median alone clips it to 3x its collapsed value
+    with pytest.raises(ValueError, match=r"update_reference_floor must be in \(0, 1\]"):
+        GateSettings(update_reference_floor=1.5)
+
+
 def test_norms_refused_at_the_close_never_join_the_median() -> None:
     gate = warmed_gate(GateSettings())
     median = gate.history.median("w")
@@ -312,6 +349,8 @@ def test_a_resumed_run_bounds_updates_by_the_norm_history_it_had_and_keeps_the_p
     resumed = RunDir.open(tmp_path / "run", fleet_file)
     gate = engine(resumed).admission.gate
     assert gate.history.window() == history.window() and gate.records.state() == records.state()
+    history.next_round()  # the last round's norms, saved as the open round's, join the peaks as the next opens
+    assert gate.history.peaks() == history.peaks() and history.peak("conv1.weight") > 0  # the floor survives too
     resumed.close()
 
 
