@@ -10,6 +10,7 @@ works out the values that differ per device.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import re
 import shlex
@@ -68,15 +69,23 @@ def device_class(device: Device) -> str:
     return "cpu"
 
 
+@functools.cache
 def torch_version() -> str:
-    """The fleet's torch: this coordinator's, without a local suffix (2.13.0+cpu -> 2.13.0) so any build matches."""
+    """The fleet's torch: this coordinator's, without a local suffix (2.13.0+cpu -> 2.13.0) so any build matches.
+
+    Read once per process: each read parses torch's METADATA, and every kit asks (300 kits: ~1 CPU-s).
+    """
     return importlib.metadata.version("torch").split("+", 1)[0]
 
 
-def torch_cpu_requirements() -> list[str]:
-    """torch's own dependencies minus the CUDA ones: what a CPU device installs beside a ``--no-deps`` torch."""
+@functools.cache
+def torch_cpu_requirements() -> tuple[str, ...]:
+    """torch's own dependencies minus the CUDA ones: what a CPU device installs beside a ``--no-deps`` torch.
+
+    Read once per process, like :func:`torch_version` (300 kits: ~2.6 CPU-s of METADATA parsing).
+    """
     requires = importlib.metadata.requires("torch") or []
-    return [r for r in requires if "extra ==" not in r and not CUDA_PACKAGES.match(r)]
+    return tuple(r for r in requires if "extra ==" not in r and not CUDA_PACKAGES.match(r))
 
 
 def _yaml(mapping: dict[str, object]) -> str:

@@ -306,25 +306,31 @@ def _versions(dev: torch.device) -> dict[str, str]:
 
 
 def probe_device(
-    benchmark_seconds: float = 0.5, device: str | None = None, broker_url: str | None = None
+    benchmark_seconds: float = 0.5,
+    device: str | None = None,
+    broker_url: str | None = None,
+    compute: ComputeSpec | None = None,
 ) -> DeviceProfile:
     """Profile this device as it is right now, for the coordinator's planning.
 
     ``device`` is ``None``/``"auto"`` to pick the best available, or an explicit ``"cpu"``,
     ``"cuda"``, ``"cuda:N"`` or ``"mps"``; an unavailable explicit device raises ``ValueError``.
-    ``broker_url`` adds a measured ``network`` section (see :func:`measure_broker_link`).
+    ``broker_url`` adds a measured ``network`` section (see :func:`measure_broker_link`). ``compute``: the
+    section to report instead of measuring one (an emulated device's, which replaces the measured one anyway:
+    the benchmarks cost a worker ~1.7 CPU-s on a 2-core EPYC for numbers it would throw away).
     """
     dev = resolve_device(device)
     memory = psutil.virtual_memory()
     name, accel_memory = _accelerator_details(dev)
-    gflops = measure_matmul_gflops(dev, benchmark_seconds)
-    compute = ComputeSpec(
-        fp32_gflops=gflops,
-        memory_bandwidth_gbs=measure_memory_bandwidth_gbs(dev),
-        fresh_memory_bandwidth_gbs=measure_memory_bandwidth_gbs(dev, fresh=True) if dev.type == "cpu" else None,
-        # A GPU's small convolution is launch-bound, not a rate the planner should scale a step by: CPU only.
-        training_efficiency=measure_training_efficiency(dev, gflops) if dev.type == "cpu" else None,
-    )
+    if compute is None:
+        gflops = measure_matmul_gflops(dev, benchmark_seconds)
+        compute = ComputeSpec(
+            fp32_gflops=gflops,
+            memory_bandwidth_gbs=measure_memory_bandwidth_gbs(dev),
+            fresh_memory_bandwidth_gbs=measure_memory_bandwidth_gbs(dev, fresh=True) if dev.type == "cpu" else None,
+            # A GPU's small convolution is launch-bound, not a rate the planner should scale a step by: CPU only.
+            training_efficiency=measure_training_efficiency(dev, gflops) if dev.type == "cpu" else None,
+        )
     return DeviceProfile(
         hostname=socket.gethostname(),
         platform=f"{platform.system()}-{platform.release()}-{platform.machine()}",
@@ -337,7 +343,7 @@ def probe_device(
         accelerator=dev.type,
         accelerator_name=name,
         accelerator_memory_bytes=accel_memory,
-        matmul_gflops=gflops,
+        matmul_gflops=compute.fp32_gflops,
         memory=_memory_section(dev, memory, accel_memory),
         compute=compute,
         network=None if broker_url is None else measure_broker_link(broker_url),

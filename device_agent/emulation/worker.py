@@ -109,8 +109,11 @@ class Worker:
         largest = max_batch or (MAX_BATCH_CUDA if device.type == "cuda" else MAX_BATCH_CPU)
         batched = BATCH_BY_DEFAULT.get(device.type, False) if batch is None else batch
         self.batcher = StepBatcher(self.slot, largest) if batched else None
-        # Measured once: every device's hooks replace what emulation holds them to (compute, memory, link).
-        measured = profile or probe_device(0.2, configs[0].device_type)
+        # Measured once: every device's hooks replace what emulation holds them to (compute, memory, link). Devices
+        # paced in device time all report their profile's compute: then the host's is not benchmarked at all.
+        computes = [config.emulation.compute if config.emulation else None for config in configs]
+        given = computes[0] if all(compute is not None for compute in computes) else None
+        measured = profile or probe_device(0.2, configs[0].device_type, compute=given)
         self.agents = [
             Agent(
                 config,

@@ -96,3 +96,14 @@ def test_kits_without_tls_for_a_tls_fleet_are_refused_for_real_devices_and_upgra
     assert json.loads((kits_dir / "fleet.json").read_text())["tls"] is True
     assert {name: c.password for name, c in credentials.items()} == passwords  # the same logins, now over TLS
     assert "url: mqtts://" in (kits_dir / "orin-01" / "agent.yaml").read_text()
+
+
+def test_emulated_kits_are_folders_without_device_bundles(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Emulated devices read their kit folders on this host: no ``<device>.tar.gz`` is gzipped for them."""
+    fleet, _ = load_fleet(DEMO)
+    emulated, _ = fleet_kits(fleet, tmp_path / "emulated", emulated=True)
+    assert (emulated.participant("orin-01") / "agent.yaml").is_file()
+    assert not emulated.bundle("orin-01").exists()
+    assert "no device bundles: coordinator provision --fleet FLEET --out" in capsys.readouterr().out
+    real, _ = fleet_kits(fleet, tmp_path / "real")
+    assert real.bundle("orin-01").is_file()

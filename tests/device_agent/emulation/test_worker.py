@@ -10,7 +10,9 @@ import pytest
 import torch
 import yaml
 
+from device_agent.agent import probe
 from device_agent.agent.config import ConfigError, EmulationConfig, load_config
+from device_agent.common.profile import ComputeSpec
 from device_agent.emulation.launcher import AgentSpec, pack_specs, worker_command, write_agent_list
 from device_agent.emulation.limits import EmulatedDevice
 from device_agent.emulation.profile_config import DataShare, agent_config, password_env, write_agent_config
@@ -185,3 +187,27 @@ def test_a_worker_serves_its_devices_over_the_port_kind_their_agent_yaml_names(
         said = heard(folder / "state")
         assert said[0]["type"] == "hello" and said[0]["device"] == folder.name and said[-1] == {"stopped": True}
     assert worker.errors == {}
+
+
+def test_a_worker_whose_devices_report_their_profiles_compute_does_not_benchmark_the_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``coordinator emulate`` paces every device in device time with its profile's compute section, which replaces
+    the host's in ``hello``: the worker reports it without running the probe's benchmarks (~1.7 CPU-s each)."""
+    benchmarked: list[str] = []
+    monkeypatch.setattr(probe, "measure_matmul_gflops", lambda *args: benchmarked.append("matmul") or 50.0)
+    compute = ComputeSpec(fp32_gflops=12.5, memory_bandwidth_gbs=4.0)
+    paced = EmulationConfig(step_seconds={1.0: 0.01}, compute=compute)
+    specs = [_agent(tmp_path, index) for index in range(2)]
+    for spec in specs:
+        for name, value in spec.env.items():
+            monkeypatch.setenv(name, value)
+    configs = [load_config(spec.config) for spec in specs]
+    worker = Worker([c.model_copy(update={"emulation": paced}) for c in configs])
+    assert benchmarked == []
+    assert [agent.profile.compute for agent in worker.agents] == [compute, compute]
+    assert worker.agents[0].profile.matmul_gflops == 12.5
+
+    one_unpaced = [configs[0].model_copy(update={"emulation": paced}), configs[1]]
+    Worker(one_unpaced)
+    assert benchmarked == ["matmul"]  # a device held to the host's own speed needs the host measured
