@@ -18,7 +18,8 @@ round, so the round open at the stop closes too and every acknowledged update ca
 An update is *lost* when its agent logged the coordinator's receipt ``accepted`` (or ``duplicate``)
 for a round whose metrics do not count it (:meth:`FleetRun.lost_updates`); one the peer check refused when
 its round closed (``updates_refused_at_close``: the metrics say so and the run keeps it in quarantine) is
-judged, not lost, and counted apart. The coordinator
+judged, not lost, and counted apart, as are the updates the update bound clipped (``updates_clipped``: every
+device here is honest, so each is one the bound should have let through). The coordinator
 process's memory (PSS, else RSS) is sampled every few seconds; each coordinator process's first
 ``warm-up`` seconds (imports, the dataset, the first rounds) are left out, and the growth is the
 last samples' median over the first ones' after warm-up, across the kill and resume.
@@ -42,7 +43,7 @@ import psutil
 
 from benchmarks.faults import AGENT_EXIT_S, WAIT_S, FleetRun, ScenarioFailed
 from benchmarks.output import print_result
-from coordinator.run.metrics import failed_rounds
+from coordinator.run.metrics import RoundMetrics, failed_rounds
 from coordinator.run.rundir import METRICS_FILE, read_metrics
 
 DEVICES = tuple(f"orin-{i:02d}" for i in range(1, 6)) + tuple(f"pi5-{i:02d}" for i in range(1, 6))
@@ -139,6 +140,17 @@ def memory_summary(samples: list[MemorySample], warmup_s: float) -> tuple[dict[s
     return summary, round(end / start - 1, 4)
 
 
+def clipped(rows: list[RoundMetrics]) -> dict[str, object]:
+    """The accepted updates the update bound clipped, in all, by device, and the least share of an update kept:
+    every device of the soak is honest, so each one clipped is a false positive of the bound."""
+    shares = [(device, float(m.clipped)) for row in rows for device, m in row.devices.items() if m.clipped is not None]
+    by_device: dict[str, int] = {}
+    for device, _ in shares:
+        by_device[device] = by_device.get(device, 0) + 1
+    least = min((share for _, share in shares), default=None)
+    return {"updates": len(shares), "by_device": dict(sorted(by_device.items())), "least_share_kept": least}
+
+
 def stop_agents(run: FleetRun) -> None:
     """End the agents the churn restarted and wait until no agent of the run is left (no device runs twice).
 
@@ -219,6 +231,7 @@ def soak(minutes: float, seed: int, root: Path) -> dict[str, object]:
         "updates_acknowledged": len(run.acknowledged()),
         "updates_lost": run.lost_updates(),
         "updates_refused_at_close": len(run.refused_at_close()),
+        "updates_clipped": clipped(rows),
         "churn_events": churn.counts,
         "broker_restarts": broker_restarts,
         "coordinator_kills": coordinator_kills,

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from benchmarks.soak import MemorySample, main, memory_summary
+from benchmarks.soak import MemorySample, clipped, main, memory_summary
+from coordinator.run.metrics import DeviceRoundMetrics, RoundMetrics
 from coordinator.transport.broker.mosquitto import find_mosquitto
 
 KEYS = {
@@ -13,6 +14,7 @@ KEYS = {
     "rounds_closed",
     "updates_accepted",
     "updates_lost",
+    "updates_clipped",
     "churn_events",
     "broker_restarts",
     "coordinator_kills",
@@ -50,3 +52,26 @@ def test_memory_growth_leaves_out_each_process_warm_up():
     assert summary["start"] == 405 and summary["end"] == 430 and summary["max"] == 440
     assert growth == round(430 / 405 - 1, 4)
     assert [p["samples"] for p in summary["processes"]] == [2, 2]
+
+
+def test_the_clipped_updates_are_counted_by_device_with_the_least_share_kept():
+    def row(round_: int, shares: dict[str, float | None]) -> RoundMetrics:
+        devices = {
+            device: DeviceRoundMetrics(
+                device_class="raspberry-pi-5",
+                ratio=0.5,
+                bytes_up=1,
+                bytes_down=1,
+                payload_bytes=1,
+                status="accepted",
+                clipped=share,
+            )
+            for device, share in shares.items()
+        }
+        return RoundMetrics(
+            round=round_, participants=len(devices), bytes_up=1, bytes_down=1, seconds=1.0, devices=devices
+        )
+
+    rows = [row(1, {"pi5-01": None, "pi5-02": 0.5}), row(2, {"pi5-01": 0.25, "pi5-02": 0.75})]
+    assert clipped(rows) == {"updates": 3, "by_device": {"pi5-01": 1, "pi5-02": 2}, "least_share_kept": 0.25}
+    assert clipped([row(3, {"pi5-01": None})]) == {"updates": 0, "by_device": {}, "least_share_kept": None}
