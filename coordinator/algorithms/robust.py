@@ -452,6 +452,9 @@ def iterated_outliers(
 
     With ``history`` and ``history_gap``, an update is also an outlier when its device's record with this round
     (:meth:`PeerHistory.score`; this round counts only if it agrees) lies more than ``history_gap`` under the median.
+    In a round that does not agree, the record judges only an update that lies under this round's median too: a
+    device's past does not refuse an update that reads as usual now (a bad record then held an honest device out
+    round after round, its update above the median, and the backoff compounded it).
     """
     remaining = dict(sketches)
     limit = (len(remaining) - 1) // 2
@@ -466,8 +469,10 @@ def iterated_outliers(
         if history is not None and history_gap is not None:
             median = statistics.median(cosines.values())
             agrees = agreement is None or median >= agreement
-            scores = {d: history.score(d, c - median if agrees else None) for d, c in cosines.items()}
-            margins = {d: min(m, scores[d] + history_gap) for d, m in margins.items()}
+            scores = {
+                d: history.score(d, c - median if agrees else None) for d, c in cosines.items() if agrees or c < median
+            }
+            margins = {d: min(m, scores[d] + history_gap) if d in scores else m for d, m in margins.items()}
         worst = min(margins, key=margins.__getitem__)
         if margins[worst] >= 0:
             break

@@ -436,6 +436,34 @@ def test_a_device_low_in_every_round_is_refused_by_its_record_one_low_round_is_n
     assert max(records.score(f"h{i}") for i in range(9)) < 0.1 and records.score("bad") < -0.2
 
 
+def test_in_a_round_that_does_not_agree_a_bad_record_refuses_only_an_update_under_the_rounds_median() -> None:
+    """A converged round on label-skewed data has no direction (median cosine under the agreement): its deviations
+    join no record, and a device's past refuses its update only if this one reads low too, so an honest device
+    with a poor record is not held out while its updates read as usual (and the backoff does not compound it)."""
+    generator = torch.Generator().manual_seed(24)
+    records = PeerHistory(rounds=10, prior=1.0)
+    for _ in range(4):
+        round_ = skewed_round(generator, low=0.6)
+        records.record(round_deviations(round_, ["bad"], agreement=0.2))
+    assert records.score("bad") < -0.2  # a bad record: refused in a round that agrees
+
+    def converged(pull: float) -> dict[str, torch.Tensor]:
+        honest = [torch.randn(4000, generator=generator) for _ in range(9)]
+        others = torch.stack(honest).sum(0)
+        bad = pull * others / others.norm() + torch.randn(4000, generator=generator) / 64
+        return {f"h{i}": sketch({"w": h}) for i, h in enumerate(honest)} | {"bad": sketch({"w": bad})}
+
+    for pull, refused in ((0.5, []), (-0.3, ["bad"])):
+        round_ = converged(pull)
+        cosines = peer_cosines(round_)
+        assert statistics.median(cosines.values()) < 0.2 and cosines["bad"] > -0.35  # no cut judges it
+        removed = iterated_outliers(
+            round_, -0.2, 0.0, hard_floor=-0.35, agreement=0.2, history=records, history_gap=0.2
+        )
+        assert [r.device for r in removed] == refused  # above the median: passes; under it: its record refuses it
+        assert round_deviations(round_, refused, agreement=0.2) == {}  # the record learns nothing from it
+
+
 def test_a_record_counts_only_rounds_that_agree_and_its_last_rounds() -> None:
     generator = torch.Generator().manual_seed(22)
     noise = {f"h{i}": sketch({"w": torch.randn(4000, generator=generator)}) for i in range(10)}

@@ -86,7 +86,7 @@ def test_the_peer_check_judges_agreeing_rounds_by_its_floor_and_every_round_by_t
     gate = parse_fleet(MINIMAL, CATALOG).limits.gate()
     assert (gate.peer_min_cosine, gate.peer_min_agreement, gate.peer_spread, gate.peer_hard_floor) == (
         -0.2,
-        0.1,
+        0.2,
         0.0,
         -0.35,
     )
