@@ -260,8 +260,9 @@ class FleetLimits(BaseModel):
         GateSettings.peer_min_agreement,
         ge=-1,
         lt=1,
-        description="peer_min_cosine and peer_spread judge only a round whose median cosine is at least this; "
-        "below it (a converged model's honest updates spread around 0) only peer_hard_floor does; null: every round",
+        description="peer_min_cosine and peer_spread judge only a round whose median cosine is at least this, and "
+        "only such a round adds to the devices' records; below it (a converged model's honest updates spread around "
+        "0) only peer_hard_floor does, and a bad record only on an update under the round's median; null: every round",
     )
     peer_spread: float = Field(
         GateSettings.peer_spread,
