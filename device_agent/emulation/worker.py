@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+import torch
 import yaml
 
 from device_agent.agent.config import AgentConfig, ConfigError, EmulationConfig, load_config
@@ -49,8 +50,24 @@ BATCH_BY_DEFAULT = {"cuda": True, "cpu": False}
 batched step imports torch's compiler stack (~78 MiB a worker; 2026-11-29). A GPU step is launch-bound: batching
 is what it needs (untested: no GPU was lent)."""
 
+HEAP_REUSE_BYTES = 16 * 2**20
+"""Tensors up to this size are served from glibc's heap once one of this size was freed (:func:`reuse_freed_memory`)."""
+
 STAGGER_S = 0.02
 """Pause between two devices' first connects: hundreds at once make the broker refuse some (backlog)."""
+
+
+def reuse_freed_memory(nbytes: int = HEAP_REUSE_BYTES) -> None:
+    """Free one ``nbytes`` tensor, so glibc keeps freed tensors up to that size in its heap for the next ones.
+
+    glibc maps each allocation above its mmap threshold (128 KiB at start) afresh and unmaps it when freed, and
+    freeing such a mapping raises the threshold to its size. Without that, every activation of a device's
+    evaluation or step is a new mapping whose pages fault in: a device-round loop of the scale benchmark's CNN
+    (14 px, one thread) took 1.1-1.2 s of system CPU and ~500,000 minor faults without, 0.05 s and ~18,000 with,
+    user CPU the same (5.1-5.3 s; 2026-11-29). The host probe's buffers used to do this by the way.
+    """
+    freed = torch.empty(nbytes, dtype=torch.uint8)
+    del freed
 
 
 def read_agent_list(path: Path) -> list[AgentConfig]:
@@ -114,6 +131,7 @@ class Worker:
         computes = [config.emulation.compute if config.emulation else None for config in configs]
         given = computes[0] if all(compute is not None for compute in computes) else None
         measured = profile or probe_device(0.2, configs[0].device_type, compute=given)
+        reuse_freed_memory()
         self.agents = [
             Agent(
                 config,

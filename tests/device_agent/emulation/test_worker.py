@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -211,3 +212,31 @@ def test_a_worker_whose_devices_report_their_profiles_compute_does_not_benchmark
     one_unpaced = [configs[0].model_copy(update={"emulation": paced}), configs[1]]
     Worker(one_unpaced)
     assert benchmarked == ["matmul"]  # a device held to the host's own speed needs the host measured
+
+
+_FAULTS = """
+import resource, sys
+import torch
+from device_agent.models.cnn import SmallCNN
+torch.set_num_threads(1)
+if sys.argv[1] == "reuse":
+    from device_agent.emulation.worker import reuse_freed_memory
+    reuse_freed_memory()
+model, images = SmallCNN(), torch.randn(200, 1, 14, 14)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):  # a device's evaluation and one step on the scale benchmark's 14 px images
+    with torch.no_grad():
+        model(images)
+    model(images[:16]).sum().backward()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_a_worker_keeps_freed_activations_in_the_heap_instead_of_faulting_fresh_pages_in() -> None:
+    """Without a large tensor freed first, glibc gives the heap's freed top back and each evaluation's activations
+    fault their pages in again (a fresh process each: the allocator's thresholds are the process's)."""
+    faults = {}
+    for mode in ("fresh", "reuse"):
+        run = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, check=True)
+        faults[mode] = int(run.stdout)
+    assert faults["reuse"] < faults["fresh"] / 5, faults
