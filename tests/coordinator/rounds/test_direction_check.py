@@ -101,7 +101,9 @@ def test_a_sign_flipped_device_is_refused_from_round_two_on_and_the_fleet_learns
         result = simulate(strategy, clients, 3, train, test, data.train_x, link=link, limits=limits)
     assert [set(r.upload_bytes) for r in result.rounds] == [{"bad", "g1", "g2", "g3"}] + [{"g1", "g2", "g3"}] * 2
     refusals = [r.getMessage() for r in caplog.records if "rejected bad's update" in r.getMessage()]
-    assert len(refusals) == 2 and all("(wrong_direction)" in message for message in refusals)
+    # A busy host can re-send bad its round before the round closes (it trains and is refused again): count rounds.
+    assert {int(m.split("for round ")[1].split()[0]) for m in refusals} == {2, 3}
+    assert all("(wrong_direction)" in message for message in refusals)
     assert not [r for r in caplog.records if "rejected g" in r.getMessage()]  # no honest device refused
     assert result.final.accuracy is not None and result.final.accuracy > 0.5
 
