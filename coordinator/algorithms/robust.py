@@ -143,6 +143,7 @@ class NormHistory:
         self._open = {}
         if norms:
             self._push(norms)
+            self._raise_peaks()
 
     def _push(self, norms: Mapping[str, Sequence[float]]) -> None:
         if len(self._closed) == self._closed.maxlen:
@@ -154,6 +155,8 @@ class NormHistory:
         for name, values in norms.items():
             for value in values:
                 bisect.insort(self._sorted.setdefault(name, []), float(value))
+
+    def _raise_peaks(self) -> None:
         for name in self._sorted:
             if (median := self.median(name)) is not None and median > self._peaks.get(name, 0.0):
                 self._peaks[name] = median
@@ -189,13 +192,15 @@ class NormHistory:
         self, window: Sequence[Mapping[str, Sequence[float]]], peaks: Mapping[str, float] | None = None
     ) -> None:
         """Start again from a :meth:`window` saved earlier: its newest ``rounds`` rounds, all of them closed, and
-        the :meth:`peaks` saved with it."""
+        the :meth:`peaks` saved with it. The window's rounds are pushed at once: medians of its first rounds
+        alone never existed in the run and must not raise a peak."""
         self._closed.clear()
         self._sorted.clear()
         self._open = {}
         self._peaks = {name: float(value) for name, value in (peaks or {}).items()}
         for norms in list(window)[-(self._closed.maxlen or 1) :]:
             self._push(norms)
+        self._raise_peaks()
 
     def median_update_norm(self) -> float | None:
         """The norm of an update whose every layer moves by its median (over the layers with one), or None."""

@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from coordinator.algorithms.robust import (
@@ -348,6 +348,7 @@ def test_in_an_agreeing_round_the_floor_refuses_reversals_however_wide_the_sprea
     ),
     window=st.integers(1, 3),
 )
+@example(rounds=[[0.0], [1.0], [0.0]], window=2)  # restored one round at a time, [1.0] alone once raised the peak
 def test_the_history_median_is_the_median_of_the_norms_in_its_window(rounds, window) -> None:
     """The median is the window's; the peak the highest that median has been, also after the window slid past it
     and after a restore."""

@@ -223,11 +223,18 @@ if sys.argv[1] == "reuse":
     from device_agent.emulation.worker import reuse_freed_memory
     reuse_freed_memory()
 model, images = SmallCNN(), torch.randn(200, 1, 14, 14)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(10):  # a device's evaluation and one step on the scale benchmark's 14 px images
+
+
+def device_round():  # a device's evaluation and one step on the scale benchmark's 14 px images
     with torch.no_grad():
         model(images)
     model(images[:16]).sum().backward()
+
+
+device_round()  # the first pages in the kernels' code and the heap: counted in neither mode
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    device_round()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
@@ -239,4 +246,4 @@ def test_a_worker_keeps_freed_activations_in_the_heap_instead_of_faulting_fresh_
     for mode in ("fresh", "reuse"):
         run = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, check=True)
         faults[mode] = int(run.stdout)
-    assert faults["reuse"] < faults["fresh"] / 5, faults
+    assert faults["reuse"] < faults["fresh"] / 4, faults  # 9-30x quiet or under two busy loops
